@@ -1,0 +1,106 @@
+"""Sample-structured model inputs: a tensor, a tuple of tensors (positional arguments) or a
+dict of tensors (keyword arguments), each with the sample axis first."""
+from __future__ import annotations
+
+from typing import Any, Union
+
+import torch
+
+Inputs = Union[torch.Tensor, tuple, list, dict]
+
+
+def _leaves(x: Inputs) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return list(x)
+    if isinstance(x, dict):
+        return list(x.values())
+    raise TypeError(
+        f"inputs must be a tensor, a tuple of tensors or a dict of tensors, got {type(x).__name__}")
+
+
+def validate(x: Inputs, name: str) -> int:
+    """Check structure, a shared sample axis and finiteness; return the number of samples."""
+    leaves = _leaves(x)
+    if not leaves:
+        raise ValueError(f"{name} holds no tensors")
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"{name} must hold tensors only, got {type(leaf).__name__}")
+        if leaf.dim() == 0:
+            raise ValueError(f"{name} holds a 0-d tensor; the first axis must index samples")
+    n = leaves[0].shape[0]
+    if any(leaf.shape[0] != n for leaf in leaves):
+        raise ValueError(
+            f"{name}: all tensors must have the same number of samples (first axis), got "
+            f"{[leaf.shape[0] for leaf in leaves]}")
+    if n == 0:
+        raise ValueError(f"{name} holds no samples")
+    for leaf in leaves:
+        if leaf.is_floating_point() or leaf.is_complex():
+            if not bool(torch.isfinite(leaf).all()):
+                raise ValueError(f"{name} contains non-finite values (NaN or inf)")
+    return n
+
+
+def signature(x: Inputs) -> Any:
+    """Per-sample structure and shapes, used to check that x1 and x2 are compatible."""
+    if isinstance(x, torch.Tensor):
+        return tuple(x.shape[1:])
+    if isinstance(x, dict):
+        return {k: tuple(v.shape[1:]) for k, v in x.items()}
+    return tuple(tuple(v.shape[1:]) for v in x)
+
+
+def check_compatible(x1: Inputs, x2: Inputs) -> None:
+    s1, s2 = signature(x1), signature(x2)
+    if type(x1) is not type(x2) and not (isinstance(x1, (tuple, list)) and isinstance(x2, (tuple, list))):
+        raise ValueError(f"x1 and x2 must have the same structure, got {type(x1).__name__} and "
+                         f"{type(x2).__name__}")
+    if s1 != s2:
+        raise ValueError(f"x1 and x2 have different per-sample shapes: {s1} vs {s2}")
+
+
+def count(x: Inputs) -> int:
+    return _leaves(x)[0].shape[0]
+
+
+def take(x: Inputs, index: slice | torch.Tensor) -> Inputs:
+    """Select samples (a slice or an index tensor) from every tensor."""
+    if isinstance(x, torch.Tensor):
+        return x[index]
+    if isinstance(x, dict):
+        return {k: v[index] for k, v in x.items()}
+    return tuple(v[index] for v in x)
+
+
+def convert(x: Inputs, device: torch.device, dtype: torch.dtype | None) -> Inputs:
+    """Move to `device`; cast floating tensors to `dtype` (integer tensors such as token ids stay)."""
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if dtype is not None and t.is_floating_point():
+            return t.to(device=device, dtype=dtype)
+        return t.to(device=device)
+    if isinstance(x, torch.Tensor):
+        return one(x)
+    if isinstance(x, dict):
+        return {k: one(v) for k, v in x.items()}
+    return tuple(one(v) for v in x)
+
+
+def as_call(x: Inputs) -> tuple[tuple, dict]:
+    """Positional and keyword arguments for `model(*args, **kwargs)`."""
+    if isinstance(x, torch.Tensor):
+        return (x,), {}
+    if isinstance(x, dict):
+        return (), dict(x)
+    return tuple(x), {}
+
+
+def unsqueeze(x: Inputs) -> Inputs:
+    """Add a sample axis of length one (used inside vmap, where samples arrive one at a time)."""
+    if isinstance(x, torch.Tensor):
+        return x.unsqueeze(0)
+    if isinstance(x, dict):
+        return {k: v.unsqueeze(0) for k, v in x.items()}
+    return tuple(v.unsqueeze(0) for v in x)

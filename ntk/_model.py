@@ -1,0 +1,126 @@
+"""A read-only functional view of an `nn.Module`: its trainable parameters grouped by the module
+that owns them, and a forward pass `f(params, x) -> [B, O]` that never touches the module's state."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from . import _inputs
+
+_DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+            nn.FeatureAlphaDropout)
+_BATCHNORM = nn.modules.batchnorm._BatchNorm
+
+
+def check_eval_mode(model: nn.Module) -> None:
+    """Refuse models whose output depends on the batch or is random."""
+    for name, module in model.named_modules():
+        label = name or type(module).__name__
+        if isinstance(module, _DROPOUT) and module.training and module.p > 0:
+            raise ValueError(
+                f"module '{label}' is an active Dropout: the output is random. Call model.eval() "
+                "before computing a kernel.")
+        if isinstance(module, _BATCHNORM) and (module.training or not module.track_running_stats):
+            raise ValueError(
+                f"module '{label}' is a BatchNorm that uses batch statistics, so each sample's "
+                "output depends on the rest of the batch. Call model.eval() before computing a "
+                "kernel (and keep track_running_stats=True).")
+        if isinstance(module, nn.MultiheadAttention) and module.training and module.dropout > 0:
+            raise ValueError(
+                f"module '{label}' applies attention dropout in training mode: the output is "
+                "random. Call model.eval() before computing a kernel.")
+
+
+class ModelView:
+    """Trainable parameters (grouped into layers) and a pure forward function of a module.
+
+    A *layer* is a module that directly owns trainable parameters; layers are keyed by their
+    `named_modules()` name ("" for the root) and listed in `named_modules()` order. A parameter
+    registered under several modules (tied weights) belongs to the first of them.
+    """
+
+    def __init__(self, model: nn.Module, *, output_fn: Optional[Callable] = None,
+                 device=None, dtype: Optional[torch.dtype] = None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.output_fn = output_fn
+        first = next(iter(model.parameters()), None)
+        self.device = torch.device(device) if device is not None else (
+            first.device if first is not None else torch.device("cpu"))
+        self.dtype = dtype
+
+        def convert(t: torch.Tensor) -> torch.Tensor:
+            t = t.detach()
+            if dtype is not None and t.is_floating_point():
+                return t.to(device=self.device, dtype=dtype)
+            return t.to(device=self.device)
+
+        self.params: dict[str, torch.Tensor] = {}        # trainable, detached copies
+        self.constants: dict[str, torch.Tensor] = {}     # frozen parameters
+        self.layers: dict[str, list[str]] = {}           # layer name -> its parameter names
+        self.owner: dict[str, str] = {}                  # parameter name -> layer name
+        seen: set[int] = set()
+        for mod_name, module in model.named_modules():
+            for p_name, p in module.named_parameters(recurse=False):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                full = f"{mod_name}.{p_name}" if mod_name else p_name
+                if p.requires_grad:
+                    self.params[full] = convert(p)
+                    self.layers.setdefault(mod_name, []).append(full)
+                    self.owner[full] = mod_name
+                else:
+                    self.constants[full] = convert(p)
+        if not self.params:
+            raise ValueError("the model has no trainable parameters (requires_grad=True); "
+                             "the eNTK is defined over trainable parameters only")
+        # Buffers are cloned so that nothing a forward pass does can reach the model's own state.
+        self.buffers = {n: convert(b).clone() for n, b in model.named_buffers()}
+        self.shared = self._registered_more_than_once(model)
+
+    @staticmethod
+    def _registered_more_than_once(model: nn.Module) -> set[str]:
+        """Names (as kept in `params`) of parameters registered under more than one module."""
+        names: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+        return {group[0] for group in names.values() if len(group) > 1}
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.params.values())
+
+    def layer_size(self, layer: str) -> int:
+        return sum(self.params[n].numel() for n in self.layers[layer])
+
+    def forward(self, params: dict[str, torch.Tensor], x: _inputs.Inputs) -> torch.Tensor:
+        """Model outputs as a [B, O] tensor for a batch `x`, with `params` replacing the
+        trainable parameters (frozen parameters and buffers stay constant)."""
+        args, kwargs = _inputs.as_call(x)
+        tensors = {**self.constants, **self.buffers, **params}
+        out = functional_call(self.model, tensors, args, kwargs, strict=False)
+        return self.to_matrix(out)
+
+    def to_matrix(self, out) -> torch.Tensor:
+        if self.output_fn is not None:
+            out = self.output_fn(out)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(
+                f"the model output is a {type(out).__name__}, not a tensor: pass output_fn to map "
+                "it to a [B, O] tensor")
+        if out.dim() == 1:
+            return out.unsqueeze(1)
+        if out.dim() != 2:
+            raise ValueError(
+                f"the model output has shape {tuple(out.shape)}; the kernel needs [B, O] or [B]. "
+                "Pass output_fn to map it to [B, O] (e.g. lambda out: out[:, -1] for the last token)")
+        return out
+
+    def forward_single(self, params: dict[str, torch.Tensor], x_single) -> torch.Tensor:
+        """Outputs [O] for one sample without its sample axis (the per-sample function for vmap)."""
+        return self.forward(params, _inputs.unsqueeze(x_single))[0]

@@ -1,0 +1,247 @@
+"""The empirical neural tangent kernel Θ(x, x') = J(x) J(x')ᵀ of a PyTorch model, tiled."""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from . import _inputs, _kinds, _ntk_vp, _structured
+from ._memory import KernelTooLargeError, available_bytes, block_size, human
+from ._model import ModelView, check_eval_mode
+
+METHODS = ("auto", "jacobian", "ntk_vp", "structured")
+Kernel = Union[torch.Tensor, dict]
+
+
+def empirical_ntk(model: nn.Module, x1, x2=None, *, kind: str = "full",
+                  layers: Union[None, str, Sequence[str]] = None, method: str = "auto",
+                  batch_size: Optional[int] = None, device=None, dtype: Optional[torch.dtype] = None,
+                  output_fn: Optional[Callable] = None, progress: bool = False, out=None) -> Kernel:
+    """Empirical NTK of `model` between the samples of `x1` and `x2` (x2=None: x2 = x1).
+
+    kind: `full` Θ [N1, N2, O, O]; `diagonal` Θ_oo [N1, N2, O]; `trace` Σ_o Θ_oo [N1, N2];
+    `sum_logits` (1/O) Σ_oo' Θ_oo' [N1, N2]. layers: None for the total kernel, "all" or a list
+    of module names for a dict of per-layer components (Θ = Σ_l J_l J_lᵀ over the modules that
+    directly own trainable parameters). method: `jacobian`, `ntk_vp`, `structured` or `auto`
+    (the same kernel to float rounding). `out`: an optional preallocated tensor or numpy array
+    (e.g. a memory-mapped `.npy`) that receives the total kernel tile by tile.
+    The model is never modified.
+    """
+    fn = empirical_ntk_fn(model, kind=kind, layers=layers, method=method, batch_size=batch_size,
+                          device=device, dtype=dtype, output_fn=output_fn, progress=progress)
+    return fn(x1, x2, out=out)
+
+
+def empirical_ntk_fn(model: nn.Module, *, kind: str = "full",
+                     layers: Union[None, str, Sequence[str]] = None, method: str = "auto",
+                     batch_size: Optional[int] = None, device=None, dtype: Optional[torch.dtype] = None,
+                     output_fn: Optional[Callable] = None, progress: bool = False) -> Callable[..., Kernel]:
+    """Build a kernel function `fn(x1, x2=None, *, out=None)` with fixed settings.
+
+    The function reads the model's parameters when it is called, so it follows training.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    _kinds.check_kind(kind)
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; valid methods are {', '.join(METHODS)}")
+    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
+    if isinstance(layers, str) and layers != "all":
+        raise ValueError(f"layers must be None, 'all' or a list of module names, got {layers!r}")
+
+    def kernel_fn(x1, x2=None, *, out=None) -> Kernel:
+        return _Computation(model, kind=kind, layers=layers, method=method, batch_size=batch_size,
+                            device=device, dtype=dtype, output_fn=output_fn,
+                            progress=progress).run(x1, x2, out)
+    return kernel_fn
+
+
+class _Computation:
+    def __init__(self, model, *, kind, layers, method, batch_size, device, dtype, output_fn, progress):
+        self.model, self.kind, self.layers, self.method = model, kind, layers, method
+        self.batch_size, self.device, self.dtype = batch_size, device, dtype
+        self.output_fn, self.progress = output_fn, progress
+
+    # -- checks ------------------------------------------------------------------------------
+    def _selected(self, view: ModelView) -> Optional[list[str]]:
+        if self.layers is None:
+            return None
+        if self.layers == "all":
+            return list(view.layers)
+        names = list(self.layers)
+        if not names:
+            raise ValueError("layers is an empty list; pass None for the total kernel")
+        unknown = [n for n in names if n not in view.layers]
+        if unknown:
+            raise ValueError(f"unknown layer name(s) {unknown}; layers owning trainable parameters "
+                             f"are {list(view.layers)}")
+        return names
+
+    def _check_outputs(self, view: ModelView, xs: list) -> int:
+        """Forward every sample once (no grad): finite [B, O] outputs that do not depend on the
+        rest of the batch. Returns O."""
+        num_outputs = None
+        with torch.no_grad():
+            for x in xs:
+                n = _inputs.count(x)
+                for start in range(0, n, 1024):
+                    y = view.forward(view.params, _inputs.take(x, slice(start, start + 1024)))
+                    if y.shape[0] != min(1024, n - start):
+                        raise ValueError(f"the model returned {y.shape[0]} rows for "
+                                         f"{min(1024, n - start)} samples")
+                    if not bool(torch.isfinite(y).all()):
+                        raise ValueError("the model produced non-finite outputs (NaN or inf) "
+                                         "on the given inputs")
+                    num_outputs = y.shape[1]
+            probe = _inputs.take(xs[0], slice(0, 4))
+            batch = view.forward(view.params, probe)
+            again = view.forward(view.params, probe)
+            alone = view.forward(view.params, _inputs.take(xs[0], slice(0, 1)))
+            scale = float(batch.abs().max()) + 1e-12
+            if not torch.allclose(batch, again, rtol=1e-4, atol=1e-5 * scale):
+                raise ValueError("the model's output is random (two identical calls differ); call "
+                                 "model.eval() to switch off dropout and similar layers")
+            if not torch.allclose(batch[:1], alone, rtol=1e-4, atol=1e-5 * scale):
+                raise ValueError("a sample's output depends on the rest of the batch (e.g. BatchNorm "
+                                 "in training mode); call model.eval() before computing a kernel")
+        return num_outputs
+
+    # -- the computation -------------------------------------------------------------------------
+    def run(self, x1, x2, out):
+        check_eval_mode(self.model)
+        n1 = _inputs.validate(x1, "x1")
+        symmetric = x2 is None
+        if not symmetric:
+            n2 = _inputs.validate(x2, "x2")
+            _inputs.check_compatible(x1, x2)
+        else:
+            n2 = n1
+        view = ModelView(self.model, output_fn=self.output_fn, device=self.device, dtype=self.dtype)
+        selected = self._selected(view)
+        if out is not None and selected is not None:
+            raise ValueError("out= receives the total kernel only; use layers=None with out")
+        x1 = _inputs.convert(x1, view.device, self.dtype)
+        x2 = x1 if symmetric else _inputs.convert(x2, view.device, self.dtype)
+        num_outputs = self._check_outputs(view, [x1] if symmetric else [x1, x2])
+        param_dtype = next(iter(view.params.values())).dtype
+        cot = _kinds.cotangents(self.kind, num_outputs, dtype=param_dtype, device=view.device)
+        c = cot.shape[0]
+
+        shape = _kinds.tile_shape(self.kind, n1, n2, num_outputs)
+        n_components = 1 if selected is None else len(selected)
+        itemsize = torch.empty((), dtype=param_dtype).element_size()
+        out_bytes = itemsize * float(np.prod(shape)) * n_components
+        avail = available_bytes(view.device)
+        if out is None and out_bytes > 0.8 * avail:
+            raise KernelTooLargeError(
+                f"the {self.kind} kernel of shape {list(shape)}"
+                f"{f' × {n_components} layers' if n_components > 1 else ''} needs {human(out_bytes)} "
+                f"but only {human(avail)} is available. Use a smaller kind ('trace' or 'sum_logits' "
+                "are [N1, N2]), random projections (projections.projected_ntk, or "
+                "projections.featurize for an on-disk store), or pass out= a memory-mapped array "
+                "on disk (numpy.lib.format.open_memmap) to receive it tile by tile.")
+
+        only = None if selected is None else [n for layer in selected for n in view.layers[layer]]
+        probe = _inputs.take(x1, slice(0, 1))
+        provisional = self.batch_size or min(max(n1, n2), 256)
+        method = self.method
+        plan = _structured.plan(view, probe, self.kind, c, provisional, only=only)
+        if method == "auto":
+            method = "structured" if plan.covered else "jacobian"
+        if method == "jacobian" or method == "ntk_vp":
+            plan = _structured.Plan.autodiff(plan)
+
+        per_sample, per_pair = self._memory(view, plan, method, c, itemsize, n_components, shape)
+        budget = max(0.4 * (avail - (0 if out is not None else out_bytes)), 64 << 20)
+        block = self.batch_size or block_size(max(n1, n2), per_sample, per_pair, budget)
+        if method == "ntk_vp":
+            groups = {None: only or list(view.params)} if selected is None else \
+                {layer: view.layers[layer] for layer in selected}
+            prepare = lambda x: x  # noqa: E731 - the tile needs the raw block
+            tile = lambda a, b: _ntk_vp.tile(view, a, b, cot, self.kind, groups)  # noqa: E731
+        else:
+            prepare = lambda x: _structured.features(view, plan, x, cot)  # noqa: E731
+            tile = lambda a, b: _contract_terms(a, b, self.kind, selected)  # noqa: E731
+        cache_ok = n2 * per_sample <= budget / 2
+        result = self._tiles(x1, x2, n1, n2, block, symmetric, prepare, tile, cache_ok, shape,
+                             selected, param_dtype, view.device, out)
+        return result
+
+    def _memory(self, view, plan, method, c, itemsize, n_components, shape):
+        """Bytes per sample (features held for a block) and per pair of samples (tile work)."""
+        act = plan.activations
+        explicit = sum(view.params[n].numel() for n in plan.fallback)
+        per_sample = act * (1 + c) + c * explicit
+        for layer, names in plan.covered.items():
+            per_sample += sum(view.params[n].numel() for n in names) if layer not in plan.factored else 0
+        if method == "ntk_vp":
+            per_sample = 3 * c * act
+        pair_out = float(np.prod(shape[2:])) if len(shape) > 2 else 1.0
+        s_max = max([plan.positions[layer] for layer in plan.factored] or [0])
+        per_pair = pair_out * (n_components + 1) + s_max * s_max * (1 + _kinds.pair_factor(self.kind, c))
+        return itemsize * per_sample * 2, itemsize * per_pair
+
+    def _tiles(self, x1, x2, n1, n2, block, symmetric, prepare, tile, cache_ok, shape,
+               selected, dtype, device, out):
+        keys = [None] if selected is None else selected
+        if out is not None:
+            if tuple(out.shape) != tuple(shape):
+                raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(shape)}")
+            results = {None: out}
+        else:
+            results = {k: torch.empty(shape, dtype=dtype, device=device) for k in keys}
+        rows = [slice(s, min(s + block, n1)) for s in range(0, n1, block)]
+        cols = rows if symmetric else [slice(s, min(s + block, n2)) for s in range(0, n2, block)]
+        cache: dict[int, object] = {}
+
+        def col_features(j):
+            if j in cache:
+                return cache[j]
+            f = prepare(_inputs.take(x2, cols[j]))
+            if cache_ok:
+                cache[j] = f
+            return f
+
+        total = len(rows) * len(cols) if not symmetric else len(rows) * (len(rows) + 1) // 2
+        with tqdm(total=total, disable=not self.progress, desc=f"{self.kind} eNTK", unit="tile") as bar:
+            for i, rs in enumerate(rows):
+                left = col_features(i) if symmetric else prepare(_inputs.take(x1, rs))
+                for j, cs in enumerate(cols):
+                    if symmetric and j < i:
+                        continue
+                    right = left if symmetric and i == j else col_features(j)
+                    for key, value in tile(left, right).items():
+                        _write(results[key], rs, cs, value)
+                        if symmetric and i != j:
+                            _write(results[key], cs, rs, _kinds.transpose_tile(value, self.kind))
+                    bar.update()
+        return results[None] if selected is None else {k: results[k] for k in keys}
+
+
+def _write(target, rows: slice, cols: slice, value: torch.Tensor) -> None:
+    if isinstance(target, np.ndarray):
+        target[rows, cols] = value.detach().cpu().numpy()
+    else:
+        target[rows, cols] = value.to(device=target.device, dtype=target.dtype)
+
+
+def _contract_terms(t1: list, t2: list, kind: str, selected: Optional[list[str]]) -> dict:
+    """Sum the tile contributions of matching terms, in total or per layer."""
+    keys = [None] if selected is None else selected
+    tiles = {}
+    for key in keys:
+        left = [t for t in t1 if key is None or t.layer == key]
+        right = [t for t in t2 if key is None or t.layer == key]
+        ex1 = [t.g for t in left if isinstance(t, _structured.Explicit)]
+        ex2 = [t.g for t in right if isinstance(t, _structured.Explicit)]
+        acc = _kinds.contract(torch.cat(ex1, 2), torch.cat(ex2, 2), kind) if ex1 else None
+        for a, b in zip(left, right):
+            if isinstance(a, _structured.Factored):
+                part = _kinds.contract_factored(a.input_gram(b), a.d, b.d, kind)
+                acc = part if acc is None else acc + part
+        tiles[key] = acc
+    return tiles

@@ -1,0 +1,73 @@
+"""Spectral summaries of kernels: eigenvalues, condition number and kernel–label alignment."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def as_matrix(kernel) -> torch.Tensor:
+    """A square kernel as a symmetric matrix: [N, N] as is, `full` [N, N, O, O] flattened to
+    [N·O, N·O] (sample-major), `diagonal` [N, N, O] as the block-diagonal [N·O, N·O]."""
+    k = torch.as_tensor(np.asarray(kernel) if not isinstance(kernel, torch.Tensor) else kernel)
+    if k.dim() < 2 or k.shape[0] != k.shape[1]:
+        raise ValueError(f"expected a square kernel [N, N, ...], got shape {tuple(k.shape)}")
+    n = k.shape[0]
+    if k.dim() == 2:
+        return k
+    if k.dim() == 4:
+        o = k.shape[2]
+        return k.permute(0, 2, 1, 3).reshape(n * o, n * o)
+    if k.dim() == 3:
+        o = k.shape[2]
+        return torch.block_diag(*[k[:, :, i] for i in range(o)])
+    raise ValueError(f"expected a kernel of rank 2, 3 or 4, got shape {tuple(k.shape)}")
+
+
+def eigenvalues(kernel) -> torch.Tensor:
+    """Eigenvalues of a symmetric kernel in descending order (float64)."""
+    m = as_matrix(kernel).to(torch.float64)
+    if not bool(torch.isfinite(m).all()):
+        raise ValueError("the kernel contains non-finite values")
+    m = (m + m.T) / 2
+    return torch.linalg.eigvalsh(m).flip(0)
+
+
+def condition_number(kernel) -> float:
+    """κ = λmax / λmin; inf when the kernel is singular or indefinite (λmin ≤ 0)."""
+    ev = eigenvalues(kernel)
+    lo = float(ev[-1])
+    return float(ev[0]) / lo if lo > 0 else float("inf")
+
+
+def label_matrix(y) -> torch.Tensor:
+    """Targets as a kernel: ±1 label agreement for integer class labels, y yᵀ for real targets
+    (one column per output for a 2-D y)."""
+    y = torch.as_tensor(np.asarray(y) if not isinstance(y, torch.Tensor) else y)
+    if y.dim() == 1 and not y.is_floating_point():
+        return (y[:, None] == y[None, :]).to(torch.float64) * 2 - 1
+    y = y.to(torch.float64).reshape(y.shape[0], -1)
+    return y @ y.T
+
+
+def kernel_alignment(kernel, y, *, centering: str = "kernel") -> float:
+    """Alignment ⟨K̃, L̃⟩_F / (‖K̃‖_F ‖L̃‖_F) between a kernel and the labels' kernel L.
+
+    centering="kernel": K̃ = HKH with H = I − 11ᵀ/n (centred alignment, Cortes et al. 2012);
+    centering="mean": K̃ = K − mean(K), the Pearson correlation of the entries used by
+    Label-Gradient Alignment (Mok et al., CVPR 2022). Integer labels give L_ij = ±1.
+    """
+    k = as_matrix(kernel).to(torch.float64)
+    if k.shape[0] != (n := len(y)) and k.dim() == 2:
+        raise ValueError(f"kernel is {k.shape[0]} × {k.shape[0]} but y has {n} entries")
+    if k.shape[0] != n:
+        raise ValueError("kernel_alignment needs an [N, N] kernel (use kind='trace' or 'sum_logits')")
+    lab = label_matrix(y)
+    if centering == "kernel":
+        h = torch.eye(n, dtype=torch.float64) - 1.0 / n
+        k, lab = h @ k @ h, h @ lab @ h
+    elif centering == "mean":
+        k, lab = k - k.mean(), lab - lab.mean()
+    else:
+        raise ValueError(f"centering must be 'kernel' or 'mean', got {centering!r}")
+    denom = float(torch.linalg.norm(k) * torch.linalg.norm(lab))
+    return float((k * lab).sum()) / denom if denom > 0 else 0.0
