@@ -1,0 +1,1 @@
+"""Kernel-machine surrogates, data attribution, layer importance, reports and the `ntk` CLI."""

@@ -1,0 +1,47 @@
+"""The `ntk` command group and its error handling (exit 2: usage, 1: anything else)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from .common import UsageProblem
+from .kernel import kernel
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """Empirical neural tangent kernels: kernels, layer importance, attribution, NAS proxies."""
+
+
+cli.add_command(kernel)
+
+
+def main(argv=None) -> None:
+    """Console entry point: one-line messages instead of tracebacks (NTK_DEBUG=1 shows them)."""
+    try:
+        cli.main(args=argv, prog_name="ntk", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("ntk: aborted", err=True)
+        sys.exit(1)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.UsageError as exc:
+        click.echo(f"ntk: error: {exc.format_message()}", err=True)
+        sys.exit(2)
+    except click.ClickException as exc:
+        click.echo(f"ntk: error: {exc.format_message()}", err=True)
+        sys.exit(exc.exit_code)
+    except (ValueError, TypeError) as exc:
+        if os.environ.get("NTK_DEBUG"):
+            raise
+        # Bad input that the library refused before doing any work: a usage problem.
+        click.echo(f"ntk: error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", err=True)
+        sys.exit(2)
+    except Exception as exc:  # noqa: BLE001 - the CLI's last line of defence
+        if os.environ.get("NTK_DEBUG"):
+            raise
+        click.echo(f"ntk: error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", err=True)
+        sys.exit(1)
+    sys.exit(0)
