@@ -3,6 +3,7 @@ from ._kinds import KINDS
 from ._memory import KernelTooLargeError
 from .empirical import METHODS, empirical_ntk, empirical_ntk_fn
 from .spectrum import condition_number, eigenvalues, kernel_alignment
+from . import proxies
 
 __all__ = ["KINDS", "METHODS", "KernelTooLargeError", "condition_number", "eigenvalues",
            "empirical_ntk", "empirical_ntk_fn", "kernel_alignment"]

@@ -3,15 +3,18 @@
 For each sample x_i of the left block, one vjp gives the C parameter-space vectors J(x_i)ᵀ u_c
 (vmapped over the cotangents); one jvp through the whole right block, vmapped over those C
 tangents, gives J(x_j) J(x_i)ᵀ u_c for every x_j at once. Memory is O(C·P) plus C forward passes
-of the block, instead of the N²·O·P of the pairwise double-vmap recipe.
+of the block, instead of the N²·O·P of the pairwise double-vmap recipe. Fused attention kernels have no
+forward-mode derivative, so the tiles run with PyTorch's composite (math) attention.
 """
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
 from torch.func import jvp, vjp, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import _inputs
 from ._model import ModelView
@@ -34,9 +37,23 @@ def tile(view: ModelView, x1, x2, cot: torch.Tensor, kind: str,
             def push(t, primals=primals, rest=rest):
                 return jvp(lambda p: view.forward({**rest, **p}, x2), (primals,), (t,))[1]
 
-            r = vmap(push)({n: tangents[n] for n in names})   # [C, B2, O]: J(x_j) J(x_i)ᵀ u_c
+            with _forward_mode_attention():
+                r = vmap(push)({n: tangents[n] for n in names})   # [C, B2, O]: J(x_j) J(x_i)ᵀ u_c
             rows[key].append(_reduce(r, kind))
     return {key: torch.stack(r) for key, r in rows.items()}
+
+
+@contextmanager
+def _forward_mode_attention():
+    """Use the composite attention implementations, which support forward-mode AD: no fused
+    nn.MultiheadAttention fast path, the math backend of scaled_dot_product_attention."""
+    previous = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(previous)
 
 
 def _reduce(r: torch.Tensor, kind: str) -> torch.Tensor:

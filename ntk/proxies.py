@@ -1,0 +1,332 @@
+"""Architecture proxies: how well will a network train, judged before (or just after) training.
+
+Kernel proxies read the empirical NTK Θ of one batch (kind `sum_logits` by default, the
+pseudo-NTK of Mohamadi et al., ICML 2023):
+
+- `lga`  Label-Gradient Alignment (Mok et al., CVPR 2022): the Pearson correlation of the entries
+  of Θ with the label-agreement matrix L_ij = ±1, ⟨Θ − μ_Θ, L − μ_L⟩_F / (‖Θ − μ_Θ‖ ‖L − μ_L‖).
+- `condition_number`  TE-NAS (Chen et al., ICLR 2021): κ = λmax/λmin, reported as −log κ so that
+  higher is better; the raw κ is kept in `ProxyScore.raw`.
+- `trace` tr Θ, `frobenius` ‖Θ‖_F, `mean` the mean entry of Θ (KNAS, Xu et al., KDD 2021).
+
+Zero-cost baselines (Abdelfattah et al., ICLR 2021) on the same batch, with the cross-entropy
+loss L: `grad_norm` Σ_p ‖∂L/∂θ_p‖ over parameter tensors; `snip` Σ |θ ⊙ ∂L/∂θ|; `synflow`
+Σ |θ ⊙ ∂R/∂θ| with R = 1ᵀ f_|θ|(1) the output of the network with absolute weights on an all-ones
+input, in float64 (Tanaka et al., NeurIPS 2020); `jacob_cov` −Σ_i log(v_i + k) + 1/(v_i + k),
+v the eigenvalues of the correlation matrix of the input Jacobians ∂(Σ_o f_o)/∂x, k = 1e-5
+(Mellor et al., 2021); `naswot` log |det K_H|, K_H the sum over activation layers of the number of
+units on which two samples' activation patterns (sign of the activation's input) agree (Mellor et
+al., ICML 2021); `params` the number of trainable parameters.
+
+Every score works on a private copy of the network: the user's model is never modified. A
+copy whose BatchNorm layers have never seen data takes their statistics from the scored batch
+(what a training-mode forward pass would use), then everything is measured in eval mode.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ._kinds import check_kind
+from .empirical import empirical_ntk
+from .spectrum import condition_number, kernel_alignment
+
+KERNEL_METRICS = ("lga", "condition_number", "trace", "frobenius", "mean")
+BASELINE_METRICS = ("naswot", "synflow", "grad_norm", "snip", "jacob_cov", "params")
+METRICS = KERNEL_METRICS + BASELINE_METRICS
+_NEEDS_LABELS = ("lga", "grad_norm", "snip")
+_ACTIVATIONS = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.CELU, nn.SELU, nn.GELU,
+                nn.SiLU, nn.Mish, nn.Softplus, nn.Tanh, nn.Hardtanh, nn.Sigmoid, nn.Hardswish)
+
+Candidate = Union[nn.Module, Callable[[], nn.Module]]
+
+
+@dataclass(frozen=True)
+class ProxyScore:
+    """A proxy's score over repeats. `value` (mean) and `values` are oriented so that higher is
+    better; `raw` holds the quantity as published (κ itself for `condition_number`)."""
+    metric: str
+    value: float
+    std: float
+    values: tuple
+    raw: tuple
+    seconds: float
+
+
+def score(model: Candidate, x, y=None, *, metric: str = "lga", kind: str = "sum_logits",
+          batch_size: int = 64, repeats: int = 1, warmup_steps: int = 0, warmup_lr: float = 1e-3,
+          seed: int = 0, layers: Optional[Sequence[str]] = None, device=None,
+          return_details: bool = False) -> Union[float, ProxyScore]:
+    """Score one architecture with `metric` (higher is better); returns the mean over repeats.
+
+    model: an `nn.Module` (copied, never modified) or a factory returning one (instantiated
+    under `torch.manual_seed(seed + r)` for repeat r). Each repeat scores a random batch of
+    `batch_size` samples of (x, y), after `warmup_steps` Adam steps (lr `warmup_lr`, minibatches
+    of 64 from all of x, y) on the copy. kind: the kernel kind of the kernel metrics; layers:
+    restrict their kernel to these modules. return_details=True gives a `ProxyScore`.
+    """
+    _check_options(metric, kind, batch_size, repeats, warmup_steps)
+    x, y = _check_data(x, y, metric, warmup_steps)
+    start = time.perf_counter()
+    values, raws = [], []
+    for r in range(repeats):
+        generator = torch.Generator().manual_seed(seed + r)
+        net = _prepare(model, seed + r)
+        if warmup_steps:
+            _warm_up(net, x, y, warmup_steps, warmup_lr, generator)
+        idx = torch.randperm(len(x), generator=generator)[:batch_size]
+        xb, yb = x[idx], None if y is None else y[idx]
+        net = _calibrate_norms(net, xb).eval()
+        if device is not None:
+            net, xb = net.to(device), xb.to(device)
+            yb = None if yb is None else yb.to(device)
+        value, raw = _MEASURES[metric](net, xb, yb, kind=kind, layers=layers)
+        values.append(value)
+        raws.append(raw)
+    result = ProxyScore(metric, float(np.mean(values)), float(np.std(values)), tuple(values),
+                        tuple(raws), time.perf_counter() - start)
+    return result if return_details else result.value
+
+
+def rank(candidates: Mapping[str, Candidate], x, y=None, *, metric: str = "lga",
+         progress: bool = False, return_details: bool = False, **options) -> list:
+    """Score every candidate (modules or factories, one at a time so memory stays flat) and
+    return [(name, score)] best first (NaN scores last). Options are those of `score`;
+    return_details=True gives (name, ProxyScore) pairs."""
+    if not isinstance(candidates, Mapping):
+        raise TypeError(f"candidates must be a dict of name -> module or factory, got "
+                        f"{type(candidates).__name__}")
+    if not candidates:
+        raise ValueError("no candidates to rank: the candidate set is empty")
+    for name, candidate in candidates.items():
+        if not (isinstance(candidate, nn.Module) or callable(candidate)):
+            raise TypeError(f"candidate {name!r} is a {type(candidate).__name__}, not an nn.Module "
+                            "or a factory returning one")
+    results = []
+    for name, candidate in tqdm(candidates.items(), disable=not progress, desc=f"{metric} proxy",
+                                unit="arch"):
+        try:
+            details = score(candidate, x, y, metric=metric, return_details=True, **options)
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"candidate {name!r}: {exc}") from exc
+        except _FactoryError as exc:
+            raise RuntimeError(f"candidate {name!r}: {exc}") from exc.__cause__
+        results.append((name, details))
+    results.sort(key=lambda item: (math.isnan(item[1].value), -item[1].value))
+    return results if return_details else [(name, d.value) for name, d in results]
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs, copies, warm-up
+# --------------------------------------------------------------------------------------------
+
+class _FactoryError(Exception):
+    """A candidate factory raised or returned something other than a module."""
+
+
+def _check_options(metric, kind, batch_size, repeats, warmup_steps) -> None:
+    if metric not in METRICS:
+        raise ValueError(f"unknown metric {metric!r}; valid metrics are {', '.join(METRICS)}")
+    check_kind(kind)
+    for name, value, low in (("batch_size", batch_size, 2), ("repeats", repeats, 1),
+                             ("warmup_steps", warmup_steps, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an integer ≥ {low}, got {value!r}")
+
+
+def _check_data(x, y, metric, warmup_steps):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a tensor with the sample axis first, got {type(x).__name__}")
+    if x.dim() == 0 or len(x) < 2:
+        raise ValueError(f"x must hold at least 2 samples, got shape {tuple(x.shape)}")
+    if y is None:
+        if metric in _NEEDS_LABELS or warmup_steps:
+            raise ValueError(f"metric {metric!r}{' with warm-up' if warmup_steps else ''} needs "
+                             "class labels y")
+        return x, None
+    y = torch.as_tensor(y)
+    if y.dim() != 1 or y.is_floating_point() or y.is_complex():
+        raise ValueError(f"y must be a 1-D tensor of integer class labels, got "
+                         f"{y.dtype} of shape {tuple(y.shape)}")
+    if len(y) != len(x):
+        raise ValueError(f"x has {len(x)} samples but y has {len(y)} labels")
+    if bool((y < 0).any()):
+        raise ValueError("y holds negative class labels")
+    return x, y
+
+
+def _prepare(candidate: Candidate, seed: int) -> nn.Module:
+    """A private copy of a module, or a fresh instance from a factory under `seed`."""
+    if isinstance(candidate, nn.Module):
+        return copy.deepcopy(candidate)
+    if not callable(candidate):
+        raise TypeError(f"model must be an nn.Module or a factory, got {type(candidate).__name__}")
+    torch.manual_seed(seed)
+    try:
+        net = candidate()
+    except Exception as exc:  # noqa: BLE001 - any failure of user code is reported as such
+        raise _FactoryError(f"the factory raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(net, nn.Module):
+        raise TypeError(f"the factory returned a {type(net).__name__}, not an nn.Module")
+    return net
+
+
+def _check_labels(out: torch.Tensor, y: torch.Tensor) -> None:
+    if out.dim() != 2:
+        raise ValueError(f"the model output has shape {tuple(out.shape)}; class scores [B, O] "
+                         "are needed for a cross-entropy loss")
+    if int(y.max()) >= out.shape[1]:
+        raise ValueError(f"y holds class {int(y.max())} but the model has {out.shape[1]} outputs")
+
+
+def _warm_up(net: nn.Module, x, y, steps: int, lr: float, generator: torch.Generator) -> None:
+    """`steps` Adam steps of cross-entropy on minibatches of 64 cycling through (x, y)."""
+    opt = torch.optim.Adam(net.parameters(), lr=lr)
+    net.train()
+    order = torch.empty(0, dtype=torch.long)
+    for _ in range(steps):
+        if len(order) == 0:
+            order = torch.randperm(len(x), generator=generator)
+        idx, order = order[:64], order[64:]
+        opt.zero_grad()
+        out = net(x[idx])
+        _check_labels(out, y[idx])
+        nn.functional.cross_entropy(out, y[idx]).backward()
+        opt.step()
+
+
+def _calibrate_norms(net: nn.Module, x) -> nn.Module:
+    """BatchNorm layers that never saw data get the batch statistics of `x` (a training-mode
+    forward pass with cumulative averaging), so that eval mode reproduces training mode."""
+    fresh = [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+             and m.track_running_stats and int(m.num_batches_tracked) == 0]
+    if fresh:
+        momenta = [m.momentum for m in fresh]
+        for m in fresh:
+            m.momentum = None
+            m.train()
+        with torch.no_grad():
+            net(x)
+        for m, momentum in zip(fresh, momenta):
+            m.momentum = momentum
+    return net
+
+
+# --------------------------------------------------------------------------------------------
+# The measures: (net in eval mode, batch) -> (higher-is-better value, raw value)
+# --------------------------------------------------------------------------------------------
+
+def _kernel(net, x, kind, layers):
+    k = empirical_ntk(net, x, kind=kind, layers=None if layers is None else list(layers))
+    return sum(k.values()) if isinstance(k, dict) else k
+
+
+def _square(k: torch.Tensor) -> torch.Tensor:
+    if k.dim() != 2:
+        raise ValueError(f"the kernel metrics need an [N, N] kernel; kind gives shape "
+                         f"{tuple(k.shape)} (use 'sum_logits' or 'trace')")
+    return k.to(torch.float64)
+
+
+def _lga(net, x, y, *, kind, layers):
+    k = _square(_kernel(net, x, kind, layers))
+    value = kernel_alignment(k, y, centering="mean")
+    return value, value
+
+
+def _condition(net, x, y, *, kind, layers):
+    kappa = condition_number(_square(_kernel(net, x, kind, layers)))
+    return -math.log(kappa), kappa
+
+
+def _trace(net, x, y, *, kind, layers):
+    value = float(_square(_kernel(net, x, kind, layers)).diagonal().sum())
+    return value, value
+
+
+def _frobenius(net, x, y, *, kind, layers):
+    value = float(torch.linalg.norm(_square(_kernel(net, x, kind, layers))))
+    return value, value
+
+
+def _mean(net, x, y, *, kind, layers):
+    value = float(_square(_kernel(net, x, kind, layers)).mean())
+    return value, value
+
+
+def _loss_grads(net, x, y):
+    params = [p for p in net.parameters() if p.requires_grad]
+    out = net(x)
+    _check_labels(out, y)
+    grads = torch.autograd.grad(nn.functional.cross_entropy(out, y), params, allow_unused=True)
+    return [(p, torch.zeros_like(p) if g is None else g) for p, g in zip(params, grads)]
+
+
+def _grad_norm(net, x, y, **_):
+    value = float(sum(g.norm() for _, g in _loss_grads(net, x, y)))
+    return value, value
+
+
+def _snip(net, x, y, **_):
+    value = float(sum((p.detach() * g).abs().sum() for p, g in _loss_grads(net, x, y)))
+    return value, value
+
+
+def _synflow(net, x, y, **_):
+    net = net.double()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.abs_()
+    params = [p for p in net.parameters() if p.requires_grad]
+    ones = torch.ones((1, *x.shape[1:]), dtype=torch.float64, device=x.device)
+    grads = torch.autograd.grad(net(ones).sum(), params, allow_unused=True)
+    value = float(sum((p.detach() * g).abs().sum() for p, g in zip(params, grads) if g is not None))
+    return value, value
+
+
+def _jacob_cov(net, x, y, **_):
+    x = x.detach().clone().requires_grad_(True)
+    (jac,) = torch.autograd.grad(net(x).sum(), x)
+    corr = np.corrcoef(jac.reshape(len(x), -1).cpu().double().numpy())
+    if not np.isfinite(corr).all():
+        return float("nan"), float("nan")
+    v = np.linalg.eigvalsh(corr)
+    k = 1e-5
+    value = float(-np.sum(np.log(v + k) + 1.0 / (v + k)))
+    return value, value
+
+
+def _naswot(net, x, y, **_):
+    codes = []
+    hooks = [m.register_forward_hook(lambda m, inp, out: codes.append(inp[0].reshape(len(x), -1) > 0))
+             for m in net.modules() if isinstance(m, _ACTIVATIONS)]
+    if not hooks:
+        raise ValueError("naswot needs activation modules (nn.ReLU, nn.GELU, ...) in the model")
+    with torch.no_grad():
+        net(x)
+    for h in hooks:
+        h.remove()
+    k = torch.zeros(len(x), len(x), dtype=torch.float64)
+    for c in codes:
+        c = c.to(torch.float64).cpu()
+        k += c @ c.T + (1 - c) @ (1 - c).T
+    value = float(torch.linalg.slogdet(k).logabsdet)
+    return value, value
+
+
+def _params(net, x, y, **_):
+    value = float(sum(p.numel() for p in net.parameters() if p.requires_grad))
+    return value, value
+
+
+_MEASURES = {"lga": _lga, "condition_number": _condition, "trace": _trace,
+             "frobenius": _frobenius, "mean": _mean, "naswot": _naswot, "synflow": _synflow,
+             "grad_norm": _grad_norm, "snip": _snip, "jacob_cov": _jacob_cov, "params": _params}

@@ -1,0 +1,141 @@
+"""Small architectures that exercise every path of the engine (shared by the tests)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in=5, hidden=7, d_out=3):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, d_out)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+class CNN(nn.Module):
+    """Conv2d + BatchNorm (eval, non-trivial running statistics) + GroupNorm + reflect padding."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.conv2 = nn.Conv2d(4, 4, 3, stride=2, padding=1, padding_mode="reflect")
+        self.gn = nn.GroupNorm(2, 4)
+        self.conv3 = nn.Conv1d(4, 3, 2, dilation=2)
+        self.head = nn.Linear(3, 3)
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-0.5, 0.5)
+            self.bn.running_var.uniform_(0.5, 2.0)
+            for norm in (self.bn, self.gn):
+                norm.weight.uniform_(0.5, 1.5)
+                norm.bias.uniform_(-0.3, 0.3)
+
+    def forward(self, x):
+        h = torch.tanh(self.bn(self.conv1(x)))
+        h = torch.tanh(self.gn(self.conv2(h)))            # [B, 4, 3, 3]
+        h = torch.tanh(self.conv3(h.flatten(2)))          # [B, 3, 7]
+        return self.head(h.mean(-1))
+
+
+class TinyTransformer(nn.Module):
+    """Embedding (with padding_idx) + a root-owned positional parameter + hand-written attention
+    on Linear q/k/v (weights shared over tokens) + nn.MultiheadAttention + LayerNorm."""
+
+    def __init__(self, vocab=11, dim=6, seq=5, d_out=4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim, padding_idx=0)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.1)
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.mha = nn.MultiheadAttention(dim, 2, batch_first=True)
+        self.head = nn.Linear(dim, d_out)
+
+    def forward(self, tokens):
+        h = self.embed(tokens) + self.pos
+        att = torch.softmax(self.q(h) @ self.k(h).transpose(1, 2) / h.shape[-1] ** 0.5, dim=-1)
+        h = self.norm(h + att @ self.v(h))
+        h = h + self.mha(h, h, h, need_weights=False)[0]
+        return self.head(h.mean(1))
+
+
+class Tied(nn.Module):
+    """A weight registered in two modules, an embedding matrix reused as an output projection
+    outside its module, and a module called twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(4, 4)
+        self.dec = nn.Linear(4, 4)
+        self.dec.weight = self.enc.weight
+        self.twice = nn.Linear(4, 4)
+        self.emb = nn.Embedding(3, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.enc(x))
+        h = torch.tanh(self.twice(torch.tanh(self.twice(h))))
+        h = self.dec(h)
+        return F.linear(h, self.emb.weight)               # [B, 3]
+
+
+class Frozen(MLP):
+    def __init__(self):
+        super().__init__()
+        self.fc1.weight.requires_grad_(False)
+        self.head.bias.requires_grad_(False)
+
+
+class Scalar(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = MLP(d_out=1)
+
+    def forward(self, x):
+        return self.body(x).squeeze(-1)                   # [B]
+
+
+class DictInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 4)
+        self.b = nn.Linear(2, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, a, b):
+        return self.out(torch.tanh(self.a(a) + self.b(b)))
+
+
+def make(name: str, dtype=torch.float64, seed: int = 0):
+    """(model in eval mode, x1, x2) for a named case."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    rand = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
+    if name == "mlp":
+        model, x1, x2 = MLP(), rand(6, 5), rand(4, 5)
+    elif name == "cnn":
+        model, x1, x2 = CNN(), rand(5, 2, 6, 6), rand(3, 2, 6, 6)
+    elif name == "transformer":
+        model = TinyTransformer()
+        x1 = torch.randint(0, 11, (5, 5), generator=g)
+        x1[0, :2] = 0                                      # padding tokens
+        x2 = torch.randint(0, 11, (3, 5), generator=g)
+    elif name == "tied":
+        model, x1, x2 = Tied(), rand(5, 4), rand(3, 4)
+    elif name == "frozen":
+        model, x1, x2 = Frozen(), rand(5, 5), rand(3, 5)
+    elif name == "scalar":
+        model, x1, x2 = Scalar(), rand(5, 5), rand(3, 5)
+    elif name == "dict":
+        model = DictInput()
+        x1 = {"a": rand(5, 3), "b": rand(5, 2)}
+        x2 = {"a": rand(3, 3), "b": rand(3, 2)}
+    else:
+        raise KeyError(name)
+    return model.to(dtype).eval(), x1, x2
+
+
+CASES = ("mlp", "cnn", "transformer", "tied", "frozen", "scalar", "dict")

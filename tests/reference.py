@@ -1,0 +1,65 @@
+"""An independent reference eNTK: plain per-sample, per-output torch.autograd.grad loops."""
+from __future__ import annotations
+
+import torch
+
+
+def layer_params(model):
+    """{module name: [trainable parameters it owns directly]}, first registration wins."""
+    seen, layers = set(), {}
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if p.requires_grad:
+                layers.setdefault(name, []).append(p)
+    return layers
+
+
+def _call(model, x, i):
+    if isinstance(x, dict):
+        return model(**{k: v[i:i + 1] for k, v in x.items()})
+    return model(x[i:i + 1])
+
+
+def _count(x):
+    return next(iter(x.values())).shape[0] if isinstance(x, dict) else x.shape[0]
+
+
+def jacobians(model, x):
+    """{layer: J [N, O, P_layer]} by one autograd.grad call per sample and output."""
+    layers = layer_params(model)
+    per_layer = {name: [] for name in layers}
+    for i in range(_count(x)):
+        out = _call(model, x, i).reshape(-1)
+        rows = {name: [] for name in layers}
+        for o in range(out.shape[0]):
+            for name, params in layers.items():
+                grads = torch.autograd.grad(out[o], params, retain_graph=True, allow_unused=True)
+                rows[name].append(torch.cat([
+                    (g if g is not None else torch.zeros_like(p)).reshape(-1)
+                    for g, p in zip(grads, params)]))
+        for name in layers:
+            per_layer[name].append(torch.stack(rows[name]))
+    return {name: torch.stack(v) for name, v in per_layer.items()}
+
+
+def kernels(model, x1, x2=None):
+    """{layer: full kernel [N1, N2, O, O]} and the total under key None."""
+    j1 = jacobians(model, x1)
+    j2 = j1 if x2 is None else jacobians(model, x2)
+    out = {name: torch.einsum("iop,jqp->ijoq", j1[name], j2[name]) for name in j1}
+    out[None] = sum(out.values())
+    return out
+
+
+def of_kind(full: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "full":
+        return full
+    diag = torch.diagonal(full, dim1=2, dim2=3)
+    if kind == "diagonal":
+        return diag
+    if kind == "trace":
+        return diag.sum(-1)
+    return full.sum((2, 3)) / full.shape[-1]              # sum_logits

@@ -1,0 +1,135 @@
+"""Every kind × method × layers combination against the independent float64 reference."""
+import pytest
+import torch
+
+import ntk
+from models import CASES, make
+from reference import kernels, layer_params, of_kind
+
+METHODS = ("jacobian", "ntk_vp", "structured", "auto")
+
+
+def rel_err(a, b):
+    return float(torch.linalg.norm((a - b).reshape(-1)) / torch.linalg.norm(b.reshape(-1)))
+
+
+@pytest.fixture(scope="module", params=CASES)
+def case(request):
+    model, x1, x2 = make(request.param)
+    return request.param, model, x1, x2, kernels(model, x1), kernels(model, x1, x2)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("kind", ntk.KINDS)
+def test_float64_matches_reference(case, kind, method):
+    name, model, x1, x2, ref_sym, ref_cross = case
+    total = ntk.empirical_ntk(model, x1, kind=kind, method=method)
+    assert rel_err(total, of_kind(ref_sym[None], kind)) <= 1e-10
+    parts = ntk.empirical_ntk(model, x1, x2, kind=kind, method=method, layers="all")
+    assert list(parts) == list(layer_params(model))
+    for layer, value in parts.items():
+        expected = of_kind(ref_cross[layer], kind)
+        assert value.shape == expected.shape
+        if float(expected.abs().max()) > 0:
+            assert rel_err(value, expected) <= 1e-10, layer
+        else:
+            assert float(value.abs().max()) == 0.0, layer
+    summed = sum(parts.values())
+    cross_total = ntk.empirical_ntk(model, x1, x2, kind=kind, method=method)
+    assert rel_err(summed, cross_total) <= 1e-12
+    assert rel_err(cross_total, of_kind(ref_cross[None], kind)) <= 1e-10
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_float32_matches_reference(case, method):
+    name, model, x1, x2, ref_sym, ref_cross = case
+    model32 = make(name, dtype=torch.float32)[0]   # same seed: the same weights, rounded
+    x1_32 = {k: v.float() if v.is_floating_point() else v for k, v in x1.items()} if isinstance(x1, dict) \
+        else (x1.float() if x1.is_floating_point() else x1)
+    for kind in ntk.KINDS:
+        k = ntk.empirical_ntk(model32, x1_32, kind=kind, method=method)
+        assert k.dtype == torch.float32
+        assert rel_err(k.double(), of_kind(ref_sym[None], kind)) <= 1e-5
+
+
+def test_dtype_argument_computes_in_float64():
+    model32 = make("cnn", dtype=torch.float32)[0]
+    model64, x64, _ = make("cnn", dtype=torch.float64)
+    x32 = x64.float()
+    k = ntk.empirical_ntk(model32, x32, kind="trace", dtype=torch.float64)
+    assert k.dtype == torch.float64
+    assert rel_err(k, of_kind(kernels(model64, x32.double())[None], "trace")) <= 1e-10
+    assert next(model32.parameters()).dtype == torch.float32
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_layer_subset(method):
+    model, x1, x2 = make("transformer")
+    ref = kernels(model, x1, x2)
+    chosen = ["q", "embed", "mha", ""]
+    parts = ntk.empirical_ntk(model, x1, x2, kind="trace", layers=chosen, method=method)
+    assert list(parts) == chosen
+    for layer in chosen:
+        assert rel_err(parts[layer], of_kind(ref[layer], "trace")) <= 1e-10
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("kind", ["full", "trace"])
+def test_tiled_equals_untiled_and_symmetric(kind, method):
+    model, x1, _ = make("cnn")
+    whole = ntk.empirical_ntk(model, x1, kind=kind, method=method)
+    tiled = ntk.empirical_ntk(model, x1, kind=kind, method=method, batch_size=2)
+    assert rel_err(tiled, whole) <= 1e-13
+    swapped = whole.permute(1, 0, 3, 2) if kind == "full" else whole.T
+    assert torch.allclose(whole, swapped, rtol=1e-13, atol=0)
+    # the symmetric path (x2=None) and the cross path on the same samples agree
+    cross = ntk.empirical_ntk(model, x1, x1, kind=kind, method=method, batch_size=3)
+    assert rel_err(cross, whole) <= 1e-13
+
+
+def test_methods_agree_on_a_bigger_cnn_in_float32():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3, padding=1),
+        torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 5)).eval()
+    x = torch.randn(7, 3, 10, 10)
+    ks = {m: ntk.empirical_ntk(model, x, kind="full", method=m, batch_size=4) for m in METHODS}
+    for m in METHODS:
+        assert rel_err(ks[m], ks["jacobian"]) <= 1e-5
+
+
+@pytest.mark.parametrize("factored", [True, False], ids=["factored", "per-sample-gradients"])
+@pytest.mark.parametrize("name", ["cnn", "transformer", "mlp"])
+def test_both_contractions_of_shared_weights(monkeypatch, name, factored):
+    """The structured method's two contractions of a weight shared over positions (tokens,
+    patches) — the factored Gram form and explicit per-sample gradients — both match."""
+    monkeypatch.setattr("ntk._structured._prefer_factors", lambda *args: factored)
+    model, x1, x2 = make(name)
+    ref = kernels(model, x1, x2)
+    for kind in ntk.KINDS:
+        parts = ntk.empirical_ntk(model, x1, x2, kind=kind, method="structured", layers="all")
+        for layer, value in parts.items():
+            expected = of_kind(ref[layer], kind)
+            if float(expected.abs().max()) > 0:
+                assert rel_err(value, expected) <= 1e-10, (kind, layer)
+
+
+def test_structured_plan_covers_known_layers_and_falls_back_for_the_rest():
+    from ntk import _inputs
+    from ntk._model import ModelView
+    from ntk._structured import plan
+
+    def planned(name):
+        model, x1, _ = make(name)
+        return plan(ModelView(model), _inputs.take(x1, slice(0, 1)), "full", 3, 64)
+
+    p = planned("transformer")
+    assert set(p.covered) == {"embed", "q", "k", "v", "norm", "head"}
+    assert set(p.fallback) == {"pos", "mha.in_proj_weight", "mha.in_proj_bias",
+                               "mha.out_proj.weight", "mha.out_proj.bias"}
+    p = planned("tied")
+    # the tied weight, the module called twice and the embedding used outside its module
+    assert set(p.fallback) == {"enc.weight", "twice.weight", "twice.bias", "emb.weight"}
+    assert p.covered == {"enc": ["enc.bias"], "dec": ["dec.bias"]}
+    p = planned("mlp")
+    assert not p.fallback and p.factored == {"fc1", "fc2", "head"}
