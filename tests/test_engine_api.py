@@ -1,0 +1,206 @@
+"""Inputs, errors, model safety, out=, memory refusal and spectral helpers of the engine."""
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import ntk
+from models import MLP, make
+from reference import kernels, of_kind
+
+
+def snapshot(model):
+    return ({k: v.clone() for k, v in model.state_dict().items()},
+            [m.training for m in model.modules()],
+            [p.requires_grad for p in model.parameters()],
+            [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()])
+
+
+def same(a, b):
+    return (a[0].keys() == b[0].keys() and all(torch.equal(a[0][k], b[0][k]) for k in a[0])
+            and a[1:] == b[1:])
+
+
+@pytest.mark.parametrize("method", ["jacobian", "ntk_vp", "structured"])
+def test_model_is_never_modified(method):
+    model, x1, x2 = make("cnn")
+    before = snapshot(model)
+    ntk.empirical_ntk(model, x1, x2, kind="trace", layers="all", method=method, dtype=torch.float32)
+    assert same(before, snapshot(model))
+
+
+def test_output_fn_and_tuple_inputs():
+    class TwoInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 6)
+
+        def forward(self, a, b):
+            return (self.lin(a) * b).reshape(-1, 2, 3)     # [B, 2, 3]: needs output_fn
+
+    torch.manual_seed(0)
+    model = TwoInputs().double().eval()
+    a, b = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    with pytest.raises(ValueError, match="output_fn"):
+        ntk.empirical_ntk(model, (a, b))
+    pick = lambda out: out[:, -1]  # noqa: E731 - the last "token"
+    k = ntk.empirical_ntk(model, (a, b), output_fn=pick, method="structured")
+
+    class Picked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, a, b):
+            return pick(self.inner(a, b))
+
+    ref = kernels(_TupleCaller(Picked()), torch.cat([a, b], 1))[None]
+    assert torch.allclose(k, ref, rtol=1e-10, atol=1e-12)
+
+
+class _TupleCaller(nn.Module):
+    """Adapts a two-input model to the reference's single-tensor calling convention."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ab):
+        return self.inner(ab[:, :3], ab[:, 3:])
+
+
+def test_bad_inputs_are_refused_with_clear_messages():
+    model, x1, x2 = make("mlp")
+    with pytest.raises(ValueError, match="kind"):
+        ntk.empirical_ntk(model, x1, kind="nope")
+    with pytest.raises(ValueError, match="valid methods are auto, jacobian, ntk_vp, structured"):
+        ntk.empirical_ntk(model, x1, method="nope")
+    with pytest.raises(ValueError, match=r"unknown layer name.*\['fc1', 'fc2', 'head'\]"):
+        ntk.empirical_ntk(model, x1, layers=["fc9"])
+    bad = x1.clone()
+    bad[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        ntk.empirical_ntk(model, bad)
+    with pytest.raises(ValueError, match="per-sample shapes"):
+        ntk.empirical_ntk(model, x1, torch.randn(3, 6, dtype=torch.float64))
+    with pytest.raises(TypeError, match="nn.Module"):
+        ntk.empirical_ntk(lambda x: x, x1)
+    with pytest.raises(ValueError, match="batch_size"):
+        ntk.empirical_ntk(model, x1, batch_size=0)
+    frozen = copy.deepcopy(model).requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        ntk.empirical_ntk(frozen, x1)
+    with torch.no_grad():
+        model.head.bias[0] = float("inf")
+    with pytest.raises(ValueError, match="non-finite outputs"):
+        ntk.empirical_ntk(model, x1)
+
+
+@pytest.mark.parametrize("module", [nn.Dropout(0.5), nn.BatchNorm1d(7)])
+def test_training_mode_randomness_and_batch_dependence_are_refused(module):
+    model = nn.Sequential(nn.Linear(5, 7), module, nn.Linear(7, 2)).train()
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"model\.eval\(\)"):
+        ntk.empirical_ntk(model, torch.randn(6, 5))
+    assert same(before, snapshot(model))
+
+
+def test_batch_dependence_of_an_unknown_module_is_detected():
+    class BatchCentre(nn.Module):
+        def forward(self, x):
+            return x - x.mean(0, keepdim=True)
+
+    model = nn.Sequential(nn.Linear(5, 7), BatchCentre(), nn.Linear(7, 2)).eval()
+    with pytest.raises(ValueError, match="depends on the rest of the batch"):
+        ntk.empirical_ntk(model, torch.randn(6, 5))
+
+
+def test_out_receives_the_kernel_tile_by_tile(tmp_path):
+    model, x1, x2 = make("mlp")
+    expected = ntk.empirical_ntk(model, x1, x2, kind="full")
+    path = tmp_path / "k.npy"
+    target = np.lib.format.open_memmap(path, mode="w+", dtype=np.float64, shape=tuple(expected.shape))
+    got = ntk.empirical_ntk(model, x1, x2, kind="full", batch_size=2, out=target)
+    assert got is target
+    target.flush()
+    assert np.allclose(np.load(path), expected.numpy(), rtol=1e-13, atol=0)
+    with pytest.raises(ValueError, match="out has shape"):
+        ntk.empirical_ntk(model, x1, x2, kind="trace", out=np.zeros((2, 2)))
+
+
+def test_kernels_that_cannot_fit_are_refused_with_size_and_alternatives(monkeypatch):
+    monkeypatch.setattr("ntk.empirical.available_bytes", lambda device: 1000)
+    model, x1, _ = make("mlp")
+    with pytest.raises(ntk.KernelTooLargeError, match=r"\[6, 6, 3, 3\].*needs 2\.5 KiB.*projections"):
+        ntk.empirical_ntk(model, x1, kind="full")
+
+
+def test_kernel_fn_follows_training():
+    model, x1, _ = make("mlp")
+    fn = ntk.empirical_ntk_fn(model, kind="trace")
+    before = fn(x1)
+    with torch.no_grad():
+        model.head.weight.mul_(2.0)
+    after = fn(x1)
+    assert torch.allclose(after, of_kind(kernels(model, x1)[None], "trace"), rtol=1e-10)
+    assert not torch.allclose(before, after)
+
+
+def test_scalar_output_counts_as_one_output():
+    model, x1, _ = make("scalar")
+    full = ntk.empirical_ntk(model, x1, kind="full")
+    assert full.shape == (5, 5, 1, 1)
+    trace = ntk.empirical_ntk(model, x1, kind="trace")
+    assert torch.allclose(full[..., 0, 0], trace)
+    assert torch.allclose(ntk.empirical_ntk(model, x1, kind="sum_logits"), trace)
+
+
+def test_spectral_helpers_against_numpy():
+    torch.manual_seed(0)
+    a = torch.randn(6, 6, dtype=torch.float64)
+    k = a @ a.T + 0.1 * torch.eye(6, dtype=torch.float64)
+    ev = ntk.eigenvalues(k)
+    assert np.allclose(ev.numpy(), np.sort(np.linalg.eigvalsh(k.numpy()))[::-1])
+    assert np.isclose(ntk.condition_number(k), ev[0] / ev[-1])
+    model, x1, _ = make("mlp")
+    full = ntk.empirical_ntk(model, x1, kind="full")
+    flat = full.permute(0, 2, 1, 3).reshape(18, 18).numpy()
+    assert np.allclose(ntk.eigenvalues(full).numpy(), np.sort(np.linalg.eigvalsh(flat))[::-1])
+    singular = torch.ones(3, 3, dtype=torch.float64)
+    assert ntk.condition_number(singular) == float("inf")
+
+
+def test_kernel_alignment_matches_its_formulas():
+    torch.manual_seed(1)
+    a = torch.randn(8, 4, dtype=torch.float64)
+    k = a @ a.T
+    y = torch.tensor([0, 1, 0, 2, 1, 0, 2, 2])
+    lab = (y[:, None] == y[None, :]).double() * 2 - 1
+    kc, lc = k - k.mean(), lab - lab.mean()
+    pearson = float((kc * lc).sum() / (kc.norm() * lc.norm()))
+    assert np.isclose(ntk.kernel_alignment(k, y, centering="mean"), pearson)
+    assert np.isclose(pearson, np.corrcoef(k.reshape(-1), lab.reshape(-1))[0, 1])
+    h = torch.eye(8, dtype=torch.float64) - 1 / 8
+    onehot = torch.nn.functional.one_hot(y).double()
+    kh, lh = h @ k @ h, h @ onehot @ onehot.T @ h
+    assert np.isclose(ntk.kernel_alignment(k, y), float((kh * lh).sum() / (kh.norm() * lh.norm())))
+    with pytest.raises(ValueError, match="centering"):
+        ntk.kernel_alignment(k, y, centering="nope")
+
+
+def test_auto_picks_structured_when_layers_are_known(monkeypatch):
+    calls = []
+    import ntk._structured as structured
+    original = structured.Plan.autodiff.__func__
+
+    def spy(cls, other):
+        calls.append(True)
+        return original(cls, other)
+    monkeypatch.setattr(structured.Plan, "autodiff", classmethod(spy))
+    model = MLP().eval()
+    ntk.empirical_ntk(model, torch.randn(4, 5), method="auto")
+    assert not calls
+    ntk.empirical_ntk(model, torch.randn(4, 5), method="jacobian")
+    assert calls
