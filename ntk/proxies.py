@@ -91,8 +91,9 @@ def score(model: Candidate, x, y=None, *, metric: str = "lga", kind: str = "sum_
         value, raw = _MEASURES[metric](net, xb, yb, kind=kind, layers=layers)
         values.append(value)
         raws.append(raw)
-    result = ProxyScore(metric, float(np.mean(values)), float(np.std(values)), tuple(values),
-                        tuple(raws), time.perf_counter() - start)
+    with np.errstate(invalid="ignore"):  # the spread of infinite values is NaN
+        result = ProxyScore(metric, float(np.mean(values)), float(np.std(values)), tuple(values),
+                            tuple(raws), time.perf_counter() - start)
     return result if return_details else result.value
 
 
@@ -115,10 +116,9 @@ def rank(candidates: Mapping[str, Candidate], x, y=None, *, metric: str = "lga",
                                 unit="arch"):
         try:
             details = score(candidate, x, y, metric=metric, return_details=True, **options)
-        except (ValueError, TypeError) as exc:
-            raise type(exc)(f"candidate {name!r}: {exc}") from exc
-        except _FactoryError as exc:
-            raise RuntimeError(f"candidate {name!r}: {exc}") from exc.__cause__
+        except (ValueError, TypeError, RuntimeError) as exc:  # name the candidate that failed
+            kind = next(k for k in (ValueError, TypeError, RuntimeError) if isinstance(exc, k))
+            raise kind(f"candidate {name!r}: {exc}") from exc
         results.append((name, details))
     results.sort(key=lambda item: (math.isnan(item[1].value), -item[1].value))
     return results if return_details else [(name, d.value) for name, d in results]
@@ -127,10 +127,6 @@ def rank(candidates: Mapping[str, Candidate], x, y=None, *, metric: str = "lga",
 # --------------------------------------------------------------------------------------------
 # Inputs, copies, warm-up
 # --------------------------------------------------------------------------------------------
-
-class _FactoryError(Exception):
-    """A candidate factory raised or returned something other than a module."""
-
 
 def _check_options(metric, kind, batch_size, repeats, warmup_steps) -> None:
     if metric not in METRICS:
@@ -173,7 +169,7 @@ def _prepare(candidate: Candidate, seed: int) -> nn.Module:
     try:
         net = candidate()
     except Exception as exc:  # noqa: BLE001 - any failure of user code is reported as such
-        raise _FactoryError(f"the factory raised {type(exc).__name__}: {exc}") from exc
+        raise RuntimeError(f"the factory raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(net, nn.Module):
         raise TypeError(f"the factory returned a {type(net).__name__}, not an nn.Module")
     return net

@@ -1,0 +1,189 @@
+"""ntk.proxies: every metric against a direct computation written here, ranking, errors, safety."""
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from ntk import proxies
+
+N, D, O = 12, 5, 3
+
+
+def tiny(seed=0, bias=True, width=6):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(D, width, bias=bias), nn.ReLU(), nn.Linear(width, O, bias=bias))
+
+
+@pytest.fixture
+def data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(N, D, generator=g), torch.arange(N) % O
+
+
+def sum_logit_grads(model, x):
+    """G [N, P]: per-sample gradients of Σ_o f_o(x) / √O, one autograd call per sample."""
+    params = list(model.parameters())
+    rows = []
+    for i in range(len(x)):
+        out = model(x[i:i + 1]).sum() / math.sqrt(O)
+        rows.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(out, params)]))
+    return torch.stack(rows).double().numpy()
+
+
+def run(model, x, y, metric, **kw):
+    """Score on the whole data set (the batch is all of it, in a random order)."""
+    return proxies.score(model, x, y, metric=metric, batch_size=len(x), **kw)
+
+
+def test_kernel_metrics_match_a_direct_computation(data):
+    x, y = data
+    model = tiny().eval()
+    g = sum_logit_grads(model, x)
+    k = g @ g.T
+    labels = np.where(y.numpy()[:, None] == y.numpy()[None, :], 1.0, -1.0)
+    ev = np.linalg.eigvalsh(k)
+    assert run(model, x, y, "lga") == pytest.approx(np.corrcoef(k.ravel(), labels.ravel())[0, 1], abs=1e-5)
+    assert run(model, x, y, "condition_number") == pytest.approx(-math.log(ev[-1] / ev[0]), rel=1e-3)
+    assert run(model, x, y, "trace") == pytest.approx(np.trace(k), rel=1e-5)
+    assert run(model, x, y, "frobenius") == pytest.approx(np.linalg.norm(k), rel=1e-5)
+    assert run(model, x, y, "mean") == pytest.approx(k.mean(), rel=1e-5)
+    details = run(model, x, y, "condition_number", return_details=True)
+    assert details.raw[0] == pytest.approx(ev[-1] / ev[0], rel=1e-3)
+
+
+def test_trace_kind_is_the_sum_of_per_output_kernels(data):
+    x, y = data
+    model = tiny().eval()
+    params = list(model.parameters())
+    k = np.zeros((N, N))
+    for o in range(O):
+        rows = [torch.cat([g.reshape(-1) for g in torch.autograd.grad(model(x[i:i + 1])[0, o], params)])
+                for i in range(N)]
+        go = torch.stack(rows).double().numpy()
+        k += go @ go.T
+    assert run(model, x, y, "trace", kind="trace") == pytest.approx(np.trace(k), rel=1e-5)
+
+
+def test_gradient_baselines_match_a_direct_computation(data):
+    x, y = data
+    model = tiny()
+    loss = nn.functional.cross_entropy(model(x), y)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    expected_norm = sum(float(g.norm()) for g in grads)
+    expected_snip = sum(float((p.detach() * g).abs().sum()) for p, g in zip(model.parameters(), grads))
+    assert run(model, x, y, "grad_norm") == pytest.approx(expected_norm, rel=1e-5)
+    assert run(model, x, y, "snip") == pytest.approx(expected_snip, rel=1e-5)
+    assert run(model, x, y, "params") == sum(p.numel() for p in model.parameters())
+
+
+def test_synflow_of_a_bias_free_relu_net_is_depth_times_the_path_norm(data):
+    """With |W| and an all-ones input every ReLU is open, R = 1ᵀ|W2||W1|1 and each layer's
+    Σ|θ ⊙ ∂R/∂θ| equals R, so synflow = 2R."""
+    x, y = data
+    model = tiny(bias=False)
+    w1, w2 = (m.weight.detach().double().abs() for m in (model[0], model[2]))
+    path = float(torch.ones(O, dtype=torch.float64) @ w2 @ w1 @ torch.ones(D, dtype=torch.float64))
+    assert run(model, x, y, "synflow") == pytest.approx(2 * path, rel=1e-9)
+
+
+def test_jacob_cov_matches_a_direct_computation(data):
+    x, y = data
+    model = tiny().eval()
+    jac = np.stack([torch.autograd.functional.jacobian(lambda v: model(v[None]).sum(), x[i]).numpy()
+                    for i in range(N)])
+    v = np.linalg.eigvals(np.corrcoef(jac)).real
+    expected = -np.sum(np.log(v + 1e-5) + 1 / (v + 1e-5))
+    assert run(model, x, y, "jacob_cov") == pytest.approx(expected, rel=1e-4)
+
+
+def test_naswot_matches_the_hamming_kernel(data):
+    x, y = data
+    model = tiny(width=40).eval()
+    codes = (model[0](x) > 0).numpy().astype(int)
+    hamming = (codes[:, None, :] != codes[None, :, :]).sum(-1)
+    expected = np.linalg.slogdet(codes.shape[1] - hamming)[1]
+    assert run(model, x, y, "naswot") == pytest.approx(expected, rel=1e-6)
+
+
+def test_repeats_report_mean_and_spread_reproducibly(data):
+    x, y = data
+    factory = lambda: tiny(seed=99)  # noqa: E731 - the seed is overridden per repeat
+    a = proxies.score(lambda: nn.Sequential(nn.Linear(D, 8), nn.Tanh(), nn.Linear(8, O)), x, y,
+                      metric="lga", batch_size=8, repeats=3, return_details=True)
+    b = proxies.score(lambda: nn.Sequential(nn.Linear(D, 8), nn.Tanh(), nn.Linear(8, O)), x, y,
+                      metric="lga", batch_size=8, repeats=3, return_details=True)
+    assert len(a.values) == 3 and a.values == b.values
+    assert a.value == pytest.approx(np.mean(a.values)) and a.std == pytest.approx(np.std(a.values))
+    assert a.std > 0
+    assert isinstance(proxies.score(factory, x, y), float)
+
+
+def test_the_model_is_never_modified_and_warm_up_changes_the_score(data):
+    x, y = data
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, O))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cold = run(model, x, y, "lga")
+    warm = run(model, x, y, "lga", warmup_steps=5, warmup_lr=0.05)
+    run(model, x, y, "synflow")
+    assert model.training
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert warm != pytest.approx(cold, abs=1e-4)
+
+
+def test_fresh_batchnorm_uses_the_batch_statistics(data):
+    """An untrained BatchNorm is scored as in training mode: the activation patterns (signs
+    after normalisation, which the variance estimate does not change) are the batch's."""
+    x, y = data
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 40), nn.BatchNorm1d(40), nn.ReLU(), nn.Linear(40, O))
+    with torch.no_grad():
+        model[0].bias += 3.0  # far from the default running mean 0
+        codes = (copy.deepcopy(model).train()[:2](x) > 0).numpy().astype(int)
+    hamming = (codes[:, None, :] != codes[None, :, :]).sum(-1)
+    expected = np.linalg.slogdet(codes.shape[1] - hamming)[1]
+    assert run(model, x, y, "naswot") == pytest.approx(expected, rel=1e-6)
+
+
+def test_rank_orders_best_first_and_matches_score(data):
+    x, y = data
+    widths = {"w2": 2, "w16": 16, "w4": 4}
+    candidates = {name: (lambda w=w: tiny(width=w)) for name, w in widths.items()}
+    assert [n for n, _ in proxies.rank(candidates, x, y, metric="params")] == ["w16", "w4", "w2"]
+    ranked = proxies.rank(candidates, x, y, metric="lga", batch_size=8)
+    values = [s for _, s in ranked]
+    assert values == sorted(values, reverse=True)
+    for name, value in ranked:
+        assert value == proxies.score(candidates[name], x, y, metric="lga", batch_size=8)
+    modules = proxies.rank({"a": tiny(width=3), "b": tiny(width=9)}, x, y, metric="params",
+                           return_details=True)
+    assert modules[0][0] == "b" and modules[0][1].metric == "params"
+
+
+def test_clear_errors(data):
+    x, y = data
+    with pytest.raises(ValueError, match="empty"):
+        proxies.rank({}, x, y)
+
+    def broken():
+        raise ZeroDivisionError("no luck")
+    with pytest.raises(RuntimeError, match="candidate 'bad': the factory raised ZeroDivisionError"):
+        proxies.rank({"good": tiny, "bad": broken}, x, y, metric="params")
+    with pytest.raises(TypeError, match="candidate 'num'"):
+        proxies.rank({"num": 3}, x, y)
+    with pytest.raises(ValueError, match="12 samples but y has 5"):
+        proxies.score(tiny(), x, y[:5])
+    with pytest.raises(ValueError, match="integer class labels"):
+        proxies.score(tiny(), x, y.float())
+    with pytest.raises(ValueError, match="needs class labels"):
+        proxies.score(tiny(), x, None, metric="lga")
+    with pytest.raises(ValueError, match="class 3 but the model has 3 outputs"):
+        proxies.score(tiny(), x, y + 1, metric="grad_norm")
+    with pytest.raises(ValueError, match="unknown metric"):
+        proxies.score(tiny(), x, y, metric="accuracy")
+    with pytest.raises(RuntimeError, match="candidate 'narrow'"):
+        proxies.rank({"narrow": tiny}, torch.randn(N, D + 2), y, metric="lga")
