@@ -8,6 +8,7 @@ import click
 
 from .common import UsageProblem
 from .kernel import kernel
+from .nas import nas
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -16,6 +17,7 @@ def cli() -> None:
 
 
 cli.add_command(kernel)
+cli.add_command(nas)
 
 
 def main(argv=None) -> None:

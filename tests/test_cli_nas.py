@@ -1,0 +1,126 @@
+"""`ntk nas` as a user runs it: a subprocess on the demo space, on a candidates file, and errors."""
+import csv
+import io
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from attribution.cli import main
+from ntk import proxies
+
+CANDIDATES = """
+import torch
+from torch import nn
+
+def net(width):
+    return nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 3))
+
+torch.manual_seed(0)
+space = {"w3": lambda: net(3), "w12": lambda: net(12), "w6": net(6)}  # factories and a module
+empty = {}
+def broken():
+    raise ZeroDivisionError("no luck")
+bad = {"ok": lambda: net(3), "broken": broken}
+not_a_dict = [net(3)]
+"""
+
+
+def run(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "attribution.cli", "nas", *args],
+                          capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def write_inputs(tmp_path, features=4):
+    (tmp_path / "cands.py").write_text(CANDIDATES)
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "data.npz", x=rng.normal(size=(20, features)).astype(np.float32),
+             y=np.arange(20) % 3)
+
+
+def test_no_arguments_ranks_the_demo_space():
+    result = run("--format", "json", "--repeats", "1")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)["rows"]
+    assert len(rows) == 6 and [r["rank"] for r in rows] == list(range(1, 7))
+    scores = [r["lga"] for r in rows]
+    assert scores == sorted(scores, reverse=True)
+    assert all(-1 <= s <= 1 for s in scores)
+
+
+def test_candidates_file_data_and_formats(tmp_path):
+    write_inputs(tmp_path)
+    result = run("--candidates", "cands.py:space", "--data", "data.npz", "--metric", "params",
+                 "--format", "csv", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = list(csv.DictReader(io.StringIO(result.stdout)))
+    assert [r["candidate"] for r in rows] == ["w12", "w6", "w3"]
+    assert float(rows[0]["params"]) == 4 * 12 + 12 + 12 * 3 + 3
+
+
+def test_condition_number_rows_match_the_library(tmp_path, monkeypatch, capsys):
+    write_inputs(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_here(capsys, "--candidates", "cands.py:space", "--data", "data.npz",
+                              "--metric", "condition_number", "--repeats", "2", "--batch-size",
+                              "10", "--format", "json")
+    assert code == 0, err
+    rows = json.loads(out)["rows"]
+    data = np.load(tmp_path / "data.npz")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import cands
+    finally:
+        sys.path.pop(0)
+    expected = proxies.rank(cands.space, torch.tensor(data["x"]), torch.tensor(data["y"]),
+                            metric="condition_number", repeats=2, batch_size=10)
+    assert [(r["candidate"], r["condition_number"]) for r in rows] == expected
+    assert all(r["kappa"] >= 1 for r in rows)
+
+
+def run_here(capsys, *args):
+    """The console entry point in this process (exit code, stdout, stderr): cheaper than a
+    subprocess."""
+    with pytest.raises(SystemExit) as stop:
+        main(["nas", *args])
+    captured = capsys.readouterr()
+    return stop.value.code, captured.out, captured.err
+
+
+def test_table_format(tmp_path, monkeypatch, capsys):
+    write_inputs(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_here(capsys, "--candidates", "cands.py:space", "--data", "data.npz",
+                              "--metric", "params")
+    assert code == 0, err
+    assert out.index("w12") < out.index("w6") < out.index("w3")
+
+
+def test_usage_errors_exit_2_with_one_line(tmp_path, monkeypatch, capsys):
+    write_inputs(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    for args, message in [
+        (["--candidates", "cands.py:empty"], "empty"),
+        (["--candidates", "cands.py:not_a_dict"], "not a dict"),
+        (["--candidates", "nowhere.py:space"], "does not exist"),
+        (["--candidates", "cands.py:space", "--data", "missing.npz"], "does not exist"),
+        (["--candidates", "cands.py:space", "--metric", "accuracy"], "accuracy"),
+    ]:
+        code, _, err = run_here(capsys, *args)
+        assert code == 2, (args, err)
+        assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_failures_name_the_candidate(tmp_path, monkeypatch, capsys):
+    write_inputs(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_here(capsys, "--candidates", "cands.py:bad", "--data", "data.npz")
+    assert code == 1
+    assert "candidate 'broken': the factory raised ZeroDivisionError: no luck" in err
+
+    write_inputs(tmp_path, features=7)  # data that the networks cannot read
+    code, _, err = run_here(capsys, "--candidates", "cands.py:space", "--data", "data.npz")
+    assert code == 1 and "candidate 'w3'" in err
