@@ -164,12 +164,13 @@ class Plan:
 
 
 def plan(view: ModelView, x_probe, kind: str, num_cotangents: int, block: int,
-         only: Optional[list[str]] = None) -> Plan:
+         only: Optional[list[str]] = None, factor_all: bool = False) -> Plan:
     """Decide, from one forward pass on a single sample, how each parameter is differentiated.
 
     Only the parameters in `only` (default: all) are planned. A known module is factored only if
     it was called exactly once and its parameters were used by it alone. A weight with S positions uses the factored contraction when it is cheaper than
-    forming per-sample gradients (see `_prefer_factors`).
+    forming per-sample gradients (see `_prefer_factors`), or always with `factor_all=True`
+    (random projections of the factors, which never need the kernel contraction).
     """
     module_of = dict(view.model.named_modules())
     names = {name: module_of[name] for name in view.layers}
@@ -224,7 +225,7 @@ def plan(view: ModelView, x_probe, kind: str, num_cotangents: int, block: int,
         if isinstance(module, _WEIGHTED) and _qualified(layer, "weight") in mine:
             s = _positions(module, in_numel[layer], out_numel[layer])
             positions[layer] = s
-            if _prefer_factors(module, s, kind, num_cotangents, block):
+            if factor_all or _prefer_factors(module, s, kind, num_cotangents, block):
                 factored.add(layer)
     return Plan(modules, covered, factored, fallback, positions, activations[0])
 
@@ -305,8 +306,8 @@ def _module_terms(layer: str, plan_: Plan, a: torch.Tensor, d: torch.Tensor) -> 
     module = plan_.modules[layer]
     covered = plan_.covered[layer]
     c, b = d.shape[:2]
-    terms = []
     if isinstance(module, _NORMS):
+        terms = []
         if isinstance(module, nn.LayerNorm):
             shape = (c, b, -1, *module.normalized_shape)
             prod = (d * a).reshape(shape).sum(2).reshape(c, b, -1)
@@ -320,20 +321,20 @@ def _module_terms(layer: str, plan_: Plan, a: torch.Tensor, d: torch.Tensor) -> 
         return terms
 
     d = _signals(module, d)                                # [C, B, S, F_out]
-    if _qualified(layer, "bias") in covered:
-        terms.append(Explicit(layer, d.sum(2)))
-    if _qualified(layer, "weight") in covered:
-        embedding = isinstance(module, nn.Embedding)
+    weight, bias = _qualified(layer, "weight") in covered, _qualified(layer, "bias") in covered
+    if bias and not weight:
+        return [Explicit(layer, d.sum(2))]
+    if isinstance(module, nn.Embedding):
         if layer in plan_.factored:
-            terms.append(Factored(layer, a, d, index=embedding,
-                                  padding_idx=module.padding_idx if embedding else None))
-        elif embedding:
-            grad = torch.zeros((c, b, module.num_embeddings, d.shape[-1]), dtype=d.dtype, device=d.device)
-            valid = a if module.padding_idx is None else torch.where(a == module.padding_idx, -1, a)
-            mask = (valid >= 0).to(d.dtype)
-            index = valid.clamp(min=0)[None, :, :, None].expand(c, b, a.shape[1], d.shape[-1])
-            grad.scatter_add_(2, index, d * mask[None, :, :, None])
-            terms.append(Explicit(layer, grad.reshape(c, b, -1)))
-        else:
-            terms.append(Explicit(layer, torch.einsum("cbso,bsi->cboi", d, a).reshape(c, b, -1)))
-    return terms
+            return [Factored(layer, a, d, index=True, padding_idx=module.padding_idx)]
+        grad = torch.zeros((c, b, module.num_embeddings, d.shape[-1]), dtype=d.dtype, device=d.device)
+        valid = a if module.padding_idx is None else torch.where(a == module.padding_idx, -1, a)
+        mask = (valid >= 0).to(d.dtype)
+        index = valid.clamp(min=0)[None, :, :, None].expand(c, b, a.shape[1], d.shape[-1])
+        grad.scatter_add_(2, index, d * mask[None, :, :, None])
+        return [Explicit(layer, grad.reshape(c, b, -1))]
+    if bias:   # y_s = W a_s + b = [W b] [a_s; 1]: the bias is one more input feature
+        a = torch.cat([a, a.new_ones(a.shape[:-1] + (1,))], dim=-1)
+    if layer in plan_.factored:
+        return [Factored(layer, a, d)]
+    return [Explicit(layer, torch.einsum("cbso,bsi->cboi", d, a).reshape(c, b, -1))]
