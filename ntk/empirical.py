@@ -13,6 +13,7 @@ from ._memory import KernelTooLargeError, available_bytes, block_size, human
 from ._model import ModelView, check_eval_mode
 
 METHODS = ("auto", "jacobian", "ntk_vp", "structured")
+AUTO_BLOCK_LIMIT = 2048   # automatic tiles stop growing here: bigger ones only hold more memory
 Kernel = Union[torch.Tensor, dict]
 
 
@@ -81,35 +82,6 @@ class _Computation:
                              f"are {list(view.layers)}")
         return names
 
-    def _check_outputs(self, view: ModelView, xs: list) -> int:
-        """Forward every sample once (no grad): finite [B, O] outputs that do not depend on the
-        rest of the batch. Returns O."""
-        num_outputs = None
-        with torch.no_grad():
-            for x in xs:
-                n = _inputs.count(x)
-                for start in range(0, n, 1024):
-                    y = view.forward(view.params, _inputs.take(x, slice(start, start + 1024)))
-                    if y.shape[0] != min(1024, n - start):
-                        raise ValueError(f"the model returned {y.shape[0]} rows for "
-                                         f"{min(1024, n - start)} samples")
-                    if not bool(torch.isfinite(y).all()):
-                        raise ValueError("the model produced non-finite outputs (NaN or inf) "
-                                         "on the given inputs")
-                    num_outputs = y.shape[1]
-            probe = _inputs.take(xs[0], slice(0, 4))
-            batch = view.forward(view.params, probe)
-            again = view.forward(view.params, probe)
-            alone = view.forward(view.params, _inputs.take(xs[0], slice(0, 1)))
-            scale = float(batch.abs().max()) + 1e-12
-            if not torch.allclose(batch, again, rtol=1e-4, atol=1e-5 * scale):
-                raise ValueError("the model's output is random (two identical calls differ); call "
-                                 "model.eval() to switch off dropout and similar layers")
-            if not torch.allclose(batch[:1], alone, rtol=1e-4, atol=1e-5 * scale):
-                raise ValueError("a sample's output depends on the rest of the batch (e.g. BatchNorm "
-                                 "in training mode); call model.eval() before computing a kernel")
-        return num_outputs
-
     # -- the computation -------------------------------------------------------------------------
     def run(self, x1, x2, out):
         check_eval_mode(self.model)
@@ -126,7 +98,7 @@ class _Computation:
             raise ValueError("out= receives the total kernel only; use layers=None with out")
         x1 = _inputs.convert(x1, view.device, self.dtype)
         x2 = x1 if symmetric else _inputs.convert(x2, view.device, self.dtype)
-        num_outputs = self._check_outputs(view, [x1] if symmetric else [x1, x2])
+        num_outputs = check_outputs(view, [x1] if symmetric else [x1, x2])
         param_dtype = next(iter(view.params.values())).dtype
         cot = _kinds.cotangents(self.kind, num_outputs, dtype=param_dtype, device=view.device)
         c = cot.shape[0]
@@ -157,7 +129,7 @@ class _Computation:
 
         per_sample, per_pair = self._memory(view, plan, method, c, itemsize, n_components, shape)
         budget = max(0.4 * (avail - (0 if out is not None else out_bytes)), 64 << 20)
-        block = self.batch_size or block_size(max(n1, n2), per_sample, per_pair, budget)
+        block = self.batch_size or min(AUTO_BLOCK_LIMIT, block_size(max(n1, n2), per_sample, per_pair, budget))
         if method == "ntk_vp":
             groups = {None: only or list(view.params)} if selected is None else \
                 {layer: view.layers[layer] for layer in selected}
@@ -177,7 +149,8 @@ class _Computation:
         explicit = sum(view.params[n].numel() for n in plan.fallback)
         per_sample = act * (1 + c) + c * explicit
         for layer, names in plan.covered.items():
-            per_sample += sum(view.params[n].numel() for n in names) if layer not in plan.factored else 0
+            if layer not in plan.factored:   # per-sample gradient rows [C, P_layer]
+                per_sample += c * sum(view.params[n].numel() for n in names)
         if method == "ntk_vp":
             per_sample = 3 * c * act
         pair_out = float(np.prod(shape[2:])) if len(shape) > 2 else 1.0
@@ -220,6 +193,36 @@ class _Computation:
                             _write(results[key], cs, rs, _kinds.transpose_tile(value, self.kind))
                     bar.update()
         return results[None] if selected is None else {k: results[k] for k in keys}
+
+
+def check_outputs(view: ModelView, xs: list) -> int:
+    """Forward every sample once (no grad): finite [B, O] outputs that do not depend on the
+    rest of the batch. Returns O."""
+    num_outputs = None
+    with torch.no_grad():
+        for x in xs:
+            n = _inputs.count(x)
+            for start in range(0, n, 1024):
+                y = view.forward(view.params, _inputs.take(x, slice(start, start + 1024)))
+                if y.shape[0] != min(1024, n - start):
+                    raise ValueError(f"the model returned {y.shape[0]} rows for "
+                                     f"{min(1024, n - start)} samples")
+                if not bool(torch.isfinite(y).all()):
+                    raise ValueError("the model produced non-finite outputs (NaN or inf) "
+                                     "on the given inputs")
+                num_outputs = y.shape[1]
+        probe = _inputs.take(xs[0], slice(0, 4))
+        batch = view.forward(view.params, probe)
+        again = view.forward(view.params, probe)
+        alone = view.forward(view.params, _inputs.take(xs[0], slice(0, 1)))
+        scale = float(batch.abs().max()) + 1e-12
+        if not torch.allclose(batch, again, rtol=1e-4, atol=1e-5 * scale):
+            raise ValueError("the model's output is random (two identical calls differ); call "
+                             "model.eval() to switch off dropout and similar layers")
+        if not torch.allclose(batch[:1], alone, rtol=1e-4, atol=1e-5 * scale):
+            raise ValueError("a sample's output depends on the rest of the batch (e.g. BatchNorm "
+                             "in training mode); call model.eval() before computing a kernel")
+    return num_outputs
 
 
 def _write(target, rows: slice, cols: slice, value: torch.Tensor) -> None:
