@@ -1,0 +1,96 @@
+"""Random projection of the engine's per-layer Jacobian terms, Φ_l = J_l R_l, without forming
+per-sample gradients of factored weights.
+
+*Explicit* terms g [C, B, P] (biases, normalisation affines, autodiff fallback) are projected
+densely, Φ = g R/√k, in chunks of parameters (see `_projectors`).
+
+*Factored* weights have Jacobian rows Σ_s δ_s ⊗ a_s (δ_s ∈ ℝ^{F_out}, a_s ∈ ℝ^{F_in}). They are
+projected with a stacked Kronecker projector: k = r·m² columns made of r independent blocks
+R_j = R_out,j ⊗ R_in,j (R_out,j ∈ ℝ^{F_out×m}, R_in,j ∈ ℝ^{F_in×m}, unit-variance entries
+scaled by 1/√m, each block scaled by 1/√r), so that
+
+    Φ_j = (1/√r) Σ_s (R_out,jᵀ δ_s) ⊗ (R_in,jᵀ a_s)      and      E[R Rᵀ] = I.
+
+For an embedding a_s is one-hot, so R_in,jᵀ a_s is a row of R_in,j gathered by token id.
+The cost per sample and cotangent is S·k·(F_in/m + F_out/m + 1) instead of P·k for the dense
+projection of the P = F_out·F_in gradient. Variance: for one block with g = δ⊗a, g' = δ'⊗a',
+the estimate is a product XY of independent unbiased estimates X of δ·δ' and Y of a·a' from
+m-dimensional projections, so Var = μ_X²σ_Y² + μ_Y²σ_X² + σ_X²σ_Y² with (Gaussian entries)
+σ_X² = (‖δ‖²‖δ'‖² + (δ·δ')²)/m. On the diagonal (g = g') this is ‖g‖⁴(4/m + 4/m²), and the
+average of r = k/m² blocks has variance ‖g‖⁴(4m + 4)/k against 2‖g‖⁴/k for a dense Gaussian
+projection of the same k: a single Kronecker product (r = 1, m = √k) has relative error
+∝ k^(-1/4), not k^(-1/2). The default m = 1 (a row-wise Kronecker or "Khatri–Rao" projection,
+Rakhshan & Rabusseau, AISTATS 2020) keeps the error within about √(8/2) = 2× the dense
+projection's on the diagonal while it is the cheapest per column; `benchmarks/projection_accuracy.py`
+measures it. A weight shared over many positions (S large, P small, as in early convolutions)
+is projected through its per-sample gradient G = Σ_s δ_s a_sᵀ instead (Φ_j = vec(R_out,jᵀ G R_in,j),
+the same R, chosen only when cheaper); G is never larger than the factors it replaces.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ntk._structured import Explicit, Factored
+
+from ._projectors import MatrixBank
+
+
+class Sketcher:
+    """Projects the terms of one layer to k dimensions with matrices from a `MatrixBank`."""
+
+    def __init__(self, bank: MatrixBank, dim: int, vocab: dict[str, int], block: int = 1):
+        if dim % (block * block):
+            raise ValueError(f"dim={dim} must be a multiple of block²={block * block}")
+        self.bank, self.dim, self.vocab, self.m = bank, dim, vocab, block
+        self.r = dim // (block * block)
+
+    def explicit(self, layer: str, part: int, g: torch.Tensor) -> torch.Tensor:
+        """g [C, B, P] → g R/√k [C, B, k]; `part` numbers the explicit terms of the layer."""
+        r = self.bank.matrix(("dense", layer, part), g.shape[-1], self.dim, 1 / math.sqrt(self.dim))
+        return r.matmul(g)
+
+    def factored(self, t: Factored) -> torch.Tensor:
+        """Σ_s δ_s ⊗ a_s projected with the stacked Kronecker projector → [C, B, k]."""
+        c, b, s, f_out = t.d.shape
+        m, r = self.m, self.r
+        scale = 1 / math.sqrt(m)
+        r_out = self.bank.matrix(("out", t.layer), f_out, r * m, scale)
+        if t.index:
+            r_in = self.bank.matrix(("in", t.layer), self.vocab[t.layer], r * m, scale)
+            a_proj = r_in.gather(t.a.clamp(min=0))
+            if t.padding_idx is not None:
+                a_proj = a_proj * (t.a != t.padding_idx).unsqueeze(-1).to(a_proj.dtype)
+        else:
+            f_in = t.a.shape[-1]
+            r_in = self.bank.matrix(("in", t.layer), f_in, r * m, scale)
+            via_factors = s * (f_in + c * f_out) / m + c * s
+            via_gradient = c * s * f_out * f_in / self.dim + c * f_out * f_in / m + c * f_out
+            if via_gradient < via_factors:
+                g = torch.einsum("cbso,bsi->cboi", t.d, t.a)
+                left = r_in.matmul(g).reshape(c, b, f_out, r, 1, m)          # Σ_i G_oi R_in[i,rq]
+                right = r_out.dense().reshape(f_out, r, m, 1)
+                return (left * right).sum(2).reshape(c, b, self.dim) / math.sqrt(r)
+            a_proj = r_in.matmul(t.a)                                         # [B, S, r·m]
+        d_proj = r_out.matmul(t.d).reshape(c, b, s, r, m, 1)
+        a_proj = a_proj.reshape(b, s, r, 1, m)
+        return (d_proj * a_proj).sum(2).reshape(c, b, self.dim) / math.sqrt(r)
+
+    def terms(self, terms: list, layers) -> dict:
+        """Sum the projections of all terms per layer: {layer: Φ_l [C, B, k]} for the layers in
+        `layers` (None: every layer, summed under the key None)."""
+        out: dict = {}
+        counts: dict[str, int] = {}
+        for t in terms:
+            key = None if layers is None else t.layer
+            if layers is not None and t.layer not in layers:
+                continue
+            if isinstance(t, Explicit):
+                part = counts.get(t.layer, 0)
+                counts[t.layer] = part + 1
+                phi = self.explicit(t.layer, part, t.g)
+            else:
+                phi = self.factored(t)
+            out[key] = phi if key not in out else out[key] + phi
+        return out

@@ -1,0 +1,235 @@
+"""Projected Jacobian features Φ(x) = J(x) R and the projected kernel Φ Φᵀ, an unbiased estimate
+of the empirical NTK for every kind (E[R Rᵀ] = I).
+
+R is block-diagonal over layers (the modules that directly own trainable parameters): Φ(x) =
+Σ_l J_l(x) R_l with an independent R_l per layer, built by `_sketch` from the engine's per-layer
+Jacobian factors, so per-sample gradients of factored weights are never formed. The features
+of the cotangents of a kind (the rows u_cᵀ J of `ntk._kinds`) give Φ [N, k] for `sum_logits`
+and Φ [N, O, k] for `trace`, `diagonal` and `full`; the kernels are contractions of Φ over k.
+This is the projection used by TRAK (Park et al., ICML 2023) and by the projected trNTK of
+Engel et al. (ICLR 2024), applied to factors instead of materialised gradients.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Callable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ntk import _inputs, _kinds, _structured
+from ntk._memory import available_bytes, block_size
+from ntk._model import ModelView, check_eval_mode
+from ntk.empirical import check_outputs
+
+from ._projectors import MatrixBank, check_projector
+from ._sketch import Sketcher
+
+Features = Union[torch.Tensor, dict]
+
+
+class Featurizer:
+    """Fixed projection settings for one model; call `block(x)` on batches of samples.
+
+    The random matrices are generated once and reused for every batch. The model is read
+    through a functional view and never modified.
+    """
+
+    def __init__(self, model: nn.Module, *, dim: int, kind: str = "trace",
+                 projector: str = "rademacher", seed: int = 0,
+                 layers: Union[None, str, Sequence[str]] = None, device=None,
+                 dtype: Optional[torch.dtype] = None, output_fn: Optional[Callable] = None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"dim must be a positive integer, got {dim!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an integer, got {seed!r}")
+        _kinds.check_kind(kind)
+        check_projector(projector)
+        check_eval_mode(model)
+        self.dim, self.kind, self.projector, self.seed = dim, kind, projector, seed
+        self.dtype = dtype
+        self.view = ModelView(model, output_fn=output_fn, device=device, dtype=dtype)
+        self.layers = _selected(self.view, layers)
+        self.param_dtype = next(iter(self.view.params.values())).dtype
+        self.num_outputs: Optional[int] = None
+        self._plan = None
+        self._sketcher = None
+
+    def fingerprint(self) -> str:
+        """SHA-256 of every tensor the forward pass reads (trainable, frozen, buffers)."""
+        h = hashlib.sha256()
+        v = self.view
+        for group in (v.params, v.constants, v.buffers):
+            for name in sorted(group):
+                t = group[name].detach().cpu().contiguous()
+                h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    def prepare(self, x) -> "Featurizer":
+        """Validate a batch (finite inputs and outputs, samples independent) and plan once."""
+        _inputs.validate(x, "x")
+        x = _inputs.convert(x, self.view.device, self.dtype)
+        o = check_outputs(self.view, [x])
+        if self.num_outputs is not None and o != self.num_outputs:
+            raise ValueError(f"the model returned {o} outputs, earlier batches had {self.num_outputs}")
+        if self._plan is None:
+            self.num_outputs = o
+            self.cot = _kinds.cotangents(self.kind, o, dtype=self.param_dtype, device=self.view.device)
+            only = None if self.layers is None else [n for l in self.layers for n in self.view.layers[l]]
+            self._plan = _structured.plan(self.view, _inputs.take(x, slice(0, 1)), self.kind,
+                                          self.cot.shape[0], 1, only=only, factor_all=True)
+            vocab = {l: m.num_embeddings for l, m in self._plan.modules.items()
+                     if isinstance(m, nn.Embedding)}
+            bank = MatrixBank(self.projector, self.seed, dtype=self.param_dtype, device=self.view.device)
+            self._sketcher = Sketcher(bank, self.dim, vocab)
+        return self
+
+    def default_batch(self, n: int) -> int:
+        """Samples per batch so that activations, factors and features stay within memory."""
+        p = self._plan
+        c = self.cot.shape[0]
+        itemsize = torch.empty((), dtype=self.param_dtype).element_size()
+        explicit = sum(self.view.params[n].numel() for n in p.fallback)
+        outputs = 1 if self.layers is None else len(self.layers)
+        s_max = max(p.positions.values(), default=1)
+        per_sample = itemsize * (2 * p.activations * (1 + c) + c * explicit
+                                 + c * self.dim * (outputs + 2 * s_max))
+        budget = max(0.25 * available_bytes(self.view.device), 64 << 20)
+        return max(1, min(512, block_size(n, per_sample, 0.0, budget)))
+
+    def block(self, x) -> Features:
+        """Features of a prepared batch: [B, k] or [B, O, k] (dict per layer with `layers`)."""
+        x = _inputs.convert(x, self.view.device, self.dtype)
+        with torch.no_grad():
+            terms = _structured.features(self.view, self._plan, x, self.cot)
+        with torch.no_grad():
+            phis = self._sketcher.terms(terms, self.layers)
+        b = _inputs.count(x)
+        shaped = {}
+        for key in ([None] if self.layers is None else self.layers):
+            phi = phis.get(key)
+            if phi is None:       # a selected layer that does not affect the outputs
+                phi = torch.zeros((self.cot.shape[0], b, self.dim), dtype=self.param_dtype,
+                                  device=self.view.device)
+            shaped[key] = phi[0] if self.kind == "sum_logits" else phi.transpose(0, 1)
+        return shaped[None] if self.layers is None else shaped
+
+
+def _selected(view: ModelView, layers) -> Optional[list[str]]:
+    if layers is None:
+        return None
+    if isinstance(layers, str):
+        if layers != "all":
+            raise ValueError(f"layers must be None, 'all' or a list of module names, got {layers!r}")
+        return list(view.layers)
+    names = list(layers)
+    if not names:
+        raise ValueError("layers is an empty list; pass None for the total")
+    unknown = [n for n in names if n not in view.layers]
+    if unknown:
+        raise ValueError(f"unknown layer name(s) {unknown}; layers owning trainable parameters "
+                         f"are {list(view.layers)}")
+    return names
+
+
+def features(model: nn.Module, x, *, dim: int, kind: str = "trace", projector: str = "rademacher",
+             seed: int = 0, layers: Union[None, str, Sequence[str]] = None,
+             batch_size: Optional[int] = None, device=None, dtype: Optional[torch.dtype] = None,
+             output_fn: Optional[Callable] = None, progress: bool = False) -> Features:
+    """Projected Jacobian features Φ(x) = J(x) R with E[R Rᵀ] = I, so that Φ Φᵀ estimates the
+    eNTK of `kind` without bias.
+
+    Returns [N, dim] for `sum_logits` and [N, O, dim] for `trace`, `diagonal` and `full`
+    (a dict {layer: features} with `layers="all"` or a list of module names, each layer with its
+    own independent projection). projector: "rademacher", "gaussian" or "sparse". The same
+    `seed` gives the same features whatever `batch_size`, device or the model's dtype.
+    """
+    fz = Featurizer(model, dim=dim, kind=kind, projector=projector, seed=seed, layers=layers,
+                    device=device, dtype=dtype, output_fn=output_fn)
+    return _features_of(fz, x, batch_size, progress)
+
+
+def _features_of(fz: Featurizer, x, batch_size, progress) -> Features:
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                                   or batch_size < 1):
+        raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
+    n = _inputs.validate(x, "x")
+    fz.prepare(x)
+    block = batch_size or fz.default_batch(n)
+    parts = []
+    for start in tqdm(range(0, n, block), disable=not progress, desc="features", unit="batch"):
+        parts.append(fz.block(_inputs.take(x, slice(start, start + block))))
+    if fz.layers is None:
+        return torch.cat(parts)
+    return {layer: torch.cat([p[layer] for p in parts]) for layer in fz.layers}
+
+
+def projected_ntk(model: nn.Module, x1, x2=None, *, dim: int, kind: str = "trace",
+                  projector: str = "rademacher", seed: int = 0,
+                  layers: Union[None, str, Sequence[str]] = None, batch_size: Optional[int] = None,
+                  device=None, dtype: Optional[torch.dtype] = None,
+                  output_fn: Optional[Callable] = None, progress: bool = False):
+    """Φ(x1) Φ(x2)ᵀ contracted as `kind`: an unbiased estimate of
+    `ntk.empirical_ntk(model, x1, x2, kind=kind, layers=layers)`, with the same shape
+    ([N1, N2, O, O], [N1, N2, O] or [N1, N2]; a dict per layer with `layers`)."""
+    fz = Featurizer(model, dim=dim, kind=kind, projector=projector, seed=seed, layers=layers,
+                    device=device, dtype=dtype, output_fn=output_fn)
+    if x2 is not None:
+        _inputs.validate(x2, "x2")
+        _inputs.check_compatible(x1, x2)
+    f1 = _features_of(fz, x1, batch_size, progress)
+    f2 = f1 if x2 is None else _features_of(fz, x2, batch_size, progress)
+    if fz.layers is None:
+        return _contract(f1, f2, kind)
+    return {layer: _contract(f1[layer], f2[layer], kind) for layer in fz.layers}
+
+
+def _contract(f1: torch.Tensor, f2: torch.Tensor, kind: str) -> torch.Tensor:
+    """Kernel of `kind` from features [N, k] (sum_logits) or [N, O, k]."""
+    if kind == "sum_logits":
+        return f1 @ f2.T
+    if kind == "trace":
+        return f1.reshape(f1.shape[0], -1) @ f2.reshape(f2.shape[0], -1).T
+    if kind == "diagonal":
+        return torch.einsum("iok,jok->ijo", f1, f2)
+    return torch.einsum("iak,jbk->ijab", f1, f2)
+
+
+def kernel(phi1, phi2=None, *, kind: str, out=None, tile: int = 4096, progress: bool = False):
+    """Φ1 Φ2ᵀ as `kind` from feature arrays of any size (e.g. memory-mapped stores from
+    `open_store`), computed in tiles of `tile` × `tile` samples so that only two tiles of
+    features are in memory at once. `out`: an optional preallocated array (e.g.
+    `numpy.lib.format.open_memmap`) that receives the kernel; otherwise a numpy array is returned."""
+    _kinds.check_kind(kind)
+    sym = phi2 is None
+    phi2 = phi1 if sym else phi2
+    want = 2 if kind == "sum_logits" else 3
+    for name, p in (("phi1", phi1), ("phi2", phi2)):
+        if len(p.shape) != want:
+            raise ValueError(f"{name} has shape {tuple(p.shape)}; {kind} features have {want} axes")
+    if tuple(phi1.shape[1:]) != tuple(phi2.shape[1:]):
+        raise ValueError(f"feature shapes differ: {tuple(phi1.shape[1:])} vs {tuple(phi2.shape[1:])}")
+    n1, n2 = phi1.shape[0], phi2.shape[0]
+    o = phi1.shape[1] if want == 3 else 1
+    shape = _kinds.tile_shape(kind, n1, n2, o)
+    if out is None:
+        out = np.empty(shape, dtype=np.asarray(phi1[:1]).dtype)
+    elif tuple(out.shape) != tuple(shape):
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(shape)}")
+    rows = [slice(s, min(s + tile, n1)) for s in range(0, n1, tile)]
+    cols = [slice(s, min(s + tile, n2)) for s in range(0, n2, tile)]
+    with tqdm(total=len(rows) * len(cols), disable=not progress, desc="kernel", unit="tile") as bar:
+        for rs in rows:
+            left = torch.from_numpy(np.array(phi1[rs]))
+            for cs in cols:
+                right = left if sym and rs == cs else torch.from_numpy(np.array(phi2[cs]))
+                out[rs, cs] = _contract(left, right, kind).numpy()
+                bar.update()
+    return out
+
+
