@@ -105,11 +105,14 @@ class Featurizer:
     def block(self, x) -> Features:
         """Features of a prepared batch: [B, k] or [B, O, k] (dict per layer with `layers`)."""
         x = _inputs.convert(x, self.view.device, self.dtype)
+        # a fresh copy (index by tensor): the arithmetic must not depend on where the batch sits
+        # in memory (alignment changes SIMD paths), so a store's bytes do not depend on the source
+        b = _inputs.count(x)
+        x = _inputs.take(x, torch.arange(b, device=self.view.device))
         with torch.no_grad():
             terms = _structured.features(self.view, self._plan, x, self.cot)
         with torch.no_grad():
             phis = self._sketcher.terms(terms, self.layers)
-        b = _inputs.count(x)
         shaped = {}
         for key in ([None] if self.layers is None else self.layers):
             phi = phis.get(key)

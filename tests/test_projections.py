@@ -1,0 +1,215 @@
+"""Random-projection features and kernels: unbiasedness against the exact eNTK, shapes,
+determinism, the structured (Kronecker) and dense paths, and input checks."""
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import ntk
+import projections
+from models import make
+from ntk._structured import Factored
+from projections._projectors import PROJECTORS, MatrixBank
+from projections._sketch import Sketcher
+
+KINDS = ("full", "diagonal", "trace", "sum_logits")
+
+
+def per_column(phi: torch.Tensor, kind: str) -> torch.Tensor:
+    """k·φ_j(x)φ_j(x') for each projected coordinate j (iid over j, each unbiased for Θ):
+    shape [k, *kernel shape]."""
+    k = phi.shape[-1]
+    if kind == "sum_logits":
+        return k * torch.einsum("ij,kj->jik", phi, phi)
+    if kind == "trace":
+        return k * torch.einsum("ioj,koj->jik", phi, phi)
+    if kind == "diagonal":
+        return k * torch.einsum("ioj,koj->jiko", phi, phi)
+    return k * torch.einsum("iaj,kbj->jikab", phi, phi)
+
+
+def assert_unbiased(samples: torch.Tensor, exact: torch.Tensor, z_max: float = 5.0):
+    """The mean of iid unbiased samples matches `exact` within its standard error."""
+    mean = samples.mean(0)
+    se = samples.std(0) / math.sqrt(samples.shape[0])
+    scale = exact.abs().max()
+    live = se > 1e-9 * scale                      # entries that are exactly zero in every sample
+    assert torch.allclose(mean[~live], exact[~live], atol=1e-8 * float(scale))
+    z = (mean - exact)[live] / se[live]
+    assert z.abs().max() < z_max, f"max |z| = {z.abs().max():.2f}"
+    # entries share the random matrix, so their errors are correlated: rms z ≈ |one z|
+    assert z.pow(2).mean().sqrt() < 3.0, f"rms z = {z.pow(2).mean().sqrt():.2f}"
+
+
+@pytest.mark.parametrize("case", ["mlp", "cnn", "transformer", "tied"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_coordinate_is_unbiased(case, kind):
+    """E[Φ Φᵀ] = Θ: the k coordinates are iid unbiased estimates (structured, gathered
+    embedding rows, norms and autodiff fallback terms all included)."""
+    model, x, _ = make(case)
+    x = x[:4] if not isinstance(x, dict) else x
+    exact = ntk.empirical_ntk(model, x, kind=kind)
+    phi = projections.features(model, x, dim=2000, kind=kind, seed=1)
+    assert_unbiased(per_column(phi, kind), exact)
+
+
+@pytest.mark.parametrize("projector", PROJECTORS)
+def test_every_projector_is_unbiased(projector):
+    model, x, _ = make("cnn")
+    exact = ntk.empirical_ntk(model, x, kind="diagonal")
+    phi = projections.features(model, x, dim=3000, kind="diagonal", projector=projector, seed=2)
+    assert_unbiased(per_column(phi, "diagonal"), exact)
+
+
+def test_mean_over_seeds_converges():
+    model, x, _ = make("mlp")
+    exact = ntk.empirical_ntk(model, x, kind="trace")
+    runs = torch.stack([projections.projected_ntk(model, x, dim=8, kind="trace", seed=s)
+                        for s in range(60)])
+    assert_unbiased(runs, exact)
+    assert (runs[0] - runs[1]).abs().max() > 1e-3 * exact.abs().max()   # seeds differ
+
+
+def test_shapes_match_the_engine():
+    model, x1, x2 = make("mlp")
+    o = 3
+    for kind in KINDS:
+        phi = projections.features(model, x1, dim=16, kind=kind)
+        assert phi.shape == ((6, 16) if kind == "sum_logits" else (6, o, 16))
+        k = projections.projected_ntk(model, x1, x2, dim=16, kind=kind)
+        assert k.shape == ntk.empirical_ntk(model, x1, x2, kind=kind).shape
+    per_layer = projections.projected_ntk(model, x1, x2, dim=16, layers="all")
+    assert list(per_layer) == ["fc1", "fc2", "head"]
+    assert all(v.shape == (6, 4) for v in per_layer.values())
+    only = projections.features(model, x1, dim=16, layers=["fc2"])
+    assert list(only) == ["fc2"] and only["fc2"].shape == (6, o, 16)
+
+
+def test_layerwise_components_are_unbiased():
+    model, x, _ = make("cnn")
+    exact = ntk.empirical_ntk(model, x, kind="trace", layers="all")
+    phis = projections.features(model, x, dim=3000, kind="trace", layers="all")
+    for layer, phi in phis.items():
+        assert_unbiased(per_column(phi, "trace"), exact[layer])
+
+
+def test_same_seed_same_features_whatever_the_batching_order_and_dtype():
+    model, x, _ = make("cnn")
+    ref = projections.features(model, x, dim=64, seed=3)
+    for batch in (1, 2, 5):
+        assert torch.allclose(projections.features(model, x, dim=64, seed=3, batch_size=batch),
+                              ref, rtol=1e-10, atol=1e-12)
+    order = torch.tensor([4, 2, 0, 3, 1])
+    assert torch.allclose(projections.features(model, x[order], dim=64, seed=3), ref[order],
+                          rtol=1e-10, atol=1e-12)
+    single = copy.deepcopy(model).float()
+    assert torch.allclose(projections.features(single, x.float(), dim=64, seed=3).double(), ref,
+                          rtol=1e-3, atol=1e-4 * float(ref.abs().max()))
+    assert torch.allclose(projections.features(model, x, dim=64, seed=3, dtype=torch.float32).double(),
+                          ref, rtol=1e-3, atol=1e-4 * float(ref.abs().max()))
+    assert not torch.allclose(projections.features(model, x, dim=64, seed=4), ref)
+
+
+def test_random_matrix_chunks_do_not_depend_on_request_order(monkeypatch):
+    monkeypatch.setattr("projections._projectors._CHUNK_ENTRIES", 64)
+    cols = 8                                         # 8 rows per generated chunk
+    a = MatrixBank("gaussian", 5, dtype=torch.float64, device="cpu").matrix(("in", "x"), 20, cols)
+    b = MatrixBank("gaussian", 5, dtype=torch.float64, device="cpu").matrix(("in", "x"), 20, cols)
+    rows = torch.tensor([17, 3, 9])
+    picked = b.gather(rows)                          # chunks 2, 0, 1 generated in this order
+    assert torch.equal(picked, a.dense()[rows])
+    other = MatrixBank("gaussian", 5, dtype=torch.float64, device="cpu").matrix(("in", "y"), 20, cols)
+    assert not torch.equal(other.gather(rows), picked)
+
+
+@pytest.mark.parametrize("projector", PROJECTORS)
+def test_projector_entries_have_zero_mean_and_unit_variance(projector):
+    r = MatrixBank(projector, 0, dtype=torch.float64, device="cpu").matrix(("t",), 400, 2000).dense()
+    assert abs(float(r.mean())) < 5 / math.sqrt(r.numel()) * float(r.std())
+    assert abs(float(r.pow(2).mean()) - 1) < 0.02
+    if projector == "sparse":
+        assert float((r != 0).double().mean()) == pytest.approx(1 / 20, rel=0.05)   # s = √400
+
+
+@pytest.mark.parametrize("block", [1, 2])
+@pytest.mark.parametrize("positions", [1, 40])
+def test_kronecker_projection_of_factors(block, positions):
+    """Both contraction orders (projected factors for few positions, projected per-sample
+    gradient for many) equal the stacked Kronecker projection written out directly."""
+    g = torch.Generator().manual_seed(0)
+    c, b, f_in, f_out, dim = 2, 3, 5, 4, 8
+    a = torch.randn(b, positions, f_in, generator=g, dtype=torch.float64)
+    d = torch.randn(c, b, positions, f_out, generator=g, dtype=torch.float64)
+    bank = MatrixBank("gaussian", 0, dtype=torch.float64, device="cpu")
+    got = Sketcher(bank, dim, {}, block=block).factored(Factored("w", a, d))
+    m, r = block, dim // (block * block)
+    r_in = bank.matrix(("in", "w"), f_in, r * m, 1 / math.sqrt(m)).dense().reshape(f_in, r, m)
+    r_out = bank.matrix(("out", "w"), f_out, r * m, 1 / math.sqrt(m)).dense().reshape(f_out, r, m)
+    grad = torch.einsum("cbso,bsi->cboi", d, a)
+    want = torch.einsum("orp,cboi,irq->cbrpq", r_out, grad, r_in).reshape(c, b, dim) / math.sqrt(r)
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_kronecker_and_dense_paths_agree_in_expectation():
+    """A Linear weight projected from its factors and the same weight's explicit per-sample
+    gradient projected densely both converge to the exact kernel (and so to each other)."""
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(4, 1, 6, generator=g, dtype=torch.float64)
+    d = torch.randn(1, 4, 1, 5, generator=g, dtype=torch.float64)
+    grad = torch.einsum("cbso,bsi->cboi", d, a).reshape(1, 4, -1)
+    exact = grad[0] @ grad[0].T
+    sketch = Sketcher(MatrixBank("rademacher", 2, dtype=torch.float64, device="cpu"), 4000, {})
+    kron = sketch.factored(Factored("w", a, d))[0]
+    dense = sketch.explicit("w", 0, grad)[0]
+    assert_unbiased(per_column(kron, "sum_logits"), exact)
+    assert_unbiased(per_column(dense, "sum_logits"), exact)
+    diff = per_column(kron, "sum_logits") - per_column(dense, "sum_logits")
+    assert_unbiased(diff, torch.zeros_like(exact))
+
+
+def test_embedding_padding_rows_contribute_nothing():
+    emb = nn.Sequential(nn.Embedding(7, 3, padding_idx=0), nn.Flatten(), nn.Linear(6, 2)).double().eval()
+    x = torch.tensor([[0, 0], [1, 2], [0, 5]])
+    only = projections.features(emb, x, dim=32, kind="sum_logits", layers=["0"])["0"]
+    assert torch.count_nonzero(only[0]) == 0
+    assert torch.count_nonzero(only[2]) > 0
+
+
+def test_bad_input_is_refused_and_model_untouched():
+    model, x, _ = make("mlp")
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match="dim"):
+        projections.features(model, x, dim=0)
+    with pytest.raises(ValueError, match="projector"):
+        projections.features(model, x, dim=4, projector="orthogonal")
+    with pytest.raises(ValueError, match="kind"):
+        projections.features(model, x, dim=4, kind="trace_norm")
+    with pytest.raises(ValueError, match="unknown layer"):
+        projections.features(model, x, dim=4, layers=["nope"])
+    with pytest.raises(ValueError, match="non-finite"):
+        projections.features(model, torch.full_like(x, float("nan")), dim=4)
+    with pytest.raises(ValueError, match="batch_size"):
+        projections.features(model, x, dim=4, batch_size=0)
+    with pytest.raises(TypeError):
+        projections.features(lambda t: t, x, dim=4)
+    dropout = nn.Sequential(nn.Linear(5, 5), nn.Dropout(0.5), nn.Linear(5, 2)).train()
+    with pytest.raises(ValueError, match="eval"):
+        projections.features(dropout, x.float(), dim=4)
+    assert dropout.training
+    projections.projected_ntk(model, x, dim=8, kind="full", layers="all")
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before) and not model.training
+
+
+def test_kernel_in_tiles_matches_projected_ntk():
+    model, x1, x2 = make("mlp")
+    for kind in KINDS:
+        f1 = projections.features(model, x1, dim=32, kind=kind)
+        f2 = projections.features(model, x2, dim=32, kind=kind)
+        want = projections.projected_ntk(model, x1, x2, dim=32, kind=kind)
+        got = projections.kernel(f1.numpy(), f2.numpy(), kind=kind, tile=4)
+        assert torch.allclose(torch.from_numpy(got), want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="axes"):
+        projections.kernel(f1.numpy(), kind="trace")
