@@ -1,0 +1,281 @@
+"""Layer importance from layerwise eNTKs: which layers (or blocks) drive what a network computes.
+
+The eNTK splits exactly over the modules that own trainable parameters, Θ = Σ_l Θ_l with
+Θ_l = J_l J_lᵀ (J_l the Jacobian with respect to layer l's own parameters), so each layer, or
+group of layers G with Θ_G = Σ_{l∈G} Θ_l, gets scores from its own kernel component:
+
+- ``share``           tr(Θ_l) / tr(Θ), the layer's part of the kernel's trace (raw ``trace`` alongside);
+- ``alignment``       Pearson correlation of Θ_l's entries with the ±1 label-agreement matrix, the
+                      layer's own Label-Gradient Alignment (Mok et al., CVPR 2022); needs labels;
+- ``top_eigenvalue``  λ_max(Θ_l);
+- ``sensitivity``     tr(Θ_l)·E‖θ_l' − θ_l‖²/P_l, the eNTK's first-order estimate of the mean squared
+                      output change when the layer's P_l parameters θ_l are redrawn as θ_l' by their
+                      initialiser (E‖J_l Δ‖² = tr(Θ_l E[ΔΔᵀ]), with E[ΔΔᵀ] taken as isotropic;
+                      three draws of the modules' `reset_parameters()`, zeros where a module has none);
+
+and cheap baselines to compare them with:
+
+- ``param_norm``      ‖θ_l‖₂;
+- ``grad_norm``       ‖∇_l L‖₂ of the mean loss L on (x, y); needs labels;
+- ``fisher``          (1/N) Σ_i ‖∇_l ℓ_i‖², the trace of the layer's empirical Fisher; needs labels;
+- ``block_influence`` 1 − cos(input, output) of a block, per sample (inputs and outputs flattened),
+                      averaged (Men et al. 2024, "ShortGPT"; they average per token); defined for
+                      grouped rows (``group`` given) whose module's output has its input's shape,
+                      i.e. residual blocks.
+
+The default score ``sensitivity`` is the one ``benchmarks/layer_importance.py`` shows to predict
+best the loss increase when a layer is re-initialised (see benchmarks/README.md): the plain trace
+``share`` ignores how far the layer's weights sit from where a re-draw would put them, so it misses
+embeddings (large weights, sparse gradients) and overrates LayerNorms (weights ≈ their init).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+import ntk
+import projections
+from ntk import _inputs
+from ntk._model import ModelView
+from ntk.spectrum import as_matrix
+
+NTK_SCORES = ("sensitivity", "share", "alignment", "top_eigenvalue")
+BASELINES = ("param_norm", "grad_norm", "fisher", "block_influence")
+SCORES = NTK_SCORES + BASELINES
+DEFAULT_SCORE = "sensitivity"
+DRAWS = 3
+Group = Union[None, str, int]
+
+
+# -- layers and groups --------------------------------------------------------------------------
+
+def _group_key(layer: str, group: Group) -> str:
+    parts = layer.split(".") if layer else []
+    if group is None:
+        return layer
+    if group == "blocks":
+        for i, part in enumerate(parts):
+            if part.isdigit():
+                return ".".join(parts[:i + 1])
+        return layer
+    return ".".join(parts[:group])
+
+
+def check_group(group: Group) -> Group:
+    if group is None or group == "blocks":
+        return group
+    if isinstance(group, int) and not isinstance(group, bool) and group >= 1:
+        return group
+    raise ValueError(f"group must be None (one row per layer), 'blocks' (up to the first numbered "
+                     f"name component, e.g. 'blocks.3') or a positive name depth, got {group!r}")
+
+
+def layer_groups(model: nn.Module, group: Group = None) -> dict[str, list[str]]:
+    """{row name: [layer names]} in `named_modules()` order. Layers are the modules that directly
+    own trainable parameters; `group="blocks"` merges them up to the first numbered component of
+    their name ("blocks.3.attn.qkv" → "blocks.3"), an integer d up to the first d components."""
+    check_group(group)
+    groups: dict[str, list[str]] = {}
+    for layer in ModelView(model).layers:
+        groups.setdefault(_group_key(layer, group), []).append(layer)
+    return groups
+
+
+def redraw(model: nn.Module, layer: str, seed: int) -> dict[str, torch.Tensor]:
+    """Fresh values {parameter name: tensor} for the trainable parameters that module `layer` owns,
+    drawn by its initialiser (`reset_parameters()`) on a copy with seed `seed`; zeros where the
+    module has no initialiser. Nothing else (and not the model) changes."""
+    twin = copy.deepcopy(model.get_submodule(layer))
+    init = getattr(twin, "reset_parameters", None) or getattr(twin, "_reset_parameters", None)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            if init is not None:
+                init()
+            else:
+                for p in twin.parameters(recurse=False):
+                    p.zero_()
+    prefix = f"{layer}." if layer else ""
+    return {prefix + name: p.detach() for name, p in twin.named_parameters(recurse=False)}
+
+
+def _displacement(model: nn.Module, view: ModelView, layer: str) -> float:
+    """E‖θ_l' − θ_l‖² / P_l over `DRAWS` redraws of the layer."""
+    total = 0.0
+    for seed in range(DRAWS):
+        fresh = redraw(model, layer, seed)
+        total += sum(float(((fresh[p].to(view.params[p]) - view.params[p]).double() ** 2).sum())
+                     for p in view.layers[layer])
+    return total / DRAWS / view.layer_size(layer)
+
+
+# -- losses and gradients ---------------------------------------------------------------------
+
+def sample_losses(outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per-sample loss: cross-entropy for integer class labels, squared error for real targets."""
+    if not y.is_floating_point():
+        return F.cross_entropy(outputs, y, reduction="none")
+    return ((outputs - y.reshape(outputs.shape)) ** 2).sum(1)
+
+
+def check_labels(y, n: int) -> torch.Tensor:
+    y = torch.as_tensor(y)
+    if y.dim() == 0 or y.shape[0] != n:
+        raise ValueError(f"y must have one entry per sample ({n}), got shape {tuple(y.shape)}")
+    return y
+
+
+def _check_targets(view: ModelView, x, y: torch.Tensor) -> None:
+    """Labels must index the model's outputs; real targets must have one value per output."""
+    with torch.no_grad():
+        outputs = view.forward(view.params, _inputs.convert(_inputs.take(x, slice(0, 1)),
+                                                            view.device, None)).shape[1]
+    if not y.is_floating_point():
+        if int(y.min()) < 0 or int(y.max()) >= outputs:
+            raise ValueError(f"class labels must lie in 0..{outputs - 1} for a model with {outputs} "
+                             f"outputs, got labels {int(y.min())}..{int(y.max())}")
+    elif y[0].numel() != outputs:
+        raise ValueError(f"real-valued targets need {outputs} value(s) per sample (one per model "
+                         f"output), got {y[0].numel()}")
+
+
+def _gradient_stats(view: ModelView, x, y: torch.Tensor, groups: dict[str, list[str]],
+                    block: int) -> dict[str, tuple[float, float]]:
+    """Per group: (‖mean-loss gradient‖, mean squared per-sample gradient norm)."""
+    def loss_one(params, xi, yi):
+        out = view.forward(params, _inputs.unsqueeze(xi))
+        return sample_losses(out, yi.unsqueeze(0))[0]
+
+    per_sample = vmap(grad(loss_one), in_dims=(None, 0, 0))
+    n = _inputs.count(x)
+    total = {name: torch.zeros_like(p) for name, p in view.params.items()}
+    squares = {name: 0.0 for name in view.params}
+    for start in range(0, n, block):
+        rows = slice(start, start + block)
+        g = per_sample(view.params, _inputs.take(x, rows), y[rows])
+        for name, gi in g.items():
+            total[name] += gi.sum(0)
+            squares[name] += float((gi.double() ** 2).sum())
+    stats = {}
+    for row, layers in groups.items():
+        names = [p for layer in layers for p in view.layers[layer]]
+        norm = sum(float(((total[p].double() / n) ** 2).sum()) for p in names) ** 0.5
+        stats[row] = (norm, sum(squares[p] for p in names) / n)
+    return stats
+
+
+def _block_influence(model: nn.Module, x, groups: dict[str, list[str]], block: int) -> dict[str, Optional[float]]:
+    """1 − cos(flattened input, flattened output) per sample, averaged, for every row module
+    whose (first) input and output are tensors of the same shape; None for the others.
+    Hooks go on a copy, so the user's model is untouched."""
+    twin = copy.deepcopy(model)
+    sums: dict[str, list[float]] = {row: [0.0, 0] for row in groups}
+    handles = []
+    for row in groups:
+        def hook(module, args, output, row=row):
+            if (args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor)
+                    and args[0].shape == output.shape and output.is_floating_point()):
+                cos = F.cosine_similarity(args[0].flatten(1).double(), output.flatten(1).double(), dim=1)
+                sums[row][0] += float((1 - cos).sum())
+                sums[row][1] += cos.numel()
+        handles.append(twin.get_submodule(row).register_forward_hook(hook))
+    with torch.no_grad():
+        for start in range(0, _inputs.count(x), block):
+            args, kwargs = _inputs.as_call(_inputs.take(x, slice(start, start + block)))
+            twin(*args, **kwargs)
+    for handle in handles:
+        handle.remove()
+    return {row: (s / c if c else None) for row, (s, c) in sums.items()}
+
+
+# -- the scores -----------------------------------------------------------------------------------
+
+def _labels_kernel(k: torch.Tensor) -> torch.Tensor:
+    """An [N, N] kernel for label alignment: the trace over outputs of `full`/`diagonal` kernels."""
+    if k.dim() == 4:
+        return k.diagonal(dim1=2, dim2=3).sum(-1)
+    if k.dim() == 3:
+        return k.sum(-1)
+    return k
+
+
+def layer_importance(model: nn.Module, x, y=None, *, score: str = DEFAULT_SCORE, kind: str = "trace",
+                     group: Group = None, projection_dim: Optional[int] = None,
+                     batch_size: Optional[int] = None, device=None,
+                     output_fn: Optional[Callable] = None, progress: bool = False) -> list[dict]:
+    """Score every layer (module owning trainable parameters) or group of layers of `model` on
+    the samples `x` (labels `y` optional) and rank them, most important first.
+
+    Returns one dict per row: ``layer``, ``type`` (module class), ``params`` (count), the scores
+    ``sensitivity``, ``share``, ``trace``, ``alignment``, ``top_eigenvalue``, ``param_norm``, ``grad_norm``,
+    ``fisher``, ``block_influence`` (None where undefined: label scores without `y`, block
+    influence outside residual blocks), and ``rank`` (1 = highest `score`; None, and listed
+    last, where `score` is undefined).
+    `pandas.DataFrame(rows)` makes a table of it. The layerwise kernels are
+    ``ntk.empirical_ntk(model, x, kind=kind, layers="all")`` summed within each group, or with
+    `projection_dim` k their unbiased estimates ``projections.projected_ntk(..., dim=k)`` (per-layer
+    random projections, for models too large for exact kernels). `group` is None, "blocks" or a
+    name depth (see `layer_groups`). The model is never modified.
+    """
+    if score not in SCORES:
+        raise ValueError(f"unknown score {score!r}; valid scores are {', '.join(SCORES)}")
+    n = _inputs.validate(x, "x")
+    if y is not None:
+        y = check_labels(y, n)
+    elif score in ("alignment", "grad_norm", "fisher"):
+        raise ValueError(f"score {score!r} needs labels y")
+    groups = layer_groups(model, group)
+    view = ModelView(model, output_fn=output_fn, device=device)
+    if y is not None:
+        _check_targets(view, x, y)
+    common = dict(kind=kind, layers="all", batch_size=batch_size, device=device,
+                  output_fn=output_fn, progress=progress)
+    if projection_dim is None:
+        parts = ntk.empirical_ntk(model, x, **common)
+    else:
+        parts = projections.projected_ntk(model, x, dim=projection_dim, **common)
+    kernels = {row: sum(parts[layer] for layer in layers) for row, layers in groups.items()}
+    traces = {row: float(as_matrix(k).diagonal().sum()) for row, k in kernels.items()}
+    total = sum(traces.values())
+    sensitivity = {row: sum(float(as_matrix(parts[layer]).diagonal().sum())
+                            * _displacement(model, view, layer) for layer in layers) / n
+                   for row, layers in groups.items()}
+    xd = _inputs.convert(x, view.device, None)
+    block = batch_size or 256
+    grads = None
+    if y is not None:
+        grads = _gradient_stats(view, xd, y.to(view.device), groups, block)
+    influence = (_block_influence(model, xd, groups, block) if group is not None
+                 else dict.fromkeys(groups))
+    modules = dict(model.named_modules())
+    rows = []
+    for row, layers in groups.items():
+        names = [p for layer in layers for p in view.layers[layer]]
+        k = kernels[row]
+        rows.append({
+            "layer": row,
+            "type": type(modules[row]).__name__,
+            "params": sum(view.params[p].numel() for p in names),
+            "sensitivity": sensitivity[row],
+            "share": traces[row] / total if total > 0 else 0.0,
+            "trace": traces[row],
+            "alignment": None if y is None else ntk.kernel_alignment(_labels_kernel(k), y.cpu(),
+                                                                     centering="mean"),
+            "top_eigenvalue": float(ntk.eigenvalues(k)[0]),
+            "param_norm": sum(float((view.params[p].double() ** 2).sum()) for p in names) ** 0.5,
+            "grad_norm": None if grads is None else grads[row][0],
+            "fisher": None if grads is None else grads[row][1],
+            "block_influence": influence[row],
+        })
+    if all(r[score] is None for r in rows):
+        raise ValueError(f"score {score!r} is undefined for every row (block influence needs "
+                         "group='blocks' and blocks whose output has their input's shape)")
+    rows.sort(key=lambda r: (r[score] is None, -(r[score] or 0.0)))
+    for rank, r in enumerate(rows, 1):
+        r["rank"] = rank if r[score] is not None else None
+    return rows

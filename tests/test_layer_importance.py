@@ -1,0 +1,211 @@
+"""attribution.layer_importance and its validation harness, against independent computations and
+models whose answer is known by construction."""
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from attribution import layer_importance
+from attribution.layer_validation import agreement, finetune_gain, reinit_damage
+from attribution.layers import layer_groups
+
+
+class TwoBranch(nn.Module):
+    """f(x) = a(x) + c(b(x)) with c's weight zero: b has no effect, so no kernel and no damage."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(4, 3), nn.Linear(4, 3), nn.Linear(3, 3)
+        with torch.no_grad():
+            self.c.weight.zero_()
+
+    def forward(self, x):
+        return self.a(x) + self.c(torch.tanh(self.b(x)))
+
+
+class Scale(nn.Module):
+    """A module owning a parameter but no reset_parameters()."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.s = nn.Parameter(torch.linspace(0.5, 1.5, n))
+
+    def forward(self, x):
+        return x * self.s
+
+
+class Residual(nn.Module):
+    def __init__(self, width, active=True):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, width)
+        if not active:
+            with torch.no_grad():
+                self.fc2.weight.zero_()
+                self.fc2.bias.zero_()
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.inp = nn.Linear(5, 6)
+        self.blocks = nn.ModuleList([Residual(6), Residual(6, active=False), Residual(6)])
+        self.scale = Scale(6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.scale(h))
+
+
+def data(n=10, features=4, classes=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, features, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+def per_sample_jacobians(model, x):
+    """{parameter name: [N, O, *shape]} by plain autograd, one sample and output at a time."""
+    names = [n for n, _ in model.named_parameters()]
+    out = {n: [] for n in names}
+    for xi in x:
+        f = model(xi[None])[0]
+        rows = [torch.autograd.grad(f[o], list(model.parameters()), retain_graph=True)
+                for o in range(len(f))]
+        for k, n in enumerate(names):
+            out[n].append(torch.stack([r[k] for r in rows]))
+    return {n: torch.stack(v) for n, v in out.items()}
+
+
+def test_a_layer_with_zero_weights_downstream_has_zero_share_and_ranks_last():
+    model = TwoBranch().eval()
+    x, y = data()
+    rows = layer_importance(model, x, y, score="share")
+    by = {r["layer"]: r for r in rows}
+    assert [r["rank"] for r in rows] == [1, 2, 3] and rows[-1]["layer"] == "b"
+    assert by["b"]["share"] == 0 and by["b"]["trace"] == 0 and by["b"]["sensitivity"] == 0
+    assert abs(sum(r["share"] for r in rows) - 1) < 1e-6
+    assert by["b"]["grad_norm"] == 0 and by["b"]["fisher"] == 0
+    assert by["b"]["params"] == 15 and by["a"]["type"] == "Linear"
+    # the validation harness agrees: re-drawing or fine-tuning b changes nothing
+    damage = reinit_damage(model, x, y)
+    assert damage["b"]["loss_increase"] == 0 and damage["a"]["loss_increase"] != 0
+    gain = finetune_gain(model, x, y, x, y, steps=5)
+    assert gain["b"]["finetune_gain"] == 0 and gain["a"]["finetune_gain"] > 0
+
+
+def test_scores_match_independent_autograd_computations():
+    model = Stack().eval()
+    x, y = data(n=8, features=5)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rows = {r["layer"]: r for r in layer_importance(model, x, y, score="fisher")}
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and not model.training
+
+    jac = per_sample_jacobians(model, x)
+    owner = {"inp": ["inp.weight", "inp.bias"], "scale": ["scale.s"], "head": ["head.weight", "head.bias"],
+             **{f"blocks.{b}.{fc}": [f"blocks.{b}.{fc}.weight", f"blocks.{b}.{fc}.bias"]
+                for b in range(3) for fc in ("fc1", "fc2")}}
+    assert set(rows) == set(owner)
+    params = dict(model.named_parameters())
+    traces = {}
+    for layer, names in owner.items():
+        j = torch.cat([jac[n].flatten(2) for n in names], 2)          # [N, O, P_l]
+        k = torch.einsum("iop,jop->ij", j, j).double()                 # trace kernel
+        traces[layer] = float(k.trace())
+        r = rows[layer]
+        assert r["trace"] == pytest.approx(traces[layer], rel=1e-4)
+        assert r["top_eigenvalue"] == pytest.approx(float(np.linalg.eigvalsh(k.numpy())[-1]), rel=1e-4)
+        same = (y[:, None] == y[None, :]).double() * 2 - 1
+        if traces[layer] > 0:
+            assert r["alignment"] == pytest.approx(np.corrcoef(k.flatten(), same.flatten())[0, 1], abs=1e-5)
+        assert r["param_norm"] == pytest.approx(float(torch.cat([params[n].detach().flatten() for n in names]).norm()),
+                                                rel=1e-5)
+        per_sample = []
+        for xi, yi in zip(x, y):
+            loss = nn.functional.cross_entropy(model(xi[None]), yi[None])
+            per_sample.append(torch.cat([g.flatten() for g in torch.autograd.grad(
+                loss, [params[n] for n in names])]))
+        g = torch.stack(per_sample).double()
+        assert r["grad_norm"] == pytest.approx(float(g.mean(0).norm()), rel=1e-4)
+        assert r["fisher"] == pytest.approx(float((g ** 2).sum(1).mean()), rel=1e-4)
+    total = sum(traces.values())
+    for layer in owner:
+        assert rows[layer]["share"] == pytest.approx(traces[layer] / total, rel=1e-4)
+    # Scale has no reset_parameters: its re-draw is zeros, so sensitivity = tr(Θ_l)·mean(θ_l²)/N
+    s = params["scale.s"].detach()
+    assert rows["scale"]["sensitivity"] == pytest.approx(traces["scale"] * float((s ** 2).mean()) / len(x),
+                                                         rel=1e-4)
+    ranks = sorted(rows.values(), key=lambda r: r["rank"])
+    assert [r["fisher"] for r in ranks] == sorted((r["fisher"] for r in ranks), reverse=True)
+    # the block whose second layer is zero: its fc1 has no kernel at all
+    assert rows["blocks.1.fc1"]["trace"] == 0
+
+
+def test_blocks_sum_their_layers_and_block_influence_sees_identity_blocks():
+    model = Stack().eval()
+    x, y = data(n=8, features=5)
+    layers = {r["layer"]: r for r in layer_importance(model, x, y)}
+    blocks = {r["layer"]: r for r in layer_importance(model, x, y, group="blocks", score="block_influence")}
+    assert list(layer_groups(model, "blocks")) == ["inp", "blocks.0", "blocks.1", "blocks.2", "scale", "head"]
+    assert list(layer_groups(model, 1)) == ["inp", "blocks", "scale", "head"]
+    for b in range(3):
+        members = [layers[f"blocks.{b}.fc1"], layers[f"blocks.{b}.fc2"]]
+        row = blocks[f"blocks.{b}"]
+        assert row["share"] == pytest.approx(sum(m["share"] for m in members), rel=1e-6)
+        assert row["sensitivity"] == pytest.approx(sum(m["sensitivity"] for m in members), rel=1e-6)
+        assert row["params"] == 84 and row["type"] == "Residual"
+    # blocks.1 returns its input unchanged: cos = 1, influence 0; the others change it
+    assert blocks["blocks.1"]["block_influence"] == pytest.approx(0, abs=1e-12)
+    assert blocks["blocks.0"]["block_influence"] > 1e-3
+    assert blocks["blocks.1"]["rank"] > max(blocks["blocks.0"]["rank"], blocks["blocks.2"]["rank"])
+    assert blocks["inp"]["rank"] is None and blocks["head"]["rank"] is None
+    h = model.inp(x).detach()
+    out = model.blocks[0](h).detach()
+    expected = float((1 - nn.functional.cosine_similarity(h, out, dim=1)).mean())
+    assert blocks["blocks.0"]["block_influence"] == pytest.approx(expected, rel=1e-5)
+    assert blocks["inp"]["block_influence"] is None and layers["blocks.0.fc1"]["block_influence"] is None
+
+
+def test_projected_kernels_estimate_the_shares():
+    model = Stack().eval()
+    x, y = data(n=8, features=5)
+    exact = {r["layer"]: r["share"] for r in layer_importance(model, x, y)}
+    approx = {r["layer"]: r["share"] for r in layer_importance(model, x, y, projection_dim=4096)}
+    assert max(abs(exact[k] - approx[k]) for k in exact) < 0.05
+
+
+def test_agreement_is_spearman_over_defined_rows():
+    rows = [{"layer": str(i), "share": s, "fisher": f, "block_influence": b}
+            for i, (s, f, b) in enumerate([(0.1, 3.0, None), (0.2, 2.0, 0.5), (0.3, 1.0, 0.1),
+                                           (0.4, 0.5, 0.2), (0.5, 0.0, 0.3)])]
+    truths = {str(i): {"loss_increase": float(i)} for i in range(5)}
+    table = agreement(rows, truths, scores=("share", "fisher", "block_influence"),
+                      measures=("loss_increase",))
+    assert table["share"]["loss_increase"] == pytest.approx(1.0)
+    assert table["fisher"]["loss_increase"] == pytest.approx(-1.0)
+    # rows 1-4 only: ranks 4,1,2,3 vs 1,2,3,4, ρ = 1 − 6·12/(4·15)
+    assert table["block_influence"]["loss_increase"] == pytest.approx(-0.2)
+
+
+def test_bad_input_is_refused_with_a_clear_message():
+    model = TwoBranch().eval()
+    x, y = data()
+    with pytest.raises(ValueError, match="unknown score"):
+        layer_importance(model, x, y, score="magic")
+    with pytest.raises(ValueError, match="needs labels"):
+        layer_importance(model, x, score="alignment")
+    with pytest.raises(ValueError, match="one entry per sample"):
+        layer_importance(model, x, y[:3])
+    with pytest.raises(ValueError, match="class labels must lie in 0..2"):
+        layer_importance(model, x, y + 5)
+    with pytest.raises(ValueError, match="group must be"):
+        layer_importance(model, x, y, group="heads")
+    with pytest.raises(ValueError, match="undefined for every row"):
+        layer_importance(model, x, y, score="block_influence")
+    rows = layer_importance(model, x)                                  # no labels: label scores None
+    assert rows[0]["alignment"] is None and rows[0]["fisher"] is None
