@@ -6,11 +6,11 @@ from typing import Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from . import _inputs, _kinds, _ntk_vp, _structured
 from ._memory import KernelTooLargeError, available_bytes, block_size, human
 from ._model import ModelView, check_eval_mode
+from ._tiles import Grid
 
 METHODS = ("auto", "jacobian", "ntk_vp", "structured")
 AUTO_BLOCK_LIMIT = 2048   # automatic tiles stop growing here: bigger ones only hold more memory
@@ -84,6 +84,15 @@ class _Computation:
 
     # -- the computation -------------------------------------------------------------------------
     def run(self, x1, x2, out):
+        grid = self.grid(x1, x2, out)
+        results = grid.allocate(out)
+        for i, j, values in grid.compute(progress=self.progress):
+            grid.write(results, i, j, values)
+        return grid.result(results)
+
+    def grid(self, x1, x2, out=None, *, in_memory: bool = True) -> Grid:
+        """Validate, plan and size the tiles of K(x1, x2). in_memory=False: the caller streams
+        the tiles elsewhere (to disk), so the kernel need not fit in memory."""
         check_eval_mode(self.model)
         n1 = _inputs.validate(x1, "x1")
         symmetric = x2 is None
@@ -108,7 +117,8 @@ class _Computation:
         itemsize = torch.empty((), dtype=param_dtype).element_size()
         out_bytes = itemsize * float(np.prod(shape)) * n_components
         avail = available_bytes(view.device)
-        if out is None and out_bytes > 0.8 * avail:
+        holds = in_memory and out is None
+        if holds and out_bytes > 0.8 * avail:
             raise KernelTooLargeError(
                 f"the {self.kind} kernel of shape {list(shape)}"
                 f"{f' × {n_components} layers' if n_components > 1 else ''} needs {human(out_bytes)} "
@@ -128,7 +138,7 @@ class _Computation:
             plan = _structured.Plan.autodiff(plan)
 
         per_sample, per_pair = self._memory(view, plan, method, c, itemsize, n_components, shape)
-        budget = max(0.4 * (avail - (0 if out is not None else out_bytes)), 64 << 20)
+        budget = max(0.4 * (avail - (out_bytes if holds else 0)), 64 << 20)
         block = self.batch_size or min(AUTO_BLOCK_LIMIT, block_size(max(n1, n2), per_sample, per_pair, budget))
         if method == "ntk_vp":
             groups = {None: only or list(view.params)} if selected is None else \
@@ -138,10 +148,11 @@ class _Computation:
         else:
             prepare = lambda x: _structured.features(view, plan, x, cot)  # noqa: E731
             tile = lambda a, b: _contract_terms(a, b, self.kind, selected)  # noqa: E731
-        cache_ok = n2 * per_sample <= budget / 2
-        result = self._tiles(x1, x2, n1, n2, block, symmetric, prepare, tile, cache_ok, shape,
-                             selected, param_dtype, view.device, out)
-        return result
+        return Grid(n1=n1, n2=n2, block=block, symmetric=symmetric, kind=self.kind, shape=shape,
+                    keys=[None] if selected is None else selected, dtype=param_dtype,
+                    device=view.device, row_features=lambda rs: prepare(_inputs.take(x1, rs)),
+                    col_features=lambda cs: prepare(_inputs.take(x2, cs)), tile=tile,
+                    cache_ok=n2 * per_sample <= budget / 2, desc=f"{self.kind} eNTK")
 
     def _memory(self, view, plan, method, c, itemsize, n_components, shape):
         """Bytes per sample (features held for a block) and per pair of samples (tile work)."""
@@ -157,42 +168,6 @@ class _Computation:
         s_max = max([plan.positions[layer] for layer in plan.factored] or [0])
         per_pair = pair_out * (n_components + 1) + s_max * s_max * (1 + _kinds.pair_factor(self.kind, c))
         return itemsize * per_sample * 2, itemsize * per_pair
-
-    def _tiles(self, x1, x2, n1, n2, block, symmetric, prepare, tile, cache_ok, shape,
-               selected, dtype, device, out):
-        keys = [None] if selected is None else selected
-        if out is not None:
-            if tuple(out.shape) != tuple(shape):
-                raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(shape)}")
-            results = {None: out}
-        else:
-            results = {k: torch.empty(shape, dtype=dtype, device=device) for k in keys}
-        rows = [slice(s, min(s + block, n1)) for s in range(0, n1, block)]
-        cols = rows if symmetric else [slice(s, min(s + block, n2)) for s in range(0, n2, block)]
-        cache: dict[int, object] = {}
-
-        def col_features(j):
-            if j in cache:
-                return cache[j]
-            f = prepare(_inputs.take(x2, cols[j]))
-            if cache_ok:
-                cache[j] = f
-            return f
-
-        total = len(rows) * len(cols) if not symmetric else len(rows) * (len(rows) + 1) // 2
-        with tqdm(total=total, disable=not self.progress, desc=f"{self.kind} eNTK", unit="tile") as bar:
-            for i, rs in enumerate(rows):
-                left = col_features(i) if symmetric else prepare(_inputs.take(x1, rs))
-                for j, cs in enumerate(cols):
-                    if symmetric and j < i:
-                        continue
-                    right = left if symmetric and i == j else col_features(j)
-                    for key, value in tile(left, right).items():
-                        _write(results[key], rs, cs, value)
-                        if symmetric and i != j:
-                            _write(results[key], cs, rs, _kinds.transpose_tile(value, self.kind))
-                    bar.update()
-        return results[None] if selected is None else {k: results[k] for k in keys}
 
 
 def check_outputs(view: ModelView, xs: list) -> int:
@@ -223,13 +198,6 @@ def check_outputs(view: ModelView, xs: list) -> int:
             raise ValueError("a sample's output depends on the rest of the batch (e.g. BatchNorm "
                              "in training mode); call model.eval() before computing a kernel")
     return num_outputs
-
-
-def _write(target, rows: slice, cols: slice, value: torch.Tensor) -> None:
-    if isinstance(target, np.ndarray):
-        target[rows, cols] = value.detach().cpu().numpy()
-    else:
-        target[rows, cols] = value.to(device=target.device, dtype=target.dtype)
 
 
 def _contract_terms(t1: list, t2: list, kind: str, selected: Optional[list[str]]) -> dict:

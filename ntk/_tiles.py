@@ -1,0 +1,101 @@
+"""The tile grid of an N1 × N2 kernel: blocks of rows and columns, the tiles a process computes
+(j ≥ i for a symmetric kernel, whose other tiles are mirrors), and writing tiles into results.
+
+The grid only knows how to get the features of a block of samples and how to contract two of
+them into a tile; the eNTK engine, projected kernels and the distributed driver share it.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from . import _kinds
+
+
+class Grid:
+    """Tiles of `block` × `block` samples of a kernel of `kind` and `shape`.
+
+    row_features(slice) / col_features(slice): features of a block of x1 / x2 samples (a
+    symmetric grid uses col_features for both sides); tile(left, right) -> {key: tile} with
+    key None for the total kernel or a layer name. Column features are cached when `cache_ok`.
+    """
+
+    def __init__(self, *, n1: int, n2: int, block: int, symmetric: bool, kind: str, shape,
+                 keys: Sequence, dtype, device, row_features: Callable, col_features: Callable,
+                 tile: Callable, cache_ok: bool, desc: str):
+        self.n1, self.n2, self.block, self.symmetric = n1, n2, block, symmetric
+        self.kind, self.shape, self.keys = kind, tuple(shape), list(keys)
+        self.dtype, self.device = dtype, device
+        self.row_features, self.col_features, self.tile = row_features, col_features, tile
+        self.cache_ok, self.desc = cache_ok, desc
+
+    @property
+    def rows(self) -> list[slice]:
+        return [slice(s, min(s + self.block, self.n1)) for s in range(0, self.n1, self.block)]
+
+    @property
+    def cols(self) -> list[slice]:
+        return self.rows if self.symmetric else \
+            [slice(s, min(s + self.block, self.n2)) for s in range(0, self.n2, self.block)]
+
+    def tiles(self) -> list[tuple[int, int]]:
+        """Every tile to compute, (row block, column block) in row-major order."""
+        n_rows, n_cols = len(self.rows), len(self.cols)
+        return [(i, j) for i in range(n_rows) for j in range(i if self.symmetric else 0, n_cols)]
+
+    def compute(self, owned: Optional[Iterable[tuple[int, int]]] = None,
+                progress: bool = False) -> Iterator[tuple[int, int, dict]]:
+        """Yield (i, j, {key: tile}) for the `owned` tiles (default: all), row by row, computing
+        each row block's features once."""
+        rows, cols = self.rows, self.cols
+        owned = self.tiles() if owned is None else sorted(owned)
+        by_row: dict[int, list[int]] = {}
+        for i, j in owned:
+            by_row.setdefault(i, []).append(j)
+        cache: dict[int, object] = {}
+
+        def col(j):
+            if j in cache:
+                return cache[j]
+            f = self.col_features(cols[j])
+            if self.cache_ok:
+                cache[j] = f
+            return f
+
+        with tqdm(total=len(owned), disable=not progress, desc=self.desc, unit="tile") as bar:
+            for i, js in by_row.items():
+                left = col(i) if self.symmetric else self.row_features(rows[i])
+                for j in js:
+                    right = left if self.symmetric and i == j else col(j)
+                    yield i, j, self.tile(left, right)
+                    bar.update()
+
+    def allocate(self, out=None) -> dict:
+        """{key: empty result} (or {None: out}, a tensor or numpy array of the kernel's shape)."""
+        if out is not None:
+            if tuple(out.shape) != self.shape:
+                raise ValueError(f"out has shape {tuple(out.shape)}, expected {self.shape}")
+            return {None: out}
+        return {k: torch.empty(self.shape, dtype=self.dtype, device=self.device) for k in self.keys}
+
+    def write(self, results: dict, i: int, j: int, values: dict) -> None:
+        """Put tile (i, j) into the results, and its mirror (j, i) for a symmetric kernel."""
+        rs, cs = self.rows[i], self.cols[j]
+        for key, value in values.items():
+            _write(results[key], rs, cs, value)
+            if self.symmetric and i != j:
+                _write(results[key], cs, rs, _kinds.transpose_tile(value, self.kind))
+
+    def result(self, results: dict):
+        """The kernel (keys [None]) or the dict of components."""
+        return results[None] if self.keys == [None] else {k: results[k] for k in self.keys}
+
+
+def _write(target, rows: slice, cols: slice, value: torch.Tensor) -> None:
+    if isinstance(target, np.ndarray):
+        target[rows, cols] = value.detach().cpu().numpy()
+    else:
+        target[rows, cols] = value.to(device=target.device, dtype=target.dtype)
