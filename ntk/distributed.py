@@ -1,0 +1,197 @@
+"""Kernels on torch.distributed: the tile grid of a kernel spread over the ranks of a process group.
+
+Launch one process per device with PyTorch's own launcher (``torchrun --nproc_per_node=K
+script.py``; NCCL on GPUs, Gloo on CPUs), call ``torch.distributed.init_process_group()`` and
+then `empirical_ntk` on every rank with the same model and inputs. The tiles that one process
+would compute (row-major; j ≥ i for a symmetric kernel) are cut into contiguous, equally long
+runs, one per rank, so the assignment depends only on the grid and the world size. Each tile is
+computed exactly as in one process, so with the same `batch_size` the kernel has the same bits.
+
+Results are either gathered to rank 0 (``path=None``) or written by every rank as tile files
+under ``path`` (a directory on a filesystem all ranks share); `load_tiles` assembles them.
+Without an initialised process group everything runs in this process (world size 1).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._tiles import Grid
+from .empirical import Kernel, _Computation, empirical_ntk_fn
+
+TILES_FORMAT = "ntk-kernel-tiles/1"
+_INDEX, _TILES = "index.json", "tiles"
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) when none is initialised."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def shard(n: int, rank: int, world: int) -> range:
+    """The contiguous share of items 0..n-1 that `rank` owns: lengths differ by at most one."""
+    return range(n * rank // world, n * (rank + 1) // world)
+
+
+def agree(summary: dict, error: Optional[BaseException] = None, *,
+          minimum: Sequence[str] = ()) -> dict:
+    """All-gather what each rank is about to do; raise on every rank if any rank failed to set
+    up (`error`) or if the ranks' summaries differ, except in the keys of `minimum`, where the
+    smallest value wins (e.g. a block size chosen from each rank's free memory)."""
+    rank, world = rank_and_world()
+    if world == 1:
+        if error is not None:
+            raise error
+        return summary
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, repr(error) if error is not None else summary)
+    if error is not None:
+        raise error
+    failed = [(r, e) for r, e in enumerate(everyone) if isinstance(e, str)]
+    if failed:
+        raise RuntimeError(f"rank {failed[0][0]} failed: {failed[0][1]}")
+    agreed = dict(summary, **{k: min(s[k] for s in everyone) for k in minimum})
+    for r, s in enumerate(everyone):
+        diff = [k for k in summary if k not in minimum and s[k] != summary[k]]
+        if diff:
+            raise ValueError(f"rank {r} disagrees with rank {rank} on {', '.join(diff)}: every "
+                             "rank must pass the same model, inputs and settings")
+    return agreed
+
+
+def barrier() -> None:
+    """torch.distributed.barrier() in a process group; nothing in a single process."""
+    if rank_and_world()[1] > 1:
+        dist.barrier()
+
+
+def empirical_ntk(model: nn.Module, x1, x2=None, *, kind: str = "full",
+                  layers: Union[None, str, Sequence[str]] = None, method: str = "auto",
+                  batch_size: Optional[int] = None, device=None, dtype: Optional[torch.dtype] = None,
+                  output_fn: Optional[Callable] = None, progress: bool = False,
+                  path: Union[None, str, os.PathLike] = None, out=None) -> Optional[Kernel]:
+    """`ntk.empirical_ntk` with its tiles computed by all the ranks of the process group.
+
+    Call on every rank with the same arguments (a model on each rank's own device, or `device`).
+    path=None: the tiles are gathered to rank 0, which returns the kernel (into `out` if given,
+    as in `ntk.empirical_ntk`); the other ranks return None. path: a new or empty directory on a
+    filesystem shared by all ranks; each rank writes its tiles there, nothing is gathered and
+    every rank returns None once the kernel is complete (read it with `load_tiles(path)`). The
+    kernel then never has to fit in memory. `batch_size` sets the tile size (None: chosen from
+    the free memory of the tightest rank); with the same batch_size the kernel equals the
+    single-process one bit for bit.
+    """
+    rank, _ = rank_and_world()
+    grid = error = None
+    try:
+        empirical_ntk_fn(model, kind=kind, layers=layers, method=method, batch_size=batch_size)  # checks
+        computation = _Computation(model, kind=kind, layers=layers, method=method,
+                                   batch_size=batch_size, device=device, dtype=dtype,
+                                   output_fn=output_fn, progress=progress)
+        grid = computation.grid(x1, x2, out if rank == 0 else None,
+                                in_memory=path is None and rank == 0)
+        if path is not None and rank == 0:
+            _check_empty(Path(path))
+    except (ValueError, TypeError, MemoryError) as e:
+        error = e
+    return run_grid(grid, path=path, out=out, progress=progress, error=error)
+
+
+def run_grid(grid: Optional[Grid], *, path=None, out=None, progress: bool = False,
+             error: Optional[BaseException] = None):
+    """Compute `grid`'s tiles on all ranks; gather them to rank 0 (path=None: rank 0 returns the
+    result, others None) or write them under `path` (returns None). `error`: this rank's set-up
+    failure, raised on every rank instead of computing."""
+    if path is not None and out is not None:
+        raise ValueError("pass either path= (tiles on disk) or out= (gathered to rank 0), not both")
+    rank, world = rank_and_world()
+    summary = None if grid is None else {
+        "n1": grid.n1, "n2": grid.n2, "block": grid.block, "symmetric": grid.symmetric,
+        "kind": grid.kind, "shape": list(grid.shape), "keys": grid.keys,
+        "dtype": str(grid.dtype).replace("torch.", "")}
+    summary = agree(summary, error, minimum=("block",))
+    grid.block = summary["block"]
+    tiles = grid.tiles()
+    mine = [tiles[t] for t in shard(len(tiles), rank, world)]
+    if path is not None:
+        _write_tiles(grid, mine, Path(path), summary, progress and rank == 0)
+        return None
+    if rank == 0:
+        results = grid.allocate(out)
+        for i, j, values in grid.compute(mine, progress=progress):
+            grid.write(results, i, j, values)
+        received: list = [None] * world
+        if world > 1:
+            dist.gather_object(None, received, dst=0)
+        for part in received[1:]:
+            for i, j, values in part:
+                grid.write(results, i, j, values)
+        return grid.result(results)
+    part = [(i, j, {k: v.detach().cpu() for k, v in values.items()})
+            for i, j, values in grid.compute(mine)]
+    dist.gather_object(part, None, dst=0)
+    return None
+
+
+def load_tiles(path: Union[str, os.PathLike], *, out=None) -> Kernel:
+    """Assemble the kernel that `empirical_ntk(..., path=path)` wrote: a tensor, or a dict per
+    layer; `out` (e.g. `numpy.lib.format.open_memmap`) receives a total kernel instead."""
+    root = Path(path)
+    try:
+        index = json.loads((root / _INDEX).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{root} holds no complete kernel (no {_INDEX}); was the job "
+                         "interrupted?") from None
+    if index.get("format") != TILES_FORMAT:
+        raise ValueError(f"{root / _INDEX} is not a {TILES_FORMAT} index")
+    keys = index["keys"]
+    if out is not None and keys != [None]:
+        raise ValueError("out= receives a total kernel only; this path holds layer components")
+    grid = Grid(n1=index["n1"], n2=index["n2"], block=index["block"], symmetric=index["symmetric"],
+                kind=index["kind"], shape=index["shape"], keys=keys,
+                dtype=getattr(torch, index["dtype"]), device=torch.device("cpu"),
+                row_features=None, col_features=None, tile=None, cache_ok=False, desc="")
+    results = grid.allocate(out)
+    for i, j in grid.tiles():
+        with np.load(root / _TILES / f"{i}_{j}.npz") as tile:
+            grid.write(results, i, j, {k: torch.from_numpy(tile[f"c{c}"]) for c, k in enumerate(keys)})
+    return grid.result(results)
+
+
+def _check_empty(root: Path) -> None:
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise ValueError(f"path {root} exists and is not an empty directory; kernel tiles need "
+                         "a new or empty directory")
+
+
+def _write_tiles(grid: Grid, mine: list, root: Path, summary: dict, progress: bool) -> None:
+    """Every rank writes its tiles (atomically: a partial file never has the final name);
+    rank 0 writes the index once every tile is present."""
+    rank, _ = rank_and_world()
+    folder = root / _TILES
+    if rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+    barrier()
+    for i, j, values in grid.compute(mine, progress=progress):
+        part = folder / f"{i}_{j}.part.npz"
+        np.savez(part, **{f"c{c}": values[k].detach().cpu().numpy() for c, k in enumerate(grid.keys)})
+        os.replace(part, folder / f"{i}_{j}.npz")
+    barrier()
+    if rank == 0:
+        missing = [t for t in grid.tiles() if not (folder / f"{t[0]}_{t[1]}.npz").exists()]
+        if missing:
+            raise RuntimeError(f"{len(missing)} tiles missing under {folder} (e.g. {missing[0]}); "
+                               "do all ranks share this filesystem?")
+        tmp = root / (_INDEX + ".part")
+        tmp.write_text(json.dumps({"format": TILES_FORMAT, **summary}, indent=1))
+        os.replace(tmp, root / _INDEX)
+    barrier()
