@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from ntk import _inputs, _kinds, _structured
 from ntk._memory import available_bytes, block_size
 from ntk._model import ModelView, check_eval_mode
+from ntk._tiles import Grid
 from ntk.empirical import check_outputs
 
 from ._projectors import MatrixBank, check_projector
@@ -206,9 +207,21 @@ def _contract(f1: torch.Tensor, f2: torch.Tensor, kind: str) -> torch.Tensor:
 def kernel(phi1, phi2=None, *, kind: str, out=None, tile: int = 4096, progress: bool = False):
     """Φ1 Φ2ᵀ as `kind` from feature arrays of any size (e.g. memory-mapped stores from
     `open_store`), computed in tiles of `tile` × `tile` samples so that only two tiles of
-    features are in memory at once. `out`: an optional preallocated array (e.g.
-    `numpy.lib.format.open_memmap`) that receives the kernel; otherwise a numpy array is returned."""
+    features are in memory at once (phi2=None: the tiles on and above the diagonal, mirrored).
+    `out`: an optional preallocated array (e.g. `numpy.lib.format.open_memmap`) that receives
+    the kernel; otherwise a numpy array is returned."""
+    grid = kernel_grid(phi1, phi2, kind=kind, tile=tile)
+    results = grid.allocate(np.empty(grid.shape, dtype=np.asarray(phi1[:1]).dtype) if out is None else out)
+    for i, j, values in grid.compute(progress=progress):
+        grid.write(results, i, j, values)
+    return results[None]
+
+
+def kernel_grid(phi1, phi2=None, *, kind: str, tile: int = 4096) -> Grid:
+    """The tile grid of Φ1 Φ2ᵀ (shared with `projections.distributed.kernel`)."""
     _kinds.check_kind(kind)
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
+        raise ValueError(f"tile must be a positive integer, got {tile!r}")
     sym = phi2 is None
     phi2 = phi1 if sym else phi2
     want = 2 if kind == "sum_logits" else 3
@@ -219,20 +232,11 @@ def kernel(phi1, phi2=None, *, kind: str, out=None, tile: int = 4096, progress: 
         raise ValueError(f"feature shapes differ: {tuple(phi1.shape[1:])} vs {tuple(phi2.shape[1:])}")
     n1, n2 = phi1.shape[0], phi2.shape[0]
     o = phi1.shape[1] if want == 3 else 1
-    shape = _kinds.tile_shape(kind, n1, n2, o)
-    if out is None:
-        out = np.empty(shape, dtype=np.asarray(phi1[:1]).dtype)
-    elif tuple(out.shape) != tuple(shape):
-        raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(shape)}")
-    rows = [slice(s, min(s + tile, n1)) for s in range(0, n1, tile)]
-    cols = [slice(s, min(s + tile, n2)) for s in range(0, n2, tile)]
-    with tqdm(total=len(rows) * len(cols), disable=not progress, desc="kernel", unit="tile") as bar:
-        for rs in rows:
-            left = torch.from_numpy(np.array(phi1[rs]))
-            for cs in cols:
-                right = left if sym and rs == cs else torch.from_numpy(np.array(phi2[cs]))
-                out[rs, cs] = _contract(left, right, kind).numpy()
-                bar.update()
-    return out
 
-
+    def read(phi):
+        return lambda rows: torch.from_numpy(np.array(phi[rows]))
+    return Grid(n1=n1, n2=n2, block=tile, symmetric=sym, kind=kind,
+                shape=_kinds.tile_shape(kind, n1, n2, o), keys=[None],
+                dtype=getattr(torch, np.asarray(phi1[:1]).dtype.name), device=torch.device("cpu"),
+                row_features=read(phi1), col_features=read(phi2),
+                tile=lambda a, b: {None: _contract(a, b, kind)}, cache_ok=False, desc="kernel")

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 from tqdm.auto import tqdm
 
 from ntk import _inputs
+from ntk.distributed import rank_and_world
 
 from .projected import Featurizer
 
@@ -45,7 +46,8 @@ def featurize(model: nn.Module, data, path: Union[str, os.PathLike], *, dim: int
               kind: str = "trace", projector: str = "rademacher", seed: int = 0,
               block: int = 1024, batch_size: Optional[int] = None, device=None,
               dtype: Optional[torch.dtype] = None, store_dtype: str = "float32",
-              output_fn: Optional[Callable] = None, progress: Optional[bool] = None) -> np.ndarray:
+              output_fn: Optional[Callable] = None, progress: Optional[bool] = None,
+              distributed: Optional[bool] = None) -> np.ndarray:
     """Stream the projected features of `data` (see `projections.features`) into the store at
     `path`, `block` samples per block, resuming an interrupted run; returns `open_store(path)`.
 
@@ -54,6 +56,9 @@ def featurize(model: nn.Module, data, path: Union[str, os.PathLike], *, dim: int
     tuples/lists use their first element). `batch_size` samples are featurised at a time
     (None: chosen from free memory on the first run, then reused so that a resumed run repeats
     the same arithmetic). `progress`: a tqdm bar (None: only on a terminal).
+    distributed: share the blocks among the ranks of the torch.distributed process group, every
+    rank calling with the same arguments (None: whenever a group of more than one process is
+    initialised); see `projections.distributed`.
     """
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive integer, got {block!r}")
@@ -70,16 +75,36 @@ def featurize(model: nn.Module, data, path: Union[str, os.PathLike], *, dim: int
                 "projector": projector, "seed": seed, "samples": n, "block": block,
                 "num_outputs": fz.num_outputs, "store_dtype": store_dtype,
                 "compute_dtype": str(fz.param_dtype).replace("torch.", "")}
-    manifest = _load_or_create(root, settings, batch_size, fz, n)
-    batch = manifest["batch"]
-    array = np.load(root / _ARRAY, mmap_mode="r+")
-    todo = [i for i in range(manifest["num_blocks"]) if str(i) not in manifest["blocks"]]
-    exit_after = int(os.environ.get(_EXIT_HOOK, "0"))
     show = sys.stderr.isatty() if progress is None else progress
+    if distributed is None:
+        distributed = rank_and_world()[1] > 1
+    if distributed:
+        from .distributed import featurize_shard
+        return featurize_shard(fz, _chain(first, blocks), root, settings, batch_size, show)
+    manifest = _load_or_create(root, settings, batch_size, fz, n)
+    todo = [i for i in range(manifest["num_blocks"]) if str(i) not in manifest["blocks"]]
+
+    def record(i: int, digest: str) -> None:
+        manifest["blocks"][str(i)] = digest
+        _write_manifest(root, manifest)
+    write_blocks(fz, _chain(first, blocks), root, manifest, todo, record, show)
+    return open_store(root, verify=False)
+
+
+def write_blocks(fz: Featurizer, blocks, root: Path, manifest: dict, todo: list,
+                 record: Callable[[int, str], None], show: bool) -> None:
+    """Featurise the blocks numbered in `todo` (of the iterator `blocks`) into the store's
+    array; after each block's rows are flushed, `record(i, sha256)` marks it complete."""
+    batch, block, store_dtype = manifest["batch"], manifest["block"], manifest["store_dtype"]
+    array = np.load(root / _ARRAY, mmap_mode="r+")
+    wanted = set(todo)
+    exit_after = int(os.environ.get(_EXIT_HOOK, "0"))
     written = 0
     with tqdm(total=len(todo), disable=not show, desc="featurize", unit="block") as bar:
-        for i, x in enumerate(_chain(first, blocks)):
-            if str(i) in manifest["blocks"]:
+        for i, x in enumerate(blocks):
+            if written == len(wanted):
+                break
+            if i not in wanted:
                 continue
             rows = slice(i * block, i * block + _inputs.count(x))
             fz.prepare(x)
@@ -88,14 +113,12 @@ def featurize(model: nn.Module, data, path: Union[str, os.PathLike], *, dim: int
                 array[rows.start + start: rows.start + start + part.shape[0]] = \
                     part.detach().cpu().numpy().astype(store_dtype)
             array.flush()
-            manifest["blocks"][str(i)] = _digest(array[rows])
-            _write_manifest(root, manifest)
+            record(i, _digest(array[rows]))
             bar.update()
             written += 1
             if exit_after and written >= exit_after:
                 os._exit(3)
     del array
-    return open_store(root, verify=False)
 
 
 def open_store(path: Union[str, os.PathLike], *, verify: bool = True) -> np.ndarray:
