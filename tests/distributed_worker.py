@@ -1,0 +1,75 @@
+"""Run under torchrun by tests/test_distributed.py: distributed kernels and sharded featurisation
+of a tiny model, written under OUT for the test to compare with one process.
+
+usage: distributed_worker.py OUT kill|all
+  kill: featurise OUT/resumed, rank 1 exits (os._exit) after its first block
+  all:  kernels (gathered and as tiles), featurise OUT/fresh, resume OUT/resumed, store kernels
+"""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import ntk.distributed
+import projections
+import projections.distributed
+import projections.store
+from models import MLP
+
+N, DIM, BLOCK, TILE = 23, 16, 5, 4
+
+
+def model_and_data():
+    torch.manual_seed(0)
+    model = MLP().eval()
+    x = torch.randn(N, 5, generator=torch.Generator().manual_seed(7))
+    return model, x
+
+
+def featurize(path, log=None):
+    """Featurise into `path`; `log`: also write the blocks this rank computes to that file."""
+    model, x = model_and_data()
+    if log is not None:
+        write_blocks = projections.store.write_blocks
+
+        def spy(fz, blocks, root, manifest, todo, *rest):
+            with open(log, "w") as f:
+                json.dump(list(todo), f)
+            return write_blocks(fz, blocks, root, manifest, todo, *rest)
+        projections.store.write_blocks = spy
+    return projections.featurize(model, x, path, dim=DIM, kind="trace", block=BLOCK, seed=1,
+                                 batch_size=2, progress=False)
+
+
+def main(out, mode):
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if mode == "kill":
+        if rank == 1:
+            os.environ["NTK_FEATURIZE_EXIT_AFTER_BLOCKS"] = "1"
+        featurize(os.path.join(out, "resumed"))
+        return
+    model, x = model_and_data()
+    full = ntk.distributed.empirical_ntk(model, x, kind="full", batch_size=TILE)
+    layers = ntk.distributed.empirical_ntk(model, x, x[:9], kind="trace", layers="all",
+                                           batch_size=TILE)
+    ntk.distributed.empirical_ntk(model, x, kind="diagonal", batch_size=TILE,
+                                  path=os.path.join(out, "diagonal"))
+    featurize(os.path.join(out, "fresh"))
+    featurize(os.path.join(out, "resumed"), log=os.path.join(out, f"resumed.{rank}.json"))
+    store = os.path.join(out, "fresh")
+    phi_k = projections.distributed.kernel(store, tile=TILE)
+    projections.distributed.kernel(store, os.path.join(out, "resumed"), tile=TILE,
+                                   path=os.path.join(out, "store_kernel"))
+    if rank == 0:
+        torch.save({"full": full, "layers": layers, "phi_k": torch.from_numpy(phi_k)},
+                   os.path.join(out, "gathered.pt"))
+    else:
+        assert full is None and layers is None and phi_k is None
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
