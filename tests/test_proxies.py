@@ -187,3 +187,20 @@ def test_clear_errors(data):
         proxies.score(tiny(), x, y, metric="accuracy")
     with pytest.raises(RuntimeError, match="candidate 'narrow'"):
         proxies.rank({"narrow": tiny}, torch.randn(N, D + 2), y, metric="lga")
+
+
+def test_a_vote_orders_by_the_mean_rank_over_metrics(data):
+    x, y = data
+    assert proxies.mean_rank([[3.0, 1.0, 2.0], [1.0, float("nan"), 5.0]]).tolist() == [2.5, 1.0, 2.5]
+    candidates = {f"w{w}": (lambda w=w: tiny(width=w)) for w in (2, 5, 16)}
+    metrics = ("params", "lga")
+    singles = {m: dict(proxies.rank(candidates, x, y, metric=m, batch_size=8)) for m in metrics}
+    names = list(candidates)
+    expected = proxies.mean_rank([[singles[m][n] for n in names] for m in metrics])
+    ranked = proxies.rank(candidates, x, y, metric=metrics, batch_size=8, return_details=True)
+    assert [v.value for _, v in ranked] == sorted(expected.tolist(), reverse=True)
+    for name, details in ranked:
+        assert details.value == expected[names.index(name)]
+        assert {m: p.value for m, p in details.parts.items()} == {m: singles[m][name] for m in metrics}
+    with pytest.raises(ValueError, match="unknown metric"):
+        proxies.rank(candidates, x, y, metric=("lga", "accuracy"))
