@@ -46,9 +46,9 @@ def test_no_arguments_ranks_the_demo_space():
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)["rows"]
     assert len(rows) == 6 and [r["rank"] for r in rows] == list(range(1, 7))
-    scores = [r["lga"] for r in rows]
+    scores = [r["mean_rank"] for r in rows]  # the default: a vote of two proxies
     assert scores == sorted(scores, reverse=True)
-    assert all(-1 <= s <= 1 for s in scores)
+    assert all(m in rows[0] for m in proxies.DEFAULT_RANKING)
 
 
 def test_candidates_file_data_and_formats(tmp_path):
@@ -79,6 +79,16 @@ def test_condition_number_rows_match_the_library(tmp_path, monkeypatch, capsys):
                             metric="condition_number", repeats=2, batch_size=10)
     assert [(r["candidate"], r["condition_number"]) for r in rows] == expected
     assert all(r["kappa"] >= 1 for r in rows)
+
+    code, out, err = run_here(capsys, "--candidates", "cands.py:space", "--data", "data.npz",
+                              "--metric", "params", "--metric", "condition_number", "--repeats",
+                              "2", "--batch-size", "10", "--format", "json")
+    assert code == 0, err
+    vote = json.loads(out)["rows"]
+    kappa = dict(expected)
+    for r in vote:  # params rank w3 < w6 < w12 (1..3); condition_number ranks from the run above
+        assert r["condition_number"] == kappa[r["candidate"]]
+    assert [r["mean_rank"] for r in vote] == sorted((r["mean_rank"] for r in vote), reverse=True)
 
 
 def run_here(capsys, *args):

@@ -4,7 +4,7 @@ from __future__ import annotations
 from functools import partial
 
 import click
-import torch
+import numpy as np
 
 from ntk import demo, proxies
 
@@ -23,7 +23,9 @@ def demo_space() -> dict:
                    "nn.Module (default: a built-in space of six MLPs)")
 @click.option("--data", default="digits", show_default=True,
               help="'digits' or an .npz/.pt file with arrays x and y (integer class labels)")
-@click.option("--metric", type=click.Choice(proxies.METRICS), default="lga", show_default=True)
+@click.option("--metric", "metrics", type=click.Choice(proxies.METRICS), multiple=True,
+              help=f"proxy to rank by; repeat it to rank by the mean rank over several proxies "
+                   f"(default: the vote of {' and '.join(proxies.DEFAULT_RANKING)})")
 @click.option("--kind", type=click.Choice(["sum_logits", "trace"]), default="sum_logits",
               show_default=True, help="kernel kind of the kernel metrics")
 @click.option("--batch-size", type=click.IntRange(min=2), default=64, show_default=True,
@@ -36,8 +38,8 @@ def demo_space() -> dict:
 @click.option("--device", default=None, help="torch device, e.g. cpu or cuda")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True)
 @click.option("--output", default=None, help="write the result to this file instead of stdout")
-def nas(spec, data, metric, kind, batch_size, repeats, warmup_steps, seed, device, fmt, output):
-    """Rank candidate architectures by an NTK proxy (higher is better), best first."""
+def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, device, fmt, output):
+    """Rank candidate architectures by NTK and zero-cost proxies (higher is better), best first."""
     candidates = demo_space() if spec is None else load_object(spec, "candidates")
     if not isinstance(candidates, dict):
         raise UsageProblem(f"--candidates: {spec} is a {type(candidates).__name__}, not a dict of "
@@ -47,15 +49,23 @@ def nas(spec, data, metric, kind, batch_size, repeats, warmup_steps, seed, devic
         x, y = d.x_train, d.y_train
     else:
         x, y = load_arrays(data)
-    ranked = proxies.rank(candidates, x, y, metric=metric, kind=kind, batch_size=batch_size,
+    metrics = list(metrics or proxies.DEFAULT_RANKING)
+    ranked = proxies.rank(candidates, x, y, metric=metrics, kind=kind, batch_size=batch_size,
                           repeats=repeats, warmup_steps=warmup_steps, seed=seed, device=device,
                           progress=interactive(), return_details=True)
-    rows = []
-    for position, (name, s) in enumerate(ranked, 1):
-        row = {"rank": position, "candidate": name, metric: s.value, "std": s.std}
-        if metric == "condition_number":
-            row["kappa"] = float(torch.tensor(s.raw).mean())
-        rows.append({**row, "seconds": round(s.seconds, 4)})
-    emit(rows, fmt, output, title=f"{metric} proxy ({repeats} × {batch_size} samples, higher is better)",
-         meta={"metric": metric, "kind": kind, "repeats": repeats, "batch_size": batch_size,
-               "warmup_steps": warmup_steps})
+    rows = [{"rank": position, "candidate": name, **_columns(s), "seconds": round(s.seconds, 4)}
+            for position, (name, s) in enumerate(ranked, 1)]
+    label = " + ".join(metrics)
+    emit(rows, fmt, output, title=f"{label} ({repeats} × {batch_size} samples, higher is better)",
+         meta={"metric": metrics if len(metrics) > 1 else metrics[0], "kind": kind,
+               "repeats": repeats, "batch_size": batch_size, "warmup_steps": warmup_steps})
+
+
+def _columns(s: proxies.ProxyScore) -> dict:
+    """A score's columns: value and spread (and κ), or the mean rank and each voter's value."""
+    if s.parts is not None:
+        return {"mean_rank": s.value, **{m: p.value for m, p in s.parts.items()}}
+    row = {s.metric: s.value, "std": s.std}
+    if s.metric == "condition_number":
+        row["kappa"] = float(np.mean(s.raw))
+    return row
