@@ -1,0 +1,122 @@
+"""`ntk layers` as a user runs it: a subprocess on a factory file in every format, the plot,
+weights, the built-in demo, and the usage errors (exit 2, one line, no traceback)."""
+import csv
+import io
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from attribution import layer_importance
+
+
+def run(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "attribution.cli", "layers", *args],
+                          capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+FACTORY = """
+import torch
+from torch import nn
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+def build():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), Block(), Block(), nn.Linear(6, 3))
+"""
+
+
+def setup(tmp_path):
+    (tmp_path / "factory.py").write_text(FACTORY)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 4)).astype(np.float32)
+    y = rng.integers(0, 3, size=16)
+    np.savez(tmp_path / "data.npz", x=x, y=y)
+    return x, y, ["--model", str(tmp_path / "factory.py:build"), "--data", str(tmp_path / "data.npz")]
+
+
+def test_every_format_matches_the_library(tmp_path):
+    x, y, common = setup(tmp_path)
+    namespace = {}
+    exec(FACTORY, namespace)
+    expected = layer_importance(namespace["build"]().eval(), torch.from_numpy(x), torch.from_numpy(y))
+
+    out = run(*common, "--format", "json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["samples"] == 16 and report["score"] == "sensitivity"
+    rows = report["rows"]
+    assert [r["layer"] for r in rows] == [r["layer"] for r in expected]
+    assert [r["rank"] for r in rows] == list(range(1, 7))
+    assert np.allclose([r["share"] for r in rows], [r["share"] for r in expected], rtol=1e-5)
+    assert abs(sum(r["share"] for r in rows) - 1) < 1e-6
+    assert rows[0]["block_influence"] is None
+
+    out = run(*common, "--format", "csv", "--score", "share")
+    assert out.returncode == 0, out.stderr
+    table = list(csv.DictReader(io.StringIO(out.stdout)))
+    assert len(table) == 6 and table[0]["rank"] == "1"
+    shares = [float(r["share"]) for r in table]
+    assert shares == sorted(shares, reverse=True)
+
+    out = run(*common, "--group", "blocks", "--output", str(tmp_path / "t.txt"), "--plot",
+              str(tmp_path / "bars.png"))
+    assert out.returncode == 0, out.stderr
+    text = (tmp_path / "t.txt").read_text()
+    assert "1.fc1" not in text and "layer importance by sensitivity" in text
+    assert all(name in text for name in ("0", "1", "2", "3"))
+    assert (tmp_path / "bars.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    out = run(*common, "--group", "blocks", "--depth", "2", "--score", "block_influence", "--format", "json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["rows"]
+    assert {r["layer"] for r in rows} == {"0", "1.fc1", "1.fc2", "2.fc1", "2.fc2", "3"}
+
+
+def test_weights_are_loaded(tmp_path):
+    x, y, common = setup(tmp_path)
+    namespace = {}
+    exec(FACTORY, namespace)
+    model = namespace["build"]()
+    with torch.no_grad():
+        model[3].weight.zero_()                 # nothing upstream of the head reaches the output
+    torch.save(model.state_dict(), tmp_path / "w.pt")
+    out = run(*common, "--weights", str(tmp_path / "w.pt"), "--format", "json", "--score", "share")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["rows"]
+    assert rows[0]["layer"] == "3" and rows[0]["share"] == 1.0
+    assert all(r["share"] == 0 for r in rows[1:])
+
+
+@pytest.mark.slow
+def test_no_arguments_runs_the_digits_demo():
+    out = run()
+    assert out.returncode == 0, out.stderr
+    assert "layer importance by sensitivity (256 samples" in out.stdout
+    assert "Linear" in out.stdout and "Traceback" not in out.stderr
+
+
+def test_usage_errors_exit_2_with_one_line(tmp_path):
+    _, _, common = setup(tmp_path)
+    np.savez(tmp_path / "wide.npz", x=np.zeros((8, 7), np.float32))
+    cases = [["--model", "no_colon"],
+             ["--model", str(tmp_path / "missing.py:build")],
+             [*common[:2], "--data", str(tmp_path / "missing.npz")],
+             [*common[:2], "--data", str(tmp_path / "wide.npz")],          # 7 features for 4 inputs
+             [*common, "--group", "heads"],
+             [*common, "--weights", str(tmp_path / "missing.pt")]]
+    for args in cases:
+        out = run(*args)
+        assert out.returncode == 2, (args, out.stderr)
+        assert "Traceback" not in out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
