@@ -69,13 +69,16 @@ class Sketcher:
             via_gradient = c * s * f_out * f_in / self.dim + c * f_out * f_in / m + c * f_out
             if via_gradient < via_factors:
                 g = torch.einsum("cbso,bsi->cboi", t.d, t.a)
-                left = r_in.matmul(g).reshape(c, b, f_out, r, 1, m)          # Σ_i G_oi R_in[i,rq]
-                right = r_out.dense().reshape(f_out, r, m, 1)
-                return (left * right).sum(2).reshape(c, b, self.dim) / math.sqrt(r)
+                left = r_in.matmul(g).reshape(c, b, f_out, r, m)             # Σ_i G_oi R_in[i,rq]
+                right = r_out.dense().reshape(f_out, r, m)
+                phi = (left[..., 0] * right[..., 0]).sum(2) if m == 1 else \
+                    torch.einsum("cborq,orp->cbrpq", left, right)
+                return phi.reshape(c, b, self.dim) / math.sqrt(r)
             a_proj = r_in.matmul(t.a)                                         # [B, S, r·m]
-        d_proj = r_out.matmul(t.d).reshape(c, b, s, r, m, 1)
-        a_proj = a_proj.reshape(b, s, r, 1, m)
-        return (d_proj * a_proj).sum(2).reshape(c, b, self.dim) / math.sqrt(r)
+        d_proj = r_out.matmul(t.d).reshape(c, b, s, r, m)
+        a_proj = a_proj.reshape(b, s, r, m)
+        phi = (d_proj * a_proj).sum(2) if m == 1 else torch.einsum("cbsrp,bsrq->cbrpq", d_proj, a_proj)
+        return phi.reshape(c, b, self.dim) / math.sqrt(r)
 
     def terms(self, terms: list, layers) -> dict:
         """Sum the projections of all terms per layer: {layer: Φ_l [C, B, k]} for the layers in
