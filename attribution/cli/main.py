@@ -8,6 +8,7 @@ import click
 
 from .common import UsageProblem
 from .kernel import kernel
+from .layers import layers
 from .nas import nas
 
 
@@ -17,6 +18,7 @@ def cli() -> None:
 
 
 cli.add_command(kernel)
+cli.add_command(layers)
 cli.add_command(nas)
 
 
