@@ -37,8 +37,8 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
-from torch import nn
 from scipy.stats import rankdata
+from torch import nn
 from tqdm.auto import tqdm
 
 from ._kinds import check_kind
@@ -127,7 +127,7 @@ def rank(candidates: Mapping[str, Candidate], x, y=None, *,
     if not metrics:
         raise ValueError("metric is an empty list; name at least one metric")
     for m in metrics:
-        _check_options(m, options.get("kind", "sum_logits"), 2, 1, 0)
+        _check_metric(m)
     if not isinstance(candidates, Mapping):
         raise TypeError(f"candidates must be a dict of name -> module or factory, got "
                         f"{type(candidates).__name__}")
@@ -175,9 +175,13 @@ def mean_rank(columns) -> np.ndarray:
 # Inputs, copies, warm-up
 # --------------------------------------------------------------------------------------------
 
-def _check_options(metric, kind, batch_size, repeats, warmup_steps) -> None:
+def _check_metric(metric) -> None:
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}; valid metrics are {', '.join(METRICS)}")
+
+
+def _check_options(metric, kind, batch_size, repeats, warmup_steps) -> None:
+    _check_metric(metric)
     check_kind(kind)
     for name, value, low in (("batch_size", batch_size, 2), ("repeats", repeats, 1),
                              ("warmup_steps", warmup_steps, 0)):
