@@ -6,7 +6,7 @@ digits training split (`ntk.demo.digits(n_train=1000)`), accuracy on the other 7
 The ceiling any proxy can hope for is how well one seed's accuracies rank the architectures
 like another seed's: the mean Kendall τ / Spearman ρ over pairs of seeds.
 
-    python benchmarks/nas/ground_truth.py          # ≈ 5 minutes on 2 CPU cores
+    python benchmarks/nas/ground_truth.py    # 667 s on the shared 2-core machine (one thread)
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ rows order the architectures by their mean rank under two proxies (`proxies.mean
 held-out lines check that choosing a metric or a pair on half of the architectures carries over
 to the other half.
 
-    python benchmarks/nas/score.py [--repeats 3] [--only lga,params]
+    python benchmarks/nas/score.py [--repeats 3] [--only lga,params]    # ≈ 6–10 minutes
 """
 from __future__ import annotations
 
