@@ -2,7 +2,7 @@
 of a tiny model, written under OUT for the test to compare with one process.
 
 usage: distributed_worker.py OUT kill|all
-  kill: featurise OUT/resumed, rank 1 exits (os._exit) after its first block
+  kill: `ntk featurize OUT/resumed` of OUT/x.npz, rank 1 exits (os._exit) after its first block
   all:  kernels (gathered and as tiles), featurise OUT/fresh, resume OUT/resumed, store kernels
 """
 import json
@@ -16,6 +16,7 @@ import ntk.distributed
 import projections
 import projections.distributed
 import projections.store
+from attribution.cli.main import cli
 from models import MLP
 
 N, DIM, BLOCK, TILE = 23, 16, 5, 4
@@ -26,6 +27,18 @@ def model_and_data():
     model = MLP().eval()
     x = torch.randn(N, 5, generator=torch.Generator().manual_seed(7))
     return model, x
+
+
+def tiny_model():
+    """The model as a factory for `ntk featurize --model`."""
+    return model_and_data()[0]
+
+
+def cli_args(store, data):
+    """`ntk featurize` arguments with the settings of `featurize`."""
+    return ["featurize", str(store), "--model", f"{os.path.abspath(__file__)}:tiny_model",
+            "--data", str(data), "--dim", str(DIM), "--kind", "trace", "--block", str(BLOCK),
+            "--seed", "1", "--batch-size", "2", "--format", "json"]
 
 
 def featurize(path, log=None):
@@ -44,13 +57,14 @@ def featurize(path, log=None):
 
 
 def main(out, mode):
+    if mode == "kill":
+        if os.environ["RANK"] == "1":
+            os.environ["NTK_FEATURIZE_EXIT_AFTER_BLOCKS"] = "1"
+        cli.main(cli_args(os.path.join(out, "resumed"), os.path.join(out, "x.npz")),
+                 standalone_mode=False)
+        return
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    if mode == "kill":
-        if rank == 1:
-            os.environ["NTK_FEATURIZE_EXIT_AFTER_BLOCKS"] = "1"
-        featurize(os.path.join(out, "resumed"))
-        return
     model, x = model_and_data()
     full = ntk.distributed.empirical_ntk(model, x, kind="full", batch_size=TILE)
     layers = ntk.distributed.empirical_ntk(model, x, x[:9], kind="trace", layers="all",

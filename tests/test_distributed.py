@@ -14,7 +14,7 @@ import torch
 import ntk
 import ntk.distributed
 import projections
-from distributed_worker import TILE, featurize, model_and_data
+from distributed_worker import BLOCK, TILE, cli_args, featurize, model_and_data
 
 HERE = os.path.dirname(__file__)
 
@@ -37,6 +37,7 @@ def runs(tmp_path_factory):
     """Two torchrun jobs: one whose rank 1 dies after its first block, then one that computes
     the kernels, a fresh store and resumes the killed one."""
     out = tmp_path_factory.mktemp("distributed")
+    np.savez(out / "x.npz", x=model_and_data()[1].numpy())
     killed = torchrun(out, "kill")
     journal = sorted(p.name for p in (out / "resumed" / "journal").glob("*.sha256"))
     partial = projections.store_info(out / "resumed")
@@ -90,6 +91,21 @@ def test_killed_rank_leaves_journal_and_the_rerun_completes_identically(runs, tm
     featurize(tmp_path / "single")
     for name in ("features.npy", "manifest.json"):
         assert same_bytes(out / "resumed" / name, tmp_path / "single" / name), name
+
+
+def test_cli_on_one_process_writes_the_same_store_and_kernel_tiles(runs, tmp_path):
+    out = runs[0]
+    args = cli_args(tmp_path / "cli", out / "x.npz") + ["--kernel-tiles", str(tmp_path / "k")]
+    run = subprocess.run([sys.executable, "-m", "attribution.cli", *args], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": HERE})
+    assert run.returncode == 0, run.stderr
+    row = json.loads(run.stdout)["rows"][0]
+    assert (row["samples"], row["shape"], row["blocks"], row["ranks"]) == (23, "23x3x16", 5, 1)
+    for name in ("features.npy", "manifest.json"):
+        assert same_bytes(out / "resumed" / name, tmp_path / "cli" / name), name
+    phi = projections.open_store(tmp_path / "cli")
+    assert np.array_equal(ntk.distributed.load_tiles(tmp_path / "k").numpy(),
+                          projections.kernel(phi, kind="trace", tile=BLOCK))
 
 
 def test_store_kernels_equal_one_process(runs):

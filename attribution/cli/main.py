@@ -7,6 +7,7 @@ import sys
 import click
 
 from .common import UsageProblem
+from .featurize import featurize
 from .kernel import kernel
 from .layers import layers
 from .nas import nas
@@ -17,6 +18,7 @@ def cli() -> None:
     """Empirical neural tangent kernels: kernels, layer importance, attribution, NAS proxies."""
 
 
+cli.add_command(featurize)
 cli.add_command(kernel)
 cli.add_command(layers)
 cli.add_command(nas)

@@ -1,0 +1,73 @@
+"""`ntk featurize`: stream projected Jacobian features into an on-disk store, on one process or
+sharded over the ranks of a torchrun job (``torchrun --nproc_per_node=K $(which ntk) featurize …``)."""
+from __future__ import annotations
+
+import os
+import time
+
+import click
+import torch
+import torch.distributed as dist
+
+import ntk
+import projections
+import projections.distributed
+from ntk.distributed import rank_and_world
+
+from .common import emit, interactive, model_options, resolve_model_and_data
+
+
+@click.command()
+@click.argument("store")
+@model_options
+@click.option("--dim", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="projection dimension k")
+@click.option("--kind", type=click.Choice(ntk.KINDS), default="trace", show_default=True)
+@click.option("--projector", type=click.Choice(projections.PROJECTORS), default="rademacher",
+              show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--block", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="samples per store block (the unit of resuming and of sharding over ranks)")
+@click.option("--store-dtype", type=click.Choice(["float16", "float32", "float64"]),
+              default="float32", show_default=True)
+@click.option("--kernel-tiles", default=None,
+              help="also write the projected kernel Φ Φᵀ as tiles into this new directory")
+def featurize(store, model_spec, weights, data, samples, device, batch_size, fmt, output, dim, kind,
+              projector, seed, block, store_dtype, kernel_tiles):
+    """Featurise the data (default: all of it) into STORE, resuming an interrupted run.
+
+    Under torchrun (WORLD_SIZE > 1) every rank joins the job's process group (NCCL with a CUDA
+    --device, each rank on cuda:LOCAL_RANK; Gloo otherwise), writes its share of the blocks into
+    the shared STORE, and rank 0 completes the manifest and prints the summary."""
+    device, joined = _join_process_group(device)
+    rank, world = rank_and_world()
+    model, x, _ = resolve_model_and_data(model_spec, weights, data, samples, device,
+                                         default_samples=None)
+    start = time.perf_counter()
+    phi = projections.featurize(model, x, store, dim=dim, kind=kind, projector=projector,
+                                seed=seed, block=block, batch_size=batch_size, device=device,
+                                store_dtype=store_dtype, progress=interactive() and rank == 0)
+    seconds = time.perf_counter() - start
+    if kernel_tiles is not None:
+        projections.distributed.kernel(store, path=kernel_tiles, tile=block)
+    if joined:
+        dist.destroy_process_group()
+    if rank == 0:
+        info = projections.store_info(store)
+        emit([{"store": str(store), "samples": info["samples"], "shape": "x".join(map(str, phi.shape)),
+               "blocks": info["num_blocks"], "ranks": world, "seconds": round(seconds, 3),
+               "kernel_tiles": kernel_tiles or ""}], fmt, output, title="feature store")
+
+
+def _join_process_group(device):
+    """Inside a torchrun job, initialise its process group unless the caller did; returns this
+    rank's device and whether the group was initialised here."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return device, False
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return device, True
