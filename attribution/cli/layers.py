@@ -25,12 +25,14 @@ def _check_fits(model: torch.nn.Module, x) -> None:
 
 
 def _plot(rows: list[dict], score: str, path: str) -> None:
-    """Horizontal bar chart of `score`, most important at the top."""
+    """Horizontal bar chart of `score`, most important at the top (rows where it is undefined
+    are left out)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if r[score] is not None]
     labels = [f"{r['layer'] or '(root)'}  [{r['type']}]" for r in rows]
     values = [r[score] for r in rows]
     fig, ax = plt.subplots(figsize=(8, 1.2 + 0.35 * len(rows)))
