@@ -1,0 +1,60 @@
+"""Kernels for attribution: exact (`ntk.empirical_ntk`) or projected (`projections`), as the
+scalar kinds' [N1, N2] matrices (optionally cosine-normalised) or as an output kernel
+[N1, N2, O, O] for methods that need the softmax curvature."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+import ntk
+from ntk import _inputs
+
+SCALAR_KINDS = ("trace", "sum_logits")
+OUTPUT_KINDS = ("full",) + SCALAR_KINDS
+
+
+def compute(model, x1, x2=None, *, kind: str, dim: Optional[int] = None, seed: int = 0,
+            batch_size: Optional[int] = None, device=None) -> torch.Tensor:
+    """ntk.empirical_ntk(kind=...) exactly (dim=None) or projections.projected_ntk with `dim`,
+    in float64."""
+    if dim is None:
+        k = ntk.empirical_ntk(model, x1, x2, kind=kind, batch_size=batch_size, device=device)
+    else:
+        import projections
+        k = projections.projected_ntk(model, x1, x2, dim=dim, kind=kind, seed=seed,
+                                      batch_size=batch_size, device=device)
+    k = torch.as_tensor(k).to(torch.float64)
+    if not bool(torch.isfinite(k).all()):
+        raise ValueError("the kernel contains non-finite values (NaN or inf)")
+    return k
+
+
+def self_similarity(model, x, *, kind: str, dim: Optional[int] = None, seed: int = 0,
+                    batch_size: Optional[int] = None, device=None, block: int = 256) -> torch.Tensor:
+    """K(x, x) for every sample [N] of a scalar kind, in blocks (never the whole N × N)."""
+    n = _inputs.count(x)
+    return torch.cat([compute(model, _inputs.take(x, slice(s, s + block)), kind=kind, dim=dim,
+                              seed=seed, batch_size=batch_size, device=device).diagonal()
+                      for s in range(0, n, block)])
+
+
+def cosine(k: torch.Tensor, diag1: torch.Tensor, diag2: torch.Tensor) -> torch.Tensor:
+    """K(x, x') / √(K(x, x) K(x', x')) — the trNTK of Engel et al. (ICLR 2024) for kind='trace'."""
+    if bool((diag1 <= 0).any()) or bool((diag2 <= 0).any()):
+        raise ValueError("cosine normalisation needs K(x, x) > 0 for every sample")
+    return k / torch.sqrt(diag1[:, None] * diag2[None, :])
+
+
+def output_kernel(model, x1, x2=None, *, kind: str, num_outputs: int, dim: Optional[int] = None,
+                  seed: int = 0, batch_size: Optional[int] = None, device=None) -> torch.Tensor:
+    """Θ [N1, N2, O, O]: the full kernel, or a scalar kind as k(x, x') ⊗ I_O on the scale of Θ's
+    diagonal (trace / O; sum_logits as is: the pseudo-NTK approximates Θ ≈ k ⊗ I_O, Mohamadi et
+    al., ICML 2023)."""
+    if kind not in OUTPUT_KINDS:
+        raise ValueError(f"kind must be one of {', '.join(OUTPUT_KINDS)}, got {kind!r}")
+    k = compute(model, x1, x2, kind=kind, dim=dim, seed=seed, batch_size=batch_size, device=device)
+    if kind == "full":
+        return k
+    scale = 1.0 / num_outputs if kind == "trace" else 1.0
+    return k[:, :, None, None] * (scale * torch.eye(num_outputs, dtype=k.dtype))

@@ -1,0 +1,59 @@
+"""Network outputs and the margin f = g_y − logsumexp_{j≠y} g_j = log(p_y / (1 − p_y)) that TRAK
+(Park et al., ICML 2023) and the linear datamodeling score attribute."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from ntk import _inputs
+from ntk._model import ModelView
+
+
+def logits(model: nn.Module, x, *, output_fn: Optional[Callable] = None,
+           batch_size: int = 1024) -> torch.Tensor:
+    """Model outputs [N, O] in float64, computed functionally (the model is never modified)."""
+    view = ModelView(model, output_fn=output_fn)
+    n = _inputs.validate(x, "x")
+    x = _inputs.convert(x, view.device, None)
+    with torch.no_grad():
+        out = [view.forward(view.params, _inputs.take(x, slice(s, s + batch_size)))
+               for s in range(0, n, batch_size)]
+    return torch.cat(out).to(torch.float64)
+
+
+def labels(y, n: int, num_outputs: int, name: str = "y") -> torch.Tensor:
+    """Class labels as a long tensor [n] in 0..num_outputs−1."""
+    y = torch.as_tensor(y)
+    if y.dim() != 1 or y.shape[0] != n:
+        raise ValueError(f"{name} must be a 1-d tensor of {n} class labels, got shape {tuple(y.shape)}")
+    if y.is_floating_point() and not bool((y == y.round()).all()):
+        raise ValueError(f"{name} must hold integer class labels")
+    y = y.long()
+    if n and (int(y.min()) < 0 or int(y.max()) >= num_outputs):
+        raise ValueError(f"{name} holds labels outside 0..{num_outputs - 1} (the model has "
+                         f"{num_outputs} outputs)")
+    return y
+
+
+def margins(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """f = g_y − logsumexp_{j≠y} g_j for logits g [..., N, O] and labels y [N]."""
+    if g.shape[-1] < 2:
+        raise ValueError("the margin needs at least two outputs (classes)")
+    y = y.expand(g.shape[:-1])
+    correct = g.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    others = g.scatter(-1, y.unsqueeze(-1), float("-inf"))
+    return correct - others.logsumexp(-1)
+
+
+def margin_gradient(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """∂f/∂g [N, O]: +1 at y, −softmax of the other logits elsewhere."""
+    others = g.scatter(-1, y.unsqueeze(-1), float("-inf")).softmax(-1)
+    return (-others).scatter(-1, y.unsqueeze(-1), 1.0)
+
+
+def softmax_curvature(g: torch.Tensor) -> torch.Tensor:
+    """Λ = diag(p) − p pᵀ [N, O, O], the Hessian of cross-entropy with respect to the logits."""
+    p = g.softmax(-1)
+    return torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)

@@ -1,0 +1,183 @@
+"""Offline evaluation of data attribution: the linear datamodeling score (LDS), a vmapped
+retraining harness for random α-subsets, and mislabelled-example detection.
+
+LDS (Park et al., ICML 2023, "TRAK: Attributing model behavior at scale"): draw subsets S_j of
+the training set, retrain on each, record the output f_j(z) on every test example z; the score of
+an attribution τ is the Spearman correlation over j between Σ_{i∈S_j} τ(z, i) and f_j(z), averaged
+over z.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from scipy.stats import spearmanr
+from sklearn.metrics import roc_auc_score
+from torch import nn
+from torch.func import functional_call, stack_module_state
+
+from ._outputs import margins
+
+
+def random_subsets(n: int, num_subsets: int, alpha: float = 0.5, *, seed: int = 0) -> torch.Tensor:
+    """`num_subsets` random subsets of size round(α·n) of range(n), as a bool mask [num_subsets, n]."""
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    size = round(alpha * n)
+    if not 0 < size < n:
+        raise ValueError(f"alpha={alpha} gives empty or full subsets of {n} examples")
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(num_subsets, n, dtype=torch.bool)
+    for j in range(num_subsets):
+        mask[j, torch.randperm(n, generator=gen)[:size]] = True
+    return mask
+
+
+def _as_mask(subsets, n: int) -> torch.Tensor:
+    mask = torch.as_tensor(np.asarray(subsets))
+    if mask.dim() != 2 or mask.shape[1] != n:
+        raise ValueError(f"subsets must be a mask [num_subsets, {n}], got shape {tuple(mask.shape)}")
+    if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("subsets must be a 0/1 (or bool) mask")
+    return mask.bool()
+
+
+def lds(scores, subsets, subset_outputs) -> float:
+    """Linear datamodeling score of attribution `scores` [N_test, N_train].
+
+    `subsets` is a 0/1 mask [S, N_train] of the training examples each retrained model saw and
+    `subset_outputs` [S, N_test] the retrained models' outputs (e.g. margins, averaged over seeds).
+    Test examples whose outputs or predictions are constant over subsets are skipped (warning).
+    """
+    scores = torch.as_tensor(np.asarray(scores), dtype=torch.float64)
+    outputs = torch.as_tensor(np.asarray(subset_outputs), dtype=torch.float64)
+    if scores.dim() != 2:
+        raise ValueError(f"scores must be [N_test, N_train], got shape {tuple(scores.shape)}")
+    mask = _as_mask(subsets, scores.shape[1])
+    if tuple(outputs.shape) != (mask.shape[0], scores.shape[0]):
+        raise ValueError(f"subset_outputs must be [num_subsets, N_test] = "
+                         f"[{mask.shape[0]}, {scores.shape[0]}], got {tuple(outputs.shape)}")
+    if not (bool(torch.isfinite(scores).all()) and bool(torch.isfinite(outputs).all())):
+        raise ValueError("scores and subset_outputs must be finite")
+    predicted = (mask.double() @ scores.T).numpy()
+    rhos = []
+    for z in range(scores.shape[0]):
+        a, b = predicted[:, z], outputs[:, z].numpy()
+        if np.ptp(a) > 0 and np.ptp(b) > 0:
+            rhos.append(spearmanr(a, b).statistic)
+    if len(rhos) < scores.shape[0]:
+        warnings.warn(f"{scores.shape[0] - len(rhos)} test examples have constant outputs or "
+                      "predictions over the subsets and were skipped", RuntimeWarning, stacklevel=2)
+    if not rhos:
+        raise ValueError("every test example has constant outputs or predictions over the subsets")
+    return float(np.mean(rhos))
+
+
+@dataclass
+class SubsetModels:
+    """Models trained on subsets: parameters stacked [S·seeds, ...] (subset-major) over one base."""
+    base: nn.Module
+    params: dict
+    buffers: dict
+    num_subsets: int
+    seeds: int
+
+    def outputs(self, x: torch.Tensor) -> torch.Tensor:
+        """Outputs of every model on x: [S, seeds, N, O]."""
+        call = lambda p, b: functional_call(self.base, (p, b), (x,))  # noqa: E731
+        with torch.no_grad():
+            out = torch.vmap(call)(self.params, self.buffers)
+        return out.reshape(self.num_subsets, self.seeds, *out.shape[1:])
+
+    def margins(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Margins g_y − logsumexp_{j≠y} g_j on (x, y), averaged over seeds: [S, N]."""
+        return margins(self.outputs(x).double(), y).mean(1)
+
+
+def train_on_subsets(factory: Callable[[], nn.Module], x: torch.Tensor, y: torch.Tensor, subsets,
+                     *, seeds: int = 1, epochs: int = 60, batch_size: int = 64, lr: float = 3e-3,
+                     weight_decay: float = 1e-4, loss: str = "cross_entropy",
+                     chunk: int = 256) -> SubsetModels:
+    """Train one model per (subset, seed) with Adam, all at once with `torch.func.vmap`.
+
+    Model (s, r) is `factory()` built after `torch.manual_seed(r)` (the same initialisation for
+    every subset, so that subsets differ only in their data) and sees its subset in a random order
+    drawn from seed r, in minibatches of `batch_size`, for `epochs` epochs — the recipe of
+    `ntk.demo.train`. Adam is elementwise, so one Adam over the stacked parameters is exactly an
+    independent Adam per model. `loss`: "cross_entropy" (y class labels) or "mse" (y targets).
+    Models are trained `chunk` at a time to bound memory.
+    """
+    mask = _as_mask(subsets, len(x))
+    sizes = mask.sum(1)
+    if not bool((sizes == sizes[0]).all()) or int(sizes[0]) == 0:
+        raise ValueError("every subset must be non-empty and of the same size")
+    if loss not in ("cross_entropy", "mse"):
+        raise ValueError(f"loss must be 'cross_entropy' or 'mse', got {loss!r}")
+    if seeds < 1:
+        raise ValueError(f"seeds must be a positive integer, got {seeds}")
+    members = torch.stack([torch.nonzero(row).squeeze(1) for row in mask])        # [S, m]
+    jobs = [(s, r) for s in range(len(members)) for r in range(seeds)]
+    trained = [_train_chunk(factory, x, y, members, jobs[i:i + chunk], epochs=epochs,
+                            batch_size=batch_size, lr=lr, weight_decay=weight_decay, loss=loss)
+               for i in range(0, len(jobs), chunk)]
+    params = {k: torch.cat([t[0][k] for t in trained]) for k in trained[0][0]}
+    buffers = {k: torch.cat([t[1][k] for t in trained]) for k in trained[0][1]}
+    base = copy.deepcopy(trained[0][2])
+    return SubsetModels(base, params, buffers, len(members), seeds)
+
+
+def _train_chunk(factory, x, y, members, jobs, *, epochs, batch_size, lr, weight_decay, loss):
+    models = []
+    for _, r in jobs:
+        torch.manual_seed(r)
+        models.append(factory())
+    base = copy.deepcopy(models[0]).train()
+    params, buffers = stack_module_state(models)
+    params = {k: v.detach().requires_grad_() for k, v in params.items()}
+    opt = torch.optim.Adam(params.values(), lr=lr, weight_decay=weight_decay)
+    m = members.shape[1]
+    gens = {r: torch.Generator().manual_seed(r) for r in {r for _, r in jobs}}
+    rows = torch.tensor([s for s, _ in jobs])
+    seed_of = [r for _, r in jobs]
+    call = lambda p, b, xb: functional_call(base, (p, b), (xb,))  # noqa: E731
+    for _ in range(epochs):
+        orders = {r: torch.randperm(m, generator=g) for r, g in gens.items()}
+        order = torch.stack([orders[r] for r in seed_of])                               # [K, m]
+        for start in range(0, m, batch_size):
+            idx = members[rows[:, None], order[:, start:start + batch_size]]             # [K, B]
+            out = torch.vmap(call, randomness="different")(params, buffers, x[idx])
+            target = y[idx]
+            if loss == "cross_entropy":
+                per_model = nn.functional.cross_entropy(out.flatten(0, 1), target.flatten(),
+                                                        reduction="none").view(idx.shape).mean(1)
+            else:
+                diff = out - target.reshape(out.shape)
+                per_model = diff.pow(2).flatten(1).mean(1)
+            opt.zero_grad()
+            per_model.sum().backward()
+            opt.step()
+    return ({k: v.detach() for k, v in params.items()}, buffers, base.eval())
+
+
+def flip_labels(y: torch.Tensor, fraction: float, num_classes: int, *, seed: int = 0):
+    """Replace the labels of a random `fraction` of examples by a different random class.
+    Returns (noisy labels, bool mask of the flipped examples)."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"fraction must be in (0, 1), got {fraction}")
+    gen = torch.Generator().manual_seed(seed)
+    n = len(y)
+    flipped = torch.zeros(n, dtype=torch.bool)
+    flipped[torch.randperm(n, generator=gen)[:max(1, math.floor(fraction * n))]] = True
+    shift = torch.randint(1, num_classes, (n,), generator=gen)
+    noisy = torch.where(flipped, (y + shift) % num_classes, y)
+    return noisy, flipped
+
+
+def mislabel_auc(self_influence: Sequence[float], flipped: Sequence[bool]) -> float:
+    """ROC AUC of detecting flipped labels by ranking training examples by self-influence."""
+    return float(roc_auc_score(np.asarray(flipped, dtype=bool), np.asarray(self_influence)))

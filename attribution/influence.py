@@ -1,0 +1,162 @@
+"""`influence`: the effect of each training example on each test example's margin
+f(z) = g_y(z) − logsumexp_{j≠y} g_j(z), by one of several kernel methods.
+
+With J(x) = ∂g(x)/∂θ, Θ = J Jᵀ the all-logit eNTK, u_z = ∂f(z)/∂g the margin's gradient and
+r_i = e_{y_i} − p_i the descent direction of example i's cross-entropy in logit space:
+
+- `gauss_newton`: the first-order effect of up-weighting example i in the damped Gauss–Newton
+  model of the training loss, τ(z, i) = u_zᵀ J_z (Σ_j J_jᵀ Λ_j J_j + λI)⁻¹ J_iᵀ r_i with the
+  softmax curvature Λ_j = diag(p_j) − p_j p_jᵀ (the influence function of Koh & Liang, ICML 2017,
+  with the Gauss–Newton Hessian). It is evaluated in kernel form,
+  τ(z, ·) = u_zᵀ Θ(z, X) (Λ Θ(X, X) + λI)⁻¹ R, an (N·O)-dimensional solve.
+- `grad_dot`: u_zᵀ Θ(z, x_i) r_i, the change of f(z) after a gradient step on example i.
+- `surrogate`: the exact contributions of a kernel-ridge `KernelSurrogate` fitted to the network's
+  outputs, projected on u_z.
+- `trak`: TRAK as published (`attribution.trak`).
+
+Scalar kinds (`trace`, `sum_logits`) stand in for Θ as k(x, x') ⊗ I_O. Several models
+(`checkpoints`) average their scores.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from . import _kernels
+from ._outputs import labels, logits, margin_gradient, softmax_curvature
+
+METHODS = ("auto", "gauss_newton", "trak", "surrogate", "grad_dot")
+AUTO = "gauss_newton"
+DEFAULT_DAMPING = 3.0
+
+
+def influence(model: nn.Module, x_train, y_train, x_test, y_test=None, *, method: str = "auto",
+              kind: Optional[str] = None, dim: Optional[int] = None,
+              checkpoints: Optional[Sequence] = None, damping: Union[str, float] = "auto",
+              seed: int = 0, batch_size: Optional[int] = None, device=None) -> torch.Tensor:
+    """Scores [N_test, N_train]: influence of each training example on each test margin.
+
+    method: "auto" (= "gauss_newton", the best in benchmarks/attribution_digits.py), "trak",
+    "surrogate" or "grad_dot" (module docstring). kind: the kernel, "full" (default), "trace"
+    or "sum_logits" (`surrogate` defaults to "trace"). dim: None for exact kernels, or the
+    dimension of a random projection (`projections`). y_test=None uses the network's predicted
+    labels. checkpoints: models or state dicts of `model`'s architecture (e.g. independently
+    trained copies) whose scores are averaged; None uses `model` alone. damping (gauss_newton):
+    λ, or "auto" for 3 · tr(ΛΘ)/(N·O), the mean eigenvalue of the curvature-weighted kernel.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; valid methods are {', '.join(METHODS)}")
+    method = AUTO if method == "auto" else method
+    if method == "trak":
+        from .trak import trak
+        if kind not in (None, "full"):
+            raise ValueError("method='trak' uses the margin's exact gradients; kind does not apply")
+        return trak(model, x_train, y_train, x_test, y_test, checkpoints=checkpoints, seed=seed,
+                    batch_size=batch_size, device=device, **({} if dim is None else {"dim": dim}))
+    kind = kind or ("trace" if method == "surrogate" else "full")
+    if damping != "auto" and not (isinstance(damping, (int, float)) and damping > 0):
+        raise ValueError(f"damping must be 'auto' or a positive number (Λ is singular), got {damping!r}")
+    scores = [_one_model(m, x_train, y_train, x_test, y_test, method=method, kind=kind, dim=dim,
+                         damping=damping, seed=seed, batch_size=batch_size, device=device)
+              for m in models(model, checkpoints)]
+    return torch.stack(scores).mean(0)
+
+
+def models(model: nn.Module, checkpoints: Optional[Sequence]) -> list[nn.Module]:
+    """The models to average over: `model`, or copies of it holding each checkpoint's weights."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if checkpoints is None:
+        return [model]
+    if len(checkpoints) == 0:
+        raise ValueError("checkpoints is empty; pass None to use the model alone")
+    out = []
+    for c in checkpoints:
+        if isinstance(c, nn.Module):
+            out.append(c)
+        elif isinstance(c, dict):
+            copy_ = copy.deepcopy(model)
+            copy_.load_state_dict(c)
+            out.append(copy_)
+        else:
+            raise TypeError(f"checkpoints must hold nn.Modules or state dicts, got {type(c).__name__}")
+    return out
+
+
+def test_labels(g_test: torch.Tensor, y_test) -> torch.Tensor:
+    """Labels of the test margins: y_test, or the network's predictions when None."""
+    if y_test is None:
+        return g_test.argmax(1)
+    return labels(y_test, g_test.shape[0], g_test.shape[1], "y_test")
+
+
+def _one_model(model, x_train, y_train, x_test, y_test, *, method, kind, dim, damping, seed,
+               batch_size, device) -> torch.Tensor:
+    g_train, g_test = logits(model, x_train), logits(model, x_test)
+    y_train = labels(y_train, g_train.shape[0], g_train.shape[1], "y_train")
+    u = margin_gradient(g_test, test_labels(g_test, y_test))                        # [M, O]
+    if method == "surrogate":
+        from .surrogate import KernelSurrogate
+        surrogate = KernelSurrogate(model, kind=kind, projection_dim=dim, seed=seed,
+                                    batch_size=batch_size, device=device).fit(x_train)
+        return torch.einsum("mio,mo->mi", surrogate.attribute(x_test), u)
+    o = g_train.shape[1]
+    if method == "gauss_newton" and kind == "full" and dim is not None:
+        import projections
+        feats = dict(dim=dim, kind="full", seed=seed, batch_size=batch_size, device=device)
+        phi_train, phi_test = (torch.as_tensor(projections.features(model, v, **feats)).double()
+                               for v in (x_train, x_test))
+        return gauss_newton_features(torch.einsum("mo,mok->mk", u, phi_test), phi_train, g_train,
+                                     y_train, damping)
+    opts = dict(kind=kind, num_outputs=o, dim=dim, seed=seed, batch_size=batch_size, device=device)
+    left = torch.einsum("mo,mioq->miq", u, _kernels.output_kernel(model, x_test, x_train, **opts))
+    if method == "grad_dot":
+        r = nn.functional.one_hot(y_train, o).double() - g_train.softmax(1)           # [N, O]
+        return (left * r).sum(-1)
+    return gauss_newton(left, _kernels.output_kernel(model, x_train, **opts), g_train, y_train,
+                        damping)
+
+
+def gauss_newton(left: torch.Tensor, theta: torch.Tensor, g_train: torch.Tensor,
+                 y_train: torch.Tensor, damping: Union[str, float] = "auto") -> torch.Tensor:
+    """τ(z, i) = B (ΛΘ + λI)⁻¹ R over (sample, output) pairs, with B [M, N, O] = u_zᵀ Θ(z, x_i),
+    Θ [N, N, O, O] the training kernel, Λ the softmax curvature and R's column i holding r_i.
+
+    Solved as a symmetric positive-definite system: r_i = Λ_i w_i with w_i = e_{y_i}/p_{i,y_i},
+    and (ΛΘ + λI)⁻¹Λ = S (SΘS + λI)⁻¹ S with S = Λ^½, so τ = (BS)(SΘS + λI)⁻¹(S w) (Cholesky).
+    """
+    n, o = g_train.shape
+    p = g_train.softmax(1)
+    evals, evecs = torch.linalg.eigh(softmax_curvature(g_train))
+    s = evecs @ torch.diag_embed(evals.clamp_min(0).sqrt()) @ evecs.transpose(1, 2)   # [N, O, O]
+    v = s[torch.arange(n), :, y_train] / p[torch.arange(n), y_train][:, None]          # S_i w_i
+    a = torch.einsum("iop,ijpr,jrq->iojq", s, theta, s).reshape(n * o, n * o)
+    lam = DEFAULT_DAMPING * float(a.trace()) / (n * o) if damping == "auto" else float(damping)
+    a.diagonal().add_(lam)
+    factor, info = torch.linalg.cholesky_ex(a)
+    if int(info) != 0:
+        raise ValueError(f"the damped Gauss–Newton system is singular (damping λ={lam:.3g}); "
+                         "increase damping")
+    bs = torch.einsum("miq,iqo->mio", left, s).reshape(left.shape[0], n * o)
+    y = torch.cholesky_solve(bs.T, factor).T
+    return (y.reshape(-1, n, o) * v).sum(-1)
+
+
+def gauss_newton_features(left: torch.Tensor, phi: torch.Tensor, g_train: torch.Tensor,
+                          y_train: torch.Tensor, damping: Union[str, float] = "auto") -> torch.Tensor:
+    """The same influence from projected Jacobians Φ_i [N, O, k] (Θ ≈ ΦΦᵀ), in parameter space:
+    τ(z, i) = φ_z (Σ_j Φ_jᵀ Λ_j Φ_j + λI)⁻¹ Φ_iᵀ r_i with φ_z = u_zᵀ Φ_z (left [M, k]); a k × k
+    Cholesky solve, so N is limited by the features' memory only."""
+    n, o, k = phi.shape
+    r = nn.functional.one_hot(y_train, o).double() - g_train.softmax(1)
+    h = torch.einsum("iok,iop,ipl->kl", phi, softmax_curvature(g_train), phi)
+    lam = DEFAULT_DAMPING * float(h.trace()) / (n * o) if damping == "auto" else float(damping)
+    h.diagonal().add_(lam)
+    factor, info = torch.linalg.cholesky_ex(h)
+    if int(info) != 0:
+        raise ValueError(f"the damped Gauss–Newton system is singular (damping λ={lam:.3g}); "
+                         "increase damping")
+    return torch.cholesky_solve(left.T, factor).T @ torch.einsum("io,iok->ik", r, phi).T

@@ -1,0 +1,75 @@
+"""TRAK (Park, Georgiev, Ilyas, Leclerc, Madry, ICML 2023, "TRAK: Attributing model behavior at
+scale"), as published.
+
+For each model m: the margin f = g_y − logsumexp_{j≠y} g_j = log(p/(1 − p)), its projected
+per-example gradients φ_i = Pᵀ∇θ f(z_i) (P a random projection, `projections.features`),
+Φ = [φ_i], and the kernel part φ(z)ᵀ (ΦᵀΦ + λI)⁻¹ φ_i; the weighting Q_i = 1 − p_i.
+score(z, i) = mean_m[kernel part] · mean_m[Q_i] — the two parts averaged separately over models.
+λ = 0 (the paper's choice) uses the pseudo-inverse. The paper's soft-thresholding is not applied.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from . import _kernels
+from ._outputs import labels, logits, margin_gradient, margins
+
+DEFAULT_DIM = 2048
+
+
+def trak(model: nn.Module, x_train, y_train, x_test, y_test=None, *, dim: Optional[int] = DEFAULT_DIM,
+         checkpoints: Optional[Sequence] = None, damping: float = 0.0, projector: str = "rademacher",
+         seed: int = 0, batch_size: Optional[int] = None, device=None) -> torch.Tensor:
+    """TRAK scores [N_test, N_train] (= `influence(method="trak")`).
+
+    dim: projection dimension (TRAK's default 2048), or None for the exact gradients (through
+    the full eNTK: φ(z)ᵀ(ΦᵀΦ + λI)⁻¹Φᵀ = k(z, X)(K + λI)⁻¹ with K the margin-gradient kernel).
+    checkpoints: models or state dicts (see `influence`); y_test=None: the predicted labels.
+    damping: λ ≥ 0. The same projector (seed) serves every model, as in the paper.
+    """
+    from .influence import models, test_labels
+    if not (isinstance(damping, (int, float)) and damping >= 0):
+        raise ValueError(f"damping must be a non-negative number, got {damping!r}")
+    if dim is not None and not (isinstance(dim, int) and dim > 0):
+        raise ValueError(f"dim must be a positive integer or None, got {dim!r}")
+    kernel_part, q = 0.0, 0.0
+    nets = models(model, checkpoints)
+    for net in nets:
+        g_train, g_test = logits(net, x_train), logits(net, x_test)
+        y_tr = labels(y_train, g_train.shape[0], g_train.shape[1], "y_train")
+        u_train, u_test = margin_gradient(g_train, y_tr), margin_gradient(g_test, test_labels(g_test, y_test))
+        opts = dict(batch_size=batch_size, device=device)
+        if dim is None:
+            o = g_train.shape[1]
+            full = dict(kind="full", num_outputs=o, **opts)
+            k_train = torch.einsum("io,ijoq,jq->ij", u_train, _kernels.output_kernel(net, x_train, **full), u_train)
+            k_test = torch.einsum("mo,mioq,iq->mi", u_test, _kernels.output_kernel(net, x_test, x_train, **full), u_train)
+            kernel_part = kernel_part + _solve(k_test, k_train, damping)
+        else:
+            import projections
+            feats = dict(dim=dim, kind="full", projector=projector, seed=seed, **opts)
+            phi_train = torch.einsum("io,iok->ik", u_train,
+                                     torch.as_tensor(projections.features(net, x_train, **feats)).double())
+            phi_test = torch.einsum("mo,mok->mk", u_test,
+                                    torch.as_tensor(projections.features(net, x_test, **feats)).double())
+            kernel_part = kernel_part + phi_test @ _inverse_times_transpose(phi_train, damping)
+        q = q + (1 - torch.sigmoid(margins(g_train, y_tr)))
+    return (kernel_part / len(nets)) * (q / len(nets))[None, :]
+
+
+def _inverse_times_transpose(phi: torch.Tensor, damping: float) -> torch.Tensor:
+    """(ΦᵀΦ + λI)⁻¹Φᵀ [k, N]; the pseudo-inverse Φ⁺ when λ = 0."""
+    if damping == 0:
+        return torch.linalg.pinv(phi)
+    k = phi.shape[1]
+    return torch.linalg.solve(phi.T @ phi + damping * torch.eye(k, dtype=phi.dtype), phi.T)
+
+
+def _solve(k_test: torch.Tensor, k_train: torch.Tensor, damping: float) -> torch.Tensor:
+    """k(z, X)(K + λI)⁻¹ (K⁺ when λ = 0)."""
+    if damping == 0:
+        return k_test @ torch.linalg.pinv(k_train, hermitian=True)
+    return torch.linalg.solve(k_train + damping * torch.eye(len(k_train), dtype=k_train.dtype), k_test.T).T

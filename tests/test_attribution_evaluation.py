@@ -1,0 +1,78 @@
+"""The LDS, the vmapped retraining harness (checked on linear regression, where the trained
+weights and the influence are known in closed form) and mislabel detection."""
+import numpy as np
+import pytest
+import torch
+from scipy.stats import spearmanr
+
+from attribution import flip_labels, lds, mislabel_auc, random_subsets, train_on_subsets
+
+
+def test_lds_is_the_mean_spearman_of_subset_sums():
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(6, 40, generator=gen, dtype=torch.float64)
+    subsets = random_subsets(40, 30, 0.5, seed=1)
+    assert subsets.shape == (30, 40) and bool((subsets.sum(1) == 20).all())
+    linear = subsets.double() @ scores.T
+    assert lds(scores, subsets, linear) == pytest.approx(1.0)
+    noisy = linear + torch.randn(30, 6, generator=gen, dtype=torch.float64)
+    expected = np.mean([spearmanr(linear[:, z], noisy[:, z]).statistic for z in range(6)])
+    assert lds(scores, subsets, noisy) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="subset_outputs"):
+        lds(scores, subsets, noisy[:, :3])
+    with pytest.raises(ValueError, match="mask"):
+        lds(scores, subsets[:, :10], noisy)
+
+
+def test_harness_and_lds_on_linear_regression():
+    """Ridge regression trained by the harness equals its closed form, and the exact influence
+    of linear regression reaches an LDS near 1 while random scores do not."""
+    gen = torch.Generator().manual_seed(0)
+    n, d, wd = 60, 4, 1e-2
+    x = torch.randn(n, d, generator=gen)
+    y = x @ torch.randn(d, 1, generator=gen) + 0.3 * torch.randn(n, 1, generator=gen)
+    xt = torch.randn(8, d, generator=gen)
+    subsets = random_subsets(n, 30, 0.5, seed=2)
+    models = train_on_subsets(lambda: torch.nn.Linear(d, 1), x, y, subsets, epochs=700,
+                              batch_size=n, lr=0.05, weight_decay=wd, loss="mse")
+    out = models.outputs(xt)[:, 0, :, 0].double()                                 # [S, M]
+    xa, xta = torch.cat([x, torch.ones(n, 1)], 1).double(), torch.cat([xt, torch.ones(8, 1)], 1).double()
+    m = n // 2
+    closed = []
+    for row in subsets:
+        a, b = xa[row], y[row].double()
+        theta = torch.linalg.solve(a.T @ a + (m * wd / 2) * torch.eye(d + 1, dtype=torch.float64), a.T @ b)
+        closed.append((xta @ theta)[:, 0])
+    torch.testing.assert_close(out, torch.stack(closed), rtol=1e-3, atol=1e-3)
+    # influence of including i on the test prediction, at the full-data solution
+    h = xa.T @ xa + (n * wd / 2) * torch.eye(d + 1, dtype=torch.float64)
+    theta = torch.linalg.solve(h, xa.T @ y.double())
+    residual = (y.double() - xa @ theta)[:, 0]
+    scores = (xta @ torch.linalg.solve(h, xa.T)) * residual
+    assert lds(scores, subsets, out) > 0.9
+    assert lds(torch.randn(8, n, generator=gen), subsets, out) < 0.4
+
+
+def test_harness_classification_shapes_and_seeds():
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(20, 3, generator=gen), torch.randint(0, 3, (20,), generator=gen)
+    subsets = random_subsets(20, 4, 0.5)
+    models = train_on_subsets(lambda: torch.nn.Linear(3, 3), x, y, subsets, seeds=2, epochs=3,
+                              batch_size=4)
+    assert models.outputs(x).shape == (4, 2, 20, 3) and models.margins(x, y).shape == (4, 20)
+    again = train_on_subsets(lambda: torch.nn.Linear(3, 3), x, y, subsets, seeds=2, epochs=3,
+                             batch_size=4)
+    torch.testing.assert_close(models.outputs(x), again.outputs(x))           # fixed seeds
+    with pytest.raises(ValueError, match="same size"):
+        uneven = torch.zeros(2, 20, dtype=torch.bool)
+        uneven[0, :3], uneven[1, :5] = True, True
+        train_on_subsets(lambda: torch.nn.Linear(3, 3), x, y, uneven)
+
+
+def test_flip_labels_and_auc():
+    y = torch.arange(100) % 10
+    noisy, flipped = flip_labels(y, 0.1, 10, seed=0)
+    assert int(flipped.sum()) == 10 and bool((noisy[flipped] != y[flipped]).all())
+    assert bool((noisy[~flipped] == y[~flipped]).all())
+    assert mislabel_auc(flipped.double(), flipped) == 1.0
+    assert mislabel_auc(-flipped.double(), flipped) == 0.0

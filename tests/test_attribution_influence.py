@@ -1,0 +1,127 @@
+"""influence(): each method against a direct parameter-space computation with explicit
+per-sample Jacobians; TRAK's averaging over models; error paths."""
+import pytest
+import torch
+from torch.func import functional_call, jacrev, vmap
+
+import projections
+from attribution import influence, trak
+
+O = 3
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, O)).double()
+    x, xt = torch.randn(14, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    return model, x, torch.randint(0, O, (14,)), xt, torch.randint(0, O, (4,))
+
+
+def _jacobian(model, x):
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    j = vmap(jacrev(lambda p, xi: functional_call(model, p, (xi[None],))[0]), (None, 0))(params, x)
+    return torch.cat([j[k].reshape(len(x), O, -1) for k in params], 2)            # [N, O, P]
+
+
+def _margin_grad(g, y):
+    """∂(g_y − logsumexp_{j≠y} g_j)/∂g, written out independently."""
+    out = torch.zeros_like(g)
+    for n in range(len(y)):
+        others = [j for j in range(g.shape[1]) if j != y[n]]
+        out[n, others] = -torch.softmax(g[n, others], 0)
+        out[n, y[n]] = 1.0
+    return out
+
+
+def _reference(model, x, y, xt, yt):
+    j, jt = _jacobian(model, x), _jacobian(model, xt)
+    g, gt = model(x).detach(), model(xt).detach()
+    p = g.softmax(1)
+    r = torch.eye(O, dtype=torch.float64)[y] - p
+    left = torch.einsum("mo,moa->ma", _margin_grad(gt, yt), jt)
+    return j, left, g, p, r
+
+
+def test_gauss_newton_matches_parameter_space(setup):
+    model, x, y, xt, yt = setup
+    j, left, g, p, r = _reference(model, x, y, xt, yt)
+    curvature = torch.stack([torch.diag(q) - torch.outer(q, q) for q in p])
+    h = torch.einsum("iop,ioa,ipb->ab", curvature, j, j) + 0.1 * torch.eye(j.shape[2], dtype=torch.float64)
+    expected = left @ torch.linalg.solve(h, torch.einsum("io,ioa->ai", r, j))
+    got = influence(model, x, y, xt, yt, method="gauss_newton", damping=0.1)
+    torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-10)
+    torch.testing.assert_close(influence(model, x, y, xt, yt, damping=0.1), got)   # auto
+
+
+def test_projected_gauss_newton_is_the_formula_on_features(setup):
+    model, x, y, xt, yt = setup
+    f, ft = (projections.features(model, v, dim=32, kind="full", seed=1).double() for v in (x, xt))
+    g = model(x).detach()
+    p = g.softmax(1)
+    curvature = torch.stack([torch.diag(q) - torch.outer(q, q) for q in p])
+    h = torch.einsum("iop,ioa,ipb->ab", curvature, f, f) + 0.1 * torch.eye(32, dtype=torch.float64)
+    left = torch.einsum("mo,moa->ma", _margin_grad(model(xt).detach(), yt), ft)
+    r = torch.eye(O, dtype=torch.float64)[y] - p
+    expected = left @ torch.linalg.solve(h, torch.einsum("io,ioa->ai", r, f))
+    got = influence(model, x, y, xt, yt, dim=32, seed=1, damping=0.1)
+    torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-10)
+
+
+def test_grad_dot_matches_parameter_space(setup):
+    model, x, y, xt, yt = setup
+    j, left, _, _, r = _reference(model, x, y, xt, yt)
+    expected = left @ torch.einsum("io,ioa->ai", r, j)
+    torch.testing.assert_close(influence(model, x, y, xt, yt, method="grad_dot"), expected)
+
+
+def test_trak_exact_and_projected(setup):
+    model, x, y, xt, yt = setup
+    j, left, g, p, _ = _reference(model, x, y, xt, yt)
+    phi = torch.einsum("io,ioa->ia", _margin_grad(g, y), j)
+    q = 1 - p[torch.arange(len(y)), y]
+    expected = left @ torch.linalg.pinv(phi) * q
+    torch.testing.assert_close(trak(model, x, y, xt, yt, dim=None), expected, rtol=1e-6, atol=1e-9)
+    # projected: the same formula on the projections package's features
+    f, ft = (projections.features(model, v, dim=16, kind="full", seed=3).double() for v in (x, xt))
+    phi_p = torch.einsum("io,iok->ik", _margin_grad(g, y), f)
+    phi_t = torch.einsum("mo,mok->mk", _margin_grad(model(xt).detach(), yt), ft)
+    expected_p = phi_t @ torch.linalg.solve(phi_p.T @ phi_p + 0.5 * torch.eye(16, dtype=torch.float64), phi_p.T) * q
+    got = influence(model, x, y, xt, yt, method="trak", dim=16, seed=3)
+    torch.testing.assert_close(trak(model, x, y, xt, yt, dim=16, seed=3, damping=0.5), expected_p)
+    assert got.shape == (4, 14) and bool(torch.isfinite(got).all())
+
+
+def test_trak_averages_kernel_and_q_separately(setup):
+    model, x, y, xt, yt = setup
+    other = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, O)).double()
+    parts, qs = [], []
+    for m in (model, other):
+        j, left, g, p, _ = _reference(m, x, y, xt, yt)
+        phi = torch.einsum("io,ioa->ia", _margin_grad(g, y), j)
+        parts.append(left @ torch.linalg.pinv(phi))
+        qs.append(1 - p[torch.arange(len(y)), y])
+    expected = (parts[0] + parts[1]) / 2 * ((qs[0] + qs[1]) / 2)
+    got = trak(model, x, y, xt, yt, dim=None, checkpoints=[model, other.state_dict()])
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-9)
+
+
+def test_model_untouched_and_errors(setup):
+    model, x, y, xt, yt = setup
+    before = [p.detach().clone() for p in model.parameters()]
+    model.train()
+    influence(model, x, y, xt, method="gauss_newton", kind="trace")
+    assert model.training and all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    model.eval()
+    with pytest.raises(ValueError, match="unknown method"):
+        influence(model, x, y, xt, method="magic")
+    with pytest.raises(ValueError, match="damping"):
+        influence(model, x, y, xt, damping=-1.0)
+    with pytest.raises(ValueError, match="14 class labels"):
+        influence(model, x, y[:5], xt)
+    with pytest.raises(ValueError, match="outside"):
+        influence(model, x, y + 5, xt)
+    with pytest.raises(ValueError, match="checkpoints is empty"):
+        influence(model, x, y, xt, checkpoints=[])
+    with pytest.raises(ValueError, match="positive"):
+        influence(model, x, y, xt, damping=0.0)
