@@ -11,6 +11,7 @@ from .featurize import featurize
 from .kernel import kernel
 from .layers import layers
 from .nas import nas
+from .report import report
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -22,6 +23,7 @@ cli.add_command(featurize)
 cli.add_command(kernel)
 cli.add_command(layers)
 cli.add_command(nas)
+cli.add_command(report)
 
 
 def main(argv=None) -> None:

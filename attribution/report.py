@@ -1,0 +1,390 @@
+"""`report`: one self-contained HTML page (plots embedded as PNG, no scripts, no fonts, no network)
+plus a JSON file with every number in it, telling whether the eNTK kernel surrogate of a
+classifier can be trusted and what it says.
+
+Sections: settings (model, data, kernel, versions, time taken); faithfulness of the surrogate
+(network vs surrogate probability of the same class, Kendall τ / Spearman ρ / R² from
+`KernelSurrogate.faithfulness`, accuracies, agreement and the confusion of disagreements); the
+kernel (eigenvalue spectrum, condition number λ₁/λ_N, effective rank exp(H(λ/Σλ)) of Roy &
+Vetterli 2007, label alignment, per-layer trace shares); attribution (top proponents and opponents
+of a few correct, wrong and uncertain test predictions, the training examples with the largest
+total influence |c| over the test set and the largest self-influence, i.e. contribution to their
+own label, likely mislabelled or atypical); layer importance (`layer_importance`).
+
+Contributions are the surrogate's exact decomposition: surrogate output for class o at x is
+Σ_i c_i(x)[o] (+ intercept), c = `KernelSurrogate.attribute(x)`; examples are explained for the
+network's predicted class.
+"""
+from __future__ import annotations
+
+import datetime
+from contextlib import contextmanager
+import json
+import math
+import platform
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+import ntk
+from ntk import _inputs
+
+from . import _figures
+from ._outputs import labels, logits
+from .layers import DEFAULT_SCORE, layer_importance
+
+STAGES = ("network outputs", "kernel spectrum", "layer importance", "surrogate fit", "faithfulness",
+          "attribution", "self-influence", "figures")
+# Readable names of `KernelSurrogate.faithfulness` entries (others are shown as they are named).
+MEASURES = {"label_agreement": "agreement of predicted classes",
+            "tau_prob": "Kendall τ, probability of the network's class",
+            "spearman_prob": "Spearman ρ, probability of the network's class",
+            "tau_logits": "Kendall τ, centred logits", "spearman_logits": "Spearman ρ, centred logits",
+            "r2_logits": "R², centred logits", "accuracy_net": "network accuracy",
+            "accuracy_surrogate": "surrogate accuracy", "accuracy_gap": "accuracy gap (network − surrogate)",
+            "misclassified_jaccard": "Jaccard overlap of the misclassified sets"}
+
+
+def report(model: nn.Module, x_train, y_train=None, x_test=None, y_test=None, *,
+           path: Union[str, Path] = "ntk-report.html", surrogate=None, examples: int = 6,
+           top: int = 5, kernel_samples: int = 500, image_shape: Optional[Sequence[int]] = None,
+           title: str = "eNTK surrogate report", settings: Optional[dict] = None,
+           batch_size: Optional[int] = None, device=None, progress: bool = False) -> dict:
+    """Build the report of a classifier `model` (O ≥ 2 outputs) on training data (x_train,
+    y_train) and test data (x_test, y_test); labels are optional (without them the network's
+    predictions stand in and accuracies are left out). Writes `path` (HTML) and the same name with
+    `.json`; returns the JSON content as a dict.
+
+    surrogate: an unfitted `KernelSurrogate` of `model` to use (default: `KernelSurrogate(model)`
+    with the toolkit's default kernel and machine); it is fitted to the network's outputs on
+    x_train. examples: number of test predictions explained; top: proponents/opponents shown per
+    example. kernel_samples: training samples for the spectrum and layer importance (an
+    eigendecomposition is O(N³)). image_shape: per-sample shape to draw inputs as images
+    (e.g. (8, 8)); by default inputs shaped [N, H, W] or [N, C, H, W] (C = 1 or 3) are drawn and
+    others are shown as tables. settings: extra rows for the settings table (e.g. data files).
+    The model is never modified.
+    """
+    from .surrogate import KernelSurrogate
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if x_test is None:
+        raise ValueError("report needs test data x_test (faithfulness is measured on it)")
+    for name, value in (("examples", examples), ("top", top), ("kernel_samples", kernel_samples)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    n_train, n_test = _inputs.validate(x_train, "x_train"), _inputs.validate(x_test, "x_test")
+    images = _image_view(x_train, image_shape), _image_view(x_test, image_shape)
+    clock = _Clock(progress)
+
+    with clock("network outputs"):
+        g_train, g_test = logits(model, x_train), logits(model, x_test)
+        classes = g_train.shape[1]
+        if classes < 2:
+            raise ValueError(f"report needs a classifier with at least two outputs, the model has {classes}")
+        y_train = None if y_train is None else labels(y_train, n_train, classes, "y_train")
+        y_test = None if y_test is None else labels(y_test, n_test, classes, "y_test")
+        p_test = g_test.softmax(1)
+        net_test = p_test.argmax(1)
+        net_train = g_train.argmax(1)
+
+    surrogate = KernelSurrogate(model, batch_size=batch_size, device=device) if surrogate is None else surrogate
+    kind = surrogate.kind
+    n_kernel = min(kernel_samples, n_train)
+    x_kernel = _inputs.take(x_train, slice(0, n_kernel))
+    y_kernel = (y_train if y_train is not None else net_train)[:n_kernel]
+    with clock("kernel spectrum"):
+        k = ntk.empirical_ntk(model, x_kernel, kind=kind, batch_size=batch_size, device=device)
+        eigenvalues = ntk.eigenvalues(k).numpy()
+        kernel = {"kind": kind, "samples": n_kernel, "eigenvalues": eigenvalues,
+                  "condition_number": ntk.condition_number(k), "effective_rank": effective_rank(eigenvalues),
+                  "trace": float(eigenvalues.sum()),
+                  "label_alignment": ntk.kernel_alignment(k, y_kernel) if k.dim() == 2 else None}
+    with clock("layer importance"):
+        layer_rows = layer_importance(model, x_kernel, y_kernel, kind=kind, batch_size=batch_size,
+                                      device=device)
+
+    with clock("surrogate fit"):
+        surrogate.fit(x_train)
+    with clock("faithfulness"):
+        faith = surrogate.faithfulness(x_test, y_test)
+        q_test = torch.as_tensor(surrogate.decision_function(x_test), dtype=torch.float64).softmax(1)
+        sur_test = torch.as_tensor(surrogate.predict(x_test))
+        rows = torch.arange(n_test)
+        faithfulness = {
+            "surrogate": faith,
+            "network_probability": p_test[rows, net_test].numpy(),
+            "surrogate_probability": q_test[rows, net_test].numpy(),
+            "network_prediction": net_test.numpy(), "surrogate_prediction": sur_test.numpy(),
+            "disagreements": disagreements(net_test, sur_test, classes),
+        }
+
+    with clock("attribution"):
+        c_test = _predicted_class_contributions(surrogate, x_test, net_test)        # [M, N]
+        own_label = (lambda i: int(y_train[i])) if y_train is not None else (lambda i: int(net_train[i]))
+        explained = []
+        for i, category in choose_examples(p_test, y_test, examples):
+            cls = int(net_test[i])
+            one = _inputs.take(x_test, slice(i, i + 1))
+            explained.append({
+                "index": i, "category": category, "label": None if y_test is None else int(y_test[i]),
+                "network_prediction": cls, "network_probability": float(p_test[i, cls]),
+                "surrogate_prediction": int(sur_test[i]), "surrogate_probability": float(q_test[i, cls]),
+                "sum_of_contributions": float(c_test[i].sum()),
+                "intercept": float(np.asarray(surrogate.intercept_)[cls]),
+                **_neighbours(surrogate, one, cls, min(top, n_train), own_label),
+            })
+        total_influence = c_test.abs().sum(0).numpy()
+    with clock("self-influence"):
+        own = y_train if y_train is not None else net_train
+        self_influence = _self_influence(surrogate, x_train, own).numpy()
+
+    result = {
+        "title": title,
+        "created": datetime.datetime.now().isoformat(timespec="seconds"),
+        "settings": _settings(model, surrogate, x_train, n_train, n_test, classes, y_train, y_test,
+                              settings),
+        "versions": versions(),
+        "faithfulness": faithfulness,
+        "kernel": kernel,
+        "attribution": {
+            "contribution": "surrogate contribution c_i(x) to the network's predicted class",
+            "examples": explained,
+            "total_influence": total_influence,
+            "self_influence": self_influence,
+            "self_influence_label": "training label" if y_train is not None else "network prediction",
+            "top_total_influence": _ranked(total_influence, 2 * top, y_train, net_train),
+            "top_self_influence": _ranked(self_influence, 2 * top, y_train, net_train),
+        },
+        "layers": {"score": DEFAULT_SCORE, "samples": n_kernel, "rows": layer_rows},
+    }
+    with clock("figures"):
+        figures = _figures_for(result, images, top)
+    result["seconds"] = {**clock.seconds, "total": sum(clock.seconds.values())}
+    clock.close()
+    html = _render(result, figures)
+    path = Path(path)
+    path.write_text(html, encoding="utf-8")
+    path.with_suffix(".json").write_text(json.dumps(_plain(result), indent=1, allow_nan=False) + "\n")
+    return _plain(result)
+
+
+# -- numbers -------------------------------------------------------------------------------------
+
+def effective_rank(eigenvalues: np.ndarray) -> float:
+    """exp of the Shannon entropy of the normalised positive eigenvalues (Roy & Vetterli, 2007):
+    between 1 (one direction) and N (a flat spectrum)."""
+    lam = np.clip(np.asarray(eigenvalues, dtype=np.float64), 0, None)
+    if lam.sum() <= 0:
+        return 0.0
+    p = lam[lam > 0] / lam.sum()
+    return float(np.exp(-(p * np.log(p)).sum()))
+
+
+def disagreements(network: torch.Tensor, surrogate: torch.Tensor, classes: int) -> dict:
+    """Counts of (network class, surrogate class) over the test examples where they differ."""
+    from sklearn.metrics import confusion_matrix
+
+    differ = network != surrogate
+    if not bool(differ.any()):
+        return {"count": 0, "classes": [], "matrix": []}
+    matrix = confusion_matrix(network[differ].numpy(), surrogate[differ].numpy(), labels=list(range(classes)))
+    used = sorted(set(np.nonzero(matrix.any(1))[0]) | set(np.nonzero(matrix.any(0))[0]))
+    return {"count": int(differ.sum()), "classes": [int(c) for c in used],
+            "matrix": matrix[np.ix_(used, used)].tolist()}
+
+
+def choose_examples(p: torch.Tensor, y: Optional[torch.Tensor], n: int) -> list[tuple[int, str]]:
+    """About n test examples spread over categories: `correct` (the most confident correct
+    predictions), `wrong` (the most confident mistakes) and `uncertain` (the smallest gap between
+    the two most probable classes); without labels, `confident` and `uncertain`."""
+    confidence, predicted = p.max(1)
+    top2 = p.topk(2, dim=1).values
+    gap = top2[:, 0] - top2[:, 1]
+    if y is None:
+        pools = {"confident": torch.argsort(-confidence), "uncertain": torch.argsort(gap)}
+    else:
+        right = predicted == y
+        by_confidence = torch.argsort(-confidence)
+        pools = {"correct": by_confidence[right[by_confidence]],
+                 "wrong": by_confidence[~right[by_confidence]],
+                 "uncertain": torch.argsort(gap)}
+    chosen: list[tuple[int, str]] = []
+    quota = math.ceil(n / len(pools))
+    for category, order in pools.items():
+        taken = [int(i) for i in order if int(i) not in {c for c, _ in chosen}][:quota]
+        chosen += [(i, category) for i in taken]
+    return chosen[:n]
+
+
+def _predicted_class_contributions(surrogate, x, classes: torch.Tensor) -> torch.Tensor:
+    """c_i(x)[class of x] for every test x and training point i: [M, N]."""
+    c = torch.as_tensor(surrogate.attribute(x), dtype=torch.float64)
+    if c.dim() == 2:
+        return c
+    return c[torch.arange(c.shape[0]), :, classes]
+
+
+def _self_influence(surrogate, x_train, own: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """c_i(x_i)[label of i]: each training point's contribution to its own label's output."""
+    n = own.shape[0]
+    parts = []
+    for start in range(0, n, block):
+        idx = torch.arange(start, min(start + block, n))
+        c = _predicted_class_contributions(surrogate, _inputs.take(x_train, idx), own[idx])
+        parts.append(c[torch.arange(len(idx)), idx])
+    return torch.cat(parts)
+
+
+def _neighbours(surrogate, x_one, cls: int, top: int, label) -> dict:
+    """The `top` proponents and opponents of one test example's output `cls`."""
+    sides = {}
+    for side in ("proponents", "opponents"):
+        idx, values = getattr(surrogate, side)(x_one, k=top, output=cls)
+        sides[side] = [{"index": int(j), "label": label(int(j)), "contribution": float(v)}
+                       for j, v in zip(idx[0], values[0])]
+    return sides
+
+
+def _ranked(values: np.ndarray, n: int, y_train, net_train) -> list[dict]:
+    order = np.argsort(-values)[:n]
+    return [{"index": int(i), "label": int((y_train if y_train is not None else net_train)[i]),
+             "network_prediction": int(net_train[i]), "value": float(values[i])} for i in order]
+
+
+# -- settings -------------------------------------------------------------------------------------
+
+def versions() -> dict:
+    def version(dist):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+    return {"ntk-toolkit": version("ntk-toolkit"), "python": platform.python_version(),
+            **{name: version(name) for name in ("torch", "numpy", "scipy", "scikit-learn", "matplotlib")},
+            "platform": platform.platform()}
+
+
+def _settings(model, surrogate, x_train, n_train, n_test, classes, y_train, y_test, extra) -> dict:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    shape = _inputs.signature(x_train)
+    options = {k: v for k, v in surrogate.get_params(deep=False).items()
+               if isinstance(v, (str, int, float, bool, type(None)))}
+    options["chosen alpha"] = getattr(surrogate, "alpha_", None)
+    return {
+        "model": type(model).__name__, "trainable_parameters": trainable,
+        "architecture": str(model),
+        "train_samples": n_train, "test_samples": n_test, "input_shape": shape, "outputs": classes,
+        "train_labels": y_train is not None, "test_labels": y_test is not None,
+        "surrogate": {"class": type(surrogate).__name__, **options},
+        **(extra or {}),
+    }
+
+
+# -- figures and HTML -------------------------------------------------------------------------------
+
+def _image_view(x, image_shape) -> Optional[np.ndarray]:
+    """The inputs as images [N, H, W] or [N, C, H, W] when they are (or `image_shape` says so)."""
+    if not isinstance(x, torch.Tensor):
+        if image_shape is not None:
+            raise ValueError("image_shape needs tensor inputs, not a tuple or dict of tensors")
+        return None
+    if image_shape is not None:
+        shape = tuple(int(s) for s in image_shape)
+        if math.prod(shape) != x[0].numel() or len(shape) not in (2, 3):
+            raise ValueError(f"image_shape {shape} does not fit samples of shape {tuple(x.shape[1:])} "
+                             "(give (H, W) or (C, H, W))")
+        return x.detach().cpu().float().reshape(-1, *shape).numpy()
+    if x.dim() == 3 or (x.dim() == 4 and x.shape[1] in (1, 3)):
+        return x.detach().cpu().float().numpy()
+    return None
+
+
+def _figures_for(result: dict, images, top: int) -> dict:
+    faith, kernel, attr = result["faithfulness"], result["kernel"], result["attribution"]
+    agree = faith["network_prediction"] == faith["surrogate_prediction"]
+    layer_rows = result["layers"]["rows"]
+    figures = {
+        "scatter": _figures.faithfulness_scatter(faith["network_probability"], faith["surrogate_probability"], agree),
+        "spectrum": _figures.spectrum(kernel["eigenvalues"]),
+        "layers": _figures.bars([f"{r['layer'] or '(root)'} ({r['type']})" for r in layer_rows],
+                                [r[DEFAULT_SCORE] or 0.0 for r in layer_rows], DEFAULT_SCORE),
+        "examples": [], "total_influence": None, "self_influence": None,
+    }
+    train_images, test_images = images
+    if train_images is None or test_images is None:
+        return figures
+    for e in attr["examples"]:
+        pictures = [test_images[e["index"]]] + [train_images[p["index"]] for p in e["proponents"] + e["opponents"]]
+        captions = [f"test #{e['index']}\npred {e['network_prediction']}"] + [
+            f"#{p['index']} y={p['label']}\n{p['contribution']:+.3g}" for p in e["proponents"] + e["opponents"]]
+        colors = ["black"] + ["#1a7f37"] * len(e["proponents"]) + ["#cf222e"] * len(e["opponents"])
+        figures["examples"].append(_figures.image_row(pictures, captions, colors))
+    for name in ("total_influence", "self_influence"):
+        ranked = attr[f"top_{name}"]
+        figures[name] = _figures.image_row(
+            [train_images[r["index"]] for r in ranked],
+            [f"#{r['index']} y={r['label']}\npred {r['network_prediction']}" for r in ranked])
+    return figures
+
+
+def _render(result: dict, figures: dict) -> str:
+    from jinja2 import Environment, PackageLoader, select_autoescape
+
+    env = Environment(loader=PackageLoader("attribution", "templates"), autoescape=select_autoescape(),
+                      trim_blocks=True, lstrip_blocks=True)
+    env.filters["num"] = _number
+    return env.get_template("report.html.j2").render(r=result, fig=figures, score=DEFAULT_SCORE,
+                                                       measures=MEASURES)
+
+
+def _number(value, digits: int = 4) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, (bool, np.bool_)):
+        return "yes" if value else "no"
+    if isinstance(value, (int, np.integer)):
+        return f"{int(value):,}"
+    if isinstance(value, (float, np.floating)):
+        return f"{float(value):.{digits}g}" if math.isfinite(value) else str(float(value))
+    return str(value)
+
+
+def _plain(value):
+    """JSON-ready: arrays and tensors as lists, non-finite floats as None."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (np.ndarray, torch.Tensor)):
+        return _plain(value.tolist())
+    if isinstance(value, (np.floating, float)):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, (np.integer, np.bool_)):
+        return value.item()
+    return value
+
+
+class _Clock:
+    """Times each stage; a progress bar over the stages when `progress`."""
+
+    def __init__(self, progress: bool):
+        self.seconds: dict[str, float] = {}
+        self.bar = tqdm(total=len(STAGES), disable=not progress, desc="report", unit="step")
+
+    @contextmanager
+    def __call__(self, stage: str):
+        self.bar.set_description(stage)
+        start = time.perf_counter()
+        yield
+        self.seconds[stage] = time.perf_counter() - start
+        self.bar.update()
+
+    def close(self) -> None:
+        self.bar.close()
