@@ -163,12 +163,17 @@ class Plan:
         return cls({}, {}, set(), names, {}, other.activations)
 
 
-def plan(view: ModelView, x_probe, kind: str, num_cotangents: int, block: int,
+_PROBE = 2   # samples in the planning pass: a module must see this batch axis to be factored
+
+
+def plan(view: ModelView, x, kind: str, num_cotangents: int, block: int,
          only: Optional[list[str]] = None, factor_all: bool = False) -> Plan:
-    """Decide, from one forward pass on a single sample, how each parameter is differentiated.
+    """Decide, from one forward pass on two copies of the first sample of `x`, how each
+    parameter is differentiated.
 
     Only the parameters in `only` (default: all) are planned. A known module is factored only if
-    it was called exactly once and its parameters were used by it alone. A weight with S positions uses the factored contraction when it is cheaper than
+    it was called exactly once, its input and output carry the sample axis first (not, say,
+    positions shared by all samples) and its parameters were used by it alone. A weight with S positions uses the factored contraction when it is cheaper than
     forming per-sample gradients (see `_prefer_factors`), or always with `factor_all=True`
     (random projections of the factors, which never need the kernel contraction).
     """
@@ -176,8 +181,8 @@ def plan(view: ModelView, x_probe, kind: str, num_cotangents: int, block: int,
     names = {name: module_of[name] for name in view.layers}
     params = dict(view.params)
     probe = _UsageProbe({id(t): n for n, t in params.items()})
-    out_numel: dict[str, int] = {}
-    in_numel: dict[str, tuple] = {}
+    x_probe = _inputs.take(x, torch.zeros(_PROBE, dtype=torch.long))
+    out_numel: dict[str, int] = {}     # per sample, for modules whose tensors are per sample
     activations = [0]
 
     def pre_hook(name):
@@ -190,10 +195,12 @@ def plan(view: ModelView, x_probe, kind: str, num_cotangents: int, block: int,
         def hook(module, args, out):
             probe.stack.pop()
             if isinstance(out, torch.Tensor):
-                activations[0] += out.numel()
-            if name in names and isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
-                out_numel[name] = out.numel()
-                in_numel[name] = tuple(args[0].shape)
+                activations[0] += out.numel() // _PROBE
+            per_sample = (isinstance(out, torch.Tensor) and out.dim() > 0 and out.shape[0] == _PROBE
+                          and args and isinstance(args[0], torch.Tensor) and args[0].dim() > 0
+                          and args[0].shape[0] == _PROBE)
+            if name in names and per_sample:
+                out_numel[name] = out.numel() // _PROBE
         return hook
 
     handles = []
@@ -223,14 +230,14 @@ def plan(view: ModelView, x_probe, kind: str, num_cotangents: int, block: int,
         modules[layer] = module
         covered[layer] = mine
         if isinstance(module, _WEIGHTED) and _qualified(layer, "weight") in mine:
-            s = _positions(module, in_numel[layer], out_numel[layer])
+            s = _positions(module, out_numel[layer])
             positions[layer] = s
             if factor_all or _prefer_factors(module, s, kind, num_cotangents, block):
                 factored.add(layer)
     return Plan(modules, covered, factored, fallback, positions, activations[0])
 
 
-def _positions(module: nn.Module, in_shape: tuple, out_numel: int) -> int:
+def _positions(module: nn.Module, out_numel: int) -> int:
     if isinstance(module, nn.Embedding):
         return max(1, out_numel // module.embedding_dim)
     if isinstance(module, nn.Linear):

@@ -128,10 +128,9 @@ class _Computation:
                 "on disk (numpy.lib.format.open_memmap) to receive it tile by tile.")
 
         only = None if selected is None else [n for layer in selected for n in view.layers[layer]]
-        probe = _inputs.take(x1, slice(0, 1))
         provisional = self.batch_size or min(max(n1, n2), 256)
         method = self.method
-        plan = _structured.plan(view, probe, self.kind, c, provisional, only=only)
+        plan = _structured.plan(view, x1, self.kind, c, provisional, only=only)
         if method == "auto":
             method = "structured" if plan.covered else "jacobian"
         if method == "jacobian" or method == "ntk_vp":

@@ -63,6 +63,20 @@ class TinyTransformer(nn.Module):
         return self.head(h.mean(1))
 
 
+class SharedPositions(nn.Module):
+    """An embedding of positions shared by all samples (its input has no sample axis)."""
+
+    def __init__(self, vocab=5, dim=4, seq=3):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, ids):
+        h = self.tokens(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        return self.head(torch.tanh(h).mean(1))
+
+
 class Tied(nn.Module):
     """A weight registered in two modules, an embedding matrix reused as an output projection
     outside its module, and a module called twice."""
@@ -123,6 +137,10 @@ def make(name: str, dtype=torch.float64, seed: int = 0):
         x1 = torch.randint(0, 11, (5, 5), generator=g)
         x1[0, :2] = 0                                      # padding tokens
         x2 = torch.randint(0, 11, (3, 5), generator=g)
+    elif name == "positions":                              # N1 = sequence length, N2 ≠ it
+        model = SharedPositions()
+        x1 = torch.randint(0, 5, (3, 3), generator=g)
+        x2 = torch.randint(0, 5, (2, 3), generator=g)
     elif name == "tied":
         model, x1, x2 = Tied(), rand(5, 4), rand(3, 4)
     elif name == "frozen":
@@ -138,4 +156,4 @@ def make(name: str, dtype=torch.float64, seed: int = 0):
     return model.to(dtype).eval(), x1, x2
 
 
-CASES = ("mlp", "cnn", "transformer", "tied", "frozen", "scalar", "dict")
+CASES = ("mlp", "cnn", "transformer", "positions", "tied", "frozen", "scalar", "dict")
