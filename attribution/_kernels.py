@@ -17,13 +17,13 @@ OUTPUT_KINDS = ("full",) + SCALAR_KINDS
 def compute(model, x1, x2=None, *, kind: str, dim: Optional[int] = None, seed: int = 0,
             batch_size: Optional[int] = None, device=None) -> torch.Tensor:
     """ntk.empirical_ntk(kind=...) exactly (dim=None) or projections.projected_ntk with `dim`,
-    in float64."""
+    computed in float64 (the kernel machines and solves downstream need its precision)."""
+    opts = dict(kind=kind, batch_size=batch_size, device=device, dtype=torch.float64)
     if dim is None:
-        k = ntk.empirical_ntk(model, x1, x2, kind=kind, batch_size=batch_size, device=device)
+        k = ntk.empirical_ntk(model, x1, x2, **opts)
     else:
         import projections
-        k = projections.projected_ntk(model, x1, x2, dim=dim, kind=kind, seed=seed,
-                                      batch_size=batch_size, device=device)
+        k = projections.projected_ntk(model, x1, x2, dim=dim, seed=seed, **opts)
     k = torch.as_tensor(k).to(torch.float64)
     if not bool(torch.isfinite(k).all()):
         raise ValueError("the kernel contains non-finite values (NaN or inf)")

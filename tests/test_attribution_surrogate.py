@@ -1,0 +1,152 @@
+"""KernelSurrogate: the scikit-learn estimator contract, the exact decomposition, faithfulness on
+a trained digits MLP, and its error paths."""
+import numpy as np
+import pytest
+import torch
+from sklearn.base import clone
+from sklearn.exceptions import NotFittedError
+from sklearn.kernel_ridge import KernelRidge
+
+import ntk
+from attribution import KernelSurrogate
+from ntk import demo
+
+
+@pytest.fixture(scope="module")
+def trained():
+    data = demo.digits(n_train=300)
+    torch.manual_seed(0)
+    model = demo.train(demo.mlp(hidden=32), data.x_train, data.y_train, epochs=30)
+    return model, data.x_train, data.y_train, data.x_test[:120], data.y_test[:120]
+
+
+def _params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_estimator_params_and_clone(trained):
+    model = trained[0]
+    s = KernelSurrogate(model, kind="sum_logits", machine="svm", alpha=0.1, normalize=True)
+    params = s.get_params()
+    assert params["kind"] == "sum_logits" and params["machine"] == "svm" and params["alpha"] == 0.1
+    c = clone(s)
+    assert c is not s and {k: v for k, v in c.get_params().items() if k != "model"} == \
+        {k: v for k, v in params.items() if k != "model"}
+    assert all(torch.equal(a, b) for a, b in zip(_params(c.model), _params(model)))
+    assert s.set_params(kind="trace", alpha=1.0) is s and s.kind == "trace" and s.alpha == 1.0
+    assert not hasattr(c, "dual_")
+
+
+def test_unfitted_raises_not_fitted(trained):
+    s = KernelSurrogate(trained[0])
+    for call in (s.decision_function, s.predict, s.attribute, s.faithfulness):
+        with pytest.raises(NotFittedError):
+            call(trained[3])
+
+
+@pytest.mark.parametrize("kind,machine,normalize", [
+    ("trace", "ridge", False), ("full", "ridge", False), ("trace", "ridge", True),
+    ("sum_logits", "svm", False), ("trace", "logistic", True)])
+def test_attribution_is_exact(trained, kind, machine, normalize):
+    model, x, y, xt, _ = trained
+    before = _params(model)
+    if kind == "full":                       # a [1000, 1000] kernel: keep it small, skip the CV
+        x = x[:100]
+    s = KernelSurrogate(model, kind=kind, machine=machine, normalize=normalize,
+                        alpha={"full": 1e-3, "logistic": 1e-2}.get(kind if kind == "full" else machine)).fit(x)
+    d = s.decision_function(xt)
+    c = s.attribute(xt)
+    assert c.shape == (len(xt), len(x), d.shape[1])
+    np.testing.assert_allclose(c.sum(1) + s.intercept_, d, rtol=1e-9, atol=1e-9 * np.abs(d).max())
+    # the decision is the scikit-learn machine's own, on the independently computed kernel
+    k = ntk.empirical_ntk(model, xt, x, kind=kind, dtype=torch.float64)
+    if normalize:
+        self_t, self_x = (ntk.empirical_ntk(model, v, kind=kind, dtype=torch.float64).diagonal()
+                          for v in (xt, x))
+        k = k / torch.sqrt(self_t[:, None] * self_x[None, :])
+    if kind == "full":
+        k = k.permute(0, 2, 1, 3).reshape(len(xt) * 10, len(x) * 10)
+    k = (k / s.scale_).numpy()
+    if machine == "ridge":
+        expected = s.machine_.predict(k).reshape(len(xt), -1) + s.intercept_
+    elif machine == "svm":
+        pairs = s.machine_.decision_function(k)
+        np.testing.assert_array_equal(s.predict(xt), s.machine_.predict(k))
+        expected = None
+        # each class column is the sum of its signed one-vs-one decision values
+        pair_list = [(a, b) for a in range(10) for b in range(a + 1, 10)]
+        expected = np.zeros((len(xt), 10))
+        for p, (a, b) in enumerate(pair_list):
+            expected[:, a] += pairs[:, p]
+            expected[:, b] -= pairs[:, p]
+    else:
+        expected = s.machine_.decision_function(k)
+    np.testing.assert_allclose(d, expected, rtol=1e-6, atol=1e-6 * np.abs(d).max())
+    assert all(torch.equal(a, b) for a, b in zip(_params(model), before)) and not model.training
+
+
+def test_ridge_matches_kernel_ridge_on_outputs(trained):
+    model, x, _, xt, _ = trained
+    s = KernelSurrogate(model, alpha=1e-3).fit(x)
+    k = ntk.empirical_ntk(model, x, kind="trace", dtype=torch.float64)
+    kt = ntk.empirical_ntk(model, xt, x, kind="trace", dtype=torch.float64)
+    scale = float(k.diagonal().mean())
+    g = model(x).detach().double().numpy()
+    ref = KernelRidge(alpha=1e-3, kernel="precomputed").fit(k.numpy() / scale, g - g.mean(0))
+    np.testing.assert_allclose(s.decision_function(xt), ref.predict(kt.numpy() / scale) + g.mean(0),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_faithful_on_trained_mlp(trained):
+    model, x, y, xt, yt = trained
+    s = KernelSurrogate(model).fit(x)
+    f = s.faithfulness(xt, yt)
+    assert f["tau_prob"] > 0.85 and f["tau_logits"] > 0.9 and f["r2_logits"] > 0.9
+    assert f["label_agreement"] > 0.95 and abs(f["accuracy_gap"]) < 0.05
+    assert 0 <= f["misclassified_jaccard"] <= 1
+
+
+def test_proponents_and_opponents(trained):
+    model, x, _, xt, _ = trained
+    s = KernelSurrogate(model, alpha=1e-3).fit(x)
+    c = s.attribute(xt[:5])
+    column = s.decision_function(xt[:5]).argmax(1)
+    idx, val = s.proponents(xt[:5], k=3)
+    chosen = c[np.arange(5), :, column]
+    np.testing.assert_allclose(val, -np.sort(-chosen, 1)[:, :3])
+    np.testing.assert_allclose(np.take_along_axis(chosen, idx, 1), val)
+    idx, val = s.opponents(xt[:5], k=3, output=2)
+    np.testing.assert_allclose(val, np.sort(c[:, :, 2], 1)[:, :3])
+    with pytest.raises(ValueError, match="k must be"):
+        s.proponents(xt[:2], k=0)
+
+
+def test_bad_input(trained):
+    model, x, y, xt, _ = trained
+    with pytest.raises(ValueError, match="kind"):
+        KernelSurrogate(model, kind="nope").fit(x)
+    with pytest.raises(ValueError, match="machine='ridge'"):
+        KernelSurrogate(model, kind="full", machine="svm").fit(x)
+    with pytest.raises(ValueError, match="300 class labels"):
+        KernelSurrogate(model, alpha=1.0).fit(x, y[:10])
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        KernelSurrogate("not a model").fit(x)
+    s = KernelSurrogate(model, alpha=1.0).fit(x[:50])
+    with pytest.raises(ValueError):
+        s.decision_function(xt[:, :10])
+
+
+def test_non_finite_kernel_is_refused():
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)).double()
+    with torch.no_grad():
+        net[0].weight.fill_(1.0)
+        net[2].weight.fill_(1e160)           # finite outputs, kernel entries overflow float64
+    with pytest.raises(ValueError, match="kernel contains non-finite"):
+        KernelSurrogate(net, alpha=1.0).fit(torch.rand(10, 4, dtype=torch.float64) + 0.5)
+
+
+def test_ill_conditioned_kernel_warns(trained):
+    model, x, _, _, _ = trained
+    dup = torch.cat([x[:40], x[:40]])
+    with pytest.warns(RuntimeWarning, match="ill-conditioned"):
+        KernelSurrogate(model, alpha=1e-18).fit(dup)
