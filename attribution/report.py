@@ -9,7 +9,9 @@ kernel (eigenvalue spectrum, condition number λ₁/λ_N, effective rank exp(H(�
 Vetterli 2007, label alignment, per-layer trace shares); attribution (top proponents and opponents
 of a few correct, wrong and uncertain test predictions, the training examples with the largest
 total influence |c| over the test set and the largest self-influence, i.e. contribution to their
-own label, likely mislabelled or atypical); layer importance (`layer_importance`).
+own label, likely mislabelled or atypical), and how much the contributions cancel, the median
+over test examples of Σ_i |c_i(x)| / |Σ_i c_i(x)| (1: none; large: single examples say little);
+layer importance (`layer_importance`).
 
 Contributions are the surrogate's exact decomposition: surrogate output for class o at x is
 Σ_i c_i(x)[o] (+ intercept), c = `KernelSurrogate.attribute(x)`; examples are explained for the
@@ -141,6 +143,7 @@ def report(model: nn.Module, x_train, y_train=None, x_test=None, y_test=None, *,
                 **_neighbours(surrogate, one, cls, min(top, n_train), own_label),
             })
         total_influence = c_test.abs().sum(0).numpy()
+        cancellation = float(np.median((c_test.abs().sum(1) / c_test.sum(1).abs()).numpy()))
     with clock("self-influence"):
         own = y_train if y_train is not None else net_train
         self_influence = _self_influence(surrogate, x_train, own).numpy()
@@ -156,6 +159,7 @@ def report(model: nn.Module, x_train, y_train=None, x_test=None, y_test=None, *,
         "attribution": {
             "contribution": "surrogate contribution c_i(x) to the network's predicted class",
             "examples": explained,
+            "cancellation": cancellation,
             "total_influence": total_influence,
             "self_influence": self_influence,
             "self_influence_label": "training label" if y_train is not None else "network prediction",

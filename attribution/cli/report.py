@@ -5,6 +5,8 @@ from pathlib import Path
 
 import click
 
+from ..report import report as build_report
+from ..surrogate import KINDS, MACHINES, KernelSurrogate
 from .common import UsageProblem, emit, interactive, load_arrays, model_options, resolve_model_and_data
 
 
@@ -19,17 +21,22 @@ from .common import UsageProblem, emit, interactive, load_arrays, model_options,
               help="the HTML file; the JSON file takes the same name with .json")
 @click.option("--image-shape", default=None,
               help="draw inputs as images of this shape, e.g. 8x8 or 3x32x32 (default: 8x8 for digits)")
+@click.option("--kind", type=click.Choice(KINDS), default=None,
+              help="kernel of the surrogate (default: KernelSurrogate's)")
+@click.option("--machine", type=click.Choice(MACHINES), default=None,
+              help="kernel machine of the surrogate (default: KernelSurrogate's)")
+@click.option("--alpha", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="surrogate regularisation (default: chosen by cross-validation)")
+@click.option("--normalize", is_flag=True, help="cosine-normalise the kernel (trNTK)")
 @click.option("--examples", type=click.IntRange(min=1), default=6, show_default=True,
               help="test predictions explained")
 @click.option("--top", type=click.IntRange(min=1), default=5, show_default=True,
               help="proponents and opponents shown per prediction")
 def report(model_spec, weights, data, samples, device, batch_size, fmt, output, train_file, test_file,
-           test_samples, out, image_shape, examples, top):
+           test_samples, out, image_shape, kind, machine, alpha, normalize, examples, top):
     """Build the surrogate-model report of a classifier (default: the built-in digits demo):
     faithfulness of the eNTK kernel surrogate, the kernel's spectrum, attributions to training
     examples and layer importance. Prints the headline numbers."""
-    from attribution.report import report as build
-
     if Path(out).suffix.lower() not in (".html", ".htm"):
         raise UsageProblem(f"--out must name an .html file, got {out}")
     shape = _shape(image_shape)
@@ -51,12 +58,15 @@ def report(model_spec, weights, data, samples, device, batch_size, fmt, output, 
     x_test, y_test = x_test[:test_samples], None if y_test is None else y_test[:test_samples]
     if shape is None and data == "digits":
         shape = (8, 8)
-    result = build(model, x_train, y_train, x_test, y_test, path=out, examples=examples, top=top,
-                   image_shape=shape, batch_size=batch_size, device=device,
-                   settings={"data": "digits (scikit-learn, built-in)" if data == "digits" else data,
-                             "test data": test_file or "digits test split",
-                             "model spec": model_spec or "built-in demo MLP"},
-                   progress=interactive())
+    chosen = {k: v for k, v in dict(kind=kind, machine=machine, alpha=alpha).items() if v is not None}
+    surrogate = KernelSurrogate(model, **chosen, **({"normalize": True} if normalize else {}),
+                                batch_size=batch_size, device=device)
+    result = build_report(model, x_train, y_train, x_test, y_test, path=out, surrogate=surrogate,
+                          examples=examples, top=top, image_shape=shape, batch_size=batch_size,
+                          device=device, progress=interactive(),
+                          settings={"data": "digits (scikit-learn, built-in)" if data == "digits" else data,
+                                    "test data": test_file or "digits test split",
+                                    "model spec": model_spec or "built-in demo MLP"})
     faith, kernel = result["faithfulness"], result["kernel"]
     rows = [{"measure": name, "value": value} for name, value in faith["surrogate"].items()
             if isinstance(value, (int, float))]
