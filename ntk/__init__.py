@@ -6,4 +6,4 @@ from .spectrum import condition_number, eigenvalues, kernel_alignment
 from . import proxies
 
 __all__ = ["KINDS", "METHODS", "KernelTooLargeError", "condition_number", "eigenvalues",
-           "empirical_ntk", "empirical_ntk_fn", "kernel_alignment"]
+           "empirical_ntk", "empirical_ntk_fn", "kernel_alignment", "proxies"]

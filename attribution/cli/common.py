@@ -200,4 +200,18 @@ def resolve_model_and_data(model_spec, weights, data, samples, device, default_s
         else:
             x, y = load_arrays(data)
     n = samples or default_samples
-    return model, x[:n], (None if y is None else y[:n])
+    x, y = x[:n], (None if y is None else y[:n])
+    check_fits(model, x)
+    return model, x, y
+
+
+def check_fits(model: nn.Module, x: torch.Tensor) -> None:
+    """Run one sample through the model so that data of the wrong shape is a usage error."""
+    try:
+        with torch.no_grad():
+            first = next(model.parameters(), None)
+            model(x[:1] if first is None else x[:1].to(first.device))
+    except (RuntimeError, IndexError, TypeError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageProblem(f"--data: the model cannot take samples of shape {tuple(x.shape[1:])}: "
+                           f"{first}") from None

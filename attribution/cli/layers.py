@@ -4,24 +4,11 @@ from __future__ import annotations
 from typing import Optional
 
 import click
-import torch
 
 import ntk
-from ntk import _inputs
 
 from ..layers import DEFAULT_SCORE, SCORES, layer_importance
 from .common import UsageProblem, emit, interactive, model_options, resolve_model_and_data
-
-
-def _check_fits(model: torch.nn.Module, x) -> None:
-    """Run one sample through the model so that data of the wrong shape is a usage error."""
-    try:
-        with torch.no_grad():
-            model(*_inputs.as_call(_inputs.take(x, slice(0, 1)))[0])
-    except (RuntimeError, IndexError, TypeError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageProblem(f"--data: the model cannot take samples of shape {tuple(x.shape[1:])}: "
-                           f"{first}") from None
 
 
 def _plot(rows: list[dict], score: str, path: str) -> None:
@@ -67,7 +54,6 @@ def layers(model_spec, weights, data, samples, device, batch_size, fmt, output, 
         raise UsageProblem("--depth needs --group blocks")
     grouping: Optional[object] = None if group == "layers" else (depth or "blocks")
     model, x, y = resolve_model_and_data(model_spec, weights, data, samples, device)
-    _check_fits(model, x)
     rows = layer_importance(model, x, y, score=score, kind=kind, group=grouping,
                             projection_dim=projection_dim, batch_size=batch_size, device=device,
                             progress=interactive())
