@@ -2,7 +2,8 @@
 
 Launch one process per device with PyTorch's own launcher (``torchrun --nproc_per_node=K
 script.py``; NCCL on GPUs, Gloo on CPUs), call ``torch.distributed.init_process_group()`` and
-then `empirical_ntk` on every rank with the same model and inputs. The tiles that one process
+then `empirical_ntk` on every rank with the same model and inputs (with NCCL, first
+``torch.cuda.set_device(local_rank)``: object collectives use the current device). The tiles that one process
 would compute (row-major; j ≥ i for a symmetric kernel) are cut into contiguous, equally long
 runs, one per rank, so the assignment depends only on the grid and the world size. Each tile is
 computed exactly as in one process, so with the same `batch_size` the kernel has the same bits.

@@ -64,8 +64,9 @@ def featurize_shard(fz: Featurizer, blocks, root: Path, settings: dict, batch_si
         _merge_journal(root, manifest)
         missing = manifest["num_blocks"] - len(manifest["blocks"])
         if missing:
-            raise store.StoreError(f"{missing} blocks of the store at {root} were not written; "
-                                   "do all ranks share this filesystem?")
+            raise store.StoreError(f"{missing} blocks of the store at {root} are missing or do "
+                                   "not hold the bytes their rank wrote (do all ranks share this "
+                                   "filesystem, with coherent writes?); run again to recompute them")
     barrier()
     return store.open_store(root, verify=False)
 
