@@ -1,9 +1,9 @@
 """Kernels on torch.distributed: the tile grid of a kernel spread over the ranks of a process group.
 
 Launch one process per device with PyTorch's own launcher (``torchrun --nproc_per_node=K
-script.py``; NCCL on GPUs, Gloo on CPUs), call ``torch.distributed.init_process_group()`` and
-then `empirical_ntk` on every rank with the same model and inputs (with NCCL, first
-``torch.cuda.set_device(local_rank)``: object collectives use the current device). The tiles that one process
+script.py``; NCCL on GPUs, Gloo on CPUs), call ``torch.distributed.init_process_group()`` (with
+NCCL after ``torch.cuda.set_device(local_rank)``: object collectives use the current device) and
+then `empirical_ntk` on every rank with the same model and inputs. The tiles that one process
 would compute (row-major; j ≥ i for a symmetric kernel) are cut into contiguous, equally long
 runs, one per rank, so the assignment depends only on the grid and the world size. Each tile is
 computed exactly as in one process, so with the same `batch_size` the kernel has the same bits.
@@ -94,7 +94,8 @@ def empirical_ntk(model: nn.Module, x1, x2=None, *, kind: str = "full",
     rank, _ = rank_and_world()
     grid = error = None
     try:
-        empirical_ntk_fn(model, kind=kind, layers=layers, method=method, batch_size=batch_size)  # checks
+        # the argument checks of ntk.empirical_ntk
+        empirical_ntk_fn(model, kind=kind, layers=layers, method=method, batch_size=batch_size)
         computation = _Computation(model, kind=kind, layers=layers, method=method,
                                    batch_size=batch_size, device=device, dtype=dtype,
                                    output_fn=output_fn, progress=progress)

@@ -77,6 +77,19 @@ def main(out, mode):
     phi_k = projections.distributed.kernel(store, tile=TILE)
     projections.distributed.kernel(store, os.path.join(out, "resumed"), tile=TILE,
                                    path=os.path.join(out, "store_kernel"))
+    errors = {}                           # each rank's error when the ranks disagree or one fails
+    for case, call in [
+            ("samples", lambda: ntk.distributed.empirical_ntk(model, x[:10 + rank], kind="trace")),
+            ("seed", lambda: projections.featurize(model, x, os.path.join(out, "seeds"), dim=DIM,
+                                                   seed=rank, block=BLOCK, progress=False)),
+            ("path", lambda: ntk.distributed.empirical_ntk(model, x, kind="trace",
+                                                           path=os.path.join(out, "fresh")))]:
+        try:
+            call()
+        except (ValueError, RuntimeError) as e:
+            errors[case] = f"{type(e).__name__}: {e}"
+    with open(os.path.join(out, f"errors.{rank}.json"), "w") as f:
+        json.dump(errors, f)
     if rank == 0:
         torch.save({"full": full, "layers": layers, "phi_k": torch.from_numpy(phi_k)},
                    os.path.join(out, "gathered.pt"))

@@ -23,8 +23,8 @@ def torchrun(out, mode):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo",
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
     env.pop("NTK_FEATURIZE_EXIT_AFTER_BLOCKS", None)
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
                            "--nproc_per_node=2", "--max_restarts=0", "--master_addr=127.0.0.1",
@@ -67,7 +67,8 @@ def test_kernel_tiles_on_disk_equal_one_process(runs):
     tiles = sorted(p.name for p in (out / "diagonal" / "tiles").iterdir())
     assert len(tiles) == 6 * 7 // 2                         # 6 row blocks: j >= i only
     assert torch.equal(ntk.distributed.load_tiles(out / "diagonal"), want)
-    into = np.lib.format.open_memmap(out / "k.npy", mode="w+", dtype="float32", shape=tuple(want.shape))
+    into = np.lib.format.open_memmap(out / "k.npy", mode="w+", dtype="float32",
+                                     shape=tuple(want.shape))
     ntk.distributed.load_tiles(out / "diagonal", out=into)
     assert np.array_equal(into, want.numpy())
 
@@ -78,7 +79,8 @@ def test_sharded_store_equals_one_process_byte_for_byte(runs, tmp_path):
     for name in ("features.npy", "manifest.json"):
         assert same_bytes(out / "fresh" / name, tmp_path / "single" / name), name
     assert not (out / "fresh" / "journal").exists()
-    assert np.array_equal(projections.open_store(out / "fresh"), projections.open_store(tmp_path / "single"))
+    assert np.array_equal(projections.open_store(out / "fresh"),
+                          projections.open_store(tmp_path / "single"))
 
 
 def test_killed_rank_leaves_journal_and_the_rerun_completes_identically(runs, tmp_path):
@@ -122,6 +124,16 @@ def test_store_kernels_equal_one_process(runs):
                        rtol=1e-5, atol=1e-6)
 
 
+def test_ranks_that_disagree_or_fail_raise_on_every_rank(runs):
+    out = runs[0]
+    errors = [json.loads((out / f"errors.{r}.json").read_text()) for r in range(2)]
+    assert "rank 1 disagrees with rank 0 on n1" in errors[0]["samples"]
+    assert "rank 0 disagrees with rank 1 on n1" in errors[1]["samples"]
+    assert "disagrees" in errors[0]["seed"] and "settings" in errors[1]["seed"]
+    assert errors[0]["path"].startswith("ValueError: path") and "not an empty directory" in errors[0]["path"]
+    assert errors[1]["path"].startswith("RuntimeError: rank 0 failed")
+
+
 def test_single_process_fallback_and_errors(tmp_path):
     model, x = model_and_data()
     assert ntk.distributed.rank_and_world() == (0, 1)
@@ -129,13 +141,15 @@ def test_single_process_fallback_and_errors(tmp_path):
     assert list(ntk.distributed.shard(5, 1, 2)) == [2, 3, 4]
     k = ntk.distributed.empirical_ntk(model, x, kind="trace", batch_size=TILE)
     assert torch.equal(k, ntk.empirical_ntk(model, x, kind="trace", batch_size=TILE))
-    ntk.distributed.empirical_ntk(model, x, x[:5], kind="sum_logits", batch_size=TILE, path=tmp_path / "t")
+    ntk.distributed.empirical_ntk(model, x, x[:5], kind="sum_logits", batch_size=TILE,
+                                  path=tmp_path / "t")
     assert torch.equal(ntk.distributed.load_tiles(tmp_path / "t"),
                        ntk.empirical_ntk(model, x, x[:5], kind="sum_logits", batch_size=TILE))
     with pytest.raises(ValueError, match="not an empty directory"):
         ntk.distributed.empirical_ntk(model, x, kind="trace", path=tmp_path / "t")
     with pytest.raises(ValueError, match="not both"):
-        ntk.distributed.empirical_ntk(model, x, kind="trace", path=tmp_path / "u", out=torch.empty(23, 23))
+        ntk.distributed.empirical_ntk(model, x, kind="trace", path=tmp_path / "u",
+                                      out=torch.empty(23, 23))
     with pytest.raises(ValueError, match="no complete kernel"):
         ntk.distributed.load_tiles(tmp_path / "u")
     with pytest.raises(ValueError, match="unknown method"):
