@@ -2,16 +2,16 @@
 plus a JSON file with every number in it, telling whether the eNTK kernel surrogate of a
 classifier can be trusted and what it says.
 
-Sections: settings (model, data, kernel, versions, time taken); faithfulness of the surrogate
-(network vs surrogate probability of the same class, Kendall τ / Spearman ρ / R² from
-`KernelSurrogate.faithfulness`, accuracies, agreement and the confusion of disagreements); the
+Sections: faithfulness of the surrogate (network vs surrogate probability of the network's class;
+Kendall τ, Spearman ρ, R², accuracies and agreement from `KernelSurrogate.faithfulness`; the
+confusion of the disagreements); the
 kernel (eigenvalue spectrum, condition number λ₁/λ_N, effective rank exp(H(λ/Σλ)) of Roy &
 Vetterli 2007, label alignment, per-layer trace shares); attribution (top proponents and opponents
 of a few correct, wrong and uncertain test predictions, the training examples with the largest
 total influence |c| over the test set and the largest self-influence, i.e. contribution to their
 own label, likely mislabelled or atypical), and how much the contributions cancel, the median
 over test examples of Σ_i |c_i(x)| / |Σ_i c_i(x)| (1: none; large: single examples say little);
-layer importance (`layer_importance`).
+layer importance (`layer_importance`); settings (model, data, surrogate, versions, time taken).
 
 Contributions are the surrogate's exact decomposition: surrogate output for class o at x is
 Σ_i c_i(x)[o] (+ intercept), c = `KernelSurrogate.attribute(x)`; examples are explained for the
@@ -20,11 +20,11 @@ network's predicted class.
 from __future__ import annotations
 
 import datetime
-from contextlib import contextmanager
 import json
 import math
 import platform
 import time
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -40,6 +40,7 @@ from ntk import _inputs
 from . import _figures
 from ._outputs import labels, logits
 from .layers import DEFAULT_SCORE, layer_importance
+from .surrogate import KernelSurrogate
 
 STAGES = ("network outputs", "kernel spectrum", "layer importance", "surrogate fit", "faithfulness",
           "attribution", "self-influence", "figures")
@@ -72,8 +73,6 @@ def report(model: nn.Module, x_train, y_train=None, x_test=None, y_test=None, *,
     others are shown as tables. settings: extra rows for the settings table (e.g. data files).
     The model is never modified.
     """
-    from .surrogate import KernelSurrogate
-
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if x_test is None:
@@ -95,12 +94,13 @@ def report(model: nn.Module, x_train, y_train=None, x_test=None, y_test=None, *,
         p_test = g_test.softmax(1)
         net_test = p_test.argmax(1)
         net_train = g_train.argmax(1)
+        own = y_train if y_train is not None else net_train      # training labels, or predictions
 
     surrogate = KernelSurrogate(model, batch_size=batch_size, device=device) if surrogate is None else surrogate
     kind = surrogate.kind
     n_kernel = min(kernel_samples, n_train)
     x_kernel = _inputs.take(x_train, slice(0, n_kernel))
-    y_kernel = (y_train if y_train is not None else net_train)[:n_kernel]
+    y_kernel = own[:n_kernel]
     with clock("kernel spectrum"):
         k = ntk.empirical_ntk(model, x_kernel, kind=kind, batch_size=batch_size, device=device)
         eigenvalues = ntk.eigenvalues(k).numpy()
@@ -129,7 +129,6 @@ def report(model: nn.Module, x_train, y_train=None, x_test=None, y_test=None, *,
 
     with clock("attribution"):
         c_test = _predicted_class_contributions(surrogate, x_test, net_test)        # [M, N]
-        own_label = (lambda i: int(y_train[i])) if y_train is not None else (lambda i: int(net_train[i]))
         explained = []
         for i, category in choose_examples(p_test, y_test, examples):
             cls = int(net_test[i])
@@ -140,12 +139,11 @@ def report(model: nn.Module, x_train, y_train=None, x_test=None, y_test=None, *,
                 "surrogate_prediction": int(sur_test[i]), "surrogate_probability": float(q_test[i, cls]),
                 "sum_of_contributions": float(c_test[i].sum()),
                 "intercept": float(np.asarray(surrogate.intercept_)[cls]),
-                **_neighbours(surrogate, one, cls, min(top, n_train), own_label),
+                **_neighbours(surrogate, one, cls, min(top, n_train), own),
             })
         total_influence = c_test.abs().sum(0).numpy()
         cancellation = float(np.median((c_test.abs().sum(1) / c_test.sum(1).abs()).numpy()))
     with clock("self-influence"):
-        own = y_train if y_train is not None else net_train
         self_influence = _self_influence(surrogate, x_train, own).numpy()
 
     result = {
@@ -163,8 +161,8 @@ def report(model: nn.Module, x_train, y_train=None, x_test=None, y_test=None, *,
             "total_influence": total_influence,
             "self_influence": self_influence,
             "self_influence_label": "training label" if y_train is not None else "network prediction",
-            "top_total_influence": _ranked(total_influence, 2 * top, y_train, net_train),
-            "top_self_influence": _ranked(self_influence, 2 * top, y_train, net_train),
+            "top_total_influence": _ranked(total_influence, 2 * top, own, net_train),
+            "top_self_influence": _ranked(self_influence, 2 * top, own, net_train),
         },
         "layers": {"score": DEFAULT_SCORE, "samples": n_kernel, "rows": layer_rows},
     }
@@ -175,8 +173,9 @@ def report(model: nn.Module, x_train, y_train=None, x_test=None, y_test=None, *,
     html = _render(result, figures)
     path = Path(path)
     path.write_text(html, encoding="utf-8")
-    path.with_suffix(".json").write_text(json.dumps(_plain(result), indent=1, allow_nan=False) + "\n")
-    return _plain(result)
+    plain = _plain(result)
+    path.with_suffix(".json").write_text(json.dumps(plain, indent=1, allow_nan=False) + "\n")
+    return plain
 
 
 # -- numbers -------------------------------------------------------------------------------------
@@ -219,19 +218,17 @@ def choose_examples(p: torch.Tensor, y: Optional[torch.Tensor], n: int) -> list[
         pools = {"correct": by_confidence[right[by_confidence]],
                  "wrong": by_confidence[~right[by_confidence]],
                  "uncertain": torch.argsort(gap)}
-    chosen: list[tuple[int, str]] = []
+    chosen: dict[int, str] = {}
     quota = math.ceil(n / len(pools))
     for category, order in pools.items():
-        taken = [int(i) for i in order if int(i) not in {c for c, _ in chosen}][:quota]
-        chosen += [(i, category) for i in taken]
-    return chosen[:n]
+        fresh = [int(i) for i in order if int(i) not in chosen][:quota]
+        chosen.update((i, category) for i in fresh)
+    return list(chosen.items())[:n]
 
 
 def _predicted_class_contributions(surrogate, x, classes: torch.Tensor) -> torch.Tensor:
     """c_i(x)[class of x] for every test x and training point i: [M, N]."""
     c = torch.as_tensor(surrogate.attribute(x), dtype=torch.float64)
-    if c.dim() == 2:
-        return c
     return c[torch.arange(c.shape[0]), :, classes]
 
 
@@ -246,20 +243,21 @@ def _self_influence(surrogate, x_train, own: torch.Tensor, block: int = 256) -> 
     return torch.cat(parts)
 
 
-def _neighbours(surrogate, x_one, cls: int, top: int, label) -> dict:
+def _neighbours(surrogate, x_one, cls: int, top: int, own: torch.Tensor) -> dict:
     """The `top` proponents and opponents of one test example's output `cls`."""
     sides = {}
     for side in ("proponents", "opponents"):
         idx, values = getattr(surrogate, side)(x_one, k=top, output=cls)
-        sides[side] = [{"index": int(j), "label": label(int(j)), "contribution": float(v)}
+        sides[side] = [{"index": int(j), "label": int(own[j]), "contribution": float(v)}
                        for j, v in zip(idx[0], values[0])]
     return sides
 
 
-def _ranked(values: np.ndarray, n: int, y_train, net_train) -> list[dict]:
+def _ranked(values: np.ndarray, n: int, own: torch.Tensor, net_train: torch.Tensor) -> list[dict]:
+    """The n training examples with the largest values, with their labels and predictions."""
     order = np.argsort(-values)[:n]
-    return [{"index": int(i), "label": int((y_train if y_train is not None else net_train)[i]),
-             "network_prediction": int(net_train[i]), "value": float(values[i])} for i in order]
+    return [{"index": int(i), "label": int(own[i]), "network_prediction": int(net_train[i]),
+             "value": float(values[i])} for i in order]
 
 
 # -- settings -------------------------------------------------------------------------------------

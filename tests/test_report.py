@@ -1,7 +1,6 @@
 """attribution.report and `ntk report`: the numbers against independent computations, the HTML
 self-contained, and the page as headless Chromium renders it."""
 import copy
-import io
 import json
 import os
 import re
