@@ -18,7 +18,7 @@ from .common import emit, interactive, model_options, resolve_model_and_data
 
 
 @click.command()
-@click.argument("store")
+@click.argument("store", default="ntk-features")
 @model_options
 @click.option("--dim", type=click.IntRange(min=1), default=1024, show_default=True,
               help="projection dimension k")
@@ -34,7 +34,8 @@ from .common import emit, interactive, model_options, resolve_model_and_data
               help="also write the projected kernel Φ Φᵀ as tiles into this new directory")
 def featurize(store, model_spec, weights, data, samples, device, batch_size, fmt, output, dim, kind,
               projector, seed, block, store_dtype, kernel_tiles):
-    """Featurise the data (default: all of it) into STORE, resuming an interrupted run.
+    """Featurise the data (default: all of it) into the directory STORE (default: ./ntk-features),
+    resuming an interrupted run.
 
     Under torchrun (WORLD_SIZE > 1) every rank joins the job's process group (NCCL with a CUDA
     --device, each rank on cuda:LOCAL_RANK; Gloo otherwise), writes its share of the blocks into
