@@ -185,6 +185,8 @@ def resolve_model_and_data(model_spec, weights, data, samples, device, default_s
     if model_spec is None:
         if weights is not None:
             raise UsageProblem("--weights needs --model")
+        if data != "digits":
+            raise UsageProblem("--data with a file needs --model (the built-in demo runs on digits)")
         from ntk import demo
 
         model, digits = demo.demo_model()
