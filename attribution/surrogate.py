@@ -137,7 +137,7 @@ class KernelSurrogate(BaseEstimator):
         else:
             estimator, grid = LogisticRegression(max_iter=2000), {"C": 1 / GRID}
             cv = self.cv
-        (name, values), = grid.items()
+        (name, _), = grid.items()
         if self.alpha is None:
             with warnings.catch_warnings():       # regularisations too weak for a fold score badly
                 warnings.simplefilter("ignore")

@@ -16,6 +16,7 @@ from torch import nn
 
 from . import _kernels
 from ._outputs import labels, logits, margin_gradient, margins
+from .influence import models, test_labels
 
 DEFAULT_DIM = 2048
 
@@ -30,7 +31,6 @@ def trak(model: nn.Module, x_train, y_train, x_test, y_test=None, *, dim: Option
     checkpoints: models or state dicts (see `influence`); y_test=None: the predicted labels.
     damping: λ ≥ 0. The same projector (seed) serves every model, as in the paper.
     """
-    from .influence import models, test_labels
     if not (isinstance(damping, (int, float)) and damping >= 0):
         raise ValueError(f"damping must be a non-negative number, got {damping!r}")
     if dim is not None and not (isinstance(dim, int) and dim > 0):

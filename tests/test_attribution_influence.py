@@ -1,5 +1,7 @@
 """influence(): each method against a direct parameter-space computation with explicit
 per-sample Jacobians; TRAK's averaging over models; error paths."""
+import importlib
+
 import pytest
 import torch
 from torch.func import functional_call, jacrev, vmap
@@ -66,6 +68,15 @@ def test_projected_gauss_newton_is_the_formula_on_features(setup):
     expected = left @ torch.linalg.solve(h, torch.einsum("io,ioa->ai", r, f))
     got = influence(model, x, y, xt, yt, dim=32, seed=1, damping=0.1)
     torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-10)
+
+
+def test_projection_when_exact_kernels_do_not_fit(setup, monkeypatch):
+    module = importlib.import_module("attribution.influence")   # the name is shadowed by the function
+    model, x, y, xt, yt = setup
+    assert module.default_dim(model) == 128                  # 66 parameters → next power of two
+    monkeypatch.setattr(module, "_exact_fits", lambda *args: False)
+    torch.testing.assert_close(influence(model, x, y, xt, yt, damping=0.1),
+                               influence(model, x, y, xt, yt, damping=0.1, dim=128))
 
 
 def test_grad_dot_matches_parameter_space(setup):
