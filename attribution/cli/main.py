@@ -6,7 +6,6 @@ import sys
 
 import click
 
-from .common import UsageProblem
 from .featurize import featurize
 from .kernel import kernel
 from .layers import layers
