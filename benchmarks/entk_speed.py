@@ -73,9 +73,10 @@ def build(arch: str) -> nn.Module:
     return model.eval()
 
 
-def inputs(arch: str, n: int) -> torch.Tensor:
+def inputs(arch: str, n: int, first: int | None = None) -> torch.Tensor:
+    """The case's n inputs (or their first `first`, for a subset run)."""
     shape = (784,) if arch == "mlp" else (3, 32, 32)
-    return torch.randn((n, *shape), generator=torch.Generator().manual_seed(SEED + 1))
+    return torch.randn((n, *shape), generator=torch.Generator().manual_seed(SEED + 1))[:first]
 
 
 # --------------------------------------------------------------------------------------------
@@ -99,11 +100,9 @@ def tutorial_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor) -> torch.
     return result.sum(0)
 
 
-def loop_ntk(model: nn.Module, x: torch.Tensor, phases: dict) -> torch.Tensor:
-    """(b) One torch.autograd.grad per sample and output, then the Gram matrix J Jᵀ.
-    Records the two phases' times in `phases` (for extrapolation: N and N² work)."""
+def loop_ntk(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """(b) One torch.autograd.grad per sample and output, then the Gram matrix J Jᵀ."""
     params = [p for p in model.parameters() if p.requires_grad]
-    start = time.perf_counter()
     rows = []
     for i in range(x.shape[0]):
         out = model(x[i:i + 1])[0]
@@ -111,12 +110,8 @@ def loop_ntk(model: nn.Module, x: torch.Tensor, phases: dict) -> torch.Tensor:
             grads = torch.autograd.grad(out[o], params, retain_graph=o + 1 < out.shape[0])
             rows.append(torch.cat([g.reshape(-1) for g in grads]))
     jac = torch.stack(rows)                                   # [N·O, P]
-    middle = time.perf_counter()
     n, o = x.shape[0], jac.shape[0] // x.shape[0]
-    kernel = (jac @ jac.T).reshape(n, o, n, o).permute(0, 2, 1, 3)
-    phases.setdefault("jacobian", []).append(middle - start)
-    phases.setdefault("contraction", []).append(time.perf_counter() - middle)
-    return kernel
+    return (jac @ jac.T).reshape(n, o, n, o).permute(0, 2, 1, 3)
 
 
 def nngeometry_ntk(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -138,7 +133,7 @@ def worker(spec: dict) -> dict:
     import ntk.empirical
 
     arch, n, method = spec["arch"], spec["n"], spec["method"]
-    model, x = build(arch), inputs(arch, n)
+    model, x = build(arch), inputs(arch, n, spec.get("subset"))
     info: dict = {}
     if method.startswith("ours:"):
         chosen = []
@@ -158,13 +153,7 @@ def worker(spec: dict) -> dict:
     elif method == "nngeometry":
         kernel, times, mem = timed(lambda: nngeometry_ntk(model, x), spec["repeats"], spec["slow"])
     elif method == "loop":
-        m = min(spec["loop_subset"], n)
-        phases: dict = {}
-        kernel, times, mem = timed(lambda: loop_ntk(model, x[:m], phases), spec["repeats"], spec["slow"])
-        scale = n / m
-        times = [statistics.median(phases["jacobian"]) * scale + statistics.median(phases["contraction"]) * scale ** 2]
-        mem = int(mem * scale)
-        info["extrapolated_from"] = m
+        kernel, times, mem = timed(lambda: loop_ntk(model, x), spec["repeats"], spec["slow"])
     else:
         raise ValueError(f"unknown method {method!r}")
     kernel = kernel.detach()
@@ -195,12 +184,13 @@ def run_worker(spec: dict, timeout: float) -> dict:
     return _run(cmd, timeout, env=None)
 
 
-def run_nt(spec: dict, args, case_file: Path, reference: Path, timeout: float) -> dict:
+
+def run_nt(spec: dict, args, case_file: Path) -> dict:
     cmd = [args.nt_python, str(HERE / "peers" / "nt_entk.py"), str(case_file),
            "--implementation", spec["method"][3:], "--repeats", str(spec["repeats"]),
-           "--slow", str(spec["slow"]), "--reference", str(reference)]
+           "--slow", str(spec["slow"]), "--reference", spec["reference"]]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    return _run(cmd, timeout, env=env)
+    return _run(cmd, args.timeout, env=env)
 
 
 def _run(cmd: list, timeout: float, env) -> dict:
@@ -215,37 +205,68 @@ def _run(cmd: list, timeout: float, env) -> dict:
     return json.loads(lines[-1])
 
 
-def write_case_npz(path: Path, arch: str, n: int) -> None:
+def write_case_npz(path: Path, arch: str, n: int, subset: int | None) -> None:
     """Weights (PyTorch layouts, named_parameters order), inputs and outputs for the NT driver."""
-    model, x = build(arch), inputs(arch, n)
+    model, x = build(arch), inputs(arch, n, subset)
     with torch.no_grad():
         y = model(x)
     arrays = {f"p{i}": p.detach().numpy() for i, p in enumerate(model.parameters())}
     np.savez(path, arch=arch, x=x.numpy(), y=y.numpy(), **arrays)
 
 
+def jacobian_bytes(arch: str, n: int) -> int:
+    """Two N × O × P float32 Jacobians: what the Jacobian-contraction peers hold at once."""
+    return 2 * n * 10 * sum(p.numel() for p in build(arch).parameters()) * 4
+
+
+def extrapolate(small: dict, large: dict, m: int, n: int) -> dict:
+    """Fit v(k) = a·k + b·k² (b ≥ 0: Jacobians grow with k, the kernel and its contraction with
+    k²) to the runs on the first m/2 and m samples; evaluate at n."""
+    def fit(v_half, v_full):
+        b = max(0.0, 2 * (v_full - 2 * v_half) / m ** 2)
+        return (v_full - b * m * m) / m * n + b * n * n
+    out = dict(large)
+    out["median_s"] = fit(small["median_s"], large["median_s"])
+    out["mem_bytes"] = int(fit(small["mem_bytes"], large["mem_bytes"]))
+    out["out_bytes"] = large.get("out_bytes", 0) * (n / m) ** 2
+    out["times"] = large["times"]
+    out["note"] = (f"extrapolated from N={m // 2} and N={m} (a·N + b·N²): measured {large['median_s']:.2f} s, "
+                   f"{_gib(large['mem_bytes'])} GiB at N={m}")
+    return out
+
+
+def measure(spec: dict, args, tmp: Path) -> dict:
+    if not spec["method"].startswith("nt:"):
+        return run_worker(spec, args.timeout)
+    case_file = tmp / f"{spec['arch']}_{spec.get('subset') or spec['n']}.npz"
+    if not case_file.exists():
+        write_case_npz(case_file, spec["arch"], spec["n"], spec.get("subset"))
+    return run_nt(spec, args, case_file)
+
+
 def full_case(arch: str, n: int, methods: list[str], args, tmp: Path) -> list[Row]:
+    """The full kernel of `arch` on n samples by every method. Peers that materialise the
+    Jacobians run on a subset and are extrapolated when those would not fit in --max-gib, and
+    the per-sample loop always is when n > --subset (it takes minutes)."""
     name = f"{arch}, N={n}, full"
     reference = tmp / f"{arch}_ref.npy"
-    case_file = tmp / f"{arch}.npz"
+    too_big = jacobian_bytes(arch, n) > args.max_gib * 2 ** 30
     rows = []
     for method in methods:
         if method in args.skip:
             rows.append(Row(name, LABELS[method], {"error": "skipped (--skip)"}))
             continue
-        spec = dict(arch=arch, n=n, method=method, repeats=args.repeats, slow=args.slow,
-                    loop_subset=args.loop_subset)
-        if method == "ours:structured":
-            spec["save"] = str(reference)
-        else:
-            spec["reference"] = str(reference)
+        spec = dict(arch=arch, n=n, method=method, repeats=args.repeats, slow=args.slow)
+        spec["save" if method == "ours:structured" else "reference"] = str(reference)
         _say(f"{name}: {LABELS[method]} ...")
-        if method.startswith("nt:"):
-            if not case_file.exists():
-                write_case_npz(case_file, arch, n)
-            result = run_nt(spec, args, case_file, reference, args.timeout)
+        m = args.subset
+        if m < n and (method == "loop" or (too_big and method in ("tutorial", "nt:jacobian"))):
+            small = measure({**spec, "subset": m // 2}, args, tmp)
+            large = measure({**spec, "subset": m}, args, tmp)
+            bad = small if "error" in small else large
+            result = bad if "error" in bad else extrapolate(small, large, m, n)
         else:
-            result = run_worker(spec, args.timeout)
+            result = measure(spec, args, tmp)
         rows.append(Row(name, LABELS[method], result))
     return rows
 
@@ -284,9 +305,7 @@ def table(rows: list[Row]) -> str:
         base = auto.get(r.case)
         ratio = f"{res['median_s'] / base:.2f}" if base else "—"
         out = res.get("out_bytes", 0)
-        note = []
-        if res.get("extrapolated_from"):
-            note.append(f"timed on {res['extrapolated_from']} samples, extrapolated (N and N² parts)")
+        note = [res["note"]] if res.get("note") else []
         if res.get("output_max_abs_err") is not None:
             note.append(f"outputs match torch to {res['output_max_abs_err']:.1e}")
         err = "—" if res.get("rel_err") is None else f"{res['rel_err']:.1e}"
@@ -327,8 +346,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--slow", type=float, default=20.0,
                         help="a method whose first call takes longer than this is timed once")
-    parser.add_argument("--loop-subset", type=int, default=32,
-                        help="samples the per-sample loop is timed on (then extrapolated to N)")
+    parser.add_argument("--subset", type=int, default=64,
+                        help="extrapolated peers run on the first subset/2 and subset samples")
+    parser.add_argument("--max-gib", type=float, default=6.0,
+                        help="Jacobian-contraction peers needing more than this run on subsets")
     parser.add_argument("--trace-sizes", help="comma list of N for the trace case (default 1024,4096,16384)")
     parser.add_argument("--trace-batch", type=int, help="the fixed tile of the trace case (default 1024)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per measurement")
@@ -350,7 +371,7 @@ def main() -> None:
     sizes = {"mlp": 256, "cnn": 128}
     if args.quick:
         sizes = {"mlp": 16, "cnn": 8}
-        args.repeats, args.loop_subset = min(args.repeats, 2), 8
+        args.repeats, args.subset = min(args.repeats, 2), 8
     trace_sizes = [int(s) for s in (args.trace_sizes or ("64,128" if args.quick else "1024,4096,16384")).split(",")]
     args.trace_batch = args.trace_batch or (32 if args.quick else 1024)
     methods = list(OURS) + ([] if args.no_peers else list(PEERS))
