@@ -109,7 +109,7 @@ def _one_model(model, x_train, y_train, x_test, y_test, *, method, kind, dim, da
         from .surrogate import KernelSurrogate
         surrogate = KernelSurrogate(model, kind=kind, projection_dim=dim, seed=seed,
                                     batch_size=batch_size, device=device).fit(x_train)
-        return torch.einsum("mio,mo->mi", surrogate.attribute(x_test), u)
+        return torch.einsum("mio,mo->mi", torch.as_tensor(surrogate.attribute(x_test)), u)
     n, o = g_train.shape
     r = nn.functional.one_hot(y_train, o).double() - g_train.softmax(1)               # [N, O]
     if dim is None and not _exact_fits(n, u.shape[0], o):

@@ -86,6 +86,8 @@ def main():
     parser.add_argument("--seeds", type=int, default=2, help="retraining seeds per subset")
     parser.add_argument("--subsets", type=int, default=100)
     parser.add_argument("--quick", action="store_true", help="skip the full-kernel surrogates")
+    parser.add_argument("--sections", default="faithfulness,lds,mislabel",
+                        help="comma-separated subset of faithfulness,lds,mislabel")
     args = parser.parse_args()
     torch.manual_seed(0)
     data = demo.digits(n_train=N_TRAIN)
@@ -111,7 +113,17 @@ def main():
         print(f"training noise: Spearman between two seeds' margins over subsets {noise:.3f} "
               f"(an LDS against the {args.seeds}-seed mean can exceed it)")
 
+    sections = set(args.sections.split(","))
     # -- 1. faithfulness -------------------------------------------------------------------------
+    if "faithfulness" in sections:
+        faithfulness(args, model, x, y, xt, yt)
+    if "lds" in sections:
+        attribution_lds(args, model, nets, x, y, xt, yt, subsets, target, everything)
+    if "mislabel" in sections:
+        mislabel(x, y)
+
+
+def faithfulness(args, model, x, y, xt, yt):
     print("\n## Surrogate faithfulness (500 test images)\n")
     print(f"{'protocol':<8} {'kind':<16} {'machine':<9} {'k':>5} {'τ prob':>7} {'τ logits':>8} "
           f"{'R² logits':>9} {'agree':>6} {'acc gap':>8} {'α (CV)':>8} {'time s':>7}")
@@ -134,7 +146,9 @@ def main():
               f"{f['label_agreement']:6.3f} {f['accuracy_gap']:+8.3f} {s.alpha_:8.0e} {t:7.1f}",
               flush=True)
 
-    # -- 2. LDS ----------------------------------------------------------------------------------
+
+
+def attribution_lds(args, model, nets, x, y, xt, yt, subsets, target, everything):
     print(f"\n## LDS ({args.subsets} half-subsets × {args.seeds} seeds, margin target) "
           "and time\n")
     print(f"{'method':<44} {'models':>6} {'LDS':>6} {'time s':>7}")
@@ -177,7 +191,9 @@ def main():
           f"{lds(scores, subsets, lin_stack.margins(xt, yt)):6.3f} {t:7.1f}   "
           f"(retrained in {t_lin:.0f} s)")
 
-    # -- 3. mislabel detection -------------------------------------------------------------------
+
+
+def mislabel(x, y):
     noisy, flipped = flip_labels(y, 0.1, CLASSES, seed=0)
     torch.manual_seed(0)
     noisy_model = demo.train(demo.mlp(), x, noisy)

@@ -80,6 +80,14 @@ def test_projection_when_exact_kernels_do_not_fit(setup, monkeypatch):
                                influence(model, x, y, xt, yt, kind="full", damping=0.1, dim=128))
 
 
+def test_surrogate_method_is_its_exact_contributions_on_the_margin(setup):
+    from attribution import KernelSurrogate
+    model, x, y, xt, yt = setup
+    c = torch.as_tensor(KernelSurrogate(model).fit(x).attribute(xt))
+    expected = torch.einsum("mio,mo->mi", c, _margin_grad(model(xt).detach(), yt))
+    torch.testing.assert_close(influence(model, x, y, xt, yt, method="surrogate"), expected)
+
+
 def test_grad_dot_matches_parameter_space(setup):
     model, x, y, xt, yt = setup
     j, left, _, _, r = _reference(model, x, y, xt, yt)
