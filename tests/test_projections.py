@@ -134,14 +134,12 @@ def test_projector_entries_have_zero_mean_and_unit_variance(projector):
 
 
 @pytest.mark.parametrize("block", [1, 2])
-@pytest.mark.parametrize("positions", [1, 40])
-def test_kronecker_projection_of_factors(block, positions):
-    """Both contraction orders (projected factors for few positions, projected per-sample
-    gradient for many) equal the stacked Kronecker projection written out directly."""
+def test_kronecker_projection_of_factors(block):
+    """Projected factors equal the stacked Kronecker projection of the gradient written out."""
     g = torch.Generator().manual_seed(0)
-    c, b, f_in, f_out, dim = 2, 3, 5, 4, 8
-    a = torch.randn(b, positions, f_in, generator=g, dtype=torch.float64)
-    d = torch.randn(c, b, positions, f_out, generator=g, dtype=torch.float64)
+    c, b, s, f_in, f_out, dim = 2, 3, 2, 5, 4, 8
+    a = torch.randn(b, s, f_in, generator=g, dtype=torch.float64)
+    d = torch.randn(c, b, s, f_out, generator=g, dtype=torch.float64)
     bank = MatrixBank("gaussian", 0, dtype=torch.float64, device="cpu")
     got = Sketcher(bank, dim, {}, block=block).factored(Factored("w", a, d))
     m, r = block, dim // (block * block)
@@ -150,6 +148,16 @@ def test_kronecker_projection_of_factors(block, positions):
     grad = torch.einsum("cbso,bsi->cboi", d, a)
     want = torch.einsum("orp,cboi,irq->cbrpq", r_out, grad, r_in).reshape(c, b, dim) / math.sqrt(r)
     assert torch.allclose(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_many_positions_project_the_gradient_densely():
+    """With S·(F_in + F_out) > P the weight's per-sample gradient is projected densely."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 50, 2, generator=g, dtype=torch.float64)
+    d = torch.randn(1, 3, 50, 2, generator=g, dtype=torch.float64)
+    sketch = Sketcher(MatrixBank("gaussian", 0, dtype=torch.float64, device="cpu"), 8, {})
+    grad = torch.einsum("cbso,bsi->cboi", d, a).reshape(1, 3, 4)
+    assert torch.allclose(sketch.factored(Factored("w", a, d)), sketch.explicit("w", "weight", grad))
 
 
 def test_kronecker_and_dense_paths_agree_in_expectation():
