@@ -145,8 +145,8 @@ class _Computation:
             prepare = lambda x: x  # noqa: E731 - the tile needs the raw block
             tile = lambda a, b: _ntk_vp.tile(view, a, b, cot, self.kind, groups)  # noqa: E731
         else:
-            prepare = lambda x: _structured.features(view, plan, x, cot)  # noqa: E731
-            tile = lambda a, b: _contract_terms(a, b, self.kind, selected)  # noqa: E731
+            prepare = lambda x: _by_component(_structured.features(view, plan, x, cot), selected)  # noqa: E731
+            tile = lambda a, b: _contract_terms(a, b, self.kind)  # noqa: E731
         return Grid(n1=n1, n2=n2, block=block, symmetric=symmetric, kind=self.kind, shape=shape,
                     keys=[None] if selected is None else selected, dtype=param_dtype,
                     device=view.device, row_features=lambda rs: prepare(_inputs.take(x1, rs)),
@@ -199,19 +199,29 @@ def check_outputs(view: ModelView, xs: list) -> int:
     return num_outputs
 
 
-def _contract_terms(t1: list, t2: list, kind: str, selected: Optional[list[str]]) -> dict:
-    """Sum the tile contributions of matching terms, in total or per layer."""
-    keys = [None] if selected is None else selected
+def _by_component(terms: list, selected: Optional[list[str]]) -> dict:
+    """Group a block's terms by output component (None: all layers; else each selected layer),
+    joining the per-sample gradient rows of a component into one Explicit term once per block
+    rather than once per tile."""
+    grouped = {}
+    for key in [None] if selected is None else selected:
+        mine = [t for t in terms if key is None or t.layer == key]
+        explicit = [t.g for t in mine if isinstance(t, _structured.Explicit)]
+        joined = [_structured.Explicit(key, torch.cat(explicit, 2))] if explicit else []
+        grouped[key] = joined + [t for t in mine if isinstance(t, _structured.Factored)]
+    return grouped
+
+
+def _contract_terms(f1: dict, f2: dict, kind: str) -> dict:
+    """Tiles {component: Σ of its terms' contributions} from two blocks' grouped terms."""
     tiles = {}
-    for key in keys:
-        left = [t for t in t1 if key is None or t.layer == key]
-        right = [t for t in t2 if key is None or t.layer == key]
-        ex1 = [t.g for t in left if isinstance(t, _structured.Explicit)]
-        ex2 = [t.g for t in right if isinstance(t, _structured.Explicit)]
-        acc = _kinds.contract(torch.cat(ex1, 2), torch.cat(ex2, 2), kind) if ex1 else None
-        for a, b in zip(left, right):
-            if isinstance(a, _structured.Factored):
+    for key, left in f1.items():
+        acc = None
+        for a, b in zip(left, f2[key]):
+            if isinstance(a, _structured.Explicit):
+                part = _kinds.contract(a.g, b.g, kind)
+            else:
                 part = _kinds.contract_factored(a.input_gram(b), a.d, b.d, kind)
-                acc = part if acc is None else acc + part
+            acc = part if acc is None else acc.add_(part)
         tiles[key] = acc
     return tiles
