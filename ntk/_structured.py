@@ -93,8 +93,12 @@ def _linear_factors(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
     pad = list(module._reversed_padding_repeated_twice)
     x = F.pad(x, pad, mode=mode) if any(pad) else x
-    patches = F.unfold(x, kernel, dilation=dilation, stride=stride)   # [B, Cin*k, L]
-    return patches.transpose(1, 2)
+    # Sliding windows as strided views (several times faster than F.unfold's im2col on CPU):
+    # a window of extent d(k−1)+1 every `stride`, keeping every d-th element for dilation d.
+    for axis, (k, s, d) in enumerate(zip(kernel, stride, dilation), start=2):
+        x = x.unfold(axis, d * (k - 1) + 1, s)[..., ::d]
+    b, c, h, w, kh, kw = x.shape
+    return x.permute(0, 2, 3, 1, 4, 5).reshape(b, h * w, c * kh * kw)   # [B, L, Cin·kh·kw]
 
 
 def _normalised(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
