@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from .attribute import attribute
 from .featurize import featurize
 from .kernel import kernel
 from .layers import layers
@@ -18,6 +19,7 @@ def cli() -> None:
     """Empirical neural tangent kernels: kernels, layer importance, attribution, NAS proxies."""
 
 
+cli.add_command(attribute)
 cli.add_command(featurize)
 cli.add_command(kernel)
 cli.add_command(layers)

@@ -1,0 +1,53 @@
+"""`ntk attribute` as a subprocess: its rows are the extremes of attribution.influence."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import torch
+
+import attribution
+
+FACTORY = """
+import torch
+from torch import nn
+
+def build():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+"""
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "attribution.cli", "attribute", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_attribute_lists_the_largest_and_smallest_influence(tmp_path):
+    (tmp_path / "factory.py").write_text(FACTORY)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(30, 4)).astype(np.float32), rng.integers(0, 3, 30)
+    xt = rng.normal(size=(2, 4)).astype(np.float32)
+    np.savez(tmp_path / "train.npz", x=x, y=y)
+    np.savez(tmp_path / "test.npz", x=xt)
+    out = run("--model", str(tmp_path / "factory.py:build"), "--data", str(tmp_path / "train.npz"),
+              "--test", str(tmp_path / "test.npz"), "--top", "2", "--format", "json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["rows"]
+    assert len(rows) == 2 * 2 * 2
+
+    namespace = {}
+    exec(FACTORY, namespace)
+    scores = attribution.influence(namespace["build"]().eval(), torch.from_numpy(x),
+                                   torch.from_numpy(y), torch.from_numpy(xt))
+    for t in range(2):
+        order = torch.argsort(scores[t], descending=True).tolist()
+        pro = [r["train"] for r in rows if r["test"] == t and r["role"] == "proponent"]
+        opp = [r["train"] for r in rows if r["test"] == t and r["role"] == "opponent"]
+        assert pro == order[:2] and opp == order[::-1][:2]
+
+    no_labels = tmp_path / "nolabels.npz"
+    np.savez(no_labels, x=x)
+    bad = run("--model", str(tmp_path / "factory.py:build"), "--data", str(no_labels),
+              "--test", str(tmp_path / "test.npz"))
+    assert bad.returncode == 2 and "labels" in bad.stderr and "Traceback" not in bad.stderr
