@@ -91,6 +91,23 @@ class ModelView:
             names.setdefault(id(p), []).append(name)
         return {group[0] for group in names.values() if len(group) > 1}
 
+    def select(self, layers) -> Optional[list[str]]:
+        """Validate a `layers` argument: None (the total), "all", or a list of layer names."""
+        if layers is None:
+            return None
+        if isinstance(layers, str):
+            if layers != "all":
+                raise ValueError(f"layers must be None, 'all' or a list of module names, got {layers!r}")
+            return list(self.layers)
+        names = list(layers)
+        if not names:
+            raise ValueError("layers is an empty list; pass None for the total")
+        unknown = [n for n in names if n not in self.layers]
+        if unknown:
+            raise ValueError(f"unknown layer name(s) {unknown}; layers owning trainable parameters "
+                             f"are {list(self.layers)}")
+        return names
+
     @property
     def num_params(self) -> int:
         return sum(p.numel() for p in self.params.values())

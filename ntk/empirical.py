@@ -67,21 +67,6 @@ class _Computation:
         self.batch_size, self.device, self.dtype = batch_size, device, dtype
         self.output_fn, self.progress = output_fn, progress
 
-    # -- checks ------------------------------------------------------------------------------
-    def _selected(self, view: ModelView) -> Optional[list[str]]:
-        if self.layers is None:
-            return None
-        if self.layers == "all":
-            return list(view.layers)
-        names = list(self.layers)
-        if not names:
-            raise ValueError("layers is an empty list; pass None for the total kernel")
-        unknown = [n for n in names if n not in view.layers]
-        if unknown:
-            raise ValueError(f"unknown layer name(s) {unknown}; layers owning trainable parameters "
-                             f"are {list(view.layers)}")
-        return names
-
     # -- the computation -------------------------------------------------------------------------
     def run(self, x1, x2, out):
         grid = self.grid(x1, x2, out)
@@ -102,7 +87,7 @@ class _Computation:
         else:
             n2 = n1
         view = ModelView(self.model, output_fn=self.output_fn, device=self.device, dtype=self.dtype)
-        selected = self._selected(view)
+        selected = view.select(self.layers)
         if out is not None and selected is not None:
             raise ValueError("out= receives the total kernel only; use layers=None with out")
         x1 = _inputs.convert(x1, view.device, self.dtype)

@@ -54,7 +54,7 @@ class Featurizer:
         self.dim, self.kind, self.projector, self.seed = dim, kind, projector, seed
         self.dtype = dtype
         self.view = ModelView(model, output_fn=output_fn, device=device, dtype=dtype)
-        self.layers = _selected(self.view, layers)
+        self.layers = self.view.select(layers)
         self.param_dtype = next(iter(self.view.params.values())).dtype
         self.num_outputs: Optional[int] = None
         self._plan = None
@@ -122,23 +122,6 @@ class Featurizer:
                                   device=self.view.device)
             shaped[key] = phi[0] if self.kind == "sum_logits" else phi.transpose(0, 1)
         return shaped[None] if self.layers is None else shaped
-
-
-def _selected(view: ModelView, layers) -> Optional[list[str]]:
-    if layers is None:
-        return None
-    if isinstance(layers, str):
-        if layers != "all":
-            raise ValueError(f"layers must be None, 'all' or a list of module names, got {layers!r}")
-        return list(view.layers)
-    names = list(layers)
-    if not names:
-        raise ValueError("layers is an empty list; pass None for the total")
-    unknown = [n for n in names if n not in view.layers]
-    if unknown:
-        raise ValueError(f"unknown layer name(s) {unknown}; layers owning trainable parameters "
-                         f"are {list(view.layers)}")
-    return names
 
 
 def features(model: nn.Module, x, *, dim: int, kind: str = "trace", projector: str = "rademacher",

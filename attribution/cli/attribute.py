@@ -6,7 +6,7 @@ import click
 import torch
 
 from ..influence import METHODS, influence
-from .common import UsageProblem, emit, load_arrays, model_options, resolve_model_and_data
+from .common import UsageProblem, emit, model_options, resolve_model_and_data, resolve_test_data
 
 
 @click.command()
@@ -26,17 +26,7 @@ def attribute(model_spec, weights, data, samples, device, batch_size, fmt, outpu
                                                      default_samples=1000)
     if y_train is None:
         raise UsageProblem("--data must hold training labels y for attribution")
-    if test_file is not None:
-        x_test, y_test = load_arrays(test_file, "test")
-    elif data == "digits":
-        from ntk import demo
-
-        split = demo.digits()
-        x_test, y_test = split.x_test, split.y_test
-    else:
-        raise UsageProblem("--test is needed with a training data file")
-    x_test = x_test[:test_samples]
-    y_test = None if y_test is None else y_test[:test_samples]
+    x_test, y_test = resolve_test_data(test_file, data, test_samples)
     scores = influence(model, x_train, y_train, x_test, method=method, batch_size=batch_size,
                        device=device)
     with torch.no_grad():

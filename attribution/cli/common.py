@@ -207,6 +207,20 @@ def resolve_model_and_data(model_spec, weights, data, samples, device, default_s
     return model, x, y
 
 
+def resolve_test_data(test_file: Optional[str], data: str, test_samples: Optional[int]):
+    """Test inputs and labels: a --test file, or the digits test split when training on digits."""
+    if test_file is not None:
+        x_test, y_test = load_arrays(test_file, "test")
+    elif data == "digits":
+        from ntk import demo
+
+        split = demo.digits()
+        x_test, y_test = split.x_test, split.y_test
+    else:
+        raise UsageProblem("--test is needed with a training data file")
+    return x_test[:test_samples], None if y_test is None else y_test[:test_samples]
+
+
 def check_fits(model: nn.Module, x: torch.Tensor) -> None:
     """Run one sample through the model so that data of the wrong shape is a usage error."""
     try:

@@ -7,7 +7,8 @@ import click
 
 from ..report import report as build_report
 from ..surrogate import KINDS, MACHINES, KernelSurrogate
-from .common import UsageProblem, emit, interactive, load_arrays, model_options, resolve_model_and_data
+from .common import (UsageProblem, emit, interactive, model_options, resolve_model_and_data,
+                     resolve_test_data)
 
 
 @click.command()
@@ -46,16 +47,7 @@ def report(model_spec, weights, data, samples, device, batch_size, fmt, output, 
         raise UsageProblem("a training data file needs --model (the built-in demo uses digits)")
     model, x_train, y_train = resolve_model_and_data(model_spec, weights, data, samples, device,
                                                      default_samples=None)
-    if test_file is not None:
-        x_test, y_test = load_arrays(test_file, "test")
-    elif data == "digits":
-        from ntk import demo
-
-        split = demo.digits()
-        x_test, y_test = split.x_test, split.y_test
-    else:
-        raise UsageProblem("--test is needed with a training data file")
-    x_test, y_test = x_test[:test_samples], None if y_test is None else y_test[:test_samples]
+    x_test, y_test = resolve_test_data(test_file, data, test_samples)
     if shape is None and data == "digits":
         shape = (8, 8)
     chosen = {k: v for k, v in dict(kind=kind, machine=machine, alpha=alpha).items() if v is not None}
