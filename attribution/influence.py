@@ -160,15 +160,22 @@ def gauss_newton(left: torch.Tensor, theta: torch.Tensor, g_train: torch.Tensor,
     s = evecs @ torch.diag_embed(evals.clamp_min(0).sqrt()) @ evecs.transpose(1, 2)   # [N, O, O]
     v = s[torch.arange(n), :, y_train] / p[torch.arange(n), y_train][:, None]          # S_i w_i
     a = torch.einsum("iop,ijpr,jrq->iojq", s, theta, s).reshape(n * o, n * o)
-    lam = DEFAULT_DAMPING * float(a.trace()) / (n * o) if damping == "auto" else float(damping)
+    factor = _damped_cholesky(a, n * o, damping)
+    bs = torch.einsum("miq,iqo->mio", left, s).reshape(left.shape[0], n * o)
+    y = torch.cholesky_solve(bs.T, factor).T
+    return (y.reshape(-1, n, o) * v).sum(-1)
+
+
+def _damped_cholesky(a: torch.Tensor, count: int, damping: Union[str, float]) -> torch.Tensor:
+    """Cholesky factor of a + λI (in place on a), λ = damping or, for "auto",
+    DEFAULT_DAMPING × tr(a)/count (the mean eigenvalue of the N·O-sample system)."""
+    lam = DEFAULT_DAMPING * float(a.trace()) / count if damping == "auto" else float(damping)
     a.diagonal().add_(lam)
     factor, info = torch.linalg.cholesky_ex(a)
     if int(info) != 0:
         raise ValueError(f"the damped Gauss–Newton system is singular (damping λ={lam:.3g}); "
                          "increase damping")
-    bs = torch.einsum("miq,iqo->mio", left, s).reshape(left.shape[0], n * o)
-    y = torch.cholesky_solve(bs.T, factor).T
-    return (y.reshape(-1, n, o) * v).sum(-1)
+    return factor
 
 
 def gauss_newton_features(left: torch.Tensor, phi: torch.Tensor, g_train: torch.Tensor,
@@ -179,10 +186,5 @@ def gauss_newton_features(left: torch.Tensor, phi: torch.Tensor, g_train: torch.
     n, o, k = phi.shape
     r = nn.functional.one_hot(y_train, o).double() - g_train.softmax(1)
     h = torch.einsum("iok,iop,ipl->kl", phi, softmax_curvature(g_train), phi)
-    lam = DEFAULT_DAMPING * float(h.trace()) / (n * o) if damping == "auto" else float(damping)
-    h.diagonal().add_(lam)
-    factor, info = torch.linalg.cholesky_ex(h)
-    if int(info) != 0:
-        raise ValueError(f"the damped Gauss–Newton system is singular (damping λ={lam:.3g}); "
-                         "increase damping")
+    factor = _damped_cholesky(h, n * o, damping)
     return torch.cholesky_solve(left.T, factor).T @ torch.einsum("io,iok->ik", r, phi).T
