@@ -1,7 +1,10 @@
 """Kernel-machine surrogates, data attribution, layer importance, reports and the `ntk` CLI."""
-from .layers import layer_importance  # noqa: F401
-from .report import report  # noqa: F401
-from .evaluation import flip_labels, lds, mislabel_auc, random_subsets, train_on_subsets  # noqa: F401
-from .influence import influence  # noqa: F401
-from .surrogate import KernelSurrogate  # noqa: F401
-from .trak import trak  # noqa: F401
+from .evaluation import flip_labels, lds, mislabel_auc, random_subsets, train_on_subsets
+from .influence import influence
+from .layers import layer_importance
+from .report import report
+from .surrogate import KernelSurrogate
+from .trak import trak
+
+__all__ = ["KernelSurrogate", "flip_labels", "influence", "layer_importance", "lds",
+           "mislabel_auc", "random_subsets", "report", "train_on_subsets", "trak"]
