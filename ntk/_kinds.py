@@ -63,13 +63,14 @@ def contract_factored(gram_in: torch.Tensor, d1: torch.Tensor, d2: torch.Tensor,
     b2, s2 = d2.shape[1], d2.shape[2]
     if s1 == 1 and s2 == 1:
         a = gram_in.reshape(b1, b2)
+        # the cotangent Gram is a fresh product: scale it in place, no second tile-sized buffer
         if kind == "full":
             g = (d1.reshape(c * b1, f) @ d2.reshape(c * b2, f).T).reshape(c, b1, c, b2)
-            return g.permute(1, 3, 0, 2) * a[:, :, None, None]
+            return g.mul_(a[None, :, None, :]).permute(1, 3, 0, 2)
         if kind == "diagonal":
             g = torch.bmm(d1.reshape(c, b1, f), d2.reshape(c, b2, f).transpose(1, 2))
-            return g.permute(1, 2, 0) * a[:, :, None]
-        return (d1.transpose(0, 1).reshape(b1, c * f) @ d2.transpose(0, 1).reshape(b2, c * f).T) * a
+            return g.mul_(a[None]).permute(1, 2, 0)
+        return (d1.transpose(0, 1).reshape(b1, c * f) @ d2.transpose(0, 1).reshape(b2, c * f).T).mul_(a)
     if kind == "full":
         g = d1.reshape(c * b1 * s1, f) @ d2.reshape(c * b2 * s2, f).T
         g = g.reshape(c, b1, s1, c, b2, s2)
