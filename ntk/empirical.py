@@ -27,8 +27,11 @@ def empirical_ntk(model: nn.Module, x1, x2=None, *, kind: str = "full",
     `sum_logits` (1/O) Σ_oo' Θ_oo' [N1, N2]. layers: None for the total kernel, "all" or a list
     of module names for a dict of per-layer components (Θ = Σ_l J_l J_lᵀ over the modules that
     directly own trainable parameters). method: `jacobian`, `ntk_vp`, `structured` or `auto`
-    (the same kernel to float rounding). `out`: an optional preallocated tensor or numpy array
-    (e.g. a memory-mapped `.npy`) that receives the total kernel tile by tile.
+    (the same kernel to float rounding). batch_size: samples per side of a tile; None picks it
+    from the free memory and keeps the column blocks' features while they fit, an explicit size
+    bounds the working memory by the tile (features are recomputed for each row of tiles).
+    `out`: an optional preallocated tensor or numpy array (e.g. a memory-mapped `.npy`) that
+    receives the total kernel tile by tile.
     The model is never modified.
     """
     fn = empirical_ntk_fn(model, kind=kind, layers=layers, method=method, batch_size=batch_size,
@@ -136,7 +139,8 @@ class _Computation:
                     keys=[None] if selected is None else selected, dtype=param_dtype,
                     device=view.device, row_features=lambda rs: prepare(_inputs.take(x1, rs)),
                     col_features=lambda cs: prepare(_inputs.take(x2, cs)), tile=tile,
-                    cache_ok=n2 * per_sample <= budget / 2, desc=f"{self.kind} eNTK")
+                    cache_ok=self.batch_size is None and n2 * per_sample <= budget / 2,
+                    desc=f"{self.kind} eNTK")
 
     def _memory(self, view, plan, method, c, itemsize, n_components, shape):
         """Bytes per sample (features held for a block) and per pair of samples (tile work)."""
