@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._tiles import Grid
-from .empirical import Kernel, _Computation, empirical_ntk_fn
+from .empirical import Kernel, _Computation
 
 TILES_FORMAT = "ntk-kernel-tiles/1"
 _INDEX, _TILES = "index.json", "tiles"
@@ -94,8 +94,6 @@ def empirical_ntk(model: nn.Module, x1, x2=None, *, kind: str = "full",
     rank, _ = rank_and_world()
     grid = error = None
     try:
-        # the argument checks of ntk.empirical_ntk
-        empirical_ntk_fn(model, kind=kind, layers=layers, method=method, batch_size=batch_size)
         computation = _Computation(model, kind=kind, layers=layers, method=method,
                                    batch_size=batch_size, device=device, dtype=dtype,
                                    output_fn=output_fn, progress=progress)

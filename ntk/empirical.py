@@ -47,25 +47,28 @@ def empirical_ntk_fn(model: nn.Module, *, kind: str = "full",
 
     The function reads the model's parameters when it is called, so it follows training.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    _kinds.check_kind(kind)
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; valid methods are {', '.join(METHODS)}")
-    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
-        raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
-    if isinstance(layers, str) and layers != "all":
-        raise ValueError(f"layers must be None, 'all' or a list of module names, got {layers!r}")
+    computation = _Computation(model, kind=kind, layers=layers, method=method,
+                               batch_size=batch_size, device=device, dtype=dtype,
+                               output_fn=output_fn, progress=progress)
 
     def kernel_fn(x1, x2=None, *, out=None) -> Kernel:
-        return _Computation(model, kind=kind, layers=layers, method=method, batch_size=batch_size,
-                            device=device, dtype=dtype, output_fn=output_fn,
-                            progress=progress).run(x1, x2, out)
+        return computation.run(x1, x2, out)
     return kernel_fn
 
 
 class _Computation:
+    """The settings of a kernel, checked once; `run`/`grid` compute it for given samples."""
+
     def __init__(self, model, *, kind, layers, method, batch_size, device, dtype, output_fn, progress):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        _kinds.check_kind(kind)
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; valid methods are {', '.join(METHODS)}")
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
+        if isinstance(layers, str) and layers != "all":
+            raise ValueError(f"layers must be None, 'all' or a list of module names, got {layers!r}")
         self.model, self.kind, self.layers, self.method = model, kind, layers, method
         self.batch_size, self.device, self.dtype = batch_size, device, dtype
         self.output_fn, self.progress = output_fn, progress
@@ -145,13 +148,13 @@ class _Computation:
     def _memory(self, view, plan, method, c, itemsize, n_components, shape):
         """Bytes per sample (features held for a block) and per pair of samples (tile work)."""
         act = plan.activations
-        explicit = sum(view.params[n].numel() for n in plan.fallback)
-        per_sample = act * (1 + c) + c * explicit
-        for layer, names in plan.covered.items():
-            if layer not in plan.factored:   # per-sample gradient rows [C, P_layer]
-                per_sample += c * sum(view.params[n].numel() for n in names)
-        if method == "ntk_vp":
+        if method == "ntk_vp":           # C tangent forward passes of a block, no features
             per_sample = 3 * c * act
+        else:
+            per_sample = act * (1 + c) + c * sum(view.params[n].numel() for n in plan.fallback)
+            for layer, names in plan.covered.items():
+                if layer not in plan.factored:   # per-sample gradient rows [C, P_layer]
+                    per_sample += c * sum(view.params[n].numel() for n in names)
         pair_out = float(np.prod(shape[2:])) if len(shape) > 2 else 1.0
         s_max = max([plan.positions[layer] for layer in plan.factored] or [0])
         per_pair = pair_out * (n_components + 1) + s_max * s_max * (1 + _kinds.pair_factor(self.kind, c))
