@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 import ntk
-from ntk import _inputs
+from ntk.core import inputs
 
 SCALAR_KINDS = ("trace", "sum_logits")
 OUTPUT_KINDS = ("full",) + SCALAR_KINDS
@@ -33,8 +33,8 @@ def compute(model, x1, x2=None, *, kind: str, dim: Optional[int] = None, seed: i
 def self_similarity(model, x, *, kind: str, dim: Optional[int] = None, seed: int = 0,
                     batch_size: Optional[int] = None, device=None, block: int = 256) -> torch.Tensor:
     """K(x, x) for every sample [N] of a scalar kind, in blocks (never the whole N × N)."""
-    n = _inputs.count(x)
-    return torch.cat([compute(model, _inputs.take(x, slice(s, s + block)), kind=kind, dim=dim,
+    n = inputs.count(x)
+    return torch.cat([compute(model, inputs.take(x, slice(s, s + block)), kind=kind, dim=dim,
                               seed=seed, batch_size=batch_size, device=device).diagonal()
                       for s in range(0, n, block)])
 

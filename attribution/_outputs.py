@@ -2,23 +2,24 @@
 (Park et al., ICML 2023) and the linear datamodeling score attribute."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+import copy
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
-from ntk import _inputs
-from ntk._model import ModelView
+from ntk.core import inputs
+from ntk.core.model import ModelView
 
 
 def logits(model: nn.Module, x, *, output_fn: Optional[Callable] = None,
            batch_size: int = 1024) -> torch.Tensor:
     """Model outputs [N, O] in float64, computed functionally (the model is never modified)."""
     view = ModelView(model, output_fn=output_fn)
-    n = _inputs.validate(x, "x")
-    x = _inputs.convert(x, view.device, None)
+    n = inputs.validate(x, "x")
+    x = inputs.convert(x, view.device, None)
     with torch.no_grad():
-        out = [view.forward(view.params, _inputs.take(x, slice(s, s + batch_size)))
+        out = [view.forward(view.params, inputs.take(x, slice(s, s + batch_size)))
                for s in range(0, n, batch_size)]
     return torch.cat(out).to(torch.float64)
 
@@ -57,3 +58,31 @@ def softmax_curvature(g: torch.Tensor) -> torch.Tensor:
     """Λ = diag(p) − p pᵀ [N, O, O], the Hessian of cross-entropy with respect to the logits."""
     p = g.softmax(-1)
     return torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
+
+
+def models(model: nn.Module, checkpoints: Optional[Sequence]) -> list[nn.Module]:
+    """The models to average over: `model`, or copies of it holding each checkpoint's weights."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if checkpoints is None:
+        return [model]
+    if len(checkpoints) == 0:
+        raise ValueError("checkpoints is empty; pass None to use the model alone")
+    out = []
+    for c in checkpoints:
+        if isinstance(c, nn.Module):
+            out.append(c)
+        elif isinstance(c, dict):
+            copy_ = copy.deepcopy(model)
+            copy_.load_state_dict(c)
+            out.append(copy_)
+        else:
+            raise TypeError(f"checkpoints must hold nn.Modules or state dicts, got {type(c).__name__}")
+    return out
+
+
+def test_labels(g_test: torch.Tensor, y_test) -> torch.Tensor:
+    """Labels of the test margins: y_test, or the network's predictions when None."""
+    if y_test is None:
+        return g_test.argmax(1)
+    return labels(y_test, g_test.shape[0], g_test.shape[1], "y_test")

@@ -20,8 +20,8 @@ import torch
 from scipy.stats import spearmanr
 from torch import nn
 
-from ntk import _inputs
-from ntk._model import ModelView
+from ntk.core import inputs
+from ntk.core.model import ModelView
 
 from .layers import Group, SCORES, layer_groups, redraw, sample_losses
 
@@ -30,11 +30,11 @@ TRUTHS = ("loss_increase", "accuracy_drop", "finetune_gain")
 
 def _evaluate(view: ModelView, params: dict, x, y: torch.Tensor, block: int = 1024) -> tuple[float, Optional[float]]:
     """Mean loss and accuracy (None for real-valued targets) on (x, y)."""
-    loss, correct, n = 0.0, 0, _inputs.count(x)
+    loss, correct, n = 0.0, 0, inputs.count(x)
     with torch.no_grad():
         for start in range(0, n, block):
             rows = slice(start, start + block)
-            out = view.forward(params, _inputs.take(x, rows))
+            out = view.forward(params, inputs.take(x, rows))
             loss += float(sample_losses(out, y[rows]).sum())
             if not y.is_floating_point():
                 correct += int((out.argmax(1) == y[rows]).sum())
@@ -48,7 +48,7 @@ def reinit_damage(model: nn.Module, x, y, *, group: Group = None,
     accuracy on (x, y) when the row's parameters alone are redrawn by their modules'
     initialisers (parameters of other layers keep their values)."""
     view = ModelView(model, output_fn=output_fn)
-    x = _inputs.convert(x, view.device, None)
+    x = inputs.convert(x, view.device, None)
     y = torch.as_tensor(y).to(view.device)
     base_loss, base_acc = _evaluate(view, view.params, x, y)
     seeds = list(seeds)
@@ -73,10 +73,10 @@ def finetune_gain(model: nn.Module, x_train, y_train, x_test, y_test, *, group: 
     """{row: {"finetune_gain"}}: held-out loss with every parameter frozen minus held-out loss
     after `steps` Adam steps on (x_train, y_train) that update the row's parameters only."""
     view = ModelView(model, output_fn=output_fn)
-    x_train, x_test = (_inputs.convert(x, view.device, None) for x in (x_train, x_test))
+    x_train, x_test = (inputs.convert(x, view.device, None) for x in (x_train, x_test))
     y_train, y_test = (torch.as_tensor(y).to(view.device) for y in (y_train, y_test))
     frozen_loss, _ = _evaluate(view, view.params, x_test, y_test)
-    n = _inputs.count(x_train)
+    n = inputs.count(x_train)
     result = {}
     for row, layers in layer_groups(model, group).items():
         names = [p for layer in layers for p in view.layers[layer]]
@@ -87,7 +87,7 @@ def finetune_gain(model: nn.Module, x_train, y_train, x_test, y_test, *, group: 
                            for _ in range(steps * batch_size // n + 1)])
         for step in range(steps):
             idx = order[step * batch_size:(step + 1) * batch_size].to(view.device)
-            out = view.forward({**view.params, **trained}, _inputs.take(x_train, idx))
+            out = view.forward({**view.params, **trained}, inputs.take(x_train, idx))
             opt.zero_grad()
             sample_losses(out, y_train[idx]).mean().backward()
             opt.step()

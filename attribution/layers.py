@@ -40,8 +40,8 @@ from torch.func import grad, vmap
 
 import ntk
 import projections
-from ntk import _inputs
-from ntk._model import ModelView
+from ntk.core import inputs
+from ntk.core.model import ModelView
 from ntk.spectrum import as_matrix
 
 NTK_SCORES = ("sensitivity", "share", "alignment", "top_eigenvalue")
@@ -133,7 +133,7 @@ def check_labels(y, n: int) -> torch.Tensor:
 def _check_targets(view: ModelView, x, y: torch.Tensor) -> None:
     """Labels must index the model's outputs; real targets must have one value per output."""
     with torch.no_grad():
-        outputs = view.forward(view.params, _inputs.convert(_inputs.take(x, slice(0, 1)),
+        outputs = view.forward(view.params, inputs.convert(inputs.take(x, slice(0, 1)),
                                                             view.device, None)).shape[1]
     if not y.is_floating_point():
         if int(y.min()) < 0 or int(y.max()) >= outputs:
@@ -148,16 +148,16 @@ def _gradient_stats(view: ModelView, x, y: torch.Tensor, groups: dict[str, list[
                     block: int) -> dict[str, tuple[float, float]]:
     """Per group: (‖mean-loss gradient‖, mean squared per-sample gradient norm)."""
     def loss_one(params, xi, yi):
-        out = view.forward(params, _inputs.unsqueeze(xi))
+        out = view.forward(params, inputs.unsqueeze(xi))
         return sample_losses(out, yi.unsqueeze(0))[0]
 
     per_sample = vmap(grad(loss_one), in_dims=(None, 0, 0))
-    n = _inputs.count(x)
+    n = inputs.count(x)
     total = {name: torch.zeros_like(p) for name, p in view.params.items()}
     squares = {name: 0.0 for name in view.params}
     for start in range(0, n, block):
         rows = slice(start, start + block)
-        g = per_sample(view.params, _inputs.take(x, rows), y[rows])
+        g = per_sample(view.params, inputs.take(x, rows), y[rows])
         for name, gi in g.items():
             total[name] += gi.sum(0)
             squares[name] += float((gi.double() ** 2).sum())
@@ -185,8 +185,8 @@ def _block_influence(model: nn.Module, x, groups: dict[str, list[str]], block: i
                 sums[row][1] += cos.numel()
         handles.append(twin.get_submodule(row).register_forward_hook(hook))
     with torch.no_grad():
-        for start in range(0, _inputs.count(x), block):
-            args, kwargs = _inputs.as_call(_inputs.take(x, slice(start, start + block)))
+        for start in range(0, inputs.count(x), block):
+            args, kwargs = inputs.as_call(inputs.take(x, slice(start, start + block)))
             twin(*args, **kwargs)
     for handle in handles:
         handle.remove()
@@ -224,7 +224,7 @@ def layer_importance(model: nn.Module, x, y=None, *, score: str = DEFAULT_SCORE,
     """
     if score not in SCORES:
         raise ValueError(f"unknown score {score!r}; valid scores are {', '.join(SCORES)}")
-    n = _inputs.validate(x, "x")
+    n = inputs.validate(x, "x")
     if y is not None:
         y = check_labels(y, n)
     elif score in ("alignment", "grad_norm", "fisher"):
@@ -245,7 +245,7 @@ def layer_importance(model: nn.Module, x, y=None, *, score: str = DEFAULT_SCORE,
     sensitivity = {row: sum(float(as_matrix(parts[layer]).diagonal().sum())
                             * _displacement(model, view, layer) for layer in layers) / n
                    for row, layers in groups.items()}
-    xd = _inputs.convert(x, view.device, None)
+    xd = inputs.convert(x, view.device, None)
     block = batch_size or 256
     grads = None
     if y is not None:

@@ -1,6 +1,6 @@
 """Empirical neural tangent kernels of PyTorch models."""
-from ._kinds import KINDS
-from ._memory import KernelTooLargeError
+from .core.kinds import KINDS
+from .core.memory import KernelTooLargeError
 from .empirical import METHODS, empirical_ntk, empirical_ntk_fn
 from .spectrum import condition_number, eigenvalues, kernel_alignment
 from . import proxies

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._tiles import Grid
+from .core.tiles import Grid
 from .empirical import Kernel, _Computation
 
 TILES_FORMAT = "ntk-kernel-tiles/1"

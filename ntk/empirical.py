@@ -7,10 +7,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import _inputs, _kinds, _ntk_vp, _structured
-from ._memory import KernelTooLargeError, available_bytes, block_size, human
-from ._model import ModelView, check_eval_mode
-from ._tiles import Grid
+from .core import inputs, kinds, ntk_vp, structured
+from .core.memory import KernelTooLargeError, available_bytes, block_size, human
+from .core.model import ModelView, check_eval_mode
+from .core.tiles import Grid
 
 METHODS = ("auto", "jacobian", "ntk_vp", "structured")
 AUTO_BLOCK_LIMIT = 2048   # automatic tiles stop growing here: bigger ones only hold more memory
@@ -62,7 +62,7 @@ class _Computation:
     def __init__(self, model, *, kind, layers, method, batch_size, device, dtype, output_fn, progress):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        _kinds.check_kind(kind)
+        kinds.check_kind(kind)
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; valid methods are {', '.join(METHODS)}")
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
@@ -85,25 +85,25 @@ class _Computation:
         """Validate, plan and size the tiles of K(x1, x2). in_memory=False: the caller streams
         the tiles elsewhere (to disk), so the kernel need not fit in memory."""
         check_eval_mode(self.model)
-        n1 = _inputs.validate(x1, "x1")
+        n1 = inputs.validate(x1, "x1")
         symmetric = x2 is None
         if not symmetric:
-            n2 = _inputs.validate(x2, "x2")
-            _inputs.check_compatible(x1, x2)
+            n2 = inputs.validate(x2, "x2")
+            inputs.check_compatible(x1, x2)
         else:
             n2 = n1
         view = ModelView(self.model, output_fn=self.output_fn, device=self.device, dtype=self.dtype)
         selected = view.select(self.layers)
         if out is not None and selected is not None:
             raise ValueError("out= receives the total kernel only; use layers=None with out")
-        x1 = _inputs.convert(x1, view.device, self.dtype)
-        x2 = x1 if symmetric else _inputs.convert(x2, view.device, self.dtype)
+        x1 = inputs.convert(x1, view.device, self.dtype)
+        x2 = x1 if symmetric else inputs.convert(x2, view.device, self.dtype)
         num_outputs = check_outputs(view, [x1] if symmetric else [x1, x2])
         param_dtype = next(iter(view.params.values())).dtype
-        cot = _kinds.cotangents(self.kind, num_outputs, dtype=param_dtype, device=view.device)
+        cot = kinds.cotangents(self.kind, num_outputs, dtype=param_dtype, device=view.device)
         c = cot.shape[0]
 
-        shape = _kinds.tile_shape(self.kind, n1, n2, num_outputs)
+        shape = kinds.tile_shape(self.kind, n1, n2, num_outputs)
         n_components = 1 if selected is None else len(selected)
         itemsize = torch.empty((), dtype=param_dtype).element_size()
         out_bytes = itemsize * float(np.prod(shape)) * n_components
@@ -121,11 +121,11 @@ class _Computation:
         only = None if selected is None else [n for layer in selected for n in view.layers[layer]]
         provisional = self.batch_size or min(max(n1, n2), 256)
         method = self.method
-        plan = _structured.plan(view, x1, self.kind, c, provisional, only=only)
+        plan = structured.plan(view, x1, self.kind, c, provisional, only=only)
         if method == "auto":
             method = "structured" if plan.covered else "jacobian"
         if method == "jacobian" or method == "ntk_vp":
-            plan = _structured.Plan.autodiff(plan)
+            plan = structured.Plan.autodiff(plan)
 
         per_sample, per_pair = self._memory(view, plan, method, c, itemsize, n_components, shape)
         budget = max(0.4 * (avail - (out_bytes if holds else 0)), 64 << 20)
@@ -134,14 +134,14 @@ class _Computation:
             groups = {None: only or list(view.params)} if selected is None else \
                 {layer: view.layers[layer] for layer in selected}
             prepare = lambda x: x  # noqa: E731 - the tile needs the raw block
-            tile = lambda a, b: _ntk_vp.tile(view, a, b, cot, self.kind, groups)  # noqa: E731
+            tile = lambda a, b: ntk_vp.tile(view, a, b, cot, self.kind, groups)  # noqa: E731
         else:
-            prepare = lambda x: _by_component(_structured.features(view, plan, x, cot), selected)  # noqa: E731
+            prepare = lambda x: _by_component(structured.features(view, plan, x, cot), selected)  # noqa: E731
             tile = lambda a, b: _contract_terms(a, b, self.kind)  # noqa: E731
         return Grid(n1=n1, n2=n2, block=block, symmetric=symmetric, kind=self.kind, shape=shape,
                     keys=[None] if selected is None else selected, dtype=param_dtype,
-                    device=view.device, row_features=lambda rs: prepare(_inputs.take(x1, rs)),
-                    col_features=lambda cs: prepare(_inputs.take(x2, cs)), tile=tile,
+                    device=view.device, row_features=lambda rs: prepare(inputs.take(x1, rs)),
+                    col_features=lambda cs: prepare(inputs.take(x2, cs)), tile=tile,
                     cache_ok=self.batch_size is None and n2 * per_sample <= budget / 2,
                     desc=f"{self.kind} eNTK")
 
@@ -157,7 +157,7 @@ class _Computation:
                     per_sample += c * sum(view.params[n].numel() for n in names)
         pair_out = float(np.prod(shape[2:])) if len(shape) > 2 else 1.0
         s_max = max([plan.positions[layer] for layer in plan.factored] or [0])
-        per_pair = pair_out * (n_components + 1) + s_max * s_max * (1 + _kinds.pair_factor(self.kind, c))
+        per_pair = pair_out * (n_components + 1) + s_max * s_max * (1 + kinds.pair_factor(self.kind, c))
         return itemsize * per_sample * 2, itemsize * per_pair
 
 
@@ -167,9 +167,9 @@ def check_outputs(view: ModelView, xs: list) -> int:
     num_outputs = None
     with torch.no_grad():
         for x in xs:
-            n = _inputs.count(x)
+            n = inputs.count(x)
             for start in range(0, n, 1024):
-                y = view.forward(view.params, _inputs.take(x, slice(start, start + 1024)))
+                y = view.forward(view.params, inputs.take(x, slice(start, start + 1024)))
                 if y.shape[0] != min(1024, n - start):
                     raise ValueError(f"the model returned {y.shape[0]} rows for "
                                      f"{min(1024, n - start)} samples")
@@ -177,10 +177,10 @@ def check_outputs(view: ModelView, xs: list) -> int:
                     raise ValueError("the model produced non-finite outputs (NaN or inf) "
                                      "on the given inputs")
                 num_outputs = y.shape[1]
-        probe = _inputs.take(xs[0], slice(0, 4))
+        probe = inputs.take(xs[0], slice(0, 4))
         batch = view.forward(view.params, probe)
         again = view.forward(view.params, probe)
-        alone = view.forward(view.params, _inputs.take(xs[0], slice(0, 1)))
+        alone = view.forward(view.params, inputs.take(xs[0], slice(0, 1)))
         scale = float(batch.abs().max()) + 1e-12
         if not torch.allclose(batch, again, rtol=1e-4, atol=1e-5 * scale):
             raise ValueError("the model's output is random (two identical calls differ); call "
@@ -198,9 +198,9 @@ def _by_component(terms: list, selected: Optional[list[str]]) -> dict:
     grouped = {}
     for key in [None] if selected is None else selected:
         mine = [t for t in terms if key is None or t.layer == key]
-        explicit = [t.g for t in mine if isinstance(t, _structured.Explicit)]
-        joined = [_structured.Explicit(key, torch.cat(explicit, 2))] if explicit else []
-        grouped[key] = joined + [t for t in mine if isinstance(t, _structured.Factored)]
+        explicit = [t.g for t in mine if isinstance(t, structured.Explicit)]
+        joined = [structured.Explicit(key, torch.cat(explicit, 2))] if explicit else []
+        grouped[key] = joined + [t for t in mine if isinstance(t, structured.Factored)]
     return grouped
 
 
@@ -210,10 +210,10 @@ def _contract_terms(f1: dict, f2: dict, kind: str) -> dict:
     for key, left in f1.items():
         acc = None
         for a, b in zip(left, f2[key]):
-            if isinstance(a, _structured.Explicit):
-                part = _kinds.contract(a.g, b.g, kind)
+            if isinstance(a, structured.Explicit):
+                part = kinds.contract(a.g, b.g, kind)
             else:
-                part = _kinds.contract_factored(a.input_gram(b), a.d, b.d, kind)
+                part = kinds.contract_factored(a.input_gram(b), a.d, b.d, kind)
             acc = part if acc is None else acc.add_(part)
         tiles[key] = acc
     return tiles

@@ -41,7 +41,7 @@ from scipy.stats import rankdata
 from torch import nn
 from tqdm.auto import tqdm
 
-from ._kinds import check_kind
+from .core.kinds import check_kind
 from .empirical import empirical_ntk
 from .spectrum import condition_number, kernel_alignment
 

@@ -36,7 +36,7 @@ import math
 
 import torch
 
-from ntk._structured import Explicit, Factored
+from ntk.core.structured import Explicit, Factored
 
 from ._projectors import MatrixBank
 

@@ -4,7 +4,7 @@ of the empirical NTK for every kind (E[R Rᵀ] = I).
 R is block-diagonal over layers (the modules that directly own trainable parameters): Φ(x) =
 Σ_l J_l(x) R_l with an independent R_l per layer, built by `_sketch` from the engine's per-layer
 Jacobian factors, so per-sample gradients of factored weights are never formed. The features
-of the cotangents of a kind (the rows u_cᵀ J of `ntk._kinds`) give Φ [N, k] for `sum_logits`
+of the cotangents of a kind (the rows u_cᵀ J of `ntk.core.kinds`) give Φ [N, k] for `sum_logits`
 and Φ [N, O, k] for `trace`, `diagonal` and `full`; the kernels are contractions of Φ over k.
 This is the projection used by TRAK (Park et al., ICML 2023) and by the projected trNTK of
 Engel et al. (ICLR 2024), applied to factors instead of materialised gradients.
@@ -19,10 +19,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ntk import _inputs, _kinds, _structured
-from ntk._memory import available_bytes, block_size
-from ntk._model import ModelView, check_eval_mode
-from ntk._tiles import Grid
+from ntk.core import inputs, kinds, structured
+from ntk.core.memory import available_bytes, block_size
+from ntk.core.model import ModelView, check_eval_mode
+from ntk.core.tiles import Grid
 from ntk.empirical import check_outputs
 
 from ._projectors import MatrixBank, check_projector
@@ -48,7 +48,7 @@ class Featurizer:
             raise ValueError(f"dim must be a positive integer, got {dim!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an integer, got {seed!r}")
-        _kinds.check_kind(kind)
+        kinds.check_kind(kind)
         check_projector(projector)
         check_eval_mode(model)
         self.dim, self.kind, self.projector, self.seed = dim, kind, projector, seed
@@ -73,16 +73,16 @@ class Featurizer:
 
     def prepare(self, x) -> "Featurizer":
         """Validate a batch (finite inputs and outputs, samples independent) and plan once."""
-        _inputs.validate(x, "x")
-        x = _inputs.convert(x, self.view.device, self.dtype)
+        inputs.validate(x, "x")
+        x = inputs.convert(x, self.view.device, self.dtype)
         o = check_outputs(self.view, [x])
         if self.num_outputs is not None and o != self.num_outputs:
             raise ValueError(f"the model returned {o} outputs, earlier batches had {self.num_outputs}")
         if self._plan is None:
             self.num_outputs = o
-            self.cot = _kinds.cotangents(self.kind, o, dtype=self.param_dtype, device=self.view.device)
+            self.cot = kinds.cotangents(self.kind, o, dtype=self.param_dtype, device=self.view.device)
             only = None if self.layers is None else [n for l in self.layers for n in self.view.layers[l]]
-            self._plan = _structured.plan(self.view, _inputs.take(x, slice(0, 1)), self.kind,
+            self._plan = structured.plan(self.view, inputs.take(x, slice(0, 1)), self.kind,
                                           self.cot.shape[0], 1, only=only, factor_all=True)
             vocab = {l: m.num_embeddings for l, m in self._plan.modules.items()
                      if isinstance(m, nn.Embedding)}
@@ -105,13 +105,13 @@ class Featurizer:
 
     def block(self, x) -> Features:
         """Features of a prepared batch: [B, k] or [B, O, k] (dict per layer with `layers`)."""
-        x = _inputs.convert(x, self.view.device, self.dtype)
+        x = inputs.convert(x, self.view.device, self.dtype)
         # a fresh copy (index by tensor): the arithmetic must not depend on where the batch sits
         # in memory (alignment changes SIMD paths), so a store's bytes do not depend on the source
-        b = _inputs.count(x)
-        x = _inputs.take(x, torch.arange(b, device=self.view.device))
+        b = inputs.count(x)
+        x = inputs.take(x, torch.arange(b, device=self.view.device))
         with torch.no_grad():
-            terms = _structured.features(self.view, self._plan, x, self.cot)
+            terms = structured.features(self.view, self._plan, x, self.cot)
         with torch.no_grad():
             phis = self._sketcher.terms(terms, self.layers)
         shaped = {}
@@ -145,12 +145,12 @@ def _features_of(fz: Featurizer, x, batch_size, progress) -> Features:
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
                                    or batch_size < 1):
         raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
-    n = _inputs.validate(x, "x")
+    n = inputs.validate(x, "x")
     fz.prepare(x)
     block = batch_size or fz.default_batch(n)
     parts = []
     for start in tqdm(range(0, n, block), disable=not progress, desc="features", unit="batch"):
-        parts.append(fz.block(_inputs.take(x, slice(start, start + block))))
+        parts.append(fz.block(inputs.take(x, slice(start, start + block))))
     if fz.layers is None:
         return torch.cat(parts)
     return {layer: torch.cat([p[layer] for p in parts]) for layer in fz.layers}
@@ -167,8 +167,8 @@ def projected_ntk(model: nn.Module, x1, x2=None, *, dim: int, kind: str = "trace
     fz = Featurizer(model, dim=dim, kind=kind, projector=projector, seed=seed, layers=layers,
                     device=device, dtype=dtype, output_fn=output_fn)
     if x2 is not None:
-        _inputs.validate(x2, "x2")
-        _inputs.check_compatible(x1, x2)
+        inputs.validate(x2, "x2")
+        inputs.check_compatible(x1, x2)
     f1 = _features_of(fz, x1, batch_size, progress)
     f2 = f1 if x2 is None else _features_of(fz, x2, batch_size, progress)
     if fz.layers is None:
@@ -202,7 +202,7 @@ def kernel(phi1, phi2=None, *, kind: str, out=None, tile: int = 4096, progress: 
 
 def kernel_grid(phi1, phi2=None, *, kind: str, tile: int = 4096) -> Grid:
     """The tile grid of Φ1 Φ2ᵀ (shared with `projections.distributed.kernel`)."""
-    _kinds.check_kind(kind)
+    kinds.check_kind(kind)
     if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
         raise ValueError(f"tile must be a positive integer, got {tile!r}")
     sym = phi2 is None
@@ -219,7 +219,7 @@ def kernel_grid(phi1, phi2=None, *, kind: str, tile: int = 4096) -> Grid:
     def read(phi):
         return lambda rows: torch.from_numpy(np.array(phi[rows]))
     return Grid(n1=n1, n2=n2, block=tile, symmetric=sym, kind=kind,
-                shape=_kinds.tile_shape(kind, n1, n2, o), keys=[None],
+                shape=kinds.tile_shape(kind, n1, n2, o), keys=[None],
                 dtype=getattr(torch, np.asarray(phi1[:1]).dtype.name), device=torch.device("cpu"),
                 row_features=read(phi1), col_features=read(phi2),
                 tile=lambda a, b: {None: _contract(a, b, kind)}, cache_ok=False, desc="kernel")

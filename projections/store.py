@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 from tqdm.auto import tqdm
 
-from ntk import _inputs
+from ntk.core import inputs
 from ntk.distributed import rank_and_world
 
 from .projected import Featurizer
@@ -106,10 +106,10 @@ def write_blocks(fz: Featurizer, blocks, root: Path, manifest: dict, todo: list,
                 break
             if i not in wanted:
                 continue
-            rows = slice(i * block, i * block + _inputs.count(x))
+            rows = slice(i * block, i * block + inputs.count(x))
             fz.prepare(x)
-            for start in range(0, _inputs.count(x), batch):
-                part = fz.block(_inputs.take(x, slice(start, start + batch)))
+            for start in range(0, inputs.count(x), batch):
+                part = fz.block(inputs.take(x, slice(start, start + batch)))
                 array[rows.start + start: rows.start + start + part.shape[0]] = \
                     part.detach().cpu().numpy().astype(store_dtype)
             array.flush()
@@ -236,8 +236,8 @@ def _blocks(data, block: int):
     elif isinstance(data, torch.utils.data.Dataset):
         raise TypeError("data must be a tensor (or tuple/dict of tensors), a TensorDataset or a "
                         f"DataLoader, got {type(data).__name__}; wrap it in a DataLoader")
-    n = _inputs.validate(data, "data")
-    return n, (_inputs.take(data, slice(s, s + block)) for s in range(0, n, block))
+    n = inputs.validate(data, "data")
+    return n, (inputs.take(data, slice(s, s + block)) for s in range(0, n, block))
 
 
 def _model_input(batch):
@@ -249,11 +249,11 @@ def _rebatch(batches, block: int):
     pending, count = [], 0
     for b in batches:
         pending.append(b)
-        count += _inputs.count(b)
+        count += inputs.count(b)
         while count >= block:
             whole = _concat(pending)
-            yield _inputs.take(whole, slice(0, block))
-            rest = _inputs.take(whole, slice(block, None))
+            yield inputs.take(whole, slice(0, block))
+            rest = inputs.take(whole, slice(block, None))
             count -= block
             pending = [rest] if count else []
     if count:

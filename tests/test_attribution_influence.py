@@ -72,7 +72,7 @@ def test_projected_gauss_newton_is_the_formula_on_features(setup):
 
 
 def test_projection_when_exact_kernels_do_not_fit(setup, monkeypatch):
-    module = importlib.import_module("attribution.influence")   # the name is shadowed by the function
+    module = importlib.import_module("attribution._influence")
     model, x, y, xt, yt = setup
     assert module.default_dim(model) == 128                  # 66 parameters → next power of two
     monkeypatch.setattr(module, "_exact_fits", lambda *args: False)

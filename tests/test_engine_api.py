@@ -192,7 +192,7 @@ def test_kernel_alignment_matches_its_formulas():
 
 def test_auto_picks_structured_when_layers_are_known(monkeypatch):
     calls = []
-    import ntk._structured as structured
+    import ntk.core.structured as structured
     original = structured.Plan.autodiff.__func__
 
     def spy(cls, other):

@@ -103,7 +103,7 @@ def test_methods_agree_on_a_bigger_cnn_in_float32():
 def test_both_contractions_of_shared_weights(monkeypatch, name, factored):
     """The structured method's two contractions of a weight shared over positions (tokens,
     patches) — the factored Gram form and explicit per-sample gradients — both match."""
-    monkeypatch.setattr("ntk._structured._prefer_factors", lambda *args: factored)
+    monkeypatch.setattr("ntk.core.structured._prefer_factors", lambda *args: factored)
     model, x1, x2 = make(name)
     ref = kernels(model, x1, x2)
     for kind in ntk.KINDS:
@@ -115,13 +115,13 @@ def test_both_contractions_of_shared_weights(monkeypatch, name, factored):
 
 
 def test_structured_plan_covers_known_layers_and_falls_back_for_the_rest():
-    from ntk import _inputs
-    from ntk._model import ModelView
-    from ntk._structured import plan
+    from ntk.core import inputs
+    from ntk.core.model import ModelView
+    from ntk.core.structured import plan
 
     def planned(name):
         model, x1, _ = make(name)
-        return plan(ModelView(model), _inputs.take(x1, slice(0, 1)), "full", 3, 64)
+        return plan(ModelView(model), inputs.take(x1, slice(0, 1)), "full", 3, 64)
 
     p = planned("transformer")
     assert set(p.covered) == {"embed", "q", "k", "v", "norm", "head"}

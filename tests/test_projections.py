@@ -10,7 +10,7 @@ from torch import nn
 import ntk
 import projections
 from models import make
-from ntk._structured import Factored
+from ntk.core.structured import Factored
 from projections._projectors import PROJECTORS, MatrixBank
 from projections._sketch import Sketcher
 

@@ -12,7 +12,7 @@ import torch
 import browser
 import ntk
 from attribution.cli import main
-from attribution.report import choose_examples, effective_rank, report
+from attribution._report import choose_examples, effective_rank, report
 from attribution.surrogate import KernelSurrogate
 from ntk import demo
 

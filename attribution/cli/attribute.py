@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 import torch
 
-from ..influence import METHODS, influence
+from .._influence import METHODS, influence
 from .common import UsageProblem, emit, model_options, resolve_model_and_data, resolve_test_data
 
 

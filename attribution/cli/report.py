@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from ..report import report as build_report
+from .._report import report as build_report
 from ..surrogate import KINDS, MACHINES, KernelSurrogate
 from .common import (UsageProblem, emit, interactive, model_options, resolve_model_and_data,
                      resolve_test_data)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from . import _kinds
+from . import kinds
 
 
 class Grid:
@@ -87,7 +87,7 @@ class Grid:
         for key, value in values.items():
             _write(results[key], rs, cs, value)
             if self.symmetric and i != j:
-                _write(results[key], cs, rs, _kinds.transpose_tile(value, self.kind))
+                _write(results[key], cs, rs, kinds.transpose_tile(value, self.kind))
 
     def result(self, results: dict):
         """The kernel (keys [None]) or the dict of components."""

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from . import _inputs
+from . import inputs
 
 _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
             nn.FeatureAlphaDropout)
@@ -115,10 +115,10 @@ class ModelView:
     def layer_size(self, layer: str) -> int:
         return sum(self.params[n].numel() for n in self.layers[layer])
 
-    def forward(self, params: dict[str, torch.Tensor], x: _inputs.Inputs) -> torch.Tensor:
+    def forward(self, params: dict[str, torch.Tensor], x: inputs.Inputs) -> torch.Tensor:
         """Model outputs as a [B, O] tensor for a batch `x`, with `params` replacing the
         trainable parameters (frozen parameters and buffers stay constant)."""
-        args, kwargs = _inputs.as_call(x)
+        args, kwargs = inputs.as_call(x)
         tensors = {**self.constants, **self.buffers, **params}
         out = functional_call(self.model, tensors, args, kwargs, strict=False)
         return self.to_matrix(out)
@@ -140,4 +140,4 @@ class ModelView:
 
     def forward_single(self, params: dict[str, torch.Tensor], x_single) -> torch.Tensor:
         """Outputs [O] for one sample without its sample axis (the per-sample function for vmap)."""
-        return self.forward(params, _inputs.unsqueeze(x_single))[0]
+        return self.forward(params, inputs.unsqueeze(x_single))[0]

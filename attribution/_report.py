@@ -35,7 +35,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 import ntk
-from ntk import _inputs
+from ntk.core import inputs
 
 from . import _figures
 from ._outputs import labels, logits
@@ -80,7 +80,7 @@ def report(model: nn.Module, x_train, y_train=None, x_test=None, y_test=None, *,
     for name, value in (("examples", examples), ("top", top), ("kernel_samples", kernel_samples)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    n_train, n_test = _inputs.validate(x_train, "x_train"), _inputs.validate(x_test, "x_test")
+    n_train, n_test = inputs.validate(x_train, "x_train"), inputs.validate(x_test, "x_test")
     images = _image_view(x_train, image_shape), _image_view(x_test, image_shape)
     clock = _Clock(progress)
 
@@ -99,7 +99,7 @@ def report(model: nn.Module, x_train, y_train=None, x_test=None, y_test=None, *,
     surrogate = KernelSurrogate(model, batch_size=batch_size, device=device) if surrogate is None else surrogate
     kind = surrogate.kind
     n_kernel = min(kernel_samples, n_train)
-    x_kernel = _inputs.take(x_train, slice(0, n_kernel))
+    x_kernel = inputs.take(x_train, slice(0, n_kernel))
     y_kernel = own[:n_kernel]
     with clock("kernel spectrum"):
         k = ntk.empirical_ntk(model, x_kernel, kind=kind, batch_size=batch_size, device=device)
@@ -132,7 +132,7 @@ def report(model: nn.Module, x_train, y_train=None, x_test=None, y_test=None, *,
         explained = []
         for i, category in choose_examples(p_test, y_test, examples):
             cls = int(net_test[i])
-            one = _inputs.take(x_test, slice(i, i + 1))
+            one = inputs.take(x_test, slice(i, i + 1))
             explained.append({
                 "index": i, "category": category, "label": None if y_test is None else int(y_test[i]),
                 "network_prediction": cls, "network_probability": float(p_test[i, cls]),
@@ -238,7 +238,7 @@ def _self_influence(surrogate, x_train, own: torch.Tensor, block: int = 256) -> 
     parts = []
     for start in range(0, n, block):
         idx = torch.arange(start, min(start + block, n))
-        c = _predicted_class_contributions(surrogate, _inputs.take(x_train, idx), own[idx])
+        c = _predicted_class_contributions(surrogate, inputs.take(x_train, idx), own[idx])
         parts.append(c[torch.arange(len(idx)), idx])
     return torch.cat(parts)
 
@@ -275,7 +275,7 @@ def versions() -> dict:
 
 def _settings(model, surrogate, x_train, n_train, n_test, classes, y_train, y_test, extra) -> dict:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    shape = _inputs.signature(x_train)
+    shape = inputs.signature(x_train)
     options = {k: v for k, v in surrogate.get_params(deep=False).items()
                if isinstance(v, (str, int, float, bool, type(None)))}
     options["chosen alpha"] = getattr(surrogate, "alpha_", None)

@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 from . import _kernels
-from ._outputs import labels, logits, margin_gradient, margins
-from .influence import models, test_labels
+from ._outputs import labels, logits, margin_gradient, margins, models, test_labels
 
 DEFAULT_DIM = 2048
 

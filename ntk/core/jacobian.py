@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch.func import jacrev, vmap
 
-from ._model import ModelView
+from .model import ModelView
 
 
 def jacobian_features(view: ModelView, x, cot: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:

@@ -16,18 +16,18 @@ import torch
 from torch.func import jvp, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import _inputs
-from ._model import ModelView
+from . import inputs
+from .model import ModelView
 
 
 def tile(view: ModelView, x1, x2, cot: torch.Tensor, kind: str,
          groups: dict[Optional[str], list[str]]) -> dict[Optional[str], torch.Tensor]:
     """Kernel tiles K(x1, x2) of each parameter group ({key: parameter names})."""
     params = view.params
-    n1 = _inputs.count(x1)
+    n1 = inputs.count(x1)
     rows: dict[Optional[str], list[torch.Tensor]] = {key: [] for key in groups}
     for i in range(n1):
-        xi = _inputs.take(x1, slice(i, i + 1))
+        xi = inputs.take(x1, slice(i, i + 1))
         _, pullback = vjp(lambda p: view.forward(p, xi)[0], params)
         (tangents,) = vmap(pullback)(cot)                  # name -> [C, *shape]
         for key, names in groups.items():

@@ -19,16 +19,17 @@ Scalar kinds (`trace`, `sum_logits`) stand in for Θ as k(x, x') ⊗ I_O. Severa
 """
 from __future__ import annotations
 
-import copy
 from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-from ntk._memory import available_bytes
+from ntk.core.memory import available_bytes
 
 from . import _kernels
-from ._outputs import labels, logits, margin_gradient, softmax_curvature
+from ._outputs import labels, logits, margin_gradient, models, softmax_curvature, test_labels
+from ._trak import trak
+from .surrogate import KernelSurrogate
 
 METHODS = ("auto", "gauss_newton", "trak", "surrogate", "grad_dot")
 AUTO = "gauss_newton"
@@ -58,7 +59,6 @@ def influence(model: nn.Module, x_train, y_train, x_test, y_test=None, *, method
         raise ValueError(f"unknown method {method!r}; valid methods are {', '.join(METHODS)}")
     method = AUTO if method == "auto" else method
     if method == "trak":
-        from .trak import trak
         if kind not in (None, "full"):
             raise ValueError("method='trak' uses the margin's exact gradients; kind does not apply")
         return trak(model, x_train, y_train, x_test, y_test, checkpoints=checkpoints, seed=seed,
@@ -72,41 +72,12 @@ def influence(model: nn.Module, x_train, y_train, x_test, y_test=None, *, method
     return torch.stack(scores).mean(0)
 
 
-def models(model: nn.Module, checkpoints: Optional[Sequence]) -> list[nn.Module]:
-    """The models to average over: `model`, or copies of it holding each checkpoint's weights."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if checkpoints is None:
-        return [model]
-    if len(checkpoints) == 0:
-        raise ValueError("checkpoints is empty; pass None to use the model alone")
-    out = []
-    for c in checkpoints:
-        if isinstance(c, nn.Module):
-            out.append(c)
-        elif isinstance(c, dict):
-            copy_ = copy.deepcopy(model)
-            copy_.load_state_dict(c)
-            out.append(copy_)
-        else:
-            raise TypeError(f"checkpoints must hold nn.Modules or state dicts, got {type(c).__name__}")
-    return out
-
-
-def test_labels(g_test: torch.Tensor, y_test) -> torch.Tensor:
-    """Labels of the test margins: y_test, or the network's predictions when None."""
-    if y_test is None:
-        return g_test.argmax(1)
-    return labels(y_test, g_test.shape[0], g_test.shape[1], "y_test")
-
-
 def _one_model(model, x_train, y_train, x_test, y_test, *, method, kind, dim, damping, seed,
                batch_size, device) -> torch.Tensor:
     g_train, g_test = logits(model, x_train), logits(model, x_test)
     y_train = labels(y_train, g_train.shape[0], g_train.shape[1], "y_train")
     u = margin_gradient(g_test, test_labels(g_test, y_test))                        # [M, O]
     if method == "surrogate":
-        from .surrogate import KernelSurrogate
         surrogate = KernelSurrogate(model, kind=kind, projection_dim=dim, seed=seed,
                                     batch_size=batch_size, device=device).fit(x_train)
         return torch.einsum("mio,mo->mi", torch.as_tensor(surrogate.attribute(x_test)), u)

@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from . import _inputs
-from ._jacobian import jacobian_features
-from ._kinds import pair_factor
-from ._model import ModelView
+from . import inputs
+from .jacobian import jacobian_features
+from .kinds import pair_factor
+from .model import ModelView
 
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding)
@@ -185,7 +185,7 @@ def plan(view: ModelView, x, kind: str, num_cotangents: int, block: int,
     names = {name: module_of[name] for name in view.layers}
     params = dict(view.params)
     probe = _UsageProbe({id(t): n for n, t in params.items()})
-    x_probe = _inputs.take(x, torch.zeros(_PROBE, dtype=torch.long))
+    x_probe = inputs.take(x, torch.zeros(_PROBE, dtype=torch.long))
     out_numel: dict[str, int] = {}     # per sample, for modules whose tensors are per sample
     activations = [0]
 
@@ -272,18 +272,18 @@ def _prefer_factors(module: nn.Module, s: int, kind: str, c: int, block: int) ->
 
 def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor) -> list:
     """Explicit and factored Jacobian terms of every trainable parameter for a block `x`."""
-    inputs: dict[str, torch.Tensor] = {}
+    layer_inputs: dict[str, torch.Tensor] = {}
     perturbations: dict[str, torch.Tensor] = {}
 
     def hook(name):
         def record(module, args, out):
             x_in = args[0].detach()
             if isinstance(module, nn.Embedding):
-                inputs[name] = x_in.reshape(x_in.shape[0], -1)
+                layer_inputs[name] = x_in.reshape(x_in.shape[0], -1)
             elif isinstance(module, _NORMS):
-                inputs[name] = _normalised(module, x_in)
+                layer_inputs[name] = _normalised(module, x_in)
             else:
-                inputs[name] = _linear_factors(module, x_in)
+                layer_inputs[name] = _linear_factors(module, x_in)
             eps = torch.zeros_like(out, requires_grad=True)
             perturbations[name] = eps
             return out + eps
@@ -306,7 +306,7 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor) -> list:
         for name, d in zip(names, signals):
             if d is None:
                 d = torch.zeros((cot.shape[0], *perturbations[name].shape), dtype=out.dtype, device=out.device)
-            terms += _module_terms(name, plan_, inputs[name], d)
+            terms += _module_terms(name, plan_, layer_inputs[name], d)
     if plan_.fallback:
         jac = jacobian_features(view, x, cot, plan_.fallback)
         terms += [Explicit(view.owner[n], g) for n, g in jac.items()]
