@@ -1,10 +1,11 @@
 """The report's plots: matplotlib figures rendered to base64 PNG for embedding in HTML (`Figure`
 objects, never pyplot, so no global state and no display are involved)."""
+
 from __future__ import annotations
 
 import base64
 import io
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -25,10 +26,20 @@ def faithfulness_scatter(network: np.ndarray, surrogate: np.ndarray, agree: np.n
     ax.plot([0, 1], [0, 1], color="0.6", lw=1, ls="--", label="y = x")
     ax.scatter(network[agree], surrogate[agree], s=10, alpha=0.6, label="same prediction")
     if (~agree).any():
-        ax.scatter(network[~agree], surrogate[~agree], s=28, marker="x", color="C3",
-                   label="different prediction")
-    ax.set(xlabel="network probability", ylabel="surrogate probability", xlim=(-0.02, 1.02),
-           ylim=(-0.02, 1.02))
+        ax.scatter(
+            network[~agree],
+            surrogate[~agree],
+            s=28,
+            marker="x",
+            color="C3",
+            label="different prediction",
+        )
+    ax.set(
+        xlabel="network probability",
+        ylabel="surrogate probability",
+        xlim=(-0.02, 1.02),
+        ylim=(-0.02, 1.02),
+    )
     ax.legend(loc="upper left", fontsize=8)
     return png(fig)
 
@@ -57,8 +68,9 @@ def bars(names: Sequence[str], values: Sequence[float], xlabel: str) -> str:
     return png(fig)
 
 
-def image_row(images: Sequence[np.ndarray], captions: Sequence[str],
-              colors: Optional[Sequence[str]] = None) -> str:
+def image_row(
+    images: Sequence[np.ndarray], captions: Sequence[str], colors: Sequence[str] | None = None
+) -> str:
     """Small images side by side with a caption under each (channel-first or grey images)."""
     fig = Figure(figsize=(1.05 * len(images), 1.55))
     for i, (image, caption) in enumerate(zip(images, captions)):

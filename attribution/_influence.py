@@ -17,9 +17,10 @@ r_i = e_{y_i} − p_i the descent direction of example i's cross-entropy in logi
 Scalar kinds (`trace`, `sum_logits`) stand in for Θ as k(x, x') ⊗ I_O. Several models
 (`checkpoints`) average their scores.
 """
+
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -37,10 +38,22 @@ DEFAULT_DAMPING = 3.0
 MAX_DIM = 16384
 
 
-def influence(model: nn.Module, x_train, y_train, x_test, y_test=None, *, method: str = "auto",
-              kind: Optional[str] = None, dim: Optional[int] = None,
-              checkpoints: Optional[Sequence] = None, damping: Union[str, float] = "auto",
-              seed: int = 0, batch_size: Optional[int] = None, device=None) -> torch.Tensor:
+def influence(
+    model: nn.Module,
+    x_train,
+    y_train,
+    x_test,
+    y_test=None,
+    *,
+    method: str = "auto",
+    kind: str | None = None,
+    dim: int | None = None,
+    checkpoints: Sequence | None = None,
+    damping: str | float = "auto",
+    seed: int = 0,
+    batch_size: int | None = None,
+    device=None,
+) -> torch.Tensor:
     """Scores [N_test, N_train]: influence of each training example on each test margin.
 
     method: "auto" (= "gauss_newton" with the trace kernel, the best in
@@ -61,36 +74,73 @@ def influence(model: nn.Module, x_train, y_train, x_test, y_test=None, *, method
     if method == "trak":
         if kind not in (None, "full"):
             raise ValueError("method='trak' uses the margin's exact gradients; kind does not apply")
-        return trak(model, x_train, y_train, x_test, y_test, checkpoints=checkpoints, seed=seed,
-                    batch_size=batch_size, device=device, **({} if dim is None else {"dim": dim}))
+        return trak(
+            model,
+            x_train,
+            y_train,
+            x_test,
+            y_test,
+            checkpoints=checkpoints,
+            seed=seed,
+            batch_size=batch_size,
+            device=device,
+            **({} if dim is None else {"dim": dim}),
+        )
     kind = kind or ("full" if method == "grad_dot" else "trace")
     if damping != "auto" and not (isinstance(damping, (int, float)) and damping > 0):
-        raise ValueError(f"damping must be 'auto' or a positive number (Λ is singular), got {damping!r}")
-    scores = [_one_model(m, x_train, y_train, x_test, y_test, method=method, kind=kind, dim=dim,
-                         damping=damping, seed=seed, batch_size=batch_size, device=device)
-              for m in models(model, checkpoints)]
+        raise ValueError(
+            f"damping must be 'auto' or a positive number (Λ is singular), got {damping!r}"
+        )
+    scores = [
+        _one_model(
+            m,
+            x_train,
+            y_train,
+            x_test,
+            y_test,
+            method=method,
+            kind=kind,
+            dim=dim,
+            damping=damping,
+            seed=seed,
+            batch_size=batch_size,
+            device=device,
+        )
+        for m in models(model, checkpoints)
+    ]
     return torch.stack(scores).mean(0)
 
 
-def _one_model(model, x_train, y_train, x_test, y_test, *, method, kind, dim, damping, seed,
-               batch_size, device) -> torch.Tensor:
+def _one_model(
+    model, x_train, y_train, x_test, y_test, *, method, kind, dim, damping, seed, batch_size, device
+) -> torch.Tensor:
     g_train, g_test = logits(model, x_train), logits(model, x_test)
     y_train = labels(y_train, g_train.shape[0], g_train.shape[1], "y_train")
-    u = margin_gradient(g_test, test_labels(g_test, y_test))                        # [M, O]
+    u = margin_gradient(g_test, test_labels(g_test, y_test))  # [M, O]
     if method == "surrogate":
-        surrogate = KernelSurrogate(model, kind=kind, projection_dim=dim, seed=seed,
-                                    batch_size=batch_size, device=device).fit(x_train)
+        surrogate = KernelSurrogate(
+            model, kind=kind, projection_dim=dim, seed=seed, batch_size=batch_size, device=device
+        ).fit(x_train)
         return torch.einsum("mio,mo->mi", torch.as_tensor(surrogate.attribute(x_test)), u)
     n, o = g_train.shape
-    r = nn.functional.one_hot(y_train, o).double() - g_train.softmax(1)               # [N, O]
+    r = nn.functional.one_hot(y_train, o).double() - g_train.softmax(1)  # [N, O]
     if dim is None and not _exact_fits(n, u.shape[0], o):
         kind, dim = "full", default_dim(model)
-    if kind == "full" and dim is not None:          # parameter space on projected Jacobians
+    if kind == "full" and dim is not None:  # parameter space on projected Jacobians
         import projections
-        feats = dict(dim=dim, kind="full", seed=seed, batch_size=batch_size, device=device,
-                     dtype=torch.float64)
-        phi_train, phi_test = (torch.as_tensor(projections.features(model, v, **feats)).double()
-                               for v in (x_train, x_test))
+
+        feats = dict(
+            dim=dim,
+            kind="full",
+            seed=seed,
+            batch_size=batch_size,
+            device=device,
+            dtype=torch.float64,
+        )
+        phi_train, phi_test = (
+            torch.as_tensor(projections.features(model, v, **feats)).double()
+            for v in (x_train, x_test)
+        )
         left = torch.einsum("mo,mok->mk", u, phi_test)
         if method == "grad_dot":
             return left @ torch.einsum("io,iok->ik", r, phi_train).T
@@ -99,8 +149,9 @@ def _one_model(model, x_train, y_train, x_test, y_test, *, method, kind, dim, da
     left = torch.einsum("mo,mioq->miq", u, _kernels.output_kernel(model, x_test, x_train, **opts))
     if method == "grad_dot":
         return (left * r).sum(-1)
-    return gauss_newton(left, _kernels.output_kernel(model, x_train, **opts), g_train, y_train,
-                        damping)
+    return gauss_newton(
+        left, _kernels.output_kernel(model, x_train, **opts), g_train, y_train, damping
+    )
 
 
 def _exact_fits(n_train: int, n_test: int, o: int) -> bool:
@@ -117,8 +168,13 @@ def default_dim(model: nn.Module) -> int:
     return min(MAX_DIM, 1 << max(p - 1, 1).bit_length())
 
 
-def gauss_newton(left: torch.Tensor, theta: torch.Tensor, g_train: torch.Tensor,
-                 y_train: torch.Tensor, damping: Union[str, float] = "auto") -> torch.Tensor:
+def gauss_newton(
+    left: torch.Tensor,
+    theta: torch.Tensor,
+    g_train: torch.Tensor,
+    y_train: torch.Tensor,
+    damping: str | float = "auto",
+) -> torch.Tensor:
     """τ(z, i) = B (ΛΘ + λI)⁻¹ R over (sample, output) pairs, with B [M, N, O] = u_zᵀ Θ(z, x_i),
     Θ [N, N, O, O] the training kernel, Λ the softmax curvature and R's column i holding r_i.
 
@@ -128,8 +184,8 @@ def gauss_newton(left: torch.Tensor, theta: torch.Tensor, g_train: torch.Tensor,
     n, o = g_train.shape
     p = g_train.softmax(1)
     evals, evecs = torch.linalg.eigh(softmax_curvature(g_train))
-    s = evecs @ torch.diag_embed(evals.clamp_min(0).sqrt()) @ evecs.transpose(1, 2)   # [N, O, O]
-    v = s[torch.arange(n), :, y_train] / p[torch.arange(n), y_train][:, None]          # S_i w_i
+    s = evecs @ torch.diag_embed(evals.clamp_min(0).sqrt()) @ evecs.transpose(1, 2)  # [N, O, O]
+    v = s[torch.arange(n), :, y_train] / p[torch.arange(n), y_train][:, None]  # S_i w_i
     a = torch.einsum("iop,ijpr,jrq->iojq", s, theta, s).reshape(n * o, n * o)
     factor = _damped_cholesky(a, n * o, damping)
     bs = torch.einsum("miq,iqo->mio", left, s).reshape(left.shape[0], n * o)
@@ -137,20 +193,26 @@ def gauss_newton(left: torch.Tensor, theta: torch.Tensor, g_train: torch.Tensor,
     return (y.reshape(-1, n, o) * v).sum(-1)
 
 
-def _damped_cholesky(a: torch.Tensor, count: int, damping: Union[str, float]) -> torch.Tensor:
+def _damped_cholesky(a: torch.Tensor, count: int, damping: str | float) -> torch.Tensor:
     """Cholesky factor of a + λI (in place on a), λ = damping or, for "auto",
     DEFAULT_DAMPING × tr(a)/count (the mean eigenvalue of the N·O-sample system)."""
     lam = DEFAULT_DAMPING * float(a.trace()) / count if damping == "auto" else float(damping)
     a.diagonal().add_(lam)
     factor, info = torch.linalg.cholesky_ex(a)
     if int(info) != 0:
-        raise ValueError(f"the damped Gauss–Newton system is singular (damping λ={lam:.3g}); "
-                         "increase damping")
+        raise ValueError(
+            f"the damped Gauss–Newton system is singular (damping λ={lam:.3g}); increase damping"
+        )
     return factor
 
 
-def gauss_newton_features(left: torch.Tensor, phi: torch.Tensor, g_train: torch.Tensor,
-                          y_train: torch.Tensor, damping: Union[str, float] = "auto") -> torch.Tensor:
+def gauss_newton_features(
+    left: torch.Tensor,
+    phi: torch.Tensor,
+    g_train: torch.Tensor,
+    y_train: torch.Tensor,
+    damping: str | float = "auto",
+) -> torch.Tensor:
     """The same influence from projected Jacobians Φ_i [N, O, k] (Θ ≈ ΦΦᵀ), in parameter space:
     τ(z, i) = φ_z (Σ_j Φ_jᵀ Λ_j Φ_j + λI)⁻¹ Φ_iᵀ r_i with φ_z = u_zᵀ Φ_z (left [M, k]); a k × k
     Cholesky solve, so N is limited by the features' memory only."""

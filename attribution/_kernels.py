@@ -1,9 +1,8 @@
 """Kernels for attribution: exact (`ntk.empirical_ntk`) or projected (`projections`), as the
 scalar kinds' [N1, N2] matrices (optionally cosine-normalised) or as an output kernel
 [N1, N2, O, O] for methods that need the softmax curvature."""
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 
@@ -14,8 +13,17 @@ SCALAR_KINDS = ("trace", "sum_logits")
 OUTPUT_KINDS = ("full",) + SCALAR_KINDS
 
 
-def compute(model, x1, x2=None, *, kind: str, dim: Optional[int] = None, seed: int = 0,
-            batch_size: Optional[int] = None, device=None) -> torch.Tensor:
+def compute(
+    model,
+    x1,
+    x2=None,
+    *,
+    kind: str,
+    dim: int | None = None,
+    seed: int = 0,
+    batch_size: int | None = None,
+    device=None,
+) -> torch.Tensor:
     """ntk.empirical_ntk(kind=...) exactly (dim=None) or projections.projected_ntk with `dim`,
     computed in float64 (the kernel machines and solves downstream need its precision)."""
     opts = dict(kind=kind, batch_size=batch_size, device=device, dtype=torch.float64)
@@ -23,6 +31,7 @@ def compute(model, x1, x2=None, *, kind: str, dim: Optional[int] = None, seed: i
         k = ntk.empirical_ntk(model, x1, x2, **opts)
     else:
         import projections
+
         k = projections.projected_ntk(model, x1, x2, dim=dim, seed=seed, **opts)
     k = torch.as_tensor(k).to(torch.float64)
     if not bool(torch.isfinite(k).all()):
@@ -30,13 +39,33 @@ def compute(model, x1, x2=None, *, kind: str, dim: Optional[int] = None, seed: i
     return k
 
 
-def self_similarity(model, x, *, kind: str, dim: Optional[int] = None, seed: int = 0,
-                    batch_size: Optional[int] = None, device=None, block: int = 256) -> torch.Tensor:
+def self_similarity(
+    model,
+    x,
+    *,
+    kind: str,
+    dim: int | None = None,
+    seed: int = 0,
+    batch_size: int | None = None,
+    device=None,
+    block: int = 256,
+) -> torch.Tensor:
     """K(x, x) for every sample [N] of a scalar kind, in blocks (never the whole N × N)."""
     n = inputs.count(x)
-    return torch.cat([compute(model, inputs.take(x, slice(s, s + block)), kind=kind, dim=dim,
-                              seed=seed, batch_size=batch_size, device=device).diagonal()
-                      for s in range(0, n, block)])
+    return torch.cat(
+        [
+            compute(
+                model,
+                inputs.take(x, slice(s, s + block)),
+                kind=kind,
+                dim=dim,
+                seed=seed,
+                batch_size=batch_size,
+                device=device,
+            ).diagonal()
+            for s in range(0, n, block)
+        ]
+    )
 
 
 def cosine(k: torch.Tensor, diag1: torch.Tensor, diag2: torch.Tensor) -> torch.Tensor:
@@ -46,8 +75,18 @@ def cosine(k: torch.Tensor, diag1: torch.Tensor, diag2: torch.Tensor) -> torch.T
     return k / torch.sqrt(diag1[:, None] * diag2[None, :])
 
 
-def output_kernel(model, x1, x2=None, *, kind: str, num_outputs: int, dim: Optional[int] = None,
-                  seed: int = 0, batch_size: Optional[int] = None, device=None) -> torch.Tensor:
+def output_kernel(
+    model,
+    x1,
+    x2=None,
+    *,
+    kind: str,
+    num_outputs: int,
+    dim: int | None = None,
+    seed: int = 0,
+    batch_size: int | None = None,
+    device=None,
+) -> torch.Tensor:
     """Θ [N1, N2, O, O]: the full kernel, or a scalar kind as k(x, x') ⊗ I_O on the scale of Θ's
     diagonal (trace / O; sum_logits as is: the pseudo-NTK approximates Θ ≈ k ⊗ I_O, Mohamadi et
     al., ICML 2023)."""

@@ -1,9 +1,10 @@
 """Network outputs and the margin f = g_y − logsumexp_{j≠y} g_j = log(p_y / (1 − p_y)) that TRAK
 (Park et al., ICML 2023) and the linear datamodeling score attribute."""
+
 from __future__ import annotations
 
 import copy
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -12,15 +13,18 @@ from ntk.core import inputs
 from ntk.core.model import ModelView
 
 
-def logits(model: nn.Module, x, *, output_fn: Optional[Callable] = None,
-           batch_size: int = 1024) -> torch.Tensor:
+def logits(
+    model: nn.Module, x, *, output_fn: Callable | None = None, batch_size: int = 1024
+) -> torch.Tensor:
     """Model outputs [N, O] in float64, computed functionally (the model is never modified)."""
     view = ModelView(model, output_fn=output_fn)
     n = inputs.validate(x, "x")
     x = inputs.convert(x, view.device, None)
     with torch.no_grad():
-        out = [view.forward(view.params, inputs.take(x, slice(s, s + batch_size)))
-               for s in range(0, n, batch_size)]
+        out = [
+            view.forward(view.params, inputs.take(x, slice(s, s + batch_size)))
+            for s in range(0, n, batch_size)
+        ]
     return torch.cat(out).to(torch.float64)
 
 
@@ -28,13 +32,17 @@ def labels(y, n: int, num_outputs: int, name: str = "y") -> torch.Tensor:
     """Class labels as a long tensor [n] in 0..num_outputs−1."""
     y = torch.as_tensor(y)
     if y.dim() != 1 or y.shape[0] != n:
-        raise ValueError(f"{name} must be a 1-d tensor of {n} class labels, got shape {tuple(y.shape)}")
+        raise ValueError(
+            f"{name} must be a 1-d tensor of {n} class labels, got shape {tuple(y.shape)}"
+        )
     if y.is_floating_point() and not bool((y == y.round()).all()):
         raise ValueError(f"{name} must hold integer class labels")
     y = y.long()
     if n and (int(y.min()) < 0 or int(y.max()) >= num_outputs):
-        raise ValueError(f"{name} holds labels outside 0..{num_outputs - 1} (the model has "
-                         f"{num_outputs} outputs)")
+        raise ValueError(
+            f"{name} holds labels outside 0..{num_outputs - 1} (the model has "
+            f"{num_outputs} outputs)"
+        )
     return y
 
 
@@ -60,7 +68,7 @@ def softmax_curvature(g: torch.Tensor) -> torch.Tensor:
     return torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
 
 
-def models(model: nn.Module, checkpoints: Optional[Sequence]) -> list[nn.Module]:
+def models(model: nn.Module, checkpoints: Sequence | None) -> list[nn.Module]:
     """The models to average over: `model`, or copies of it holding each checkpoint's weights."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -77,7 +85,9 @@ def models(model: nn.Module, checkpoints: Optional[Sequence]) -> list[nn.Module]
             copy_.load_state_dict(c)
             out.append(copy_)
         else:
-            raise TypeError(f"checkpoints must hold nn.Modules or state dicts, got {type(c).__name__}")
+            raise TypeError(
+                f"checkpoints must hold nn.Modules or state dicts, got {type(c).__name__}"
+            )
     return out
 
 

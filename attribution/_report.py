@@ -17,6 +17,7 @@ Contributions are the surrogate's exact decomposition: surrogate output for clas
 Σ_i c_i(x)[o] (+ intercept), c = `KernelSurrogate.attribute(x)`; examples are explained for the
 network's predicted class.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -24,10 +25,10 @@ import json
 import math
 import platform
 import time
+from collections.abc import Sequence
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
-from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -42,23 +43,50 @@ from ._outputs import labels, logits
 from .layers import DEFAULT_SCORE, layer_importance
 from .surrogate import KernelSurrogate
 
-STAGES = ("network outputs", "kernel spectrum", "layer importance", "surrogate fit", "faithfulness",
-          "attribution", "self-influence", "figures")
+STAGES = (
+    "network outputs",
+    "kernel spectrum",
+    "layer importance",
+    "surrogate fit",
+    "faithfulness",
+    "attribution",
+    "self-influence",
+    "figures",
+)
 # Readable names of `KernelSurrogate.faithfulness` entries (others are shown as they are named).
-MEASURES = {"label_agreement": "agreement of predicted classes",
-            "tau_prob": "Kendall τ, probability of the network's class",
-            "spearman_prob": "Spearman ρ, probability of the network's class",
-            "tau_logits": "Kendall τ, centred logits", "spearman_logits": "Spearman ρ, centred logits",
-            "r2_logits": "R², centred logits", "accuracy_net": "network accuracy",
-            "accuracy_surrogate": "surrogate accuracy", "accuracy_gap": "accuracy gap (network − surrogate)",
-            "misclassified_jaccard": "Jaccard overlap of the misclassified sets"}
+MEASURES = {
+    "label_agreement": "agreement of predicted classes",
+    "tau_prob": "Kendall τ, probability of the network's class",
+    "spearman_prob": "Spearman ρ, probability of the network's class",
+    "tau_logits": "Kendall τ, centred logits",
+    "spearman_logits": "Spearman ρ, centred logits",
+    "r2_logits": "R², centred logits",
+    "accuracy_net": "network accuracy",
+    "accuracy_surrogate": "surrogate accuracy",
+    "accuracy_gap": "accuracy gap (network − surrogate)",
+    "misclassified_jaccard": "Jaccard overlap of the misclassified sets",
+}
 
 
-def report(model: nn.Module, x_train, y_train=None, x_test=None, y_test=None, *,
-           path: Union[str, Path] = "ntk-report.html", surrogate=None, examples: int = 6,
-           top: int = 5, kernel_samples: int = 500, image_shape: Optional[Sequence[int]] = None,
-           title: str = "eNTK surrogate report", settings: Optional[dict] = None,
-           batch_size: Optional[int] = None, device=None, progress: bool = False) -> dict:
+def report(
+    model: nn.Module,
+    x_train,
+    y_train=None,
+    x_test=None,
+    y_test=None,
+    *,
+    path: str | Path = "ntk-report.html",
+    surrogate=None,
+    examples: int = 6,
+    top: int = 5,
+    kernel_samples: int = 500,
+    image_shape: Sequence[int] | None = None,
+    title: str = "eNTK surrogate report",
+    settings: dict | None = None,
+    batch_size: int | None = None,
+    device=None,
+    progress: bool = False,
+) -> dict:
     """Build the report of a classifier `model` (O ≥ 2 outputs) on training data (x_train,
     y_train) and test data (x_test, y_test); labels are optional (without them the network's
     predictions stand in and accuracies are left out). Writes `path` (HTML) and the same name with
@@ -88,15 +116,21 @@ def report(model: nn.Module, x_train, y_train=None, x_test=None, y_test=None, *,
         g_train, g_test = logits(model, x_train), logits(model, x_test)
         classes = g_train.shape[1]
         if classes < 2:
-            raise ValueError(f"report needs a classifier with at least two outputs, the model has {classes}")
+            raise ValueError(
+                f"report needs a classifier with at least two outputs, the model has {classes}"
+            )
         y_train = None if y_train is None else labels(y_train, n_train, classes, "y_train")
         y_test = None if y_test is None else labels(y_test, n_test, classes, "y_test")
         p_test = g_test.softmax(1)
         net_test = p_test.argmax(1)
         net_train = g_train.argmax(1)
-        own = y_train if y_train is not None else net_train      # training labels, or predictions
+        own = y_train if y_train is not None else net_train  # training labels, or predictions
 
-    surrogate = KernelSurrogate(model, batch_size=batch_size, device=device) if surrogate is None else surrogate
+    surrogate = (
+        KernelSurrogate(model, batch_size=batch_size, device=device)
+        if surrogate is None
+        else surrogate
+    )
     kind = surrogate.kind
     n_kernel = min(kernel_samples, n_train)
     x_kernel = inputs.take(x_train, slice(0, n_kernel))
@@ -104,43 +138,58 @@ def report(model: nn.Module, x_train, y_train=None, x_test=None, y_test=None, *,
     with clock("kernel spectrum"):
         k = ntk.empirical_ntk(model, x_kernel, kind=kind, batch_size=batch_size, device=device)
         eigenvalues = ntk.eigenvalues(k).numpy()
-        kernel = {"kind": kind, "samples": n_kernel, "eigenvalues": eigenvalues,
-                  "condition_number": ntk.condition_number(k), "effective_rank": effective_rank(eigenvalues),
-                  "trace": float(eigenvalues.sum()),
-                  "label_alignment": ntk.kernel_alignment(k, y_kernel) if k.dim() == 2 else None}
+        kernel = {
+            "kind": kind,
+            "samples": n_kernel,
+            "eigenvalues": eigenvalues,
+            "condition_number": ntk.condition_number(k),
+            "effective_rank": effective_rank(eigenvalues),
+            "trace": float(eigenvalues.sum()),
+            "label_alignment": ntk.kernel_alignment(k, y_kernel) if k.dim() == 2 else None,
+        }
     with clock("layer importance"):
-        layer_rows = layer_importance(model, x_kernel, y_kernel, kind=kind, batch_size=batch_size,
-                                      device=device)
+        layer_rows = layer_importance(
+            model, x_kernel, y_kernel, kind=kind, batch_size=batch_size, device=device
+        )
 
     with clock("surrogate fit"):
         surrogate.fit(x_train)
     with clock("faithfulness"):
         faith = surrogate.faithfulness(x_test, y_test)
-        q_test = torch.as_tensor(surrogate.decision_function(x_test), dtype=torch.float64).softmax(1)
+        q_test = torch.as_tensor(surrogate.decision_function(x_test), dtype=torch.float64).softmax(
+            1
+        )
         sur_test = torch.as_tensor(surrogate.predict(x_test))
         rows = torch.arange(n_test)
         faithfulness = {
             "surrogate": faith,
             "network_probability": p_test[rows, net_test].numpy(),
             "surrogate_probability": q_test[rows, net_test].numpy(),
-            "network_prediction": net_test.numpy(), "surrogate_prediction": sur_test.numpy(),
+            "network_prediction": net_test.numpy(),
+            "surrogate_prediction": sur_test.numpy(),
             "disagreements": disagreements(net_test, sur_test, classes),
         }
 
     with clock("attribution"):
-        c_test = _predicted_class_contributions(surrogate, x_test, net_test)        # [M, N]
+        c_test = _predicted_class_contributions(surrogate, x_test, net_test)  # [M, N]
         explained = []
         for i, category in choose_examples(p_test, y_test, examples):
             cls = int(net_test[i])
             one = inputs.take(x_test, slice(i, i + 1))
-            explained.append({
-                "index": i, "category": category, "label": None if y_test is None else int(y_test[i]),
-                "network_prediction": cls, "network_probability": float(p_test[i, cls]),
-                "surrogate_prediction": int(sur_test[i]), "surrogate_probability": float(q_test[i, cls]),
-                "sum_of_contributions": float(c_test[i].sum()),
-                "intercept": float(np.asarray(surrogate.intercept_)[cls]),
-                **_neighbours(surrogate, one, cls, min(top, n_train), own),
-            })
+            explained.append(
+                {
+                    "index": i,
+                    "category": category,
+                    "label": None if y_test is None else int(y_test[i]),
+                    "network_prediction": cls,
+                    "network_probability": float(p_test[i, cls]),
+                    "surrogate_prediction": int(sur_test[i]),
+                    "surrogate_probability": float(q_test[i, cls]),
+                    "sum_of_contributions": float(c_test[i].sum()),
+                    "intercept": float(np.asarray(surrogate.intercept_)[cls]),
+                    **_neighbours(surrogate, one, cls, min(top, n_train), own),
+                }
+            )
         total_influence = c_test.abs().sum(0).numpy()
         cancellation = float(np.median((c_test.abs().sum(1) / c_test.sum(1).abs()).numpy()))
     with clock("self-influence"):
@@ -149,8 +198,9 @@ def report(model: nn.Module, x_train, y_train=None, x_test=None, y_test=None, *,
     result = {
         "title": title,
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
-        "settings": _settings(model, surrogate, x_train, n_train, n_test, classes, y_train, y_test,
-                              settings),
+        "settings": _settings(
+            model, surrogate, x_train, n_train, n_test, classes, y_train, y_test, settings
+        ),
         "versions": versions(),
         "faithfulness": faithfulness,
         "kernel": kernel,
@@ -160,7 +210,9 @@ def report(model: nn.Module, x_train, y_train=None, x_test=None, y_test=None, *,
             "cancellation": cancellation,
             "total_influence": total_influence,
             "self_influence": self_influence,
-            "self_influence_label": "training label" if y_train is not None else "network prediction",
+            "self_influence_label": "training label"
+            if y_train is not None
+            else "network prediction",
             "top_total_influence": _ranked(total_influence, 2 * top, own, net_train),
             "top_self_influence": _ranked(self_influence, 2 * top, own, net_train),
         },
@@ -180,6 +232,7 @@ def report(model: nn.Module, x_train, y_train=None, x_test=None, y_test=None, *,
 
 # -- numbers -------------------------------------------------------------------------------------
 
+
 def effective_rank(eigenvalues: np.ndarray) -> float:
     """exp of the Shannon entropy of the normalised positive eigenvalues (Roy & Vetterli, 2007):
     between 1 (one direction) and N (a flat spectrum)."""
@@ -197,13 +250,18 @@ def disagreements(network: torch.Tensor, surrogate: torch.Tensor, classes: int) 
     differ = network != surrogate
     if not bool(differ.any()):
         return {"count": 0, "classes": [], "matrix": []}
-    matrix = confusion_matrix(network[differ].numpy(), surrogate[differ].numpy(), labels=list(range(classes)))
+    matrix = confusion_matrix(
+        network[differ].numpy(), surrogate[differ].numpy(), labels=list(range(classes))
+    )
     used = sorted(set(np.nonzero(matrix.any(1))[0]) | set(np.nonzero(matrix.any(0))[0]))
-    return {"count": int(differ.sum()), "classes": [int(c) for c in used],
-            "matrix": matrix[np.ix_(used, used)].tolist()}
+    return {
+        "count": int(differ.sum()),
+        "classes": [int(c) for c in used],
+        "matrix": matrix[np.ix_(used, used)].tolist(),
+    }
 
 
-def choose_examples(p: torch.Tensor, y: Optional[torch.Tensor], n: int) -> list[tuple[int, str]]:
+def choose_examples(p: torch.Tensor, y: torch.Tensor | None, n: int) -> list[tuple[int, str]]:
     """About n test examples spread over categories: `correct` (the most confident correct
     predictions), `wrong` (the most confident mistakes) and `uncertain` (the smallest gap between
     the two most probable classes); without labels, `confident` and `uncertain`."""
@@ -215,9 +273,11 @@ def choose_examples(p: torch.Tensor, y: Optional[torch.Tensor], n: int) -> list[
     else:
         right = predicted == y
         by_confidence = torch.argsort(-confidence)
-        pools = {"correct": by_confidence[right[by_confidence]],
-                 "wrong": by_confidence[~right[by_confidence]],
-                 "uncertain": torch.argsort(gap)}
+        pools = {
+            "correct": by_confidence[right[by_confidence]],
+            "wrong": by_confidence[~right[by_confidence]],
+            "uncertain": torch.argsort(gap),
+        }
     chosen: dict[int, str] = {}
     quota = math.ceil(n / len(pools))
     for category, order in pools.items():
@@ -248,19 +308,29 @@ def _neighbours(surrogate, x_one, cls: int, top: int, own: torch.Tensor) -> dict
     sides = {}
     for side in ("proponents", "opponents"):
         idx, values = getattr(surrogate, side)(x_one, k=top, output=cls)
-        sides[side] = [{"index": int(j), "label": int(own[j]), "contribution": float(v)}
-                       for j, v in zip(idx[0], values[0])]
+        sides[side] = [
+            {"index": int(j), "label": int(own[j]), "contribution": float(v)}
+            for j, v in zip(idx[0], values[0])
+        ]
     return sides
 
 
 def _ranked(values: np.ndarray, n: int, own: torch.Tensor, net_train: torch.Tensor) -> list[dict]:
     """The n training examples with the largest values, with their labels and predictions."""
     order = np.argsort(-values)[:n]
-    return [{"index": int(i), "label": int(own[i]), "network_prediction": int(net_train[i]),
-             "value": float(values[i])} for i in order]
+    return [
+        {
+            "index": int(i),
+            "label": int(own[i]),
+            "network_prediction": int(net_train[i]),
+            "value": float(values[i]),
+        }
+        for i in order
+    ]
 
 
 # -- settings -------------------------------------------------------------------------------------
+
 
 def versions() -> dict:
     def version(dist):
@@ -268,30 +338,46 @@ def versions() -> dict:
             return metadata.version(dist)
         except metadata.PackageNotFoundError:
             return None
-    return {"ntk-toolkit": version("ntk-toolkit"), "python": platform.python_version(),
-            **{name: version(name) for name in ("torch", "numpy", "scipy", "scikit-learn", "matplotlib")},
-            "platform": platform.platform()}
+
+    return {
+        "ntk-toolkit": version("ntk-toolkit"),
+        "python": platform.python_version(),
+        **{
+            name: version(name)
+            for name in ("torch", "numpy", "scipy", "scikit-learn", "matplotlib")
+        },
+        "platform": platform.platform(),
+    }
 
 
 def _settings(model, surrogate, x_train, n_train, n_test, classes, y_train, y_test, extra) -> dict:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     shape = inputs.signature(x_train)
-    options = {k: v for k, v in surrogate.get_params(deep=False).items()
-               if isinstance(v, (str, int, float, bool, type(None)))}
+    options = {
+        k: v
+        for k, v in surrogate.get_params(deep=False).items()
+        if isinstance(v, (str, int, float, bool, type(None)))
+    }
     options["chosen alpha"] = getattr(surrogate, "alpha_", None)
     return {
-        "model": type(model).__name__, "trainable_parameters": trainable,
+        "model": type(model).__name__,
+        "trainable_parameters": trainable,
         "architecture": str(model),
-        "train_samples": n_train, "test_samples": n_test, "input_shape": shape, "outputs": classes,
-        "train_labels": y_train is not None, "test_labels": y_test is not None,
+        "train_samples": n_train,
+        "test_samples": n_test,
+        "input_shape": shape,
+        "outputs": classes,
+        "train_labels": y_train is not None,
+        "test_labels": y_test is not None,
         "surrogate": {"class": type(surrogate).__name__, **options},
         **(extra or {}),
     }
 
 
-# -- figures and HTML -------------------------------------------------------------------------------
+# -- figures and HTML ------------------------------------------------------------------------------
 
-def _image_view(x, image_shape) -> Optional[np.ndarray]:
+
+def _image_view(x, image_shape) -> np.ndarray | None:
     """The inputs as images [N, H, W] or [N, C, H, W] when they are (or `image_shape` says so)."""
     if not isinstance(x, torch.Tensor):
         if image_shape is not None:
@@ -300,8 +386,10 @@ def _image_view(x, image_shape) -> Optional[np.ndarray]:
     if image_shape is not None:
         shape = tuple(int(s) for s in image_shape)
         if math.prod(shape) != x[0].numel() or len(shape) not in (2, 3):
-            raise ValueError(f"image_shape {shape} does not fit samples of shape {tuple(x.shape[1:])} "
-                             "(give (H, W) or (C, H, W))")
+            raise ValueError(
+                f"image_shape {shape} does not fit samples of shape {tuple(x.shape[1:])} "
+                "(give (H, W) or (C, H, W))"
+            )
         return x.detach().cpu().float().reshape(-1, *shape).numpy()
     if x.dim() == 3 or (x.dim() == 4 and x.shape[1] in (1, 3)):
         return x.detach().cpu().float().numpy()
@@ -313,37 +401,54 @@ def _figures_for(result: dict, images, top: int) -> dict:
     agree = faith["network_prediction"] == faith["surrogate_prediction"]
     layer_rows = result["layers"]["rows"]
     figures = {
-        "scatter": _figures.faithfulness_scatter(faith["network_probability"], faith["surrogate_probability"], agree),
+        "scatter": _figures.faithfulness_scatter(
+            faith["network_probability"], faith["surrogate_probability"], agree
+        ),
         "spectrum": _figures.spectrum(kernel["eigenvalues"]),
-        "layers": _figures.bars([f"{r['layer'] or '(root)'} ({r['type']})" for r in layer_rows],
-                                [r[DEFAULT_SCORE] or 0.0 for r in layer_rows], DEFAULT_SCORE),
-        "examples": [], "total_influence": None, "self_influence": None,
+        "layers": _figures.bars(
+            [f"{r['layer'] or '(root)'} ({r['type']})" for r in layer_rows],
+            [r[DEFAULT_SCORE] or 0.0 for r in layer_rows],
+            DEFAULT_SCORE,
+        ),
+        "examples": [],
+        "total_influence": None,
+        "self_influence": None,
     }
     train_images, test_images = images
     if train_images is None or test_images is None:
         return figures
     for e in attr["examples"]:
-        pictures = [test_images[e["index"]]] + [train_images[p["index"]] for p in e["proponents"] + e["opponents"]]
+        pictures = [test_images[e["index"]]] + [
+            train_images[p["index"]] for p in e["proponents"] + e["opponents"]
+        ]
         captions = [f"test #{e['index']}\npred {e['network_prediction']}"] + [
-            f"#{p['index']} y={p['label']}\n{p['contribution']:+.3g}" for p in e["proponents"] + e["opponents"]]
+            f"#{p['index']} y={p['label']}\n{p['contribution']:+.3g}"
+            for p in e["proponents"] + e["opponents"]
+        ]
         colors = ["black"] + ["#1a7f37"] * len(e["proponents"]) + ["#cf222e"] * len(e["opponents"])
         figures["examples"].append(_figures.image_row(pictures, captions, colors))
     for name in ("total_influence", "self_influence"):
         ranked = attr[f"top_{name}"]
         figures[name] = _figures.image_row(
             [train_images[r["index"]] for r in ranked],
-            [f"#{r['index']} y={r['label']}\npred {r['network_prediction']}" for r in ranked])
+            [f"#{r['index']} y={r['label']}\npred {r['network_prediction']}" for r in ranked],
+        )
     return figures
 
 
 def _render(result: dict, figures: dict) -> str:
     from jinja2 import Environment, PackageLoader, select_autoescape
 
-    env = Environment(loader=PackageLoader("attribution", "templates"), autoescape=select_autoescape(),
-                      trim_blocks=True, lstrip_blocks=True)
+    env = Environment(
+        loader=PackageLoader("attribution", "templates"),
+        autoescape=select_autoescape(),
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
     env.filters["num"] = _number
-    return env.get_template("report.html.j2").render(r=result, fig=figures, score=DEFAULT_SCORE,
-                                                       measures=MEASURES)
+    return env.get_template("report.html.j2").render(
+        r=result, fig=figures, score=DEFAULT_SCORE, measures=MEASURES
+    )
 
 
 def _number(value, digits: int = 4) -> str:

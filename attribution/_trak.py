@@ -7,9 +7,10 @@ per-example gradients φ_i = Pᵀ∇θ f(z_i) (P a random projection, `projectio
 score(z, i) = mean_m[kernel part] · mean_m[Q_i] — the two parts averaged separately over models.
 λ = 0 (the paper's choice) uses the pseudo-inverse. The paper's soft-thresholding is not applied.
 """
+
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -20,9 +21,21 @@ from ._outputs import labels, logits, margin_gradient, margins, models, test_lab
 DEFAULT_DIM = 2048
 
 
-def trak(model: nn.Module, x_train, y_train, x_test, y_test=None, *, dim: Optional[int] = DEFAULT_DIM,
-         checkpoints: Optional[Sequence] = None, damping: float = 0.0, projector: str = "rademacher",
-         seed: int = 0, batch_size: Optional[int] = None, device=None) -> torch.Tensor:
+def trak(
+    model: nn.Module,
+    x_train,
+    y_train,
+    x_test,
+    y_test=None,
+    *,
+    dim: int | None = DEFAULT_DIM,
+    checkpoints: Sequence | None = None,
+    damping: float = 0.0,
+    projector: str = "rademacher",
+    seed: int = 0,
+    batch_size: int | None = None,
+    device=None,
+) -> torch.Tensor:
     """TRAK scores [N_test, N_train] (= `influence(method="trak")`).
 
     dim: projection dimension (TRAK's default 2048), or None for the exact gradients (through
@@ -39,21 +52,38 @@ def trak(model: nn.Module, x_train, y_train, x_test, y_test=None, *, dim: Option
     for net in nets:
         g_train, g_test = logits(net, x_train), logits(net, x_test)
         y_tr = labels(y_train, g_train.shape[0], g_train.shape[1], "y_train")
-        u_train, u_test = margin_gradient(g_train, y_tr), margin_gradient(g_test, test_labels(g_test, y_test))
+        u_train, u_test = (
+            margin_gradient(g_train, y_tr),
+            margin_gradient(g_test, test_labels(g_test, y_test)),
+        )
         opts = dict(batch_size=batch_size, device=device)
         if dim is None:
             o = g_train.shape[1]
             full = dict(kind="full", num_outputs=o, **opts)
-            k_train = torch.einsum("io,ijoq,jq->ij", u_train, _kernels.output_kernel(net, x_train, **full), u_train)
-            k_test = torch.einsum("mo,mioq,iq->mi", u_test, _kernels.output_kernel(net, x_test, x_train, **full), u_train)
+            k_train = torch.einsum(
+                "io,ijoq,jq->ij", u_train, _kernels.output_kernel(net, x_train, **full), u_train
+            )
+            k_test = torch.einsum(
+                "mo,mioq,iq->mi",
+                u_test,
+                _kernels.output_kernel(net, x_test, x_train, **full),
+                u_train,
+            )
             kernel_part = kernel_part + _solve(k_test, k_train, damping)
         else:
             import projections
+
             feats = dict(dim=dim, kind="full", projector=projector, seed=seed, **opts)
-            phi_train = torch.einsum("io,iok->ik", u_train,
-                                     torch.as_tensor(projections.features(net, x_train, **feats)).double())
-            phi_test = torch.einsum("mo,mok->mk", u_test,
-                                    torch.as_tensor(projections.features(net, x_test, **feats)).double())
+            phi_train = torch.einsum(
+                "io,iok->ik",
+                u_train,
+                torch.as_tensor(projections.features(net, x_train, **feats)).double(),
+            )
+            phi_test = torch.einsum(
+                "mo,mok->mk",
+                u_test,
+                torch.as_tensor(projections.features(net, x_test, **feats)).double(),
+            )
             kernel_part = kernel_part + phi_test @ _inverse_times_transpose(phi_train, damping)
         q = q + (1 - torch.sigmoid(margins(g_train, y_tr)))
     return (kernel_part / len(nets)) * (q / len(nets))[None, :]
@@ -71,4 +101,6 @@ def _solve(k_test: torch.Tensor, k_train: torch.Tensor, damping: float) -> torch
     """k(z, X)(K + λI)⁻¹ (K⁺ when λ = 0)."""
     if damping == 0:
         return k_test @ torch.linalg.pinv(k_train, hermitian=True)
-    return torch.linalg.solve(k_train + damping * torch.eye(len(k_train), dtype=k_train.dtype), k_test.T).T
+    return torch.linalg.solve(
+        k_train + damping * torch.eye(len(k_train), dtype=k_train.dtype), k_test.T
+    ).T

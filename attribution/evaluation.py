@@ -6,13 +6,14 @@ the training set, retrain on each, record the output f_j(z) on every test exampl
 an attribution τ is the Spearman correlation over j between Σ_{i∈S_j} τ(z, i) and f_j(z), averaged
 over z.
 """
+
 from __future__ import annotations
 
 import copy
 import math
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -25,7 +26,8 @@ from ._outputs import margins
 
 
 def random_subsets(n: int, num_subsets: int, alpha: float = 0.5, *, seed: int = 0) -> torch.Tensor:
-    """`num_subsets` random subsets of size round(α·n) of range(n), as a bool mask [num_subsets, n]."""
+    """`num_subsets` random subsets of size round(α·n) of range(n), as a bool mask [num_subsets,
+    n]."""
     if not 0 < alpha < 1:
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
     size = round(alpha * n)
@@ -41,7 +43,9 @@ def random_subsets(n: int, num_subsets: int, alpha: float = 0.5, *, seed: int = 
 def _as_mask(subsets, n: int) -> torch.Tensor:
     mask = torch.as_tensor(np.asarray(subsets))
     if mask.dim() != 2 or mask.shape[1] != n:
-        raise ValueError(f"subsets must be a mask [num_subsets, {n}], got shape {tuple(mask.shape)}")
+        raise ValueError(
+            f"subsets must be a mask [num_subsets, {n}], got shape {tuple(mask.shape)}"
+        )
     if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
         raise ValueError("subsets must be a 0/1 (or bool) mask")
     return mask.bool()
@@ -60,8 +64,10 @@ def lds(scores, subsets, subset_outputs) -> float:
         raise ValueError(f"scores must be [N_test, N_train], got shape {tuple(scores.shape)}")
     mask = _as_mask(subsets, scores.shape[1])
     if tuple(outputs.shape) != (mask.shape[0], scores.shape[0]):
-        raise ValueError(f"subset_outputs must be [num_subsets, N_test] = "
-                         f"[{mask.shape[0]}, {scores.shape[0]}], got {tuple(outputs.shape)}")
+        raise ValueError(
+            f"subset_outputs must be [num_subsets, N_test] = "
+            f"[{mask.shape[0]}, {scores.shape[0]}], got {tuple(outputs.shape)}"
+        )
     if not (bool(torch.isfinite(scores).all()) and bool(torch.isfinite(outputs).all())):
         raise ValueError("scores and subset_outputs must be finite")
     predicted = (mask.double() @ scores.T).numpy()
@@ -71,8 +77,12 @@ def lds(scores, subsets, subset_outputs) -> float:
         if np.ptp(a) > 0 and np.ptp(b) > 0:
             rhos.append(spearmanr(a, b).statistic)
     if len(rhos) < scores.shape[0]:
-        warnings.warn(f"{scores.shape[0] - len(rhos)} test examples have constant outputs or "
-                      "predictions over the subsets and were skipped", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"{scores.shape[0] - len(rhos)} test examples have constant outputs or "
+            "predictions over the subsets and were skipped",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     if not rhos:
         raise ValueError("every test example has constant outputs or predictions over the subsets")
     return float(np.mean(rhos))
@@ -81,6 +91,7 @@ def lds(scores, subsets, subset_outputs) -> float:
 @dataclass
 class SubsetModels:
     """Models trained on subsets: parameters stacked [S·seeds, ...] (subset-major) over one base."""
+
     base: nn.Module
     params: dict
     buffers: dict
@@ -99,10 +110,20 @@ class SubsetModels:
         return margins(self.outputs(x).double(), y).mean(1)
 
 
-def train_on_subsets(factory: Callable[[], nn.Module], x: torch.Tensor, y: torch.Tensor, subsets,
-                     *, seeds: int = 1, epochs: int = 60, batch_size: int = 64, lr: float = 3e-3,
-                     weight_decay: float = 1e-4, loss: str = "cross_entropy",
-                     chunk: int = 256) -> SubsetModels:
+def train_on_subsets(
+    factory: Callable[[], nn.Module],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    subsets,
+    *,
+    seeds: int = 1,
+    epochs: int = 60,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    weight_decay: float = 1e-4,
+    loss: str = "cross_entropy",
+    chunk: int = 256,
+) -> SubsetModels:
     """Train one model per (subset, seed) with Adam, all at once with `torch.func.vmap`.
 
     Model (s, r) is `factory()` built after `torch.manual_seed(r)` (the same initialisation for
@@ -120,11 +141,23 @@ def train_on_subsets(factory: Callable[[], nn.Module], x: torch.Tensor, y: torch
         raise ValueError(f"loss must be 'cross_entropy' or 'mse', got {loss!r}")
     if seeds < 1:
         raise ValueError(f"seeds must be a positive integer, got {seeds}")
-    members = torch.stack([torch.nonzero(row).squeeze(1) for row in mask])        # [S, m]
+    members = torch.stack([torch.nonzero(row).squeeze(1) for row in mask])  # [S, m]
     jobs = [(s, r) for s in range(len(members)) for r in range(seeds)]
-    trained = [_train_chunk(factory, x, y, members, jobs[i:i + chunk], epochs=epochs,
-                            batch_size=batch_size, lr=lr, weight_decay=weight_decay, loss=loss)
-               for i in range(0, len(jobs), chunk)]
+    trained = [
+        _train_chunk(
+            factory,
+            x,
+            y,
+            members,
+            jobs[i : i + chunk],
+            epochs=epochs,
+            batch_size=batch_size,
+            lr=lr,
+            weight_decay=weight_decay,
+            loss=loss,
+        )
+        for i in range(0, len(jobs), chunk)
+    ]
     params = {k: torch.cat([t[0][k] for t in trained]) for k in trained[0][0]}
     buffers = {k: torch.cat([t[1][k] for t in trained]) for k in trained[0][1]}
     base = copy.deepcopy(trained[0][2])
@@ -147,14 +180,19 @@ def _train_chunk(factory, x, y, members, jobs, *, epochs, batch_size, lr, weight
     call = lambda p, b, xb: functional_call(base, (p, b), (xb,))  # noqa: E731
     for _ in range(epochs):
         orders = {r: torch.randperm(m, generator=g) for r, g in gens.items()}
-        order = torch.stack([orders[r] for r in seed_of])                               # [K, m]
+        order = torch.stack([orders[r] for r in seed_of])  # [K, m]
         for start in range(0, m, batch_size):
-            idx = members[rows[:, None], order[:, start:start + batch_size]]             # [K, B]
+            idx = members[rows[:, None], order[:, start : start + batch_size]]  # [K, B]
             out = torch.vmap(call, randomness="different")(params, buffers, x[idx])
             target = y[idx]
             if loss == "cross_entropy":
-                per_model = nn.functional.cross_entropy(out.flatten(0, 1), target.flatten(),
-                                                        reduction="none").view(idx.shape).mean(1)
+                per_model = (
+                    nn.functional.cross_entropy(
+                        out.flatten(0, 1), target.flatten(), reduction="none"
+                    )
+                    .view(idx.shape)
+                    .mean(1)
+                )
             else:
                 diff = out - target.reshape(out.shape)
                 per_model = diff.pow(2).flatten(1).mean(1)
@@ -172,7 +210,7 @@ def flip_labels(y: torch.Tensor, fraction: float, num_classes: int, *, seed: int
     gen = torch.Generator().manual_seed(seed)
     n = len(y)
     flipped = torch.zeros(n, dtype=torch.bool)
-    flipped[torch.randperm(n, generator=gen)[:max(1, math.floor(fraction * n))]] = True
+    flipped[torch.randperm(n, generator=gen)[: max(1, math.floor(fraction * n))]] = True
     shift = torch.randint(1, num_classes, (n,), generator=gen)
     noisy = torch.where(flipped, (y + shift) % num_classes, y)
     return noisy, flipped

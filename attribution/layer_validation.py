@@ -12,9 +12,10 @@ Two ablations per layer (or group of layers, as in `layer_importance`):
 `agreement` gives the Spearman correlation between every score and every ground truth.
 Everything runs functionally on copies of the parameters: the model itself is never modified.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from scipy.stats import spearmanr
@@ -23,12 +24,14 @@ from torch import nn
 from ntk.core import inputs
 from ntk.core.model import ModelView
 
-from .layers import Group, SCORES, layer_groups, redraw, sample_losses
+from .layers import SCORES, Group, layer_groups, redraw, sample_losses
 
 TRUTHS = ("loss_increase", "accuracy_drop", "finetune_gain")
 
 
-def _evaluate(view: ModelView, params: dict, x, y: torch.Tensor, block: int = 1024) -> tuple[float, Optional[float]]:
+def _evaluate(
+    view: ModelView, params: dict, x, y: torch.Tensor, block: int = 1024
+) -> tuple[float, float | None]:
     """Mean loss and accuracy (None for real-valued targets) on (x, y)."""
     loss, correct, n = 0.0, 0, inputs.count(x)
     with torch.no_grad():
@@ -41,9 +44,15 @@ def _evaluate(view: ModelView, params: dict, x, y: torch.Tensor, block: int = 10
     return loss / n, None if y.is_floating_point() else correct / n
 
 
-def reinit_damage(model: nn.Module, x, y, *, group: Group = None,
-                  seeds: Iterable[int] = (100, 101, 102),
-                  output_fn: Optional[Callable] = None) -> dict[str, dict]:
+def reinit_damage(
+    model: nn.Module,
+    x,
+    y,
+    *,
+    group: Group = None,
+    seeds: Iterable[int] = (100, 101, 102),
+    output_fn: Callable | None = None,
+) -> dict[str, dict]:
     """{row: {"loss_increase", "accuracy_drop"}}: mean over `seeds` of the change in loss and
     accuracy on (x, y) when the row's parameters alone are redrawn by their modules'
     initialisers (parameters of other layers keep their values)."""
@@ -62,14 +71,27 @@ def reinit_damage(model: nn.Module, x, y, *, group: Group = None,
             loss, acc = _evaluate(view, params, x, y)
             losses.append(loss - base_loss)
             accs.append(None if acc is None else base_acc - acc)
-        result[row] = {"loss_increase": sum(losses) / len(losses),
-                       "accuracy_drop": None if base_acc is None else sum(accs) / len(accs)}
+        result[row] = {
+            "loss_increase": sum(losses) / len(losses),
+            "accuracy_drop": None if base_acc is None else sum(accs) / len(accs),
+        }
     return result
 
 
-def finetune_gain(model: nn.Module, x_train, y_train, x_test, y_test, *, group: Group = None,
-                  steps: int = 100, lr: float = 1e-3, batch_size: int = 64, seed: int = 0,
-                  output_fn: Optional[Callable] = None) -> dict[str, dict]:
+def finetune_gain(
+    model: nn.Module,
+    x_train,
+    y_train,
+    x_test,
+    y_test,
+    *,
+    group: Group = None,
+    steps: int = 100,
+    lr: float = 1e-3,
+    batch_size: int = 64,
+    seed: int = 0,
+    output_fn: Callable | None = None,
+) -> dict[str, dict]:
     """{row: {"finetune_gain"}}: held-out loss with every parameter frozen minus held-out loss
     after `steps` Adam steps on (x_train, y_train) that update the row's parameters only."""
     view = ModelView(model, output_fn=output_fn)
@@ -83,10 +105,11 @@ def finetune_gain(model: nn.Module, x_train, y_train, x_test, y_test, *, group: 
         trained = {p: view.params[p].clone().requires_grad_(True) for p in names}
         opt = torch.optim.Adam(trained.values(), lr=lr)
         generator = torch.Generator().manual_seed(seed)
-        order = torch.cat([torch.randperm(n, generator=generator)
-                           for _ in range(steps * batch_size // n + 1)])
+        order = torch.cat(
+            [torch.randperm(n, generator=generator) for _ in range(steps * batch_size // n + 1)]
+        )
         for step in range(steps):
-            idx = order[step * batch_size:(step + 1) * batch_size].to(view.device)
+            idx = order[step * batch_size : (step + 1) * batch_size].to(view.device)
             out = view.forward({**view.params, **trained}, inputs.take(x_train, idx))
             opt.zero_grad()
             sample_losses(out, y_train[idx]).mean().backward()
@@ -96,8 +119,13 @@ def finetune_gain(model: nn.Module, x_train, y_train, x_test, y_test, *, group: 
     return result
 
 
-def agreement(rows: Sequence[dict], truths: dict[str, dict], *, scores: Sequence[str] = SCORES,
-              measures: Sequence[str] = TRUTHS) -> dict[str, dict[str, Optional[float]]]:
+def agreement(
+    rows: Sequence[dict],
+    truths: dict[str, dict],
+    *,
+    scores: Sequence[str] = SCORES,
+    measures: Sequence[str] = TRUTHS,
+) -> dict[str, dict[str, float | None]]:
     """{score: {measure: Spearman ρ}} between the rows' scores (from `layer_importance`) and the
     ground truths (merged dicts from `reinit_damage` / `finetune_gain`), over the rows where both
     are defined (block influence: residual blocks only); None with fewer than 3 such rows or a

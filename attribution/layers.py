@@ -4,11 +4,13 @@ The eNTK splits exactly over the modules that own trainable parameters, Θ = Σ_
 Θ_l = J_l J_lᵀ (J_l the Jacobian with respect to layer l's own parameters), so each layer, or
 group of layers G with Θ_G = Σ_{l∈G} Θ_l, gets scores from its own kernel component:
 
-- ``share``           tr(Θ_l) / tr(Θ), the layer's part of the kernel's trace (raw ``trace`` alongside);
+- ``share``           tr(Θ_l) / tr(Θ), the layer's part of the kernel's trace (raw ``trace``
+  alongside);
 - ``alignment``       Pearson correlation of Θ_l's entries with the ±1 label-agreement matrix, the
                       layer's own Label-Gradient Alignment (Mok et al., CVPR 2022); needs labels;
 - ``top_eigenvalue``  λ_max(Θ_l);
-- ``sensitivity``     tr(Θ_l)·E‖θ_l' − θ_l‖²/P_l, the eNTK's first-order estimate of the mean squared
+- ``sensitivity``     tr(Θ_l)·E‖θ_l' − θ_l‖²/P_l, the eNTK's first-order estimate of the mean
+  squared
                       output change when the layer's P_l parameters θ_l are redrawn as θ_l' by their
                       initialiser (E‖J_l Δ‖² = tr(Θ_l E[ΔΔᵀ]), with E[ΔΔᵀ] taken as isotropic;
                       three draws of the modules' `reset_parameters()`, zeros where a module has none);
@@ -28,10 +30,11 @@ best the loss increase when a layer is re-initialised (see benchmarks/README.md)
 ``share`` ignores how far the layer's weights sit from where a re-draw would put them, so it misses
 embeddings (large weights, sparse gradients) and overrates LayerNorms (weights ≈ their init).
 """
+
 from __future__ import annotations
 
 import copy
-from typing import Callable, Optional, Union
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -49,10 +52,11 @@ BASELINES = ("param_norm", "grad_norm", "fisher", "block_influence")
 SCORES = NTK_SCORES + BASELINES
 DEFAULT_SCORE = "sensitivity"
 DRAWS = 3
-Group = Union[None, str, int]
+Group = None | str | int
 
 
 # -- layers and groups --------------------------------------------------------------------------
+
 
 def _group_key(layer: str, group: Group) -> str:
     parts = layer.split(".") if layer else []
@@ -61,7 +65,7 @@ def _group_key(layer: str, group: Group) -> str:
     if group == "blocks":
         for i, part in enumerate(parts):
             if part.isdigit():
-                return ".".join(parts[:i + 1])
+                return ".".join(parts[: i + 1])
         return layer
     return ".".join(parts[:group])
 
@@ -71,8 +75,10 @@ def check_group(group: Group) -> Group:
         return group
     if isinstance(group, int) and not isinstance(group, bool) and group >= 1:
         return group
-    raise ValueError(f"group must be None (one row per layer), 'blocks' (up to the first numbered "
-                     f"name component, e.g. 'blocks.3') or a positive name depth, got {group!r}")
+    raise ValueError(
+        f"group must be None (one row per layer), 'blocks' (up to the first numbered "
+        f"name component, e.g. 'blocks.3') or a positive name depth, got {group!r}"
+    )
 
 
 def layer_groups(model: nn.Module, group: Group = None) -> dict[str, list[str]]:
@@ -109,12 +115,15 @@ def _displacement(model: nn.Module, view: ModelView, layer: str) -> float:
     total = 0.0
     for seed in range(DRAWS):
         fresh = redraw(model, layer, seed)
-        total += sum(float(((fresh[p].to(view.params[p]) - view.params[p]).double() ** 2).sum())
-                     for p in view.layers[layer])
+        total += sum(
+            float(((fresh[p].to(view.params[p]) - view.params[p]).double() ** 2).sum())
+            for p in view.layers[layer]
+        )
     return total / DRAWS / view.layer_size(layer)
 
 
 # -- losses and gradients ---------------------------------------------------------------------
+
 
 def sample_losses(outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Per-sample loss: cross-entropy for integer class labels, squared error for real targets."""
@@ -133,20 +142,27 @@ def check_labels(y, n: int) -> torch.Tensor:
 def _check_targets(view: ModelView, x, y: torch.Tensor) -> None:
     """Labels must index the model's outputs; real targets must have one value per output."""
     with torch.no_grad():
-        outputs = view.forward(view.params, inputs.convert(inputs.take(x, slice(0, 1)),
-                                                            view.device, None)).shape[1]
+        outputs = view.forward(
+            view.params, inputs.convert(inputs.take(x, slice(0, 1)), view.device, None)
+        ).shape[1]
     if not y.is_floating_point():
         if int(y.min()) < 0 or int(y.max()) >= outputs:
-            raise ValueError(f"class labels must lie in 0..{outputs - 1} for a model with {outputs} "
-                             f"outputs, got labels {int(y.min())}..{int(y.max())}")
+            raise ValueError(
+                f"class labels must lie in 0..{outputs - 1} for a model with {outputs} "
+                f"outputs, got labels {int(y.min())}..{int(y.max())}"
+            )
     elif y[0].numel() != outputs:
-        raise ValueError(f"real-valued targets need {outputs} value(s) per sample (one per model "
-                         f"output), got {y[0].numel()}")
+        raise ValueError(
+            f"real-valued targets need {outputs} value(s) per sample (one per model "
+            f"output), got {y[0].numel()}"
+        )
 
 
-def _gradient_stats(view: ModelView, x, y: torch.Tensor, groups: dict[str, list[str]],
-                    block: int) -> dict[str, tuple[float, float]]:
+def _gradient_stats(
+    view: ModelView, x, y: torch.Tensor, groups: dict[str, list[str]], block: int
+) -> dict[str, tuple[float, float]]:
     """Per group: (‖mean-loss gradient‖, mean squared per-sample gradient norm)."""
+
     def loss_one(params, xi, yi):
         out = view.forward(params, inputs.unsqueeze(xi))
         return sample_losses(out, yi.unsqueeze(0))[0]
@@ -169,7 +185,9 @@ def _gradient_stats(view: ModelView, x, y: torch.Tensor, groups: dict[str, list[
     return stats
 
 
-def _block_influence(model: nn.Module, x, groups: dict[str, list[str]], block: int) -> dict[str, Optional[float]]:
+def _block_influence(
+    model: nn.Module, x, groups: dict[str, list[str]], block: int
+) -> dict[str, float | None]:
     """1 − cos(flattened input, flattened output) per sample, averaged, for every row module
     whose (first) input and output are tensors of the same shape; None for the others.
     Hooks go on a copy, so the user's model is untouched."""
@@ -177,12 +195,21 @@ def _block_influence(model: nn.Module, x, groups: dict[str, list[str]], block: i
     sums: dict[str, list[float]] = {row: [0.0, 0] for row in groups}
     handles = []
     for row in groups:
+
         def hook(module, args, output, row=row):
-            if (args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor)
-                    and args[0].shape == output.shape and output.is_floating_point()):
-                cos = F.cosine_similarity(args[0].flatten(1).double(), output.flatten(1).double(), dim=1)
+            if (
+                args
+                and isinstance(args[0], torch.Tensor)
+                and isinstance(output, torch.Tensor)
+                and args[0].shape == output.shape
+                and output.is_floating_point()
+            ):
+                cos = F.cosine_similarity(
+                    args[0].flatten(1).double(), output.flatten(1).double(), dim=1
+                )
                 sums[row][0] += float((1 - cos).sum())
                 sums[row][1] += cos.numel()
+
         handles.append(twin.get_submodule(row).register_forward_hook(hook))
     with torch.no_grad():
         for start in range(0, inputs.count(x), block):
@@ -195,6 +222,7 @@ def _block_influence(model: nn.Module, x, groups: dict[str, list[str]], block: i
 
 # -- the scores -----------------------------------------------------------------------------------
 
+
 def _labels_kernel(k: torch.Tensor) -> torch.Tensor:
     """An [N, N] kernel for label alignment: the trace over outputs of `full`/`diagonal` kernels."""
     if k.dim() == 4:
@@ -204,15 +232,26 @@ def _labels_kernel(k: torch.Tensor) -> torch.Tensor:
     return k
 
 
-def layer_importance(model: nn.Module, x, y=None, *, score: str = DEFAULT_SCORE, kind: str = "trace",
-                     group: Group = None, projection_dim: Optional[int] = None,
-                     batch_size: Optional[int] = None, device=None,
-                     output_fn: Optional[Callable] = None, progress: bool = False) -> list[dict]:
+def layer_importance(
+    model: nn.Module,
+    x,
+    y=None,
+    *,
+    score: str = DEFAULT_SCORE,
+    kind: str = "trace",
+    group: Group = None,
+    projection_dim: int | None = None,
+    batch_size: int | None = None,
+    device=None,
+    output_fn: Callable | None = None,
+    progress: bool = False,
+) -> list[dict]:
     """Score every layer (module owning trainable parameters) or group of layers of `model` on
     the samples `x` (labels `y` optional) and rank them, most important first.
 
     Returns one dict per row: ``layer``, ``type`` (module class), ``params`` (count), the scores
-    ``sensitivity``, ``share``, ``trace``, ``alignment``, ``top_eigenvalue``, ``param_norm``, ``grad_norm``,
+    ``sensitivity``, ``share``, ``trace``, ``alignment``, ``top_eigenvalue``, ``param_norm``,
+    ``grad_norm``,
     ``fisher``, ``block_influence`` (None where undefined: label scores without `y`, block
     influence outside residual blocks), and ``rank`` (1 = highest `score`; None, and listed
     last, where `score` is undefined).
@@ -233,8 +272,14 @@ def layer_importance(model: nn.Module, x, y=None, *, score: str = DEFAULT_SCORE,
     view = ModelView(model, output_fn=output_fn, device=device)
     if y is not None:
         _check_targets(view, x, y)
-    common = dict(kind=kind, layers="all", batch_size=batch_size, device=device,
-                  output_fn=output_fn, progress=progress)
+    common = dict(
+        kind=kind,
+        layers="all",
+        batch_size=batch_size,
+        device=device,
+        output_fn=output_fn,
+        progress=progress,
+    )
     if projection_dim is None:
         parts = ntk.empirical_ntk(model, x, **common)
     else:
@@ -242,39 +287,51 @@ def layer_importance(model: nn.Module, x, y=None, *, score: str = DEFAULT_SCORE,
     kernels = {row: sum(parts[layer] for layer in layers) for row, layers in groups.items()}
     traces = {row: float(as_matrix(k).diagonal().sum()) for row, k in kernels.items()}
     total = sum(traces.values())
-    sensitivity = {row: sum(float(as_matrix(parts[layer]).diagonal().sum())
-                            * _displacement(model, view, layer) for layer in layers) / n
-                   for row, layers in groups.items()}
+    sensitivity = {
+        row: sum(
+            float(as_matrix(parts[layer]).diagonal().sum()) * _displacement(model, view, layer)
+            for layer in layers
+        )
+        / n
+        for row, layers in groups.items()
+    }
     xd = inputs.convert(x, view.device, None)
     block = batch_size or 256
     grads = None
     if y is not None:
         grads = _gradient_stats(view, xd, y.to(view.device), groups, block)
-    influence = (_block_influence(model, xd, groups, block) if group is not None
-                 else dict.fromkeys(groups))
+    influence = (
+        _block_influence(model, xd, groups, block) if group is not None else dict.fromkeys(groups)
+    )
     modules = dict(model.named_modules())
     rows = []
     for row, layers in groups.items():
         names = [p for layer in layers for p in view.layers[layer]]
         k = kernels[row]
-        rows.append({
-            "layer": row,
-            "type": type(modules[row]).__name__,
-            "params": sum(view.params[p].numel() for p in names),
-            "sensitivity": sensitivity[row],
-            "share": traces[row] / total if total > 0 else 0.0,
-            "trace": traces[row],
-            "alignment": None if y is None else ntk.kernel_alignment(_labels_kernel(k), y.cpu(),
-                                                                     centering="mean"),
-            "top_eigenvalue": float(ntk.eigenvalues(k)[0]),
-            "param_norm": sum(float((view.params[p].double() ** 2).sum()) for p in names) ** 0.5,
-            "grad_norm": None if grads is None else grads[row][0],
-            "fisher": None if grads is None else grads[row][1],
-            "block_influence": influence[row],
-        })
+        rows.append(
+            {
+                "layer": row,
+                "type": type(modules[row]).__name__,
+                "params": sum(view.params[p].numel() for p in names),
+                "sensitivity": sensitivity[row],
+                "share": traces[row] / total if total > 0 else 0.0,
+                "trace": traces[row],
+                "alignment": None
+                if y is None
+                else ntk.kernel_alignment(_labels_kernel(k), y.cpu(), centering="mean"),
+                "top_eigenvalue": float(ntk.eigenvalues(k)[0]),
+                "param_norm": sum(float((view.params[p].double() ** 2).sum()) for p in names)
+                ** 0.5,
+                "grad_norm": None if grads is None else grads[row][0],
+                "fisher": None if grads is None else grads[row][1],
+                "block_influence": influence[row],
+            }
+        )
     if all(r[score] is None for r in rows):
-        raise ValueError(f"score {score!r} is undefined for every row (block influence needs "
-                         "group='blocks' and blocks whose output has their input's shape)")
+        raise ValueError(
+            f"score {score!r} is undefined for every row (block influence needs "
+            "group='blocks' and blocks whose output has their input's shape)"
+        )
     rows.sort(key=lambda r: (r[score] is None, -(r[score] or 0.0)))
     for rank, r in enumerate(rows, 1):
         r["rank"] = rank if r[score] is not None else None

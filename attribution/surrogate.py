@@ -8,10 +8,10 @@ surrogate-model view of Engel et al. (ICLR 2024, "Faithful and efficient explana
 networks via neural tangent kernel surrogate models"), with scikit-learn's machines on
 precomputed kernels and the regularisation chosen by cross-validation.
 """
+
 from __future__ import annotations
 
 import warnings
-from typing import Optional
 
 import numpy as np
 import scipy.linalg
@@ -53,10 +53,20 @@ class KernelSurrogate(BaseEstimator):
     the best projected one (svm and logistic fit labels, not outputs, and follow it less).
     """
 
-    def __init__(self, model: Optional[nn.Module] = None, *, kind: str = "trace",
-                 machine: str = "ridge", normalize: bool = False,
-                 projection_dim: Optional[int] = None, alpha: Optional[float] = None, cv: int = 3,
-                 seed: int = 0, batch_size: Optional[int] = None, device=None):
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        *,
+        kind: str = "trace",
+        machine: str = "ridge",
+        normalize: bool = False,
+        projection_dim: int | None = None,
+        alpha: float | None = None,
+        cv: int = 3,
+        seed: int = 0,
+        batch_size: int | None = None,
+        device=None,
+    ):
         self.model = model
         self.kind = kind
         self.machine = machine
@@ -77,17 +87,25 @@ class KernelSurrogate(BaseEstimator):
         if self.machine not in MACHINES:
             raise ValueError(f"machine must be one of {', '.join(MACHINES)}, got {self.machine!r}")
         if self.kind == "full" and (self.machine != "ridge" or self.normalize):
-            raise ValueError("kind='full' (a multi-output kernel) works with machine='ridge' and "
-                             "normalize=False only")
+            raise ValueError(
+                "kind='full' (a multi-output kernel) works with machine='ridge' and "
+                "normalize=False only"
+            )
         if self.alpha is not None and not self.alpha > 0:
             raise ValueError(f"alpha must be positive or None, got {self.alpha!r}")
 
     def _opts(self) -> dict:
-        return dict(kind=self.kind, dim=self.projection_dim, seed=self.seed,
-                    batch_size=self.batch_size, device=self.device)
+        return dict(
+            kind=self.kind,
+            dim=self.projection_dim,
+            seed=self.seed,
+            batch_size=self.batch_size,
+            device=self.device,
+        )
 
     def _as_matrix(self, k: torch.Tensor) -> np.ndarray:
-        """Scale to the training kernel's unit mean diagonal; `full` [N1, N2, O, O] → [N1·O, N2·O]."""
+        """Scale to the training kernel's unit mean diagonal; `full` [N1, N2, O, O] → [N1·O,
+        N2·O]."""
         if self.kind == "full":
             n1, n2, o = k.shape[:3]
             k = k.permute(0, 2, 1, 3).reshape(n1 * o, n2 * o)
@@ -97,11 +115,13 @@ class KernelSurrogate(BaseEstimator):
         check_is_fitted(self, "dual_")
         k = _kernels.compute(self.model, x, self.x_train_, **self._opts())
         if self.normalize:
-            k = _kernels.cosine(k, _kernels.self_similarity(self.model, x, **self._opts()), self.diag_)
+            k = _kernels.cosine(
+                k, _kernels.self_similarity(self.model, x, **self._opts()), self.diag_
+            )
         return self._as_matrix(k)
 
     # -- fitting ---------------------------------------------------------------------------------
-    def fit(self, x_train, y=None) -> "KernelSurrogate":
+    def fit(self, x_train, y=None) -> KernelSurrogate:
         """Fit the machine to the network's outputs (y=None: its logits for ridge, its predicted
         labels for svm and logistic) or to class labels y."""
         self._check_params()
@@ -133,19 +153,27 @@ class KernelSurrogate(BaseEstimator):
             if self.kind == "full":
                 targets, groups = targets.reshape(-1), np.repeat(np.arange(n), o)
             estimator, grid = KernelRidge(kernel="precomputed"), {"alpha": GRID}
-            cv = GroupKFold(self.cv) if groups is not None else KFold(self.cv, shuffle=True,
-                                                                      random_state=self.seed)
+            cv = (
+                GroupKFold(self.cv)
+                if groups is not None
+                else KFold(self.cv, shuffle=True, random_state=self.seed)
+            )
         elif self.machine == "svm":
-            estimator, grid = SVC(kernel="precomputed", decision_function_shape="ovo"), {"C": 1 / GRID}
+            estimator, grid = (
+                SVC(kernel="precomputed", decision_function_shape="ovo"),
+                {"C": 1 / GRID},
+            )
             cv = self.cv
         else:
             estimator, grid = LogisticRegression(max_iter=2000), {"C": 1 / GRID}
             cv = self.cv
-        (name, _), = grid.items()
+        ((name, _),) = grid.items()
         if self.alpha is None:
-            with warnings.catch_warnings():       # regularisations too weak for a fold score badly
+            with warnings.catch_warnings():  # regularisations too weak for a fold score badly
                 warnings.simplefilter("ignore")
-                search = GridSearchCV(estimator, grid, cv=cv, refit=False).fit(k, targets, groups=groups)
+                search = GridSearchCV(estimator, grid, cv=cv, refit=False).fit(
+                    k, targets, groups=groups
+                )
             value = search.best_params_[name]
         else:
             value = self.alpha if self.machine == "ridge" else 1 / self.alpha
@@ -155,10 +183,16 @@ class KernelSurrogate(BaseEstimator):
             warnings.simplefilter("always")
             fitted.fit(k, targets)
         for w in caught:
-            if issubclass(w.category, scipy.linalg.LinAlgWarning) or "Singular matrix" in str(w.message):
-                warnings.warn(f"the training kernel is ill-conditioned for alpha={self.alpha_:.3g} "
-                              f"({w.message}); the surrogate and its attributions may be unstable: "
-                              "pass a larger alpha or normalize=True", RuntimeWarning, stacklevel=3)
+            if issubclass(w.category, scipy.linalg.LinAlgWarning) or "Singular matrix" in str(
+                w.message
+            ):
+                warnings.warn(
+                    f"the training kernel is ill-conditioned for alpha={self.alpha_:.3g} "
+                    f"({w.message}); the surrogate and its attributions may be unstable: "
+                    "pass a larger alpha or normalize=True",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
                 break
         else:
             for w in caught:
@@ -178,7 +212,8 @@ class KernelSurrogate(BaseEstimator):
 
     # -- prediction and attribution -------------------------------------------------------------
     def decision_function(self, x) -> np.ndarray:
-        """d(x) [N, C]: logits (ridge on outputs), class scores (svm) or class log-odds (logistic)."""
+        """d(x) [N, C]: logits (ridge on outputs), class scores (svm) or class log-odds
+        (logistic)."""
         return self._decision(self._test_kernel(x))
 
     def _decision(self, k: np.ndarray) -> np.ndarray:
@@ -238,25 +273,33 @@ class KernelSurrogate(BaseEstimator):
         k = self._test_kernel(x_test)
         d = self._decision(k)
         pred_net = g.argmax(1)
-        pred_sur = self.classes_[d.argmax(1)] if self.machine == "ridge" else self.machine_.predict(k)
+        pred_sur = (
+            self.classes_[d.argmax(1)] if self.machine == "ridge" else self.machine_.predict(k)
+        )
         result = {"label_agreement": float(np.mean(pred_net == pred_sur))}
         rows = np.arange(len(g))
         if d.shape[1] == g.shape[1]:
             p_net = torch.as_tensor(g).softmax(1).numpy()[rows, pred_net]
             p_sur = torch.as_tensor(d).softmax(1).numpy()[rows, pred_net]
             gc, dc = (g - g.mean(1, keepdims=True)).ravel(), (d - d.mean(1, keepdims=True)).ravel()
-            result.update(tau_prob=float(kendalltau(p_net, p_sur).statistic),
-                          spearman_prob=float(spearmanr(p_net, p_sur).statistic),
-                          tau_logits=float(kendalltau(gc, dc).statistic),
-                          spearman_logits=float(spearmanr(gc, dc).statistic),
-                          r2_logits=float(r2_score(gc, dc)))
+            result.update(
+                tau_prob=float(kendalltau(p_net, p_sur).statistic),
+                spearman_prob=float(spearmanr(p_net, p_sur).statistic),
+                tau_logits=float(kendalltau(gc, dc).statistic),
+                spearman_logits=float(spearmanr(gc, dc).statistic),
+                r2_logits=float(r2_score(gc, dc)),
+            )
         if y_test is not None:
             y = labels(y_test, len(g), g.shape[1], "y_test").numpy()
             acc_net, acc_sur = float(np.mean(pred_net == y)), float(np.mean(pred_sur == y))
-            result.update(accuracy_net=acc_net, accuracy_surrogate=acc_sur,
-                          accuracy_gap=acc_net - acc_sur,
-                          misclassified_jaccard=float(jaccard_score(pred_net != y, pred_sur != y,
-                                                                    zero_division=1.0)))
+            result.update(
+                accuracy_net=acc_net,
+                accuracy_surrogate=acc_sur,
+                accuracy_gap=acc_net - acc_sur,
+                misclassified_jaccard=float(
+                    jaccard_score(pred_net != y, pred_sur != y, zero_division=1.0)
+                ),
+            )
         return result
 
 

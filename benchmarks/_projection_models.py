@@ -1,5 +1,6 @@
 """Models and data shared by the projection benchmarks: the MLP 784-512-512-10 and a small CNN
 on scikit-learn's digits upsampled to 28 × 28 (bundled, no download), fixed seeds."""
+
 from __future__ import annotations
 
 import torch
@@ -11,15 +12,28 @@ from ntk import demo
 
 def mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512),
-                         nn.ReLU(), nn.Linear(512, 10)).eval()
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(784, 512),
+        nn.ReLU(),
+        nn.Linear(512, 512),
+        nn.ReLU(),
+        nn.Linear(512, 10),
+    ).eval()
 
 
 def cnn() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Flatten(), nn.Linear(32 * 7 * 7, 10)).eval()
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 7 * 7, 10),
+    ).eval()
 
 
 MODELS = {"mlp": mlp, "cnn": cnn}

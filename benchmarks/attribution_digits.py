@@ -14,6 +14,7 @@ Network: the demo MLP 64-64-10 (Adam, 60 epochs), 1000 training / 500 test image
 
 Run: python benchmarks/attribution_digits.py [--seeds 2] [--quick]. traker (a peer, `peers` extra).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,16 @@ import numpy as np
 import torch
 from scipy.stats import spearmanr
 
-from attribution import (KernelSurrogate, flip_labels, influence, lds, mislabel_auc,
-                         random_subsets, train_on_subsets, trak)
+from attribution import (
+    KernelSurrogate,
+    flip_labels,
+    influence,
+    lds,
+    mislabel_auc,
+    random_subsets,
+    train_on_subsets,
+    trak,
+)
 from attribution._outputs import margins
 from attribution.evaluation import SubsetModels
 from ntk import demo
@@ -58,25 +67,42 @@ def traker_scores(models, x, y, xt, yt, *, proj_dim):
     """The traker package's TRAKer (CPU, BasicProjector, float32), scores [N_test, N_train]."""
     from trak import TRAKer
     from trak.projectors import BasicProjector, ProjectionType
+
     net = copy.deepcopy(models[0])
     grad_dim = sum(p.numel() for p in net.parameters())
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        projector = BasicProjector(grad_dim=grad_dim, proj_dim=proj_dim, seed=0,
-                                   proj_type=ProjectionType.rademacher, device="cpu")
-        tr = TRAKer(model=net, task="image_classification", train_set_size=len(x), save_dir=tmp,
-                    device="cpu", projector=projector, proj_dim=proj_dim,
-                    use_half_precision=False, logging_level=40)
+        projector = BasicProjector(
+            grad_dim=grad_dim,
+            proj_dim=proj_dim,
+            seed=0,
+            proj_type=ProjectionType.rademacher,
+            device="cpu",
+        )
+        tr = TRAKer(
+            model=net,
+            task="image_classification",
+            train_set_size=len(x),
+            save_dir=tmp,
+            device="cpu",
+            projector=projector,
+            proj_dim=proj_dim,
+            use_half_precision=False,
+            logging_level=40,
+        )
         for i, m in enumerate(models):
             tr.load_checkpoint(m.state_dict(), model_id=i)
             for s in range(0, len(x), 250):
-                tr.featurize(batch=(x[s:s + 250], y[s:s + 250]), num_samples=len(x[s:s + 250]))
+                tr.featurize(
+                    batch=(x[s : s + 250], y[s : s + 250]), num_samples=len(x[s : s + 250])
+                )
         tr.finalize_features()
         for i, m in enumerate(models):
-            tr.start_scoring_checkpoint(exp_name="bench", checkpoint=m.state_dict(), model_id=i,
-                                        num_targets=len(xt))
+            tr.start_scoring_checkpoint(
+                exp_name="bench", checkpoint=m.state_dict(), model_id=i, num_targets=len(xt)
+            )
             for s in range(0, len(xt), 250):
-                tr.score(batch=(xt[s:s + 250], yt[s:s + 250]), num_samples=len(xt[s:s + 250]))
+                tr.score(batch=(xt[s : s + 250], yt[s : s + 250]), num_samples=len(xt[s : s + 250]))
         scores = tr.finalize_scores(exp_name="bench")
     return torch.as_tensor(np.asarray(scores)).T.double()
 
@@ -86,32 +112,43 @@ def main():
     parser.add_argument("--seeds", type=int, default=2, help="retraining seeds per subset")
     parser.add_argument("--subsets", type=int, default=100)
     parser.add_argument("--quick", action="store_true", help="skip the full-kernel surrogates")
-    parser.add_argument("--sections", default="faithfulness,lds,mislabel",
-                        help="comma-separated subset of faithfulness,lds,mislabel")
+    parser.add_argument(
+        "--sections",
+        default="faithfulness,lds,mislabel",
+        help="comma-separated subset of faithfulness,lds,mislabel",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     data = demo.digits(n_train=N_TRAIN)
     x, y, xt, yt = data.x_train, data.y_train, data.x_test[:N_TEST], data.y_test[:N_TEST]
-    print(f"# attribution on digits — {platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    print(
+        f"# attribution on digits — {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
+    )
 
     # -- models: the network, 20 independently seeded copies, and the retraining harness -------
     everything = torch.ones(1, N_TRAIN, dtype=torch.bool)
     (copies, t_copies) = timed(train_on_subsets, demo.mlp, x, y, everything, seeds=20, **RECIPE)
     nets = models_of(copies, 20)
     model = nets[0]
-    print(f"network: MLP 64-64-10, test accuracy {demo.accuracy(model, xt, yt):.3f} "
-          f"(20 seeds trained in {t_copies:.0f} s, vmapped)")
+    print(
+        f"network: MLP 64-64-10, test accuracy {demo.accuracy(model, xt, yt):.3f} "
+        f"(20 seeds trained in {t_copies:.0f} s, vmapped)"
+    )
     subsets = random_subsets(N_TRAIN, args.subsets, 0.5, seed=0)
     stack, t_h = timed(train_on_subsets, demo.mlp, x, y, subsets, seeds=args.seeds, **RECIPE)
     target = stack.margins(xt, yt)
-    print(f"harness: {args.subsets} half-subsets × {args.seeds} seeds retrained in {t_h:.0f} s; "
-          f"subset-model test accuracy {(stack.outputs(xt).argmax(-1) == yt).float().mean():.3f}")
+    print(
+        f"harness: {args.subsets} half-subsets × {args.seeds} seeds retrained in {t_h:.0f} s; "
+        f"subset-model test accuracy {(stack.outputs(xt).argmax(-1) == yt).float().mean():.3f}"
+    )
     if args.seeds >= 2:
         a, b = (margins(stack.outputs(xt)[:, r].double(), yt) for r in (0, 1))
         noise = np.mean([spearmanr(a[:, z], b[:, z]).statistic for z in range(N_TEST)])
-        print(f"training noise: Spearman between two seeds' margins over subsets {noise:.3f} "
-              f"(an LDS against the {args.seeds}-seed mean can exceed it)")
+        print(
+            f"training noise: Spearman between two seeds' margins over subsets {noise:.3f} "
+            f"(an LDS against the {args.seeds}-seed mean can exceed it)"
+        )
 
     sections = set(args.sections.split(","))
     # -- 1. faithfulness -------------------------------------------------------------------------
@@ -125,47 +162,82 @@ def main():
 
 def faithfulness(args, model, x, y, xt, yt):
     print("\n## Surrogate faithfulness (500 test images)\n")
-    print(f"{'protocol':<8} {'kind':<16} {'machine':<9} {'k':>5} {'τ prob':>7} {'τ logits':>8} "
-          f"{'R² logits':>9} {'agree':>6} {'acc gap':>8} {'α (CV)':>8} {'time s':>7}")
-    configs = [("outputs", kind, False, "ridge", dim) for kind in ("trace", "sum_logits", "full")
-               for dim in (None, 1024)]
+    print(
+        f"{'protocol':<8} {'kind':<16} {'machine':<9} {'k':>5} {'τ prob':>7} {'τ logits':>8} "
+        f"{'R² logits':>9} {'agree':>6} {'acc gap':>8} {'α (CV)':>8} {'time s':>7}"
+    )
+    configs = [
+        ("outputs", kind, False, "ridge", dim)
+        for kind in ("trace", "sum_logits", "full")
+        for dim in (None, 1024)
+    ]
     configs += [("outputs", "trace", True, "ridge", None)]
-    configs += [("labels", "trace", norm, machine, None) for machine in ("ridge", "logistic", "svm")
-                for norm in (False, True)]
+    configs += [
+        ("labels", "trace", norm, machine, None)
+        for machine in ("ridge", "logistic", "svm")
+        for norm in (False, True)
+    ]
     for protocol, kind, norm, machine, dim in configs:
         if args.quick and kind == "full":
             continue
         # the full kernel's [10⁴, 10⁴] CV takes ~5 min here: fixed at the scalar kinds' CV choice
-        s = KernelSurrogate(model, kind=kind, machine=machine, normalize=norm, projection_dim=dim,
-                            alpha=FULL_ALPHA if kind == "full" else None)
+        s = KernelSurrogate(
+            model,
+            kind=kind,
+            machine=machine,
+            normalize=norm,
+            projection_dim=dim,
+            alpha=FULL_ALPHA if kind == "full" else None,
+        )
         _, t = timed(s.fit, x, None if protocol == "outputs" else y)
         f = s.faithfulness(xt, yt)
-        print(f"{protocol:<8} {kind + (' (cos)' if norm else ''):<16} {machine:<9} "
-              f"{dim or '-':>5} {f.get('tau_prob', float('nan')):7.3f} "
-              f"{f.get('tau_logits', float('nan')):8.3f} {f.get('r2_logits', float('nan')):9.3f} "
-              f"{f['label_agreement']:6.3f} {f['accuracy_gap']:+8.3f} {s.alpha_:8.0e} {t:7.1f}",
-              flush=True)
-
+        print(
+            f"{protocol:<8} {kind + (' (cos)' if norm else ''):<16} {machine:<9} "
+            f"{dim or '-':>5} {f.get('tau_prob', float('nan')):7.3f} "
+            f"{f.get('tau_logits', float('nan')):8.3f} {f.get('r2_logits', float('nan')):9.3f} "
+            f"{f['label_agreement']:6.3f} {f['accuracy_gap']:+8.3f} {s.alpha_:8.0e} {t:7.1f}",
+            flush=True,
+        )
 
 
 def attribution_lds(args, model, nets, x, y, xt, yt, subsets, target, everything):
-    print(f"\n## LDS ({args.subsets} half-subsets × {args.seeds} seeds, margin target) "
-          "and time\n")
+    print(f"\n## LDS ({args.subsets} half-subsets × {args.seeds} seeds, margin target) and time\n")
     print(f"{'method':<44} {'models':>6} {'LDS':>6} {'time s':>7}")
     ten, twenty = nets[:10], nets[:20]
     rows = [
         ("gauss_newton, full, exact", 1, lambda: influence(model, x, y, xt, yt, kind="full")),
         ("influence auto = gauss_newton, trace, exact", 1, lambda: influence(model, x, y, xt, yt)),
-        ("gauss_newton, full, projected k=1024", 1, lambda: influence(model, x, y, xt, yt, kind="full", dim=1024)),
-        ("gauss_newton, full, projected k=2048", 1, lambda: influence(model, x, y, xt, yt, kind="full", dim=2048)),
-        ("gauss_newton, full, projected k=4096", 1, lambda: influence(model, x, y, xt, yt, kind="full", dim=4096)),
-        ("gauss_newton, full, projected k=4096", 10,
-         lambda: influence(model, x, y, xt, yt, kind="full", dim=4096, checkpoints=ten)),
+        (
+            "gauss_newton, full, projected k=1024",
+            1,
+            lambda: influence(model, x, y, xt, yt, kind="full", dim=1024),
+        ),
+        (
+            "gauss_newton, full, projected k=2048",
+            1,
+            lambda: influence(model, x, y, xt, yt, kind="full", dim=2048),
+        ),
+        (
+            "gauss_newton, full, projected k=4096",
+            1,
+            lambda: influence(model, x, y, xt, yt, kind="full", dim=4096),
+        ),
+        (
+            "gauss_newton, full, projected k=4096",
+            10,
+            lambda: influence(model, x, y, xt, yt, kind="full", dim=4096, checkpoints=ten),
+        ),
         ("grad_dot, full, exact", 1, lambda: influence(model, x, y, xt, yt, method="grad_dot")),
-        ("surrogate (ridge on outputs), trace", 1,
-         lambda: influence(model, x, y, xt, yt, method="surrogate", kind="trace")),
-        ("surrogate (ridge on outputs), sum_logits", 1,
-         lambda: influence(model, x, y, xt, yt, method="surrogate", kind="sum_logits")),
+        (
+            "surrogate (ridge on outputs), trace",
+            1,
+            lambda: influence(model, x, y, xt, yt, method="surrogate", kind="trace"),
+        ),
+        (
+            "surrogate (ridge on outputs), sum_logits",
+            1,
+            lambda: influence(model, x, y, xt, yt, method="surrogate", kind="sum_logits"),
+        ),
         ("trak (ours), k=512", 1, lambda: trak(model, x, y, xt, yt, dim=512)),
         ("trak (ours), k=2048", 1, lambda: trak(model, x, y, xt, yt, dim=2048)),
         ("trak (ours), k=512", 10, lambda: trak(model, x, y, xt, yt, dim=512, checkpoints=ten)),
@@ -182,15 +254,18 @@ def attribution_lds(args, model, nets, x, y, xt, yt, subsets, target, everything
     # trust check: logistic regression, whose exact influence is the Gauss–Newton one
     wd = 1e-3
     linear = dict(epochs=300, batch_size=N_TRAIN, lr=0.05, weight_decay=wd)
-    lin_full = models_of(train_on_subsets(lambda: torch.nn.Linear(64, CLASSES), x, y, everything,
-                                          **linear), 1)[0]
-    lin_stack, t_lin = timed(train_on_subsets, lambda: torch.nn.Linear(64, CLASSES), x, y,
-                             subsets, **linear)
+    lin_full = models_of(
+        train_on_subsets(lambda: torch.nn.Linear(64, CLASSES), x, y, everything, **linear), 1
+    )[0]
+    lin_stack, t_lin = timed(
+        train_on_subsets, lambda: torch.nn.Linear(64, CLASSES), x, y, subsets, **linear
+    )
     scores, t = timed(influence, lin_full, x, y, xt, yt, damping=N_TRAIN * wd)
-    print(f"{'trust check: logistic regression, exact IF':<44} {1:>6} "
-          f"{lds(scores, subsets, lin_stack.margins(xt, yt)):6.3f} {t:7.1f}   "
-          f"(retrained in {t_lin:.0f} s)")
-
+    print(
+        f"{'trust check: logistic regression, exact IF':<44} {1:>6} "
+        f"{lds(scores, subsets, lin_stack.margins(xt, yt)):6.3f} {t:7.1f}   "
+        f"(retrained in {t_lin:.0f} s)"
+    )
 
 
 def mislabel(x, y):
@@ -200,14 +275,27 @@ def mislabel(x, y):
     print("\n## Mislabel detection (10 % flipped, self-influence), ROC AUC\n")
     print(f"{'method':<44} {'AUC':>6} {'time s':>7}")
     detectors = [
-        ("gauss_newton, full, exact",
-         lambda: influence(noisy_model, x, noisy, x, noisy, kind="full")),
-        ("gauss_newton, full, projected k=4096", lambda: influence(noisy_model, x, noisy, x, noisy, kind="full", dim=4096)),
-        ("grad_dot, full, exact", lambda: influence(noisy_model, x, noisy, x, noisy, method="grad_dot")),
-        ("surrogate (ridge on outputs), trace",
-         lambda: influence(noisy_model, x, noisy, x, noisy, method="surrogate")),
+        (
+            "gauss_newton, full, exact",
+            lambda: influence(noisy_model, x, noisy, x, noisy, kind="full"),
+        ),
+        (
+            "gauss_newton, full, projected k=4096",
+            lambda: influence(noisy_model, x, noisy, x, noisy, kind="full", dim=4096),
+        ),
+        (
+            "grad_dot, full, exact",
+            lambda: influence(noisy_model, x, noisy, x, noisy, method="grad_dot"),
+        ),
+        (
+            "surrogate (ridge on outputs), trace",
+            lambda: influence(noisy_model, x, noisy, x, noisy, method="surrogate"),
+        ),
         ("trak (ours), k=2048", lambda: trak(noisy_model, x, noisy, x, noisy)),
-        ("traker TRAKer, k=512", lambda: traker_scores([noisy_model], x, noisy, x, noisy, proj_dim=512)),
+        (
+            "traker TRAKer, k=512",
+            lambda: traker_scores([noisy_model], x, noisy, x, noisy, proj_dim=512),
+        ),
     ]
     for name, run in detectors:
         scores, t = timed(run)

@@ -14,6 +14,7 @@ barriers; times are the medians of rank 0's wall clock, excluding process start-
 A 1-process × 2-thread run is shown for reference: on a 2-core machine it competes for the same
 cores as 2 processes × 1 thread.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,13 @@ import torch
 
 def workload(n: int):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
-                                torch.nn.ReLU(), torch.nn.Linear(512, 10)).eval()
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 512),
+        torch.nn.ReLU(),
+        torch.nn.Linear(512, 512),
+        torch.nn.ReLU(),
+        torch.nn.Linear(512, 10),
+    ).eval()
     return model, torch.randn(n, 64, generator=torch.Generator().manual_seed(1))
 
 
@@ -54,8 +60,16 @@ def worker(args) -> None:
         store = Path(args.workdir) / f"store-{world}-{r}"
         dist.barrier()
         start = time.perf_counter()
-        projections.featurize(model, x, store, dim=args.dim, kind="trace", block=args.block,
-                              batch_size=args.block, progress=False)
+        projections.featurize(
+            model,
+            x,
+            store,
+            dim=args.dim,
+            kind="trace",
+            block=args.block,
+            batch_size=args.block,
+            progress=False,
+        )
         dist.barrier()
         times["featurize"].append(time.perf_counter() - start)
         digests["store"] = hashlib.sha256((store / "features.npy").read_bytes()).hexdigest()
@@ -77,11 +91,31 @@ def launch(args, procs: int, threads: int) -> dict:
     with tempfile.TemporaryDirectory() as work:
         result = Path(work) / "result.json"
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "GLOO_SOCKET_IFNAME": "lo"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-               f"--nproc_per_node={procs}", "--master_addr=127.0.0.1", f"--master_port={port}",
-               __file__, "--worker", "--workdir", work, "--result", str(result),
-               "--samples", str(args.samples), "--dim", str(args.dim), "--block", str(args.block),
-               "--tile", str(args.tile), "--repeats", str(args.repeats)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1",
+            f"--nproc_per_node={procs}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={port}",
+            __file__,
+            "--worker",
+            "--workdir",
+            work,
+            "--result",
+            str(result),
+            "--samples",
+            str(args.samples),
+            "--dim",
+            str(args.dim),
+            "--block",
+            str(args.block),
+            "--tile",
+            str(args.tile),
+            "--repeats",
+            str(args.repeats),
+        ]
         subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
         return json.loads(result.read_text())
 
@@ -104,16 +138,26 @@ def main() -> None:
         args.samples, args.dim, args.block, args.tile, args.repeats = 256, 64, 64, 64, 1
     configs = [(1, 1), (2, 1), (1, 2)]
     runs = {c: launch(args, *c) for c in configs}
-    same = {key: len({runs[c]["digests"][key] for c in configs}) == 1 for key in ("store", "kernel")}
-    print(f"N = {args.samples}, MLP 64-512-512-10, k = {args.dim}, store blocks of {args.block}, "
-          f"kernel tiles of {args.tile}; medians of {args.repeats} (seconds)")
-    print(f"{'operation':<22}{'1 proc x 1 thr':>16}{'2 procs x 1 thr':>17}{'speed-up':>10}"
-          f"{'1 proc x 2 thr':>16}{'identical':>11}")
-    for op, label, key in (("featurize", "featurize (store)", "store"),
-                           ("kernel", "trace eNTK (tiles)", "kernel")):
+    same = {
+        key: len({runs[c]["digests"][key] for c in configs}) == 1 for key in ("store", "kernel")
+    }
+    print(
+        f"N = {args.samples}, MLP 64-512-512-10, k = {args.dim}, store blocks of {args.block}, "
+        f"kernel tiles of {args.tile}; medians of {args.repeats} (seconds)"
+    )
+    print(
+        f"{'operation':<22}{'1 proc x 1 thr':>16}{'2 procs x 1 thr':>17}{'speed-up':>10}"
+        f"{'1 proc x 2 thr':>16}{'identical':>11}"
+    )
+    for op, label, key in (
+        ("featurize", "featurize (store)", "store"),
+        ("kernel", "trace eNTK (tiles)", "kernel"),
+    ):
         t = {c: statistics.median(runs[c]["times"][op]) for c in configs}
-        print(f"{label:<22}{t[(1, 1)]:>16.2f}{t[(2, 1)]:>17.2f}{t[(1, 1)] / t[(2, 1)]:>9.2f}x"
-              f"{t[(1, 2)]:>16.2f}{'yes' if same[key] else 'NO':>11}")
+        print(
+            f"{label:<22}{t[(1, 1)]:>16.2f}{t[(2, 1)]:>17.2f}{t[(1, 1)] / t[(2, 1)]:>9.2f}x"
+            f"{t[(1, 2)]:>16.2f}{'yes' if same[key] else 'NO':>11}"
+        )
 
 
 if __name__ == "__main__":

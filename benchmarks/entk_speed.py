@@ -1,4 +1,5 @@
-"""Speed and memory of the empirical NTK: ntk-toolkit against its peers, on the same weights and inputs.
+"""Speed and memory of the empirical NTK: ntk-toolkit against its peers, on the same weights and
+inputs.
 
     python benchmarks/entk_speed.py                  # the full benchmark (tens of minutes on 2 cores)
     python benchmarks/entk_speed.py --quick --no-peers   # seconds-long smoke run, ours only
@@ -24,6 +25,7 @@ during the first call, sampled every millisecond and checked against getrusage's
 (peers/measure.py); it includes the kernel itself. Accuracy: relative Frobenius error against
 ours (structured).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,10 +50,15 @@ from measure import timed  # noqa: E402
 OURS = ("ours:structured", "ours:auto", "ours:jacobian", "ours:ntk_vp")
 PEERS = ("tutorial", "loop", "nt:structured", "nt:jacobian", "nt:ntk_vp", "nngeometry")
 LABELS = {
-    "ours:structured": "ours, structured", "ours:auto": "ours, auto", "ours:jacobian": "ours, jacobian",
-    "ours:ntk_vp": "ours, ntk_vp", "tutorial": "(a) torch.func tutorial, Jacobian contraction",
-    "loop": "(b) per-sample autograd loop", "nt:structured": "(c) NT structured derivatives",
-    "nt:jacobian": "(c) NT Jacobian contraction", "nt:ntk_vp": "(c) NT NTK-vector products",
+    "ours:structured": "ours, structured",
+    "ours:auto": "ours, auto",
+    "ours:jacobian": "ours, jacobian",
+    "ours:ntk_vp": "ours, ntk_vp",
+    "tutorial": "(a) torch.func tutorial, Jacobian contraction",
+    "loop": "(b) per-sample autograd loop",
+    "nt:structured": "(c) NT structured derivatives",
+    "nt:jacobian": "(c) NT Jacobian contraction",
+    "nt:ntk_vp": "(c) NT NTK-vector products",
     "nngeometry": "(d) nngeometry GramMatrix",
 }
 SEED = 0
@@ -61,15 +68,23 @@ SEED = 0
 # The networks and inputs (rebuilt identically in every worker from the seed)
 # --------------------------------------------------------------------------------------------
 
+
 def build(arch: str) -> nn.Module:
     torch.manual_seed(SEED)
     if arch == "mlp":
-        model = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
-                              nn.Linear(512, 10))
+        model = nn.Sequential(
+            nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+        )
     else:
-        model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),
-                              nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
-                              nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+        model = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(64, 10),
+        )
     return model.eval()
 
 
@@ -82,6 +97,7 @@ def inputs(arch: str, n: int, first: int | None = None) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 # Kernel computations, each returning the full kernel as [N, N, O, O]
 # --------------------------------------------------------------------------------------------
+
 
 def tutorial_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     """(a) Jacobian contraction exactly as the torch.func "Neural Tangent Kernels" tutorial."""
@@ -105,11 +121,11 @@ def loop_ntk(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     params = [p for p in model.parameters() if p.requires_grad]
     rows = []
     for i in range(x.shape[0]):
-        out = model(x[i:i + 1])[0]
+        out = model(x[i : i + 1])[0]
         for o in range(out.shape[0]):
             grads = torch.autograd.grad(out[o], params, retain_graph=o + 1 < out.shape[0])
             rows.append(torch.cat([g.reshape(-1) for g in grads]))
-    jac = torch.stack(rows)                                   # [N·O, P]
+    jac = torch.stack(rows)  # [N·O, P]
     n, o = x.shape[0], jac.shape[0] // x.shape[0]
     return (jac @ jac.T).reshape(n, o, n, o).permute(0, 2, 1, 3)
 
@@ -128,6 +144,7 @@ def nngeometry_ntk(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 # Worker: one measurement in a fresh process
 # --------------------------------------------------------------------------------------------
 
+
 def worker(spec: dict) -> dict:
     import ntk
     import ntk.empirical
@@ -139,13 +156,20 @@ def worker(spec: dict) -> dict:
         chosen = []
         block_size = ntk.empirical.block_size
 
-        def recording_block_size(*args):           # read-only instrumentation of the tile size
+        def recording_block_size(*args):  # read-only instrumentation of the tile size
             chosen.append(block_size(*args))
             return chosen[-1]
+
         ntk.empirical.block_size = recording_block_size
         kind = spec.get("kind", "full")
-        fn = lambda: ntk.empirical_ntk(model, x, kind=kind, method=method[5:],  # noqa: E731
-                                       batch_size=spec.get("batch_size"))
+        def fn():
+            return ntk.empirical_ntk(
+                    model,
+                    x,
+                    kind=kind,
+                    method=method[5:],
+                    batch_size=spec.get("batch_size"),
+                )
         kernel, times, mem = timed(fn, spec["repeats"], spec["slow"])
         info["tile"] = spec.get("batch_size") or (chosen[0] if chosen else None)
     elif method == "tutorial":
@@ -157,13 +181,18 @@ def worker(spec: dict) -> dict:
     else:
         raise ValueError(f"unknown method {method!r}")
     kernel = kernel.detach()
-    info.update(times=times, median_s=statistics.median(times), mem_bytes=mem,
-                out_bytes=kernel.numel() * kernel.element_size(), rel_err=None)
+    info.update(
+        times=times,
+        median_s=statistics.median(times),
+        mem_bytes=mem,
+        out_bytes=kernel.numel() * kernel.element_size(),
+        rel_err=None,
+    )
     if spec.get("save"):
         np.save(spec["save"], kernel.numpy())
     if spec.get("reference"):
         ref = torch.from_numpy(np.load(spec["reference"])).double()
-        ref = ref[:kernel.shape[0], :kernel.shape[1]]
+        ref = ref[: kernel.shape[0], : kernel.shape[1]]
         info["rel_err"] = float(torch.linalg.norm(kernel.double() - ref) / torch.linalg.norm(ref))
     return info
 
@@ -171,6 +200,7 @@ def worker(spec: dict) -> dict:
 # --------------------------------------------------------------------------------------------
 # Driver
 # --------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Row:
@@ -184,11 +214,20 @@ def run_worker(spec: dict, timeout: float) -> dict:
     return _run(cmd, timeout, env=None)
 
 
-
 def run_nt(spec: dict, args, case_file: Path) -> dict:
-    cmd = [args.nt_python, str(HERE / "peers" / "nt_entk.py"), str(case_file),
-           "--implementation", spec["method"][3:], "--repeats", str(spec["repeats"]),
-           "--slow", str(spec["slow"]), "--reference", spec["reference"]]
+    cmd = [
+        args.nt_python,
+        str(HERE / "peers" / "nt_entk.py"),
+        str(case_file),
+        "--implementation",
+        spec["method"][3:],
+        "--repeats",
+        str(spec["repeats"]),
+        "--slow",
+        str(spec["slow"]),
+        "--reference",
+        spec["reference"],
+    ]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"}
     return _run(cmd, args.timeout, env=env)
 
@@ -222,16 +261,20 @@ def jacobian_bytes(arch: str, n: int) -> int:
 def extrapolate(small: dict, large: dict, m: int, n: int) -> dict:
     """Fit v(k) = a·k + b·k² (b ≥ 0: Jacobians grow with k, the kernel and its contraction with
     k²) to the runs on the first m/2 and m samples; evaluate at n."""
+
     def fit(v_half, v_full):
-        b = max(0.0, 2 * (v_full - 2 * v_half) / m ** 2)
+        b = max(0.0, 2 * (v_full - 2 * v_half) / m**2)
         return (v_full - b * m * m) / m * n + b * n * n
+
     out = dict(large)
     out["median_s"] = fit(small["median_s"], large["median_s"])
     out["mem_bytes"] = int(fit(small["mem_bytes"], large["mem_bytes"]))
     out["out_bytes"] = large.get("out_bytes", 0) * (n / m) ** 2
     out["times"] = large["times"]
-    out["note"] = (f"extrapolated from N={m // 2} and N={m} (a·N + b·N²): measured {large['median_s']:.2f} s, "
-                   f"{_gib(large['mem_bytes'])} GiB at N={m}")
+    out["note"] = (
+        f"extrapolated from N={m // 2} and N={m} (a·N + b·N²): measured {large['median_s']:.2f} s, "
+        f"{_gib(large['mem_bytes'])} GiB at N={m}"
+    )
     return out
 
 
@@ -250,7 +293,7 @@ def full_case(arch: str, n: int, methods: list[str], args, tmp: Path) -> list[Ro
     the per-sample loop always is when n > --subset (it takes minutes)."""
     name = f"{arch}, N={n}, full"
     reference = tmp / f"{arch}_ref.npy"
-    too_big = jacobian_bytes(arch, n) > args.max_gib * 2 ** 30
+    too_big = jacobian_bytes(arch, n) > args.max_gib * 2**30
     rows = []
     for method in methods:
         if method in args.skip:
@@ -275,11 +318,23 @@ def trace_case(sizes: list[int], args) -> list[Row]:
     rows = []
     for n in sizes:
         for batch in (None, args.trace_batch):
-            spec = dict(arch="mlp", n=n, method="ours:auto", kind="trace", batch_size=batch,
-                        repeats=args.repeats, slow=args.slow)
+            spec = dict(
+                arch="mlp",
+                n=n,
+                method="ours:auto",
+                kind="trace",
+                batch_size=batch,
+                repeats=args.repeats,
+                slow=args.slow,
+            )
             _say(f"trace N={n}, tile {batch or 'auto'} ...")
-            rows.append(Row(f"mlp, N={n}, trace", f"ours, auto, tile {batch or 'auto'}",
-                            run_worker(spec, args.timeout)))
+            rows.append(
+                Row(
+                    f"mlp, N={n}, trace",
+                    f"ours, auto, tile {batch or 'auto'}",
+                    run_worker(spec, args.timeout),
+                )
+            )
     return rows
 
 
@@ -288,19 +343,23 @@ def _say(message: str) -> None:
 
 
 def _gib(nbytes) -> str:
-    return "—" if nbytes is None else f"{nbytes / 2 ** 30:.2f}"
+    return "—" if nbytes is None else f"{nbytes / 2**30:.2f}"
 
 
 def table(rows: list[Row]) -> str:
     """Markdown table: median time, ratio to ours (auto) in the same case, memory, error."""
-    head = ("| case | method | median s | runs | ×ours-auto time | Δpeak GiB | Δpeak−K GiB | tile "
-            "| compile s | rel. err | note |")
+    head = (
+        "| case | method | median s | runs | ×ours-auto time | Δpeak GiB | Δpeak−K GiB | tile "
+        "| compile s | rel. err | note |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     auto = {r.case: r.result.get("median_s") for r in rows if r.label == "ours, auto"}
     for r in rows:
         res = r.result
         if "error" in res:
-            lines.append(f"| {r.case} | {r.label} | — | — | — | — | — | — | — | — | {res['error']} |")
+            lines.append(
+                f"| {r.case} | {r.label} | — | — | — | — | — | — | — | — | {res['error']} |"
+            )
             continue
         base = auto.get(r.case)
         ratio = f"{res['median_s'] / base:.2f}" if base else "—"
@@ -313,7 +372,8 @@ def table(rows: list[Row]) -> str:
         lines.append(
             f"| {r.case} | {r.label} | {res['median_s']:.3f} | {len(res['times'])} | {ratio} "
             f"| {_gib(res['mem_bytes'])} | {_gib(res['mem_bytes'] - out) if out else '—'} "
-            f"| {res.get('tile') or '—'} | {compile_s} | {err} | {'; '.join(note)} |")
+            f"| {res.get('tile') or '—'} | {compile_s} | {err} | {'; '.join(note)} |"
+        )
     return "\n".join(lines)
 
 
@@ -329,10 +389,12 @@ def targets(rows: list[Row]) -> str:
         label, best = min(peers.items(), key=lambda kv: kv[1]["median_s"])
         speed = best["median_s"] / ours["median_s"]
         mem = ours["mem_bytes"] / max(best["mem_bytes"], 1)
-        lines.append(f"- {case}: ours (auto) {ours['median_s']:.3f} s vs fastest peer library {label} "
-                     f"{best['median_s']:.3f} s → {speed:.2f}× ({'met' if speed >= 1 else 'MISSED'}, "
-                     f"target ≥ 1.0×); memory {_gib(ours['mem_bytes'])} vs {_gib(best['mem_bytes'])} GiB "
-                     f"({mem:.2f}× theirs)")
+        lines.append(
+            f"- {case}: ours (auto) {ours['median_s']:.3f} s vs fastest peer library {label} "
+            f"{best['median_s']:.3f} s → {speed:.2f}× ({'met' if speed >= 1 else 'MISSED'}, "
+            f"target ≥ 1.0×); memory {_gib(ours['mem_bytes'])} vs {_gib(best['mem_bytes'])} GiB "
+            f"({mem:.2f}× theirs)"
+        )
     return "\n".join(lines)
 
 
@@ -341,20 +403,43 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a seconds-long smoke run")
     parser.add_argument("--no-peers", action="store_true", help="ours only")
     parser.add_argument("--cases", default="mlp,cnn,trace", help="comma list of mlp, cnn, trace")
-    parser.add_argument("--skip", default="", help="comma list of methods to skip, e.g. nt:jacobian,loop "
-                        f"(methods: {', '.join(OURS + PEERS)})")
+    parser.add_argument(
+        "--skip",
+        default="",
+        help="comma list of methods to skip, e.g. nt:jacobian,loop "
+        f"(methods: {', '.join(OURS + PEERS)})",
+    )
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--slow", type=float, default=20.0,
-                        help="a method whose first call takes longer than this is timed once")
-    parser.add_argument("--subset", type=int, default=64,
-                        help="extrapolated peers run on the first subset/2 and subset samples")
-    parser.add_argument("--max-gib", type=float, default=6.0,
-                        help="Jacobian-contraction peers needing more than this run on subsets")
-    parser.add_argument("--trace-sizes", help="comma list of N for the trace case (default 1024,4096,16384)")
-    parser.add_argument("--trace-batch", type=int, help="the fixed tile of the trace case (default 1024)")
+    parser.add_argument(
+        "--slow",
+        type=float,
+        default=20.0,
+        help="a method whose first call takes longer than this is timed once",
+    )
+    parser.add_argument(
+        "--subset",
+        type=int,
+        default=64,
+        help="extrapolated peers run on the first subset/2 and subset samples",
+    )
+    parser.add_argument(
+        "--max-gib",
+        type=float,
+        default=6.0,
+        help="Jacobian-contraction peers needing more than this run on subsets",
+    )
+    parser.add_argument(
+        "--trace-sizes", help="comma list of N for the trace case (default 1024,4096,16384)"
+    )
+    parser.add_argument(
+        "--trace-batch", type=int, help="the fixed tile of the trace case (default 1024)"
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per measurement")
-    parser.add_argument("--nt-python", default="/work/peers/nt/bin/python",
-                        help="python of the neural-tangents venv (see benchmarks/README.md)")
+    parser.add_argument(
+        "--nt-python",
+        default="/work/peers/nt/bin/python",
+        help="python of the neural-tangents venv (see benchmarks/README.md)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -367,12 +452,17 @@ def main() -> None:
         parser.error(f"unknown method(s) in --skip: {sorted(unknown)}")
     cases = {c for c in args.cases.split(",") if c}
     if cases - {"mlp", "cnn", "trace"}:
-        parser.error(f"unknown case(s) {sorted(cases - {'mlp', 'cnn', 'trace'})}; use mlp, cnn, trace")
+        parser.error(
+            f"unknown case(s) {sorted(cases - {'mlp', 'cnn', 'trace'})}; use mlp, cnn, trace"
+        )
     sizes = {"mlp": 256, "cnn": 128}
     if args.quick:
         sizes = {"mlp": 16, "cnn": 8}
         args.repeats, args.subset = min(args.repeats, 2), 8
-    trace_sizes = [int(s) for s in (args.trace_sizes or ("64,128" if args.quick else "1024,4096,16384")).split(",")]
+    trace_sizes = [
+        int(s)
+        for s in (args.trace_sizes or ("64,128" if args.quick else "1024,4096,16384")).split(",")
+    ]
     args.trace_batch = args.trace_batch or (32 if args.quick else 1024)
     methods = list(OURS) + ([] if args.no_peers else list(PEERS))
 
@@ -385,8 +475,10 @@ def main() -> None:
     if "trace" in cases:
         rows += trace_case(trace_sizes, args)
     load = "/".join(f"{v:.1f}" for v in os.getloadavg())
-    print(f"eNTK speed and memory — {started}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
-          f"float32; medians of up to {args.repeats} runs; load average at the end {load}")
+    print(
+        f"eNTK speed and memory — {started}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
+        f"float32; medians of up to {args.repeats} runs; load average at the end {load}"
+    )
     print(table(rows))
     summary = targets(rows)
     if summary:

@@ -10,6 +10,7 @@ position). Prints Spearman ρ of each score against each ground truth, per model
 
     python benchmarks/layer_importance.py
 """
+
 from __future__ import annotations
 
 import platform
@@ -58,7 +59,9 @@ class Block(nn.Module):
 
     def forward(self, x):
         b, t, w = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = (
+            self.qkv(self.ln1(x)).view(b, t, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        )
         weights = torch.softmax(q @ k.transpose(-1, -2) / (w // self.heads) ** 0.5, dim=-1)
         x = x + self.proj((weights @ v).transpose(1, 2).reshape(b, t, w))
         return x + self.fc2(torch.relu(self.fc1(self.ln2(x))))
@@ -131,13 +134,17 @@ def run():
         rows = layer_importance(model, x_score, y_score, group=group)
         truths = reinit_damage(model, x_eval, y_eval, group=group)
         n_ft = len(x_tr) // 2
-        gains = finetune_gain(model, shift(x_tr[:n_ft]), y_tr[:n_ft], shift(x_eval), y_eval, group=group)
+        gains = finetune_gain(
+            model, shift(x_tr[:n_ft]), y_tr[:n_ft], shift(x_eval), y_eval, group=group
+        )
         for row in truths:
             truths[row].update(gains[row])
         results[name] = agreement(rows, truths)
         rows_by_model[name] = (rows, truths)
-        print(f"# {name}: {len(rows)} rows, test accuracy {acc:.3f}, {time.perf_counter() - start:.1f} s",
-              file=sys.stderr)
+        print(
+            f"# {name}: {len(rows)} rows, test accuracy {acc:.3f}, {time.perf_counter() - start:.1f} s",
+            file=sys.stderr,
+        )
     return results, rows_by_model
 
 
@@ -146,26 +153,37 @@ def _fmt(value, width: int, spec: str = ".2f") -> str:
 
 
 def print_tables(results, rows_by_model):
-    print(f"# layer importance vs ablation — {platform.node()}, {time.strftime('%Y-%m-%d')}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
+    print(
+        f"# layer importance vs ablation — {platform.node()}, {time.strftime('%Y-%m-%d')}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)"
+    )
     models = list(results)
     for measure in TRUTHS:
-        print(f"\nSpearman ρ: score vs {measure} (block_influence: only where defined, the 3 blocks and the final LayerNorm)")
+        print(
+            f"\nSpearman ρ: score vs {measure} (block_influence: only where defined, the 3 blocks and the final LayerNorm)"
+        )
         print(f"{'score':<16}" + "".join(f"{m:>19}" for m in models) + f"{'mean':>7}")
         for score in SCORES:
             vals = [results[m][score][measure] for m in models]
             got = [v for v in vals if v is not None]
-            print(f"{score:<16}" + "".join(_fmt(v, 19) for v in vals)
-                  + _fmt(float(np.mean(got)) if got else None, 7))
+            print(
+                f"{score:<16}"
+                + "".join(_fmt(v, 19) for v in vals)
+                + _fmt(float(np.mean(got)) if got else None, 7)
+            )
     for name, (rows, truths) in rows_by_model.items():
         print(f"\n{name}: scores (rank by sensitivity) and ground truth")
-        print(f"{'layer':<14}{'sensitivity':>12}{'share':>7}{'align':>7}{'λmax':>9}{'fisher':>9}"
-              f"{'blockinf':>9}{'Δloss':>8}{'Δacc':>7}{'ft gain':>8}")
+        print(
+            f"{'layer':<14}{'sensitivity':>12}{'share':>7}{'align':>7}{'λmax':>9}{'fisher':>9}"
+            f"{'blockinf':>9}{'Δloss':>8}{'Δacc':>7}{'ft gain':>8}"
+        )
         for r in rows:
             t = truths[r["layer"]]
-            print(f"{r['layer']:<14}{r['sensitivity']:12.3g}{r['share']:7.3f}{r['alignment']:7.3f}"
-                  f"{r['top_eigenvalue']:9.3g}{r['fisher']:9.3g}{_fmt(r['block_influence'], 9, '.3f')}"
-                  f"{t['loss_increase']:8.3f}{t['accuracy_drop']:7.3f}{t['finetune_gain']:8.3f}")
+            print(
+                f"{r['layer']:<14}{r['sensitivity']:12.3g}{r['share']:7.3f}{r['alignment']:7.3f}"
+                f"{r['top_eigenvalue']:9.3g}{r['fisher']:9.3g}{_fmt(r['block_influence'], 9, '.3f')}"
+                f"{t['loss_increase']:8.3f}{t['accuracy_drop']:7.3f}{t['finetune_gain']:8.3f}"
+            )
 
 
 if __name__ == "__main__":

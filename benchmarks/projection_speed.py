@@ -11,6 +11,7 @@ on-disk store.
     python benchmarks/projection_speed.py [--n 1024] [--dim 4096] [--repeats 3] [--trak-repeats 1]
                                           [--store-samples 60000] [--models mlp,cnn]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _projection_models import MODELS, images  # noqa: E402
+from _projection_models import MODELS, images
 
 
 def _rss() -> int:
@@ -38,6 +39,7 @@ def _rss() -> int:
 
 def _ours(model, x, dim):
     import projections
+
     return projections.features(model, x, dim=dim, kind="sum_logits", batch_size=256)
 
 
@@ -45,19 +47,26 @@ def _trak(model, x, dim, batch=512):
     from torch.func import functional_call, grad, vmap
     from trak.projectors import BasicProjector, ProjectionType
     from trak.utils import vectorize
+
     params = {n: p.detach() for n, p in model.named_parameters()}
     buffers = {n: b.detach() for n, b in model.named_buffers()}
     num_params = sum(p.numel() for p in params.values())
 
-    def output(p, b, xi):        # sum of logits / √O: the pseudo-NTK's single output
+    def output(p, b, xi):  # sum of logits / √O: the pseudo-NTK's single output
         out = functional_call(model, (p, b), (xi.unsqueeze(0),))
         return out.sum() / math.sqrt(out.shape[-1])
 
-    projector = BasicProjector(grad_dim=num_params, proj_dim=dim, seed=0,
-                               proj_type=ProjectionType.rademacher, device="cpu", dtype=torch.float32)
+    projector = BasicProjector(
+        grad_dim=num_params,
+        proj_dim=dim,
+        seed=0,
+        proj_type=ProjectionType.rademacher,
+        device="cpu",
+        dtype=torch.float32,
+    )
     rows = []
     for start in range(0, x.shape[0], batch):
-        g = vmap(grad(output), in_dims=(None, None, 0))(params, buffers, x[start:start + batch])
+        g = vmap(grad(output), in_dims=(None, None, 0))(params, buffers, x[start : start + batch])
         rows.append(projector.project(vectorize(g, device="cpu"), model_id=0))
     return torch.cat(rows) / math.sqrt(dim)
 
@@ -114,10 +123,19 @@ def rel_error(phi, exact):
 
 def store_time(samples, dim, tmp):
     import projections
+
     model, x = MODELS["mlp"](), images(samples)
     t = time.perf_counter()
-    projections.featurize(model, x, os.path.join(tmp, "store"), dim=dim, kind="sum_logits",
-                          block=4096, batch_size=256, progress=False)
+    projections.featurize(
+        model,
+        x,
+        os.path.join(tmp, "store"),
+        dim=dim,
+        kind="sum_logits",
+        block=4096,
+        batch_size=256,
+        progress=False,
+    )
     return time.perf_counter() - t
 
 
@@ -131,10 +149,15 @@ def main():
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of mlp,cnn")
     args = ap.parse_args()
     import ntk
-    print(f"# {platform.node()} {os.cpu_count()} CPUs, torch {torch.__version__}, "
-          f"{time.strftime('%Y-%m-%d')}; N={args.n}, k={args.dim}, sum_logits kernel")
-    print("| model | params | ours (s) | TRAK CPU (s) | speed-up | ours peak MiB | TRAK peak MiB "
-          "| ours rel. err | TRAK rel. err |")
+
+    print(
+        f"# {platform.node()} {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"{time.strftime('%Y-%m-%d')}; N={args.n}, k={args.dim}, sum_logits kernel"
+    )
+    print(
+        "| model | params | ours (s) | TRAK CPU (s) | speed-up | ours peak MiB | TRAK peak MiB "
+        "| ours rel. err | TRAK rel. err |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
@@ -143,13 +166,18 @@ def main():
             t_o, m_o, f_o = measure("ours", name, args.n, args.dim, args.repeats, tmp)
             t_t, m_t, f_t = measure("trak", name, args.n, args.dim, args.trak_repeats, tmp)
             params = sum(p.numel() for p in model.parameters())
-            print(f"| {name} | {params:,} | {t_o:.2f} | {t_t:.2f} | {t_t / t_o:.1f}x | "
-                  f"{m_o / 2**20:.0f} | {m_t / 2**20:.0f} | {rel_error(f_o, exact):.4f} | "
-                  f"{rel_error(f_t, exact):.4f} |", flush=True)
+            print(
+                f"| {name} | {params:,} | {t_o:.2f} | {t_t:.2f} | {t_t / t_o:.1f}x | "
+                f"{m_o / 2**20:.0f} | {m_t / 2**20:.0f} | {rel_error(f_o, exact):.4f} | "
+                f"{rel_error(f_t, exact):.4f} |",
+                flush=True,
+            )
         if args.store_samples:
             t = store_time(args.store_samples, args.dim, tmp)
-            print(f"\nfeaturize {args.store_samples:,} samples (MLP, sum_logits, k={args.dim}, "
-                  f"float32 store, blocks of 4096): {t:.1f} s ({args.store_samples / t:.0f} samples/s)")
+            print(
+                f"\nfeaturize {args.store_samples:,} samples (MLP, sum_logits, k={args.dim}, "
+                f"float32 store, blocks of 4096): {t:.1f} s ({args.store_samples / t:.0f} samples/s)"
+            )
 
 
 if __name__ == "__main__":

@@ -1,9 +1,19 @@
 """Empirical neural tangent kernels of PyTorch models."""
+
+from . import proxies
 from .core.kinds import KINDS
 from .core.memory import KernelTooLargeError
 from .empirical import METHODS, empirical_ntk, empirical_ntk_fn
 from .spectrum import condition_number, eigenvalues, kernel_alignment
-from . import proxies
 
-__all__ = ["KINDS", "METHODS", "KernelTooLargeError", "condition_number", "eigenvalues",
-           "empirical_ntk", "empirical_ntk_fn", "kernel_alignment", "proxies"]
+__all__ = [
+    "KINDS",
+    "METHODS",
+    "KernelTooLargeError",
+    "condition_number",
+    "eigenvalues",
+    "empirical_ntk",
+    "empirical_ntk_fn",
+    "kernel_alignment",
+    "proxies",
+]

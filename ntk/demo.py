@@ -1,4 +1,5 @@
 """The built-in demo: a small MLP trained in seconds on scikit-learn's bundled digits data."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from torch import nn
 @dataclass
 class DigitsData:
     """Standardised 8×8 digit images (64 features) with labels, split into train and test."""
+
     x_train: torch.Tensor
     y_train: torch.Tensor
     x_test: torch.Tensor
@@ -41,8 +43,17 @@ def mlp(hidden: int = 64, depth: int = 1, inputs: int = 64, classes: int = 10) -
     return nn.Sequential(*layers)
 
 
-def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: int = 60,
-          batch_size: int = 64, lr: float = 3e-3, weight_decay: float = 1e-4, seed: int = 0) -> nn.Module:
+def train(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    epochs: int = 60,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    weight_decay: float = 1e-4,
+    seed: int = 0,
+) -> nn.Module:
     """Train a classifier with Adam and cross-entropy (fixed seed); returns it in eval mode."""
     generator = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)

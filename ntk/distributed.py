@@ -12,12 +12,13 @@ Results are either gathered to rank 0 (``path=None``) or written by every rank a
 under ``path`` (a directory on a filesystem all ranks share); `load_tiles` assembles them.
 Without an initialised process group everything runs in this process (world size 1).
 """
+
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -43,8 +44,9 @@ def shard(n: int, rank: int, world: int) -> range:
     return range(n * rank // world, n * (rank + 1) // world)
 
 
-def agree(summary: dict, error: Optional[BaseException] = None, *,
-          minimum: Sequence[str] = ()) -> dict:
+def agree(
+    summary: dict, error: BaseException | None = None, *, minimum: Sequence[str] = ()
+) -> dict:
     """All-gather what each rank is about to do; raise on every rank if any rank failed to set
     up (`error`) or if the ranks' summaries differ, except in the keys of `minimum`, where the
     smallest value wins (e.g. a block size chosen from each rank's free memory)."""
@@ -64,8 +66,10 @@ def agree(summary: dict, error: Optional[BaseException] = None, *,
     for r, s in enumerate(everyone):
         diff = [k for k in summary if k not in minimum and s[k] != summary[k]]
         if diff:
-            raise ValueError(f"rank {r} disagrees with rank {rank} on {', '.join(diff)}: every "
-                             "rank must pass the same model, inputs and settings")
+            raise ValueError(
+                f"rank {r} disagrees with rank {rank} on {', '.join(diff)}: every "
+                "rank must pass the same model, inputs and settings"
+            )
     return agreed
 
 
@@ -75,11 +79,22 @@ def barrier() -> None:
         dist.barrier()
 
 
-def empirical_ntk(model: nn.Module, x1, x2=None, *, kind: str = "full",
-                  layers: Union[None, str, Sequence[str]] = None, method: str = "auto",
-                  batch_size: Optional[int] = None, device=None, dtype: Optional[torch.dtype] = None,
-                  output_fn: Optional[Callable] = None, progress: bool = False,
-                  path: Union[None, str, os.PathLike] = None, out=None) -> Optional[Kernel]:
+def empirical_ntk(
+    model: nn.Module,
+    x1,
+    x2=None,
+    *,
+    kind: str = "full",
+    layers: None | str | Sequence[str] = None,
+    method: str = "auto",
+    batch_size: int | None = None,
+    device=None,
+    dtype: torch.dtype | None = None,
+    output_fn: Callable | None = None,
+    progress: bool = False,
+    path: None | str | os.PathLike = None,
+    out=None,
+) -> Kernel | None:
     """`ntk.empirical_ntk` with its tiles computed by all the ranks of the process group.
 
     Call on every rank with the same arguments (a model on each rank's own device, or `device`).
@@ -94,11 +109,20 @@ def empirical_ntk(model: nn.Module, x1, x2=None, *, kind: str = "full",
     rank, _ = rank_and_world()
     grid = error = None
     try:
-        computation = _Computation(model, kind=kind, layers=layers, method=method,
-                                   batch_size=batch_size, device=device, dtype=dtype,
-                                   output_fn=output_fn, progress=progress)
-        grid = computation.grid(x1, x2, out if rank == 0 else None,
-                                in_memory=path is None and rank == 0)
+        computation = _Computation(
+            model,
+            kind=kind,
+            layers=layers,
+            method=method,
+            batch_size=batch_size,
+            device=device,
+            dtype=dtype,
+            output_fn=output_fn,
+            progress=progress,
+        )
+        grid = computation.grid(
+            x1, x2, out if rank == 0 else None, in_memory=path is None and rank == 0
+        )
         if path is not None and rank == 0:
             _check_empty(Path(path))
     except (ValueError, TypeError, MemoryError) as e:
@@ -106,18 +130,34 @@ def empirical_ntk(model: nn.Module, x1, x2=None, *, kind: str = "full",
     return run_grid(grid, path=path, out=out, progress=progress, error=error)
 
 
-def run_grid(grid: Optional[Grid], *, path=None, out=None, progress: bool = False,
-             error: Optional[BaseException] = None):
+def run_grid(
+    grid: Grid | None,
+    *,
+    path=None,
+    out=None,
+    progress: bool = False,
+    error: BaseException | None = None,
+):
     """Compute `grid`'s tiles on all ranks; gather them to rank 0 (path=None: rank 0 returns the
     result, others None) or write them under `path` (returns None). `error`: this rank's set-up
     failure, raised on every rank instead of computing."""
     if path is not None and out is not None:
         raise ValueError("pass either path= (tiles on disk) or out= (gathered to rank 0), not both")
     rank, world = rank_and_world()
-    summary = None if grid is None else {
-        "n1": grid.n1, "n2": grid.n2, "block": grid.block, "symmetric": grid.symmetric,
-        "kind": grid.kind, "shape": list(grid.shape), "keys": grid.keys,
-        "dtype": str(grid.dtype).replace("torch.", "")}
+    summary = (
+        None
+        if grid is None
+        else {
+            "n1": grid.n1,
+            "n2": grid.n2,
+            "block": grid.block,
+            "symmetric": grid.symmetric,
+            "kind": grid.kind,
+            "shape": list(grid.shape),
+            "keys": grid.keys,
+            "dtype": str(grid.dtype).replace("torch.", ""),
+        }
+    )
     summary = agree(summary, error, minimum=("block",))
     grid.block = summary["block"]
     tiles = grid.tiles()
@@ -136,41 +176,60 @@ def run_grid(grid: Optional[Grid], *, path=None, out=None, progress: bool = Fals
             for i, j, values in part:
                 grid.write(results, i, j, values)
         return grid.result(results)
-    part = [(i, j, {k: v.detach().cpu() for k, v in values.items()})
-            for i, j, values in grid.compute(mine)]
+    part = [
+        (i, j, {k: v.detach().cpu() for k, v in values.items()})
+        for i, j, values in grid.compute(mine)
+    ]
     dist.gather_object(part, None, dst=0)
     return None
 
 
-def load_tiles(path: Union[str, os.PathLike], *, out=None) -> Kernel:
+def load_tiles(path: str | os.PathLike, *, out=None) -> Kernel:
     """Assemble the kernel that `empirical_ntk(..., path=path)` wrote: a tensor, or a dict per
     layer; `out` (e.g. `numpy.lib.format.open_memmap`) receives a total kernel instead."""
     root = Path(path)
     try:
         index = json.loads((root / _INDEX).read_text())
     except FileNotFoundError:
-        raise ValueError(f"{root} holds no complete kernel (no {_INDEX}); was the job "
-                         "interrupted?") from None
+        raise ValueError(
+            f"{root} holds no complete kernel (no {_INDEX}); was the job interrupted?"
+        ) from None
     if index.get("format") != TILES_FORMAT:
         raise ValueError(f"{root / _INDEX} is not a {TILES_FORMAT} index")
     keys = index["keys"]
     if out is not None and keys != [None]:
         raise ValueError("out= receives a total kernel only; this path holds layer components")
-    grid = Grid(n1=index["n1"], n2=index["n2"], block=index["block"], symmetric=index["symmetric"],
-                kind=index["kind"], shape=index["shape"], keys=keys,
-                dtype=getattr(torch, index["dtype"]), device=torch.device("cpu"),
-                row_features=None, col_features=None, tile=None, cache_ok=False, desc="")
+    grid = Grid(
+        n1=index["n1"],
+        n2=index["n2"],
+        block=index["block"],
+        symmetric=index["symmetric"],
+        kind=index["kind"],
+        shape=index["shape"],
+        keys=keys,
+        dtype=getattr(torch, index["dtype"]),
+        device=torch.device("cpu"),
+        row_features=None,
+        col_features=None,
+        tile=None,
+        cache_ok=False,
+        desc="",
+    )
     results = grid.allocate(out)
     for i, j in grid.tiles():
         with np.load(root / _TILES / f"{i}_{j}.npz") as tile:
-            grid.write(results, i, j, {k: torch.from_numpy(tile[f"c{c}"]) for c, k in enumerate(keys)})
+            grid.write(
+                results, i, j, {k: torch.from_numpy(tile[f"c{c}"]) for c, k in enumerate(keys)}
+            )
     return grid.result(results)
 
 
 def _check_empty(root: Path) -> None:
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
-        raise ValueError(f"path {root} exists and is not an empty directory; kernel tiles need "
-                         "a new or empty directory")
+        raise ValueError(
+            f"path {root} exists and is not an empty directory; kernel tiles need "
+            "a new or empty directory"
+        )
 
 
 def _write_tiles(grid: Grid, mine: list, root: Path, summary: dict, progress: bool) -> None:
@@ -183,14 +242,18 @@ def _write_tiles(grid: Grid, mine: list, root: Path, summary: dict, progress: bo
     barrier()
     for i, j, values in grid.compute(mine, progress=progress):
         part = folder / f"{i}_{j}.part.npz"
-        np.savez(part, **{f"c{c}": values[k].detach().cpu().numpy() for c, k in enumerate(grid.keys)})
+        np.savez(
+            part, **{f"c{c}": values[k].detach().cpu().numpy() for c, k in enumerate(grid.keys)}
+        )
         os.replace(part, folder / f"{i}_{j}.npz")
     barrier()
     if rank == 0:
         missing = [t for t in grid.tiles() if not (folder / f"{t[0]}_{t[1]}.npz").exists()]
         if missing:
-            raise RuntimeError(f"{len(missing)} tiles missing under {folder} (e.g. {missing[0]}); "
-                               "do all ranks share this filesystem?")
+            raise RuntimeError(
+                f"{len(missing)} tiles missing under {folder} (e.g. {missing[0]}); "
+                "do all ranks share this filesystem?"
+            )
         tmp = root / (_INDEX + ".part")
         tmp.write_text(json.dumps({"format": TILES_FORMAT, **summary}, indent=1))
         os.replace(tmp, root / _INDEX)

@@ -1,7 +1,8 @@
 """The empirical neural tangent kernel Θ(x, x') = J(x) J(x')ᵀ of a PyTorch model, tiled."""
+
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -13,14 +14,25 @@ from .core.model import ModelView, check_eval_mode
 from .core.tiles import Grid
 
 METHODS = ("auto", "jacobian", "ntk_vp", "structured")
-AUTO_BLOCK_LIMIT = 2048   # automatic tiles stop growing here: bigger ones only hold more memory
-Kernel = Union[torch.Tensor, dict]
+AUTO_BLOCK_LIMIT = 2048  # automatic tiles stop growing here: bigger ones only hold more memory
+Kernel = torch.Tensor | dict
 
 
-def empirical_ntk(model: nn.Module, x1, x2=None, *, kind: str = "full",
-                  layers: Union[None, str, Sequence[str]] = None, method: str = "auto",
-                  batch_size: Optional[int] = None, device=None, dtype: Optional[torch.dtype] = None,
-                  output_fn: Optional[Callable] = None, progress: bool = False, out=None) -> Kernel:
+def empirical_ntk(
+    model: nn.Module,
+    x1,
+    x2=None,
+    *,
+    kind: str = "full",
+    layers: None | str | Sequence[str] = None,
+    method: str = "auto",
+    batch_size: int | None = None,
+    device=None,
+    dtype: torch.dtype | None = None,
+    output_fn: Callable | None = None,
+    progress: bool = False,
+    out=None,
+) -> Kernel:
     """Empirical NTK of `model` between the samples of `x1` and `x2` (x2=None: x2 = x1).
 
     kind: `full` Θ [N1, N2, O, O]; `diagonal` Θ_oo [N1, N2, O]; `trace` Σ_o Θ_oo [N1, N2];
@@ -34,32 +46,60 @@ def empirical_ntk(model: nn.Module, x1, x2=None, *, kind: str = "full",
     receives the total kernel tile by tile.
     The model is never modified.
     """
-    fn = empirical_ntk_fn(model, kind=kind, layers=layers, method=method, batch_size=batch_size,
-                          device=device, dtype=dtype, output_fn=output_fn, progress=progress)
+    fn = empirical_ntk_fn(
+        model,
+        kind=kind,
+        layers=layers,
+        method=method,
+        batch_size=batch_size,
+        device=device,
+        dtype=dtype,
+        output_fn=output_fn,
+        progress=progress,
+    )
     return fn(x1, x2, out=out)
 
 
-def empirical_ntk_fn(model: nn.Module, *, kind: str = "full",
-                     layers: Union[None, str, Sequence[str]] = None, method: str = "auto",
-                     batch_size: Optional[int] = None, device=None, dtype: Optional[torch.dtype] = None,
-                     output_fn: Optional[Callable] = None, progress: bool = False) -> Callable[..., Kernel]:
+def empirical_ntk_fn(
+    model: nn.Module,
+    *,
+    kind: str = "full",
+    layers: None | str | Sequence[str] = None,
+    method: str = "auto",
+    batch_size: int | None = None,
+    device=None,
+    dtype: torch.dtype | None = None,
+    output_fn: Callable | None = None,
+    progress: bool = False,
+) -> Callable[..., Kernel]:
     """Build a kernel function `fn(x1, x2=None, *, out=None)` with fixed settings.
 
     The function reads the model's parameters when it is called, so it follows training.
     """
-    computation = _Computation(model, kind=kind, layers=layers, method=method,
-                               batch_size=batch_size, device=device, dtype=dtype,
-                               output_fn=output_fn, progress=progress)
+    computation = _Computation(
+        model,
+        kind=kind,
+        layers=layers,
+        method=method,
+        batch_size=batch_size,
+        device=device,
+        dtype=dtype,
+        output_fn=output_fn,
+        progress=progress,
+    )
 
     def kernel_fn(x1, x2=None, *, out=None) -> Kernel:
         return computation.run(x1, x2, out)
+
     return kernel_fn
 
 
 class _Computation:
     """The settings of a kernel, checked once; `run`/`grid` compute it for given samples."""
 
-    def __init__(self, model, *, kind, layers, method, batch_size, device, dtype, output_fn, progress):
+    def __init__(
+        self, model, *, kind, layers, method, batch_size, device, dtype, output_fn, progress
+    ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         kinds.check_kind(kind)
@@ -68,7 +108,9 @@ class _Computation:
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
         if isinstance(layers, str) and layers != "all":
-            raise ValueError(f"layers must be None, 'all' or a list of module names, got {layers!r}")
+            raise ValueError(
+                f"layers must be None, 'all' or a list of module names, got {layers!r}"
+            )
         self.model, self.kind, self.layers, self.method = model, kind, layers, method
         self.batch_size, self.device, self.dtype = batch_size, device, dtype
         self.output_fn, self.progress = output_fn, progress
@@ -116,7 +158,8 @@ class _Computation:
                 f"but only {human(avail)} is available. Use a smaller kind ('trace' or 'sum_logits' "
                 "are [N1, N2]), random projections (projections.projected_ntk, or "
                 "projections.featurize for an on-disk store), or pass out= a memory-mapped array "
-                "on disk (numpy.lib.format.open_memmap) to receive it tile by tile.")
+                "on disk (numpy.lib.format.open_memmap) to receive it tile by tile."
+            )
 
         only = None if selected is None else [n for layer in selected for n in view.layers[layer]]
         provisional = self.batch_size or min(max(n1, n2), 256)
@@ -129,35 +172,52 @@ class _Computation:
 
         per_sample, per_pair = self._memory(view, plan, method, c, itemsize, n_components, shape)
         budget = max(0.4 * (avail - (out_bytes if holds else 0)), 64 << 20)
-        block = self.batch_size or min(AUTO_BLOCK_LIMIT, block_size(max(n1, n2), per_sample, per_pair, budget))
+        block = self.batch_size or min(
+            AUTO_BLOCK_LIMIT, block_size(max(n1, n2), per_sample, per_pair, budget)
+        )
         if method == "ntk_vp":
-            groups = {None: only or list(view.params)} if selected is None else \
-                {layer: view.layers[layer] for layer in selected}
+            groups = (
+                {None: only or list(view.params)}
+                if selected is None
+                else {layer: view.layers[layer] for layer in selected}
+            )
             prepare = lambda x: x  # noqa: E731 - the tile needs the raw block
             tile = lambda a, b: ntk_vp.tile(view, a, b, cot, self.kind, groups)  # noqa: E731
         else:
             prepare = lambda x: _by_component(structured.features(view, plan, x, cot), selected)  # noqa: E731
             tile = lambda a, b: _contract_terms(a, b, self.kind)  # noqa: E731
-        return Grid(n1=n1, n2=n2, block=block, symmetric=symmetric, kind=self.kind, shape=shape,
-                    keys=[None] if selected is None else selected, dtype=param_dtype,
-                    device=view.device, row_features=lambda rs: prepare(inputs.take(x1, rs)),
-                    col_features=lambda cs: prepare(inputs.take(x2, cs)), tile=tile,
-                    cache_ok=self.batch_size is None and n2 * per_sample <= budget / 2,
-                    desc=f"{self.kind} eNTK")
+        return Grid(
+            n1=n1,
+            n2=n2,
+            block=block,
+            symmetric=symmetric,
+            kind=self.kind,
+            shape=shape,
+            keys=[None] if selected is None else selected,
+            dtype=param_dtype,
+            device=view.device,
+            row_features=lambda rs: prepare(inputs.take(x1, rs)),
+            col_features=lambda cs: prepare(inputs.take(x2, cs)),
+            tile=tile,
+            cache_ok=self.batch_size is None and n2 * per_sample <= budget / 2,
+            desc=f"{self.kind} eNTK",
+        )
 
     def _memory(self, view, plan, method, c, itemsize, n_components, shape):
         """Bytes per sample (features held for a block) and per pair of samples (tile work)."""
         act = plan.activations
-        if method == "ntk_vp":           # C tangent forward passes of a block, no features
+        if method == "ntk_vp":  # C tangent forward passes of a block, no features
             per_sample = 3 * c * act
         else:
             per_sample = act * (1 + c) + c * sum(view.params[n].numel() for n in plan.fallback)
             for layer, names in plan.covered.items():
-                if layer not in plan.factored:   # per-sample gradient rows [C, P_layer]
+                if layer not in plan.factored:  # per-sample gradient rows [C, P_layer]
                     per_sample += c * sum(view.params[n].numel() for n in names)
         pair_out = float(np.prod(shape[2:])) if len(shape) > 2 else 1.0
         s_max = max([plan.positions[layer] for layer in plan.factored] or [0])
-        per_pair = pair_out * (n_components + 1) + s_max * s_max * (1 + kinds.pair_factor(self.kind, c))
+        per_pair = pair_out * (n_components + 1) + s_max * s_max * (
+            1 + kinds.pair_factor(self.kind, c)
+        )
         return itemsize * per_sample * 2, itemsize * per_pair
 
 
@@ -171,11 +231,13 @@ def check_outputs(view: ModelView, xs: list) -> int:
             for start in range(0, n, 1024):
                 y = view.forward(view.params, inputs.take(x, slice(start, start + 1024)))
                 if y.shape[0] != min(1024, n - start):
-                    raise ValueError(f"the model returned {y.shape[0]} rows for "
-                                     f"{min(1024, n - start)} samples")
+                    raise ValueError(
+                        f"the model returned {y.shape[0]} rows for {min(1024, n - start)} samples"
+                    )
                 if not bool(torch.isfinite(y).all()):
-                    raise ValueError("the model produced non-finite outputs (NaN or inf) "
-                                     "on the given inputs")
+                    raise ValueError(
+                        "the model produced non-finite outputs (NaN or inf) on the given inputs"
+                    )
                 num_outputs = y.shape[1]
         probe = inputs.take(xs[0], slice(0, 4))
         batch = view.forward(view.params, probe)
@@ -183,15 +245,19 @@ def check_outputs(view: ModelView, xs: list) -> int:
         alone = view.forward(view.params, inputs.take(xs[0], slice(0, 1)))
         scale = float(batch.abs().max()) + 1e-12
         if not torch.allclose(batch, again, rtol=1e-4, atol=1e-5 * scale):
-            raise ValueError("the model's output is random (two identical calls differ); call "
-                             "model.eval() to switch off dropout and similar layers")
+            raise ValueError(
+                "the model's output is random (two identical calls differ); call "
+                "model.eval() to switch off dropout and similar layers"
+            )
         if not torch.allclose(batch[:1], alone, rtol=1e-4, atol=1e-5 * scale):
-            raise ValueError("a sample's output depends on the rest of the batch (e.g. BatchNorm "
-                             "in training mode); call model.eval() before computing a kernel")
+            raise ValueError(
+                "a sample's output depends on the rest of the batch (e.g. BatchNorm "
+                "in training mode); call model.eval() before computing a kernel"
+            )
     return num_outputs
 
 
-def _by_component(terms: list, selected: Optional[list[str]]) -> dict:
+def _by_component(terms: list, selected: list[str] | None) -> dict:
     """Group a block's terms by output component (None: all layers; else each selected layer),
     joining the per-sample gradient rows of a component into one Explicit term once per block
     rather than once per tile."""

@@ -27,13 +27,14 @@ Every score works on a private copy of the network: the user's model is never mo
 copy whose BatchNorm layers have never seen data takes their statistics from the scored batch
 (what a training-mode forward pass would use), then everything is measured in eval mode.
 """
+
 from __future__ import annotations
 
 import copy
 import math
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -54,10 +55,25 @@ METRICS = KERNEL_METRICS + BASELINE_METRICS
 DEFAULT = "jacob_cov"
 DEFAULT_RANKING = ("lga", "naswot")
 _NEEDS_LABELS = ("lga", "grad_norm", "snip")
-_ACTIVATIONS = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.CELU, nn.SELU, nn.GELU,
-                nn.SiLU, nn.Mish, nn.Softplus, nn.Tanh, nn.Hardtanh, nn.Sigmoid, nn.Hardswish)
+_ACTIVATIONS = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.PReLU,
+    nn.ELU,
+    nn.CELU,
+    nn.SELU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Mish,
+    nn.Softplus,
+    nn.Tanh,
+    nn.Hardtanh,
+    nn.Sigmoid,
+    nn.Hardswish,
+)
 
-Candidate = Union[nn.Module, Callable[[], nn.Module]]
+Candidate = nn.Module | Callable[[], nn.Module]
 
 
 @dataclass(frozen=True)
@@ -66,19 +82,32 @@ class ProxyScore:
     better; `raw` holds the quantity as published (κ itself for `condition_number`). For a vote
     of several metrics (`rank` with a list of metrics) `value` is the mean rank, `values` the
     candidate's rank under each metric, `std` their spread, and `parts` each metric's score."""
+
     metric: str
     value: float
     std: float
     values: tuple
     raw: tuple
     seconds: float
-    parts: Optional[dict] = None
+    parts: dict | None = None
 
 
-def score(model: Candidate, x, y=None, *, metric: str = DEFAULT, kind: str = "sum_logits",
-          batch_size: int = 64, repeats: int = 1, warmup_steps: int = 0, warmup_lr: float = 1e-3,
-          seed: int = 0, layers: Optional[Sequence[str]] = None, device=None,
-          return_details: bool = False) -> Union[float, ProxyScore]:
+def score(
+    model: Candidate,
+    x,
+    y=None,
+    *,
+    metric: str = DEFAULT,
+    kind: str = "sum_logits",
+    batch_size: int = 64,
+    repeats: int = 1,
+    warmup_steps: int = 0,
+    warmup_lr: float = 1e-3,
+    seed: int = 0,
+    layers: Sequence[str] | None = None,
+    device=None,
+    return_details: bool = False,
+) -> float | ProxyScore:
     """Score one architecture with `metric` (higher is better); returns the mean over repeats.
     The default, `jacob_cov`, is the best single metric on the project's benchmark.
 
@@ -107,14 +136,27 @@ def score(model: Candidate, x, y=None, *, metric: str = DEFAULT, kind: str = "su
         values.append(value)
         raws.append(raw)
     with np.errstate(invalid="ignore"):  # the spread of infinite values is NaN
-        result = ProxyScore(metric, float(np.mean(values)), float(np.std(values)), tuple(values),
-                            tuple(raws), time.perf_counter() - start)
+        result = ProxyScore(
+            metric,
+            float(np.mean(values)),
+            float(np.std(values)),
+            tuple(values),
+            tuple(raws),
+            time.perf_counter() - start,
+        )
     return result if return_details else result.value
 
 
-def rank(candidates: Mapping[str, Candidate], x, y=None, *,
-         metric: Union[str, Sequence[str]] = DEFAULT_RANKING, progress: bool = False,
-         return_details: bool = False, **options) -> list:
+def rank(
+    candidates: Mapping[str, Candidate],
+    x,
+    y=None,
+    *,
+    metric: str | Sequence[str] = DEFAULT_RANKING,
+    progress: bool = False,
+    return_details: bool = False,
+    **options,
+) -> list:
     """Score every candidate (modules or factories, one at a time so memory stays flat) and
     return [(name, score)] best first (NaN scores last). Options are those of `score`.
 
@@ -129,20 +171,26 @@ def rank(candidates: Mapping[str, Candidate], x, y=None, *,
     for m in metrics:
         _check_metric(m)
     if not isinstance(candidates, Mapping):
-        raise TypeError(f"candidates must be a dict of name -> module or factory, got "
-                        f"{type(candidates).__name__}")
+        raise TypeError(
+            f"candidates must be a dict of name -> module or factory, got "
+            f"{type(candidates).__name__}"
+        )
     if not candidates:
         raise ValueError("no candidates to rank: the candidate set is empty")
     for name, candidate in candidates.items():
         if not (isinstance(candidate, nn.Module) or callable(candidate)):
-            raise TypeError(f"candidate {name!r} is a {type(candidate).__name__}, not an nn.Module "
-                            "or a factory returning one")
+            raise TypeError(
+                f"candidate {name!r} is a {type(candidate).__name__}, not an nn.Module "
+                "or a factory returning one"
+            )
     details = {}
-    for name, candidate in tqdm(candidates.items(), disable=not progress,
-                                desc=f"{'+'.join(metrics)} proxy", unit="arch"):
+    for name, candidate in tqdm(
+        candidates.items(), disable=not progress, desc=f"{'+'.join(metrics)} proxy", unit="arch"
+    ):
         try:
-            details[name] = {m: score(candidate, x, y, metric=m, return_details=True, **options)
-                             for m in metrics}
+            details[name] = {
+                m: score(candidate, x, y, metric=m, return_details=True, **options) for m in metrics
+            }
         except (ValueError, TypeError, RuntimeError) as exc:  # name the candidate that failed
             kind = next(k for k in (ValueError, TypeError, RuntimeError) if isinstance(exc, k))
             raise kind(f"candidate {name!r}: {exc}") from exc
@@ -151,11 +199,21 @@ def rank(candidates: Mapping[str, Candidate], x, y=None, *,
         results = [details[n][metrics[0]] for n in names]
     else:
         ranks = np.array([_ranks([details[n][m].value for n in names]) for m in metrics])
-        results = [ProxyScore("+".join(metrics), float(r.mean()), float(r.std()), tuple(r.tolist()),
-                              (), sum(d.seconds for d in details[n].values()), details[n])
-                   for n, r in zip(names, ranks.T)]
-    order = sorted(range(len(names)),
-                   key=lambda i: (math.isnan(results[i].value), -results[i].value))
+        results = [
+            ProxyScore(
+                "+".join(metrics),
+                float(r.mean()),
+                float(r.std()),
+                tuple(r.tolist()),
+                (),
+                sum(d.seconds for d in details[n].values()),
+                details[n],
+            )
+            for n, r in zip(names, ranks.T)
+        ]
+    order = sorted(
+        range(len(names)), key=lambda i: (math.isnan(results[i].value), -results[i].value)
+    )
     return [(names[i], results[i] if return_details else results[i].value) for i in order]
 
 
@@ -175,6 +233,7 @@ def mean_rank(columns) -> np.ndarray:
 # Inputs, copies, warm-up
 # --------------------------------------------------------------------------------------------
 
+
 def _check_metric(metric) -> None:
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}; valid metrics are {', '.join(METRICS)}")
@@ -183,8 +242,11 @@ def _check_metric(metric) -> None:
 def _check_options(metric, kind, batch_size, repeats, warmup_steps) -> None:
     _check_metric(metric)
     check_kind(kind)
-    for name, value, low in (("batch_size", batch_size, 2), ("repeats", repeats, 1),
-                             ("warmup_steps", warmup_steps, 0)):
+    for name, value, low in (
+        ("batch_size", batch_size, 2),
+        ("repeats", repeats, 1),
+        ("warmup_steps", warmup_steps, 0),
+    ):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an integer ≥ {low}, got {value!r}")
 
@@ -196,13 +258,16 @@ def _check_data(x, y, metric, warmup_steps):
         raise ValueError(f"x must hold at least 2 samples, got shape {tuple(x.shape)}")
     if y is None:
         if metric in _NEEDS_LABELS or warmup_steps:
-            raise ValueError(f"metric {metric!r}{' with warm-up' if warmup_steps else ''} needs "
-                             "class labels y")
+            raise ValueError(
+                f"metric {metric!r}{' with warm-up' if warmup_steps else ''} needs class labels y"
+            )
         return x, None
     y = torch.as_tensor(y)
     if y.dim() != 1 or y.is_floating_point() or y.is_complex():
-        raise ValueError(f"y must be a 1-D tensor of integer class labels, got "
-                         f"{y.dtype} of shape {tuple(y.shape)}")
+        raise ValueError(
+            f"y must be a 1-D tensor of integer class labels, got "
+            f"{y.dtype} of shape {tuple(y.shape)}"
+        )
     if len(y) != len(x):
         raise ValueError(f"x has {len(x)} samples but y has {len(y)} labels")
     if bool((y < 0).any()):
@@ -221,7 +286,7 @@ def _prepare(candidate: Candidate, seed: int) -> nn.Module:
         torch.manual_seed(seed)
         try:
             net = candidate()
-        except Exception as exc:  # noqa: BLE001 - any failure of user code is reported as such
+        except Exception as exc:
             raise RuntimeError(f"the factory raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(net, nn.Module):
         raise TypeError(f"the factory returned a {type(net).__name__}, not an nn.Module")
@@ -230,8 +295,10 @@ def _prepare(candidate: Candidate, seed: int) -> nn.Module:
 
 def _check_labels(out: torch.Tensor, y: torch.Tensor) -> None:
     if out.dim() != 2:
-        raise ValueError(f"the model output has shape {tuple(out.shape)}; class scores [B, O] "
-                         "are needed for a cross-entropy loss")
+        raise ValueError(
+            f"the model output has shape {tuple(out.shape)}; class scores [B, O] "
+            "are needed for a cross-entropy loss"
+        )
     if int(y.max()) >= out.shape[1]:
         raise ValueError(f"y holds class {int(y.max())} but the model has {out.shape[1]} outputs")
 
@@ -255,8 +322,13 @@ def _warm_up(net: nn.Module, x, y, steps: int, lr: float, generator: torch.Gener
 def _calibrate_norms(net: nn.Module, x) -> nn.Module:
     """BatchNorm layers that never saw data get the batch statistics of `x` (a training-mode
     forward pass with cumulative averaging), so that eval mode reproduces training mode."""
-    fresh = [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-             and m.track_running_stats and int(m.num_batches_tracked) == 0]
+    fresh = [
+        m
+        for m in net.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        and m.track_running_stats
+        and int(m.num_batches_tracked) == 0
+    ]
     if fresh:
         momenta = [m.momentum for m in fresh]
         for m in fresh:
@@ -273,6 +345,7 @@ def _calibrate_norms(net: nn.Module, x) -> nn.Module:
 # The measures: (net in eval mode, batch) -> (higher-is-better value, raw value)
 # --------------------------------------------------------------------------------------------
 
+
 def _kernel(net, x, kind, layers):
     k = empirical_ntk(net, x, kind=kind, layers=None if layers is None else list(layers))
     return sum(k.values()) if isinstance(k, dict) else k
@@ -280,8 +353,10 @@ def _kernel(net, x, kind, layers):
 
 def _square(k: torch.Tensor) -> torch.Tensor:
     if k.dim() != 2:
-        raise ValueError(f"the kernel metrics need an [N, N] kernel; kind gives shape "
-                         f"{tuple(k.shape)} (use 'sum_logits' or 'trace')")
+        raise ValueError(
+            f"the kernel metrics need an [N, N] kernel; kind gives shape "
+            f"{tuple(k.shape)} (use 'sum_logits' or 'trace')"
+        )
     return k.to(torch.float64)
 
 
@@ -377,6 +452,16 @@ def _params(net, x, y, **_):
     return value, value
 
 
-_MEASURES = {"lga": _lga, "condition_number": _condition, "trace": _trace,
-             "frobenius": _frobenius, "mean": _mean, "naswot": _naswot, "synflow": _synflow,
-             "grad_norm": _grad_norm, "snip": _snip, "jacob_cov": _jacob_cov, "params": _params}
+_MEASURES = {
+    "lga": _lga,
+    "condition_number": _condition,
+    "trace": _trace,
+    "frobenius": _frobenius,
+    "mean": _mean,
+    "naswot": _naswot,
+    "synflow": _synflow,
+    "grad_norm": _grad_norm,
+    "snip": _snip,
+    "jacob_cov": _jacob_cov,
+    "params": _params,
+}

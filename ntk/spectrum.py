@@ -1,4 +1,5 @@
 """Spectral summaries of kernels: eigenvalues, condition number and kernel–label alignment."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -60,7 +61,9 @@ def kernel_alignment(kernel, y, *, centering: str = "kernel") -> float:
     if k.shape[0] != (n := len(y)) and k.dim() == 2:
         raise ValueError(f"kernel is {k.shape[0]} × {k.shape[0]} but y has {n} entries")
     if k.shape[0] != n:
-        raise ValueError("kernel_alignment needs an [N, N] kernel (use kind='trace' or 'sum_logits')")
+        raise ValueError(
+            "kernel_alignment needs an [N, N] kernel (use kind='trace' or 'sum_logits')"
+        )
     lab = label_matrix(y)
     if centering == "kernel":
         h = torch.eye(n, dtype=torch.float64) - 1.0 / n

@@ -18,6 +18,7 @@ Matrices are generated in float64 on the CPU, in chunks of rows whose boundaries
 the number of columns (so a chunk is the same whichever rows are needed), then cast. Chunks are
 cached up to a memory budget, so a projection used on many batches is generated once.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,12 +27,14 @@ import math
 import torch
 
 PROJECTORS = ("rademacher", "gaussian", "sparse")
-_CHUNK_ENTRIES = 1 << 22          # entries per generated chunk (32 MiB in float64)
+_CHUNK_ENTRIES = 1 << 22  # entries per generated chunk (32 MiB in float64)
 
 
 def check_projector(projector: str) -> str:
     if projector not in PROJECTORS:
-        raise ValueError(f"unknown projector {projector!r}; valid projectors are {', '.join(PROJECTORS)}")
+        raise ValueError(
+            f"unknown projector {projector!r}; valid projectors are {', '.join(PROJECTORS)}"
+        )
     return projector
 
 
@@ -46,7 +49,10 @@ def _sample(projector: str, rows: int, cols: int, total_rows: int, seed: int) ->
     if projector == "gaussian":
         return torch.randn(rows, cols, generator=gen, dtype=torch.float64)
     if projector == "rademacher":
-        return torch.randint(0, 2, (rows, cols), generator=gen, dtype=torch.int8).to(torch.float64) * 2 - 1
+        return (
+            torch.randint(0, 2, (rows, cols), generator=gen, dtype=torch.int8).to(torch.float64) * 2
+            - 1
+        )
     s = max(3.0, math.sqrt(total_rows))
     u = torch.rand(rows, cols, generator=gen, dtype=torch.float64)
     return math.sqrt(s) * ((u < 0.5 / s).to(torch.float64) - (u > 1 - 0.5 / s).to(torch.float64))
@@ -55,7 +61,7 @@ def _sample(projector: str, rows: int, cols: int, total_rows: int, seed: int) ->
 class RandomMatrix:
     """A lazily generated [rows, cols] random matrix times `scale`, identified by `key`."""
 
-    def __init__(self, bank: "MatrixBank", key: tuple, rows: int, cols: int, scale: float):
+    def __init__(self, bank: MatrixBank, key: tuple, rows: int, cols: int, scale: float):
         self.bank, self.key, self.rows, self.cols, self.scale = bank, key, rows, cols, scale
         self.chunk = max(1, _CHUNK_ENTRIES // cols)
 
@@ -66,7 +72,7 @@ class RandomMatrix:
         """x [..., rows] @ R → [..., cols]."""
         out = None
         for i, start in enumerate(range(0, self.rows, self.chunk)):
-            part = x[..., start:start + self.chunk] @ self._chunk(i)
+            part = x[..., start : start + self.chunk] @ self._chunk(i)
             out = part if out is None else out + part
         return out
 
@@ -88,8 +94,9 @@ class RandomMatrix:
 class MatrixBank:
     """Generates and caches the chunks of every random matrix of one projection."""
 
-    def __init__(self, projector: str, seed: int, *, dtype: torch.dtype, device,
-                 cache_bytes: int = 2 << 30):
+    def __init__(
+        self, projector: str, seed: int, *, dtype: torch.dtype, device, cache_bytes: int = 2 << 30
+    ):
         self.projector, self.seed = check_projector(projector), int(seed)
         self.dtype, self.device = dtype, torch.device(device)
         self.cache_bytes = cache_bytes
@@ -107,7 +114,8 @@ class MatrixBank:
         rows = min(m.chunk, m.rows - i * m.chunk)
         seed = stable_seed(self.projector, self.seed, m.key, m.rows, m.cols, i)
         value = (_sample(self.projector, rows, m.cols, m.rows, seed) * m.scale).to(
-            dtype=self.dtype, device=self.device)
+            dtype=self.dtype, device=self.device
+        )
         size = value.numel() * value.element_size()
         if self._cached + size <= self.cache_bytes:
             self._cache[ident] = value

@@ -24,12 +24,14 @@ Rakhshan & Rabusseau, AISTATS 2020) keeps the error within about √(8/2) = 2× 
 projection's on the diagonal while it is the cheapest per column (measured on the demo MLP,
 k = 1024: 1.1× the dense error for sum_logits, 2.5× for trace; on the MLP 784-512-512-10 at
 k = 4096, 1.09× TRAK's dense error, see benchmarks/README.md); `benchmarks/projection_accuracy.py`
-measures the 1/√k trend. A weight shared over so many positions that projecting the factors costs more
+measures the 1/√k trend. A weight shared over so many positions that projecting the factors costs
+more
 (S·(F_in + F_out) > P, as in early convolutions) is projected like an explicit term instead:
 its per-sample gradient G = Σ_s δ_s a_sᵀ (smaller than the factors it replaces) times a dense R,
 at the same cost as the Kronecker route through G and with the lower dense variance. The choice
 depends only on the layer's shapes, so it is the same for every batch.
 """
+
 from __future__ import annotations
 
 import math
@@ -76,10 +78,14 @@ class Sketcher:
             if via_gradient < via_factors:
                 g = torch.einsum("cbso,bsi->cboi", t.d, t.a).reshape(c, b, f_out * f_in)
                 return self.explicit(t.layer, "weight", g)
-            a_proj = r_in.matmul(t.a)                                         # [B, S, r·m]
+            a_proj = r_in.matmul(t.a)  # [B, S, r·m]
         d_proj = r_out.matmul(t.d).reshape(c, b, s, r, m)
         a_proj = a_proj.reshape(b, s, r, m)
-        phi = (d_proj * a_proj).sum(2) if m == 1 else torch.einsum("cbsrp,bsrq->cbrpq", d_proj, a_proj)
+        phi = (
+            (d_proj * a_proj).sum(2)
+            if m == 1
+            else torch.einsum("cbsrp,bsrq->cbrpq", d_proj, a_proj)
+        )
         return phi.reshape(c, b, self.dim) / math.sqrt(r)
 
     def terms(self, terms: list, layers) -> dict:

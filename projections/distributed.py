@@ -18,12 +18,12 @@ The features and the manifest are byte-identical to a single-process run with th
 and `batch_size`. A rerun after a rank died (with any number of ranks) keeps the blocks that
 were journalled and computes only the rest.
 """
+
 from __future__ import annotations
 
 import os
 import shutil
 from pathlib import Path
-from typing import Union
 
 import torch
 
@@ -58,15 +58,18 @@ def featurize_shard(fz: Featurizer, blocks, root: Path, settings: dict, batch_si
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, root / _JOURNAL / f"{i}.sha256")
+
     store.write_blocks(fz, blocks, root, manifest, mine, record, show and rank == 0)
     barrier()
     if rank == 0:
         _merge_journal(root, manifest)
         missing = manifest["num_blocks"] - len(manifest["blocks"])
         if missing:
-            raise store.StoreError(f"{missing} blocks of the store at {root} are missing or do "
-                                   "not hold the bytes their rank wrote (do all ranks share this "
-                                   "filesystem, with coherent writes?); run again to recompute them")
+            raise store.StoreError(
+                f"{missing} blocks of the store at {root} are missing or do "
+                "not hold the bytes their rank wrote (do all ranks share this "
+                "filesystem, with coherent writes?); run again to recompute them"
+            )
     barrier()
     return store.open_store(root, verify=False)
 
@@ -82,17 +85,24 @@ def _merge_journal(root: Path, manifest: dict) -> None:
     for entry in journal.glob("*.sha256"):
         i = int(entry.name.split(".")[0])
         digest = entry.read_text()
-        if store._digest(array[i * block:(i + 1) * block]) == digest:
+        if store._digest(array[i * block : (i + 1) * block]) == digest:
             manifest["blocks"][str(i)] = digest
-    manifest["blocks"] = {str(i): manifest["blocks"][str(i)]
-                          for i in sorted(map(int, manifest["blocks"]))}
+    manifest["blocks"] = {
+        str(i): manifest["blocks"][str(i)] for i in sorted(map(int, manifest["blocks"]))
+    }
     store._write_manifest(root, manifest)
     shutil.rmtree(journal)
 
 
-def kernel(store1: Union[str, os.PathLike], store2: Union[None, str, os.PathLike] = None, *,
-           path: Union[None, str, os.PathLike] = None, out=None, tile: int = 4096,
-           progress: bool = False):
+def kernel(
+    store1: str | os.PathLike,
+    store2: None | str | os.PathLike = None,
+    *,
+    path: None | str | os.PathLike = None,
+    out=None,
+    tile: int = 4096,
+    progress: bool = False,
+):
     """Φ1 Φ2ᵀ of complete feature stores (store2=None: Φ1 Φ1ᵀ, symmetric) as the stores' kind,
     with its `tile` × `tile` tiles shared among the ranks (see `ntk.distributed`).
 
@@ -103,10 +113,13 @@ def kernel(store1: Union[str, os.PathLike], store2: Union[None, str, os.PathLike
     """
     kind = store.store_info(store1)["kind"]
     if store2 is not None and store.store_info(store2)["kind"] != kind:
-        raise ValueError(f"the stores hold features of different kinds ({kind} and "
-                         f"{store.store_info(store2)['kind']})")
+        raise ValueError(
+            f"the stores hold features of different kinds ({kind} and "
+            f"{store.store_info(store2)['kind']})"
+        )
     phi1 = store.open_store(store1, verify=False)
     phi2 = None if store2 is None else store.open_store(store2, verify=False)
-    result = run_grid(kernel_grid(phi1, phi2, kind=kind, tile=tile), path=path, out=out,
-                      progress=progress)
+    result = run_grid(
+        kernel_grid(phi1, phi2, kind=kind, tile=tile), path=path, out=out, progress=progress
+    )
     return result.numpy() if isinstance(result, torch.Tensor) else result

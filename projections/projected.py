@@ -9,10 +9,11 @@ and Φ [N, O, k] for `trace`, `diagonal` and `full`; the kernels are contraction
 This is the projection used by TRAK (Park et al., ICML 2023) and by the projected trNTK of
 Engel et al. (ICLR 2024), applied to factors instead of materialised gradients.
 """
+
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ from ntk.empirical import check_outputs
 from ._projectors import MatrixBank, check_projector
 from ._sketch import Sketcher
 
-Features = Union[torch.Tensor, dict]
+Features = torch.Tensor | dict
 
 
 class Featurizer:
@@ -38,10 +39,19 @@ class Featurizer:
     through a functional view and never modified.
     """
 
-    def __init__(self, model: nn.Module, *, dim: int, kind: str = "trace",
-                 projector: str = "rademacher", seed: int = 0,
-                 layers: Union[None, str, Sequence[str]] = None, device=None,
-                 dtype: Optional[torch.dtype] = None, output_fn: Optional[Callable] = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        dim: int,
+        kind: str = "trace",
+        projector: str = "rademacher",
+        seed: int = 0,
+        layers: None | str | Sequence[str] = None,
+        device=None,
+        dtype: torch.dtype | None = None,
+        output_fn: Callable | None = None,
+    ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
@@ -56,7 +66,7 @@ class Featurizer:
         self.view = ModelView(model, output_fn=output_fn, device=device, dtype=dtype)
         self.layers = self.view.select(layers)
         self.param_dtype = next(iter(self.view.params.values())).dtype
-        self.num_outputs: Optional[int] = None
+        self.num_outputs: int | None = None
         self._plan = None
         self._sketcher = None
 
@@ -71,22 +81,42 @@ class Featurizer:
                 h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
-    def prepare(self, x) -> "Featurizer":
+    def prepare(self, x) -> Featurizer:
         """Validate a batch (finite inputs and outputs, samples independent) and plan once."""
         inputs.validate(x, "x")
         x = inputs.convert(x, self.view.device, self.dtype)
         o = check_outputs(self.view, [x])
         if self.num_outputs is not None and o != self.num_outputs:
-            raise ValueError(f"the model returned {o} outputs, earlier batches had {self.num_outputs}")
+            raise ValueError(
+                f"the model returned {o} outputs, earlier batches had {self.num_outputs}"
+            )
         if self._plan is None:
             self.num_outputs = o
-            self.cot = kinds.cotangents(self.kind, o, dtype=self.param_dtype, device=self.view.device)
-            only = None if self.layers is None else [n for l in self.layers for n in self.view.layers[l]]
-            self._plan = structured.plan(self.view, inputs.take(x, slice(0, 1)), self.kind,
-                                          self.cot.shape[0], 1, only=only, factor_all=True)
-            vocab = {l: m.num_embeddings for l, m in self._plan.modules.items()
-                     if isinstance(m, nn.Embedding)}
-            bank = MatrixBank(self.projector, self.seed, dtype=self.param_dtype, device=self.view.device)
+            self.cot = kinds.cotangents(
+                self.kind, o, dtype=self.param_dtype, device=self.view.device
+            )
+            only = (
+                None
+                if self.layers is None
+                else [n for l in self.layers for n in self.view.layers[l]]
+            )
+            self._plan = structured.plan(
+                self.view,
+                inputs.take(x, slice(0, 1)),
+                self.kind,
+                self.cot.shape[0],
+                1,
+                only=only,
+                factor_all=True,
+            )
+            vocab = {
+                l: m.num_embeddings
+                for l, m in self._plan.modules.items()
+                if isinstance(m, nn.Embedding)
+            }
+            bank = MatrixBank(
+                self.projector, self.seed, dtype=self.param_dtype, device=self.view.device
+            )
             self._sketcher = Sketcher(bank, self.dim, vocab)
         return self
 
@@ -98,8 +128,9 @@ class Featurizer:
         explicit = sum(self.view.params[n].numel() for n in p.fallback)
         outputs = 1 if self.layers is None else len(self.layers)
         s_max = max(p.positions.values(), default=1)
-        per_sample = itemsize * (2 * p.activations * (1 + c) + c * explicit
-                                 + c * self.dim * (outputs + 2 * s_max))
+        per_sample = itemsize * (
+            2 * p.activations * (1 + c) + c * explicit + c * self.dim * (outputs + 2 * s_max)
+        )
         budget = max(0.25 * available_bytes(self.view.device), 64 << 20)
         return max(1, min(512, block_size(n, per_sample, 0.0, budget)))
 
@@ -115,19 +146,33 @@ class Featurizer:
         with torch.no_grad():
             phis = self._sketcher.terms(terms, self.layers)
         shaped = {}
-        for key in ([None] if self.layers is None else self.layers):
+        for key in [None] if self.layers is None else self.layers:
             phi = phis.get(key)
-            if phi is None:       # a selected layer that does not affect the outputs
-                phi = torch.zeros((self.cot.shape[0], b, self.dim), dtype=self.param_dtype,
-                                  device=self.view.device)
+            if phi is None:  # a selected layer that does not affect the outputs
+                phi = torch.zeros(
+                    (self.cot.shape[0], b, self.dim),
+                    dtype=self.param_dtype,
+                    device=self.view.device,
+                )
             shaped[key] = phi[0] if self.kind == "sum_logits" else phi.transpose(0, 1)
         return shaped[None] if self.layers is None else shaped
 
 
-def features(model: nn.Module, x, *, dim: int, kind: str = "trace", projector: str = "rademacher",
-             seed: int = 0, layers: Union[None, str, Sequence[str]] = None,
-             batch_size: Optional[int] = None, device=None, dtype: Optional[torch.dtype] = None,
-             output_fn: Optional[Callable] = None, progress: bool = False) -> Features:
+def features(
+    model: nn.Module,
+    x,
+    *,
+    dim: int,
+    kind: str = "trace",
+    projector: str = "rademacher",
+    seed: int = 0,
+    layers: None | str | Sequence[str] = None,
+    batch_size: int | None = None,
+    device=None,
+    dtype: torch.dtype | None = None,
+    output_fn: Callable | None = None,
+    progress: bool = False,
+) -> Features:
     """Projected Jacobian features Φ(x) = J(x) R with E[R Rᵀ] = I, so that Φ Φᵀ estimates the
     eNTK of `kind` without bias.
 
@@ -136,14 +181,24 @@ def features(model: nn.Module, x, *, dim: int, kind: str = "trace", projector: s
     own independent projection). projector: "rademacher", "gaussian" or "sparse". The same
     `seed` gives the same features whatever `batch_size`, device or the model's dtype.
     """
-    fz = Featurizer(model, dim=dim, kind=kind, projector=projector, seed=seed, layers=layers,
-                    device=device, dtype=dtype, output_fn=output_fn)
+    fz = Featurizer(
+        model,
+        dim=dim,
+        kind=kind,
+        projector=projector,
+        seed=seed,
+        layers=layers,
+        device=device,
+        dtype=dtype,
+        output_fn=output_fn,
+    )
     return _features_of(fz, x, batch_size, progress)
 
 
 def _features_of(fz: Featurizer, x, batch_size, progress) -> Features:
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
-                                   or batch_size < 1):
+    if batch_size is not None and (
+        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
+    ):
         raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
     n = inputs.validate(x, "x")
     fz.prepare(x)
@@ -156,16 +211,36 @@ def _features_of(fz: Featurizer, x, batch_size, progress) -> Features:
     return {layer: torch.cat([p[layer] for p in parts]) for layer in fz.layers}
 
 
-def projected_ntk(model: nn.Module, x1, x2=None, *, dim: int, kind: str = "trace",
-                  projector: str = "rademacher", seed: int = 0,
-                  layers: Union[None, str, Sequence[str]] = None, batch_size: Optional[int] = None,
-                  device=None, dtype: Optional[torch.dtype] = None,
-                  output_fn: Optional[Callable] = None, progress: bool = False):
+def projected_ntk(
+    model: nn.Module,
+    x1,
+    x2=None,
+    *,
+    dim: int,
+    kind: str = "trace",
+    projector: str = "rademacher",
+    seed: int = 0,
+    layers: None | str | Sequence[str] = None,
+    batch_size: int | None = None,
+    device=None,
+    dtype: torch.dtype | None = None,
+    output_fn: Callable | None = None,
+    progress: bool = False,
+):
     """Φ(x1) Φ(x2)ᵀ contracted as `kind`: an unbiased estimate of
     `ntk.empirical_ntk(model, x1, x2, kind=kind, layers=layers)`, with the same shape
     ([N1, N2, O, O], [N1, N2, O] or [N1, N2]; a dict per layer with `layers`)."""
-    fz = Featurizer(model, dim=dim, kind=kind, projector=projector, seed=seed, layers=layers,
-                    device=device, dtype=dtype, output_fn=output_fn)
+    fz = Featurizer(
+        model,
+        dim=dim,
+        kind=kind,
+        projector=projector,
+        seed=seed,
+        layers=layers,
+        device=device,
+        dtype=dtype,
+        output_fn=output_fn,
+    )
     if x2 is not None:
         inputs.validate(x2, "x2")
         inputs.check_compatible(x1, x2)
@@ -194,7 +269,9 @@ def kernel(phi1, phi2=None, *, kind: str, out=None, tile: int = 4096, progress: 
     `out`: an optional preallocated array (e.g. `numpy.lib.format.open_memmap`) that receives
     the kernel; otherwise a numpy array is returned."""
     grid = kernel_grid(phi1, phi2, kind=kind, tile=tile)
-    results = grid.allocate(np.empty(grid.shape, dtype=np.asarray(phi1[:1]).dtype) if out is None else out)
+    results = grid.allocate(
+        np.empty(grid.shape, dtype=np.asarray(phi1[:1]).dtype) if out is None else out
+    )
     for i, j, values in grid.compute(progress=progress):
         grid.write(results, i, j, values)
     return results[None]
@@ -212,14 +289,28 @@ def kernel_grid(phi1, phi2=None, *, kind: str, tile: int = 4096) -> Grid:
         if len(p.shape) != want:
             raise ValueError(f"{name} has shape {tuple(p.shape)}; {kind} features have {want} axes")
     if tuple(phi1.shape[1:]) != tuple(phi2.shape[1:]):
-        raise ValueError(f"feature shapes differ: {tuple(phi1.shape[1:])} vs {tuple(phi2.shape[1:])}")
+        raise ValueError(
+            f"feature shapes differ: {tuple(phi1.shape[1:])} vs {tuple(phi2.shape[1:])}"
+        )
     n1, n2 = phi1.shape[0], phi2.shape[0]
     o = phi1.shape[1] if want == 3 else 1
 
     def read(phi):
         return lambda rows: torch.from_numpy(np.array(phi[rows]))
-    return Grid(n1=n1, n2=n2, block=tile, symmetric=sym, kind=kind,
-                shape=kinds.tile_shape(kind, n1, n2, o), keys=[None],
-                dtype=getattr(torch, np.asarray(phi1[:1]).dtype.name), device=torch.device("cpu"),
-                row_features=read(phi1), col_features=read(phi2),
-                tile=lambda a, b: {None: _contract(a, b, kind)}, cache_ok=False, desc="kernel")
+
+    return Grid(
+        n1=n1,
+        n2=n2,
+        block=tile,
+        symmetric=sym,
+        kind=kind,
+        shape=kinds.tile_shape(kind, n1, n2, o),
+        keys=[None],
+        dtype=getattr(torch, np.asarray(phi1[:1]).dtype.name),
+        device=torch.device("cpu"),
+        row_features=read(phi1),
+        col_features=read(phi2),
+        tile=lambda a, b: {None: _contract(a, b, kind)},
+        cache_ok=False,
+        desc="kernel",
+    )

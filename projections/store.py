@@ -13,14 +13,15 @@ leaves a half-written block that looks complete; `featurize` on the same path re
 missing blocks and produces the same bytes as an uninterrupted run. Stores written with other
 settings or another model, and truncated or corrupted blocks, are refused with `StoreError`.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -35,19 +36,31 @@ from .projected import Featurizer
 
 FORMAT = "ntk-feature-store/1"
 _MANIFEST, _ARRAY = "manifest.json", "features.npy"
-_EXIT_HOOK = "NTK_FEATURIZE_EXIT_AFTER_BLOCKS"   # testing: os._exit(3) after this many new blocks
+_EXIT_HOOK = "NTK_FEATURIZE_EXIT_AFTER_BLOCKS"  # testing: os._exit(3) after this many new blocks
 
 
 class StoreError(ValueError):
     """The store does not match the request, is incomplete, or is damaged."""
 
 
-def featurize(model: nn.Module, data, path: Union[str, os.PathLike], *, dim: int,
-              kind: str = "trace", projector: str = "rademacher", seed: int = 0,
-              block: int = 1024, batch_size: Optional[int] = None, device=None,
-              dtype: Optional[torch.dtype] = None, store_dtype: str = "float32",
-              output_fn: Optional[Callable] = None, progress: Optional[bool] = None,
-              distributed: Optional[bool] = None) -> np.ndarray:
+def featurize(
+    model: nn.Module,
+    data,
+    path: str | os.PathLike,
+    *,
+    dim: int,
+    kind: str = "trace",
+    projector: str = "rademacher",
+    seed: int = 0,
+    block: int = 1024,
+    batch_size: int | None = None,
+    device=None,
+    dtype: torch.dtype | None = None,
+    store_dtype: str = "float32",
+    output_fn: Callable | None = None,
+    progress: bool | None = None,
+    distributed: bool | None = None,
+) -> np.ndarray:
     """Stream the projected features of `data` (see `projections.features`) into the store at
     `path`, `block` samples per block, resuming an interrupted run; returns `open_store(path)`.
 
@@ -65,21 +78,39 @@ def featurize(model: nn.Module, data, path: Union[str, os.PathLike], *, dim: int
     store_dtype = np.dtype(store_dtype).name
     if store_dtype not in ("float16", "float32", "float64"):
         raise ValueError(f"store_dtype must be float16, float32 or float64, got {store_dtype!r}")
-    fz = Featurizer(model, dim=dim, kind=kind, projector=projector, seed=seed, device=device,
-                    dtype=dtype, output_fn=output_fn)
+    fz = Featurizer(
+        model,
+        dim=dim,
+        kind=kind,
+        projector=projector,
+        seed=seed,
+        device=device,
+        dtype=dtype,
+        output_fn=output_fn,
+    )
     n, blocks = _blocks(data, block)
     first = next(blocks)
     fz.prepare(first)
     root = Path(path)
-    settings = {"format": FORMAT, "model": fz.fingerprint(), "kind": kind, "dim": dim,
-                "projector": projector, "seed": seed, "samples": n, "block": block,
-                "num_outputs": fz.num_outputs, "store_dtype": store_dtype,
-                "compute_dtype": str(fz.param_dtype).replace("torch.", "")}
+    settings = {
+        "format": FORMAT,
+        "model": fz.fingerprint(),
+        "kind": kind,
+        "dim": dim,
+        "projector": projector,
+        "seed": seed,
+        "samples": n,
+        "block": block,
+        "num_outputs": fz.num_outputs,
+        "store_dtype": store_dtype,
+        "compute_dtype": str(fz.param_dtype).replace("torch.", ""),
+    }
     show = sys.stderr.isatty() if progress is None else progress
     if distributed is None:
         distributed = rank_and_world()[1] > 1
     if distributed:
         from .distributed import featurize_shard
+
         return featurize_shard(fz, _chain(first, blocks), root, settings, batch_size, show)
     manifest = _load_or_create(root, settings, batch_size, fz, n)
     todo = [i for i in range(manifest["num_blocks"]) if str(i) not in manifest["blocks"]]
@@ -87,12 +118,20 @@ def featurize(model: nn.Module, data, path: Union[str, os.PathLike], *, dim: int
     def record(i: int, digest: str) -> None:
         manifest["blocks"][str(i)] = digest
         _write_manifest(root, manifest)
+
     write_blocks(fz, _chain(first, blocks), root, manifest, todo, record, show)
     return open_store(root, verify=False)
 
 
-def write_blocks(fz: Featurizer, blocks, root: Path, manifest: dict, todo: list,
-                 record: Callable[[int, str], None], show: bool) -> None:
+def write_blocks(
+    fz: Featurizer,
+    blocks,
+    root: Path,
+    manifest: dict,
+    todo: list,
+    record: Callable[[int, str], None],
+    show: bool,
+) -> None:
     """Featurise the blocks numbered in `todo` (of the iterator `blocks`) into the store's
     array; after each block's rows are flushed, `record(i, sha256)` marks it complete."""
     batch, block, store_dtype = manifest["batch"], manifest["block"], manifest["store_dtype"]
@@ -110,8 +149,9 @@ def write_blocks(fz: Featurizer, blocks, root: Path, manifest: dict, todo: list,
             fz.prepare(x)
             for start in range(0, inputs.count(x), batch):
                 part = fz.block(inputs.take(x, slice(start, start + batch)))
-                array[rows.start + start: rows.start + start + part.shape[0]] = \
+                array[rows.start + start : rows.start + start + part.shape[0]] = (
                     part.detach().cpu().numpy().astype(store_dtype)
+                )
             array.flush()
             record(i, _digest(array[rows]))
             bar.update()
@@ -121,7 +161,7 @@ def write_blocks(fz: Featurizer, blocks, root: Path, manifest: dict, todo: list,
     del array
 
 
-def open_store(path: Union[str, os.PathLike], *, verify: bool = True) -> np.ndarray:
+def open_store(path: str | os.PathLike, *, verify: bool = True) -> np.ndarray:
     """The features of a complete store as a read-only memory-mapped array, [N, k] or [N, O, k].
 
     verify: recompute every block's SHA-256 and refuse a corrupted store (reads the whole file).
@@ -131,16 +171,18 @@ def open_store(path: Union[str, os.PathLike], *, verify: bool = True) -> np.ndar
     manifest = store_info(root)
     missing = manifest["num_blocks"] - len(manifest["blocks"])
     if missing:
-        raise StoreError(f"the store at {root} is incomplete: {missing} of {manifest['num_blocks']} "
-                         "blocks missing; run projections.featurize again with the same settings "
-                         "to resume")
+        raise StoreError(
+            f"the store at {root} is incomplete: {missing} of {manifest['num_blocks']} "
+            "blocks missing; run projections.featurize again with the same settings "
+            "to resume"
+        )
     array = _open_array(root, manifest)
     if verify:
         _verify(array, manifest, root)
     return array
 
 
-def store_info(path: Union[str, os.PathLike]) -> dict:
+def store_info(path: str | os.PathLike) -> dict:
     """The manifest of the store at `path` (settings, shape, complete blocks)."""
     file = Path(path) / _MANIFEST
     try:
@@ -156,34 +198,54 @@ def store_info(path: Union[str, os.PathLike]) -> dict:
 
 # --------------------------------------------------------------------------------------------
 
+
 def _load_or_create(root: Path, settings: dict, batch_size, fz: Featurizer, n: int) -> dict:
     if (root / _MANIFEST).exists():
         manifest = store_info(root)
-        diff = [f"{k}: store has {manifest.get(k)!r}, requested {v!r}" for k, v in settings.items()
-                if manifest.get(k) != v and k != "model"]
+        diff = [
+            f"{k}: store has {manifest.get(k)!r}, requested {v!r}"
+            for k, v in settings.items()
+            if manifest.get(k) != v and k != "model"
+        ]
         if diff:
-            raise StoreError(f"the store at {root} was written with other settings ("
-                             + "; ".join(diff) + "); use another path")
+            raise StoreError(
+                f"the store at {root} was written with other settings ("
+                + "; ".join(diff)
+                + "); use another path"
+            )
         if manifest["model"] != settings["model"]:
-            raise StoreError(f"the store at {root} was written by a different model (parameter "
-                             f"fingerprint {manifest['model'][:12]}…, this model "
-                             f"{settings['model'][:12]}…); use another path")
+            raise StoreError(
+                f"the store at {root} was written by a different model (parameter "
+                f"fingerprint {manifest['model'][:12]}…, this model "
+                f"{settings['model'][:12]}…); use another path"
+            )
         if batch_size is not None and batch_size != manifest["batch"]:
-            raise StoreError(f"the store at {root} is being written with batch_size="
-                             f"{manifest['batch']}; resume with the same batch_size (or None)")
+            raise StoreError(
+                f"the store at {root} is being written with batch_size="
+                f"{manifest['batch']}; resume with the same batch_size (or None)"
+            )
         _verify(_open_array(root, manifest), manifest, root)
         return manifest
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
-                                   or batch_size < 1):
+    if batch_size is not None and (
+        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
+    ):
         raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
     root.mkdir(parents=True, exist_ok=True)
-    shape = (n, settings["dim"]) if settings["kind"] == "sum_logits" else \
-        (n, settings["num_outputs"], settings["dim"])
+    shape = (
+        (n, settings["dim"])
+        if settings["kind"] == "sum_logits"
+        else (n, settings["num_outputs"], settings["dim"])
+    )
     tmp = root / (_ARRAY + ".tmp")
     np.lib.format.open_memmap(tmp, mode="w+", dtype=settings["store_dtype"], shape=shape).flush()
     os.replace(tmp, root / _ARRAY)
-    manifest = {**settings, "shape": list(shape), "num_blocks": -(-n // settings["block"]),
-                "batch": min(batch_size or fz.default_batch(n), settings["block"]), "blocks": {}}
+    manifest = {
+        **settings,
+        "shape": list(shape),
+        "num_blocks": -(-n // settings["block"]),
+        "batch": min(batch_size or fz.default_batch(n), settings["block"]),
+        "blocks": {},
+    }
     _write_manifest(root, manifest)
     return manifest
 
@@ -195,8 +257,10 @@ def _open_array(root: Path, manifest: dict) -> np.ndarray:
     except (OSError, ValueError) as e:
         raise StoreError(f"cannot read {file} (truncated or damaged?): {e}") from None
     if list(array.shape) != manifest["shape"] or array.dtype.name != manifest["store_dtype"]:
-        raise StoreError(f"{file} holds {array.dtype.name} {list(array.shape)}, the manifest "
-                         f"says {manifest['store_dtype']} {manifest['shape']}")
+        raise StoreError(
+            f"{file} holds {array.dtype.name} {list(array.shape)}, the manifest "
+            f"says {manifest['store_dtype']} {manifest['shape']}"
+        )
     return array
 
 
@@ -204,11 +268,13 @@ def _verify(array: np.ndarray, manifest: dict, root: Path) -> None:
     block = manifest["block"]
     for key, digest in manifest["blocks"].items():
         i = int(key)
-        if _digest(array[i * block:(i + 1) * block]) != digest:
-            raise StoreError(f"block {i} of the store at {root} (samples {i * block}–"
-                             f"{min((i + 1) * block, manifest['samples']) - 1}) is corrupted: its "
-                             "checksum does not match the manifest; delete the store and "
-                             "featurize again")
+        if _digest(array[i * block : (i + 1) * block]) != digest:
+            raise StoreError(
+                f"block {i} of the store at {root} (samples {i * block}–"
+                f"{min((i + 1) * block, manifest['samples']) - 1}) is corrupted: its "
+                "checksum does not match the manifest; delete the store and "
+                "featurize again"
+            )
 
 
 def _digest(rows: np.ndarray) -> str:
@@ -228,14 +294,18 @@ def _blocks(data, block: int):
     """(number of samples, iterator over model inputs of `block` samples each)."""
     if isinstance(data, DataLoader):
         if not isinstance(getattr(data.batch_sampler, "sampler", data.sampler), SequentialSampler):
-            raise ValueError("the DataLoader must visit samples in a fixed order (shuffle=False) "
-                             "so that an interrupted run can resume")
+            raise ValueError(
+                "the DataLoader must visit samples in a fixed order (shuffle=False) "
+                "so that an interrupted run can resume"
+            )
         return len(data.dataset), _rebatch((_model_input(b) for b in data), block)
     if isinstance(data, TensorDataset):
         data = data.tensors[0]
     elif isinstance(data, torch.utils.data.Dataset):
-        raise TypeError("data must be a tensor (or tuple/dict of tensors), a TensorDataset or a "
-                        f"DataLoader, got {type(data).__name__}; wrap it in a DataLoader")
+        raise TypeError(
+            "data must be a tensor (or tuple/dict of tensors), a TensorDataset or a "
+            f"DataLoader, got {type(data).__name__}; wrap it in a DataLoader"
+        )
     n = inputs.validate(data, "data")
     return n, (inputs.take(data, slice(s, s + block)) for s in range(0, n, block))
 

@@ -1,6 +1,7 @@
 """Headless Chromium driven over the Chrome DevTools protocol (CDP): open a page, wait for it to
 load, read what the browser saw (decoded images, console errors, network requests) and take a
 screenshot. Debian's `chromium` package; the websocket client is `websocket-client`."""
+
 from __future__ import annotations
 
 import base64
@@ -12,13 +13,22 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import websocket
 
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
-         "--no-first-run", "--disable-background-networking", "--disable-component-update",
-         "--disable-sync", "--disable-extensions", "--remote-debugging-port=0")
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-extensions",
+    "--remote-debugging-port=0",
+)
 
 # Every <img> after decoding: the browser's own verdict on each embedded picture.
 IMAGES_JS = """
@@ -29,13 +39,16 @@ Promise.all(Array.from(document.images).map(img =>
 """
 
 
-def executable() -> Optional[str]:
-    return next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+def executable() -> str | None:
+    return next(
+        (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None
+    )
 
 
 @dataclass
 class PageReport:
     """What the browser saw: one dict per <img>, console/log errors, every URL it requested."""
+
     images: list
     errors: list
     requests: list
@@ -53,8 +66,11 @@ class Chromium:
             raise FileNotFoundError("chromium is not installed (Debian: apt-get install chromium)")
         self.timeout = timeout
         self.profile = tempfile.mkdtemp(prefix="ntk-chromium-")
-        self.process = subprocess.Popen([exe, *FLAGS, f"--user-data-dir={self.profile}", "about:blank"],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(
+            [exe, *FLAGS, f"--user-data-dir={self.profile}", "about:blank"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             port = self._port()
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=timeout) as r:
@@ -100,31 +116,56 @@ class Chromium:
             self.events.append(json.loads(self.ws.recv()))
         raise TimeoutError(f"no {event} within {self.timeout} s")
 
-    def inspect(self, url: str, *, width: int = 1200, height: int = 900,
-                full_page: bool = True) -> PageReport:
+    def inspect(
+        self, url: str, *, width: int = 1200, height: int = 900, full_page: bool = True
+    ) -> PageReport:
         """Load `url`, wait for the load event and for every image to decode, then report."""
         for domain in ("Page", "Runtime", "Log", "Network"):
             self.send(f"{domain}.enable")
-        self.send("Emulation.setDeviceMetricsOverride", width=width, height=height,
-                  deviceScaleFactor=1, mobile=False)
+        self.send(
+            "Emulation.setDeviceMetricsOverride",
+            width=width,
+            height=height,
+            deviceScaleFactor=1,
+            mobile=False,
+        )
         self.events.clear()
         self.send("Page.navigate", url=url)
         self.wait_for("Page.loadEventFired")
-        images = self.send("Runtime.evaluate", expression=IMAGES_JS, awaitPromise=True,
-                           returnByValue=True)["result"]["value"]
-        title = self.send("Runtime.evaluate", expression="document.title", returnByValue=True)["result"]["value"]
+        images = self.send(
+            "Runtime.evaluate", expression=IMAGES_JS, awaitPromise=True, returnByValue=True
+        )["result"]["value"]
+        title = self.send("Runtime.evaluate", expression="document.title", returnByValue=True)[
+            "result"
+        ]["value"]
         size = self.send("Page.getLayoutMetrics")["cssContentSize"]
-        clip = {"x": 0, "y": 0, "width": width, "height": size["height"] if full_page else height, "scale": 1}
-        shot = self.send("Page.captureScreenshot", format="png", clip=clip, captureBeyondViewport=full_page)
-        return PageReport(images=images, errors=self._errors(), requests=self._requests(), title=title,
-                          height=int(size["height"]), screenshot=base64.b64decode(shot["data"]))
+        clip = {
+            "x": 0,
+            "y": 0,
+            "width": width,
+            "height": size["height"] if full_page else height,
+            "scale": 1,
+        }
+        shot = self.send(
+            "Page.captureScreenshot", format="png", clip=clip, captureBeyondViewport=full_page
+        )
+        return PageReport(
+            images=images,
+            errors=self._errors(),
+            requests=self._requests(),
+            title=title,
+            height=int(size["height"]),
+            screenshot=base64.b64decode(shot["data"]),
+        )
 
     def _errors(self) -> list:
         errors = []
         for message in self.events:
             method, params = message.get("method"), message.get("params", {})
             if method == "Runtime.consoleAPICalled" and params["type"] in ("error", "assert"):
-                errors.append(" ".join(str(a.get("value", a.get("description"))) for a in params["args"]))
+                errors.append(
+                    " ".join(str(a.get("value", a.get("description"))) for a in params["args"])
+                )
             elif method == "Runtime.exceptionThrown":
                 errors.append(params["exceptionDetails"].get("text", "exception"))
             elif method == "Log.entryAdded" and params["entry"]["level"] == "error":
@@ -134,14 +175,18 @@ class Chromium:
         return errors
 
     def _requests(self) -> list:
-        return [m["params"]["request"]["url"] for m in self.events if m.get("method") == "Network.requestWillBeSent"]
+        return [
+            m["params"]["request"]["url"]
+            for m in self.events
+            if m.get("method") == "Network.requestWillBeSent"
+        ]
 
     def close(self) -> None:
         ws = getattr(self, "ws", None)
         if ws is not None:
             try:
                 self.send("Browser.close")
-            except Exception:  # noqa: BLE001 - the browser may already be gone
+            except Exception:
                 pass
             ws.close()
         try:
@@ -151,7 +196,7 @@ class Chromium:
             self.process.wait()
         shutil.rmtree(self.profile, ignore_errors=True)
 
-    def __enter__(self) -> "Chromium":
+    def __enter__(self) -> Chromium:
         return self
 
     def __exit__(self, *exc) -> None:

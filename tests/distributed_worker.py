@@ -5,19 +5,20 @@ usage: distributed_worker.py OUT kill|all
   kill: `ntk featurize OUT/resumed` of OUT/x.npz, rank 1 exits (os._exit) after its first block
   all:  kernels (gathered and as tiles), featurise OUT/fresh, resume OUT/resumed, store kernels
 """
+
 import json
 import os
 import sys
 
 import torch
 import torch.distributed as dist
+from models import MLP
 
 import ntk.distributed
 import projections
 import projections.distributed
 import projections.store
 from attribution.cli.main import cli
-from models import MLP
 
 N, DIM, BLOCK, TILE = 23, 16, 5, 4
 
@@ -36,9 +37,26 @@ def tiny_model():
 
 def cli_args(store, data):
     """`ntk featurize` arguments with the settings of `featurize`."""
-    return ["featurize", str(store), "--model", f"{os.path.abspath(__file__)}:tiny_model",
-            "--data", str(data), "--dim", str(DIM), "--kind", "trace", "--block", str(BLOCK),
-            "--seed", "1", "--batch-size", "2", "--format", "json"]
+    return [
+        "featurize",
+        str(store),
+        "--model",
+        f"{os.path.abspath(__file__)}:tiny_model",
+        "--data",
+        str(data),
+        "--dim",
+        str(DIM),
+        "--kind",
+        "trace",
+        "--block",
+        str(BLOCK),
+        "--seed",
+        "1",
+        "--batch-size",
+        "2",
+        "--format",
+        "json",
+    ]
 
 
 def featurize(path, log=None):
@@ -51,39 +69,61 @@ def featurize(path, log=None):
             with open(log, "w") as f:
                 json.dump(list(todo), f)
             return write_blocks(fz, blocks, root, manifest, todo, *rest)
+
         projections.store.write_blocks = spy
-    return projections.featurize(model, x, path, dim=DIM, kind="trace", block=BLOCK, seed=1,
-                                 batch_size=2, progress=False)
+    return projections.featurize(
+        model, x, path, dim=DIM, kind="trace", block=BLOCK, seed=1, batch_size=2, progress=False
+    )
 
 
 def main(out, mode):
     if mode == "kill":
         if os.environ["RANK"] == "1":
             os.environ["NTK_FEATURIZE_EXIT_AFTER_BLOCKS"] = "1"
-        cli.main(cli_args(os.path.join(out, "resumed"), os.path.join(out, "x.npz")),
-                 standalone_mode=False)
+        cli.main(
+            cli_args(os.path.join(out, "resumed"), os.path.join(out, "x.npz")),
+            standalone_mode=False,
+        )
         return
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model, x = model_and_data()
     full = ntk.distributed.empirical_ntk(model, x, kind="full", batch_size=TILE)
-    layers = ntk.distributed.empirical_ntk(model, x, x[:9], kind="trace", layers="all",
-                                           batch_size=TILE)
-    ntk.distributed.empirical_ntk(model, x, kind="diagonal", batch_size=TILE,
-                                  path=os.path.join(out, "diagonal"))
+    layers = ntk.distributed.empirical_ntk(
+        model, x, x[:9], kind="trace", layers="all", batch_size=TILE
+    )
+    ntk.distributed.empirical_ntk(
+        model, x, kind="diagonal", batch_size=TILE, path=os.path.join(out, "diagonal")
+    )
     featurize(os.path.join(out, "fresh"))
     featurize(os.path.join(out, "resumed"), log=os.path.join(out, f"resumed.{rank}.json"))
     store = os.path.join(out, "fresh")
     phi_k = projections.distributed.kernel(store, tile=TILE)
-    projections.distributed.kernel(store, os.path.join(out, "resumed"), tile=TILE,
-                                   path=os.path.join(out, "store_kernel"))
-    errors = {}                           # each rank's error when the ranks disagree or one fails
+    projections.distributed.kernel(
+        store, os.path.join(out, "resumed"), tile=TILE, path=os.path.join(out, "store_kernel")
+    )
+    errors = {}  # each rank's error when the ranks disagree or one fails
     for case, call in [
-            ("samples", lambda: ntk.distributed.empirical_ntk(model, x[:10 + rank], kind="trace")),
-            ("seed", lambda: projections.featurize(model, x, os.path.join(out, "seeds"), dim=DIM,
-                                                   seed=rank, block=BLOCK, progress=False)),
-            ("path", lambda: ntk.distributed.empirical_ntk(model, x, kind="trace",
-                                                           path=os.path.join(out, "fresh")))]:
+        ("samples", lambda: ntk.distributed.empirical_ntk(model, x[: 10 + rank], kind="trace")),
+        (
+            "seed",
+            lambda: projections.featurize(
+                model,
+                x,
+                os.path.join(out, "seeds"),
+                dim=DIM,
+                seed=rank,
+                block=BLOCK,
+                progress=False,
+            ),
+        ),
+        (
+            "path",
+            lambda: ntk.distributed.empirical_ntk(
+                model, x, kind="trace", path=os.path.join(out, "fresh")
+            ),
+        ),
+    ]:
         try:
             call()
         except (ValueError, RuntimeError) as e:
@@ -91,8 +131,10 @@ def main(out, mode):
     with open(os.path.join(out, f"errors.{rank}.json"), "w") as f:
         json.dump(errors, f)
     if rank == 0:
-        torch.save({"full": full, "layers": layers, "phi_k": torch.from_numpy(phi_k)},
-                   os.path.join(out, "gathered.pt"))
+        torch.save(
+            {"full": full, "layers": layers, "phi_k": torch.from_numpy(phi_k)},
+            os.path.join(out, "gathered.pt"),
+        )
     else:
         assert full is None and layers is None and phi_k is None
     dist.destroy_process_group()

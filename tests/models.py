@@ -1,4 +1,5 @@
 """Small architectures that exercise every path of the engine (shared by the tests)."""
+
 from __future__ import annotations
 
 import torch
@@ -37,8 +38,8 @@ class CNN(nn.Module):
 
     def forward(self, x):
         h = torch.tanh(self.bn(self.conv1(x)))
-        h = torch.tanh(self.gn(self.conv2(h)))            # [B, 4, 3, 3]
-        h = torch.tanh(self.conv3(h.flatten(2)))          # [B, 3, 7]
+        h = torch.tanh(self.gn(self.conv2(h)))  # [B, 4, 3, 3]
+        h = torch.tanh(self.conv3(h.flatten(2)))  # [B, 3, 7]
         return self.head(h.mean(-1))
 
 
@@ -93,7 +94,7 @@ class Tied(nn.Module):
         h = torch.tanh(self.enc(x))
         h = torch.tanh(self.twice(torch.tanh(self.twice(h))))
         h = self.dec(h)
-        return F.linear(h, self.emb.weight)               # [B, 3]
+        return F.linear(h, self.emb.weight)  # [B, 3]
 
 
 class Frozen(MLP):
@@ -109,7 +110,7 @@ class Scalar(nn.Module):
         self.body = MLP(d_out=1)
 
     def forward(self, x):
-        return self.body(x).squeeze(-1)                   # [B]
+        return self.body(x).squeeze(-1)  # [B]
 
 
 class DictInput(nn.Module):
@@ -135,9 +136,9 @@ def make(name: str, dtype=torch.float64, seed: int = 0):
     elif name == "transformer":
         model = TinyTransformer()
         x1 = torch.randint(0, 11, (5, 5), generator=g)
-        x1[0, :2] = 0                                      # padding tokens
+        x1[0, :2] = 0  # padding tokens
         x2 = torch.randint(0, 11, (3, 5), generator=g)
-    elif name == "positions":                              # N1 = sequence length, N2 ≠ it
+    elif name == "positions":  # N1 = sequence length, N2 ≠ it
         model = SharedPositions()
         x1 = torch.randint(0, 5, (3, 3), generator=g)
         x2 = torch.randint(0, 5, (2, 3), generator=g)

@@ -1,4 +1,5 @@
 """An independent reference eNTK: plain per-sample, per-output torch.autograd.grad loops."""
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,8 @@ def layer_params(model):
 
 def _call(model, x, i):
     if isinstance(x, dict):
-        return model(**{k: v[i:i + 1] for k, v in x.items()})
-    return model(x[i:i + 1])
+        return model(**{k: v[i : i + 1] for k, v in x.items()})
+    return model(x[i : i + 1])
 
 
 def _count(x):
@@ -37,9 +38,14 @@ def jacobians(model, x):
         for o in range(out.shape[0]):
             for name, params in layers.items():
                 grads = torch.autograd.grad(out[o], params, retain_graph=True, allow_unused=True)
-                rows[name].append(torch.cat([
-                    (g if g is not None else torch.zeros_like(p)).reshape(-1)
-                    for g, p in zip(grads, params)]))
+                rows[name].append(
+                    torch.cat(
+                        [
+                            (g if g is not None else torch.zeros_like(p)).reshape(-1)
+                            for g, p in zip(grads, params)
+                        ]
+                    )
+                )
         for name in layers:
             per_layer[name].append(torch.stack(rows[name]))
     return {name: torch.stack(v) for name, v in per_layer.items()}
@@ -62,4 +68,4 @@ def of_kind(full: torch.Tensor, kind: str) -> torch.Tensor:
         return diag
     if kind == "trace":
         return diag.sum(-1)
-    return full.sum((2, 3)) / full.shape[-1]              # sum_logits
+    return full.sum((2, 3)) / full.shape[-1]  # sum_logits

@@ -1,5 +1,6 @@
 """The LDS, the vmapped retraining harness (checked on linear regression, where the trained
 weights and the influence are known in closed form) and mislabel detection."""
+
 import numpy as np
 import pytest
 import torch
@@ -33,15 +34,29 @@ def test_harness_and_lds_on_linear_regression():
     y = x @ torch.randn(d, 1, generator=gen) + 0.3 * torch.randn(n, 1, generator=gen)
     xt = torch.randn(8, d, generator=gen)
     subsets = random_subsets(n, 30, 0.5, seed=2)
-    models = train_on_subsets(lambda: torch.nn.Linear(d, 1), x, y, subsets, epochs=700,
-                              batch_size=n, lr=0.05, weight_decay=wd, loss="mse")
-    out = models.outputs(xt)[:, 0, :, 0].double()                                 # [S, M]
-    xa, xta = torch.cat([x, torch.ones(n, 1)], 1).double(), torch.cat([xt, torch.ones(8, 1)], 1).double()
+    models = train_on_subsets(
+        lambda: torch.nn.Linear(d, 1),
+        x,
+        y,
+        subsets,
+        epochs=700,
+        batch_size=n,
+        lr=0.05,
+        weight_decay=wd,
+        loss="mse",
+    )
+    out = models.outputs(xt)[:, 0, :, 0].double()  # [S, M]
+    xa, xta = (
+        torch.cat([x, torch.ones(n, 1)], 1).double(),
+        torch.cat([xt, torch.ones(8, 1)], 1).double(),
+    )
     m = n // 2
     closed = []
     for row in subsets:
         a, b = xa[row], y[row].double()
-        theta = torch.linalg.solve(a.T @ a + (m * wd / 2) * torch.eye(d + 1, dtype=torch.float64), a.T @ b)
+        theta = torch.linalg.solve(
+            a.T @ a + (m * wd / 2) * torch.eye(d + 1, dtype=torch.float64), a.T @ b
+        )
         closed.append((xta @ theta)[:, 0])
     torch.testing.assert_close(out, torch.stack(closed), rtol=1e-3, atol=1e-3)
     # influence of including i on the test prediction, at the full-data solution
@@ -57,12 +72,14 @@ def test_harness_classification_shapes_and_seeds():
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(20, 3, generator=gen), torch.randint(0, 3, (20,), generator=gen)
     subsets = random_subsets(20, 4, 0.5)
-    models = train_on_subsets(lambda: torch.nn.Linear(3, 3), x, y, subsets, seeds=2, epochs=3,
-                              batch_size=4)
+    models = train_on_subsets(
+        lambda: torch.nn.Linear(3, 3), x, y, subsets, seeds=2, epochs=3, batch_size=4
+    )
     assert models.outputs(x).shape == (4, 2, 20, 3) and models.margins(x, y).shape == (4, 20)
-    again = train_on_subsets(lambda: torch.nn.Linear(3, 3), x, y, subsets, seeds=2, epochs=3,
-                             batch_size=4)
-    torch.testing.assert_close(models.outputs(x), again.outputs(x))           # fixed seeds
+    again = train_on_subsets(
+        lambda: torch.nn.Linear(3, 3), x, y, subsets, seeds=2, epochs=3, batch_size=4
+    )
+    torch.testing.assert_close(models.outputs(x), again.outputs(x))  # fixed seeds
     with pytest.raises(ValueError, match="same size"):
         uneven = torch.zeros(2, 20, dtype=torch.bool)
         uneven[0, :3], uneven[1, :5] = True, True

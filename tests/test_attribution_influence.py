@@ -1,5 +1,6 @@
 """influence(): each method against a direct parameter-space computation with explicit
 per-sample Jacobians; TRAK's averaging over models; error paths."""
+
 import importlib
 
 import pytest
@@ -15,7 +16,9 @@ O = 3
 @pytest.fixture(scope="module")
 def setup():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, O)).double()
+    model = torch.nn.Sequential(
+        torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, O)
+    ).double()
     x, xt = torch.randn(14, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
     return model, x, torch.randint(0, O, (14,)), xt, torch.randint(0, O, (4,))
 
@@ -23,7 +26,7 @@ def setup():
 def _jacobian(model, x):
     params = {k: v.detach() for k, v in model.named_parameters()}
     j = vmap(jacrev(lambda p, xi: functional_call(model, p, (xi[None],))[0]), (None, 0))(params, x)
-    return torch.cat([j[k].reshape(len(x), O, -1) for k in params], 2)            # [N, O, P]
+    return torch.cat([j[k].reshape(len(x), O, -1) for k in params], 2)  # [N, O, P]
 
 
 def _margin_grad(g, y):
@@ -49,12 +52,14 @@ def test_gauss_newton_matches_parameter_space(setup):
     model, x, y, xt, yt = setup
     j, left, g, p, r = _reference(model, x, y, xt, yt)
     curvature = torch.stack([torch.diag(q) - torch.outer(q, q) for q in p])
-    h = torch.einsum("iop,ioa,ipb->ab", curvature, j, j) + 0.1 * torch.eye(j.shape[2], dtype=torch.float64)
+    h = torch.einsum("iop,ioa,ipb->ab", curvature, j, j) + 0.1 * torch.eye(
+        j.shape[2], dtype=torch.float64
+    )
     expected = left @ torch.linalg.solve(h, torch.einsum("io,ioa->ai", r, j))
     got = influence(model, x, y, xt, yt, method="gauss_newton", kind="full", damping=0.1)
     torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-10)
     trace = influence(model, x, y, xt, yt, kind="trace", damping=0.1)
-    torch.testing.assert_close(influence(model, x, y, xt, yt, damping=0.1), trace)   # auto
+    torch.testing.assert_close(influence(model, x, y, xt, yt, damping=0.1), trace)  # auto
 
 
 def test_projected_gauss_newton_is_the_formula_on_features(setup):
@@ -74,14 +79,17 @@ def test_projected_gauss_newton_is_the_formula_on_features(setup):
 def test_projection_when_exact_kernels_do_not_fit(setup, monkeypatch):
     module = importlib.import_module("attribution._influence")
     model, x, y, xt, yt = setup
-    assert module.default_dim(model) == 128                  # 66 parameters → next power of two
+    assert module.default_dim(model) == 128  # 66 parameters → next power of two
     monkeypatch.setattr(module, "_exact_fits", lambda *args: False)
-    torch.testing.assert_close(influence(model, x, y, xt, yt, damping=0.1),
-                               influence(model, x, y, xt, yt, kind="full", damping=0.1, dim=128))
+    torch.testing.assert_close(
+        influence(model, x, y, xt, yt, damping=0.1),
+        influence(model, x, y, xt, yt, kind="full", damping=0.1, dim=128),
+    )
 
 
 def test_surrogate_method_is_its_exact_contributions_on_the_margin(setup):
     from attribution import KernelSurrogate
+
     model, x, y, xt, yt = setup
     c = torch.as_tensor(KernelSurrogate(model).fit(x).attribute(xt))
     expected = torch.einsum("mio,mo->mi", c, _margin_grad(model(xt).detach(), yt))
@@ -106,7 +114,11 @@ def test_trak_exact_and_projected(setup):
     f, ft = (projections.features(model, v, dim=16, kind="full", seed=3).double() for v in (x, xt))
     phi_p = torch.einsum("io,iok->ik", _margin_grad(g, y), f)
     phi_t = torch.einsum("mo,mok->mk", _margin_grad(model(xt).detach(), yt), ft)
-    expected_p = phi_t @ torch.linalg.solve(phi_p.T @ phi_p + 0.5 * torch.eye(16, dtype=torch.float64), phi_p.T) * q
+    expected_p = (
+        phi_t
+        @ torch.linalg.solve(phi_p.T @ phi_p + 0.5 * torch.eye(16, dtype=torch.float64), phi_p.T)
+        * q
+    )
     got = influence(model, x, y, xt, yt, method="trak", dim=16, seed=3)
     torch.testing.assert_close(trak(model, x, y, xt, yt, dim=16, seed=3, damping=0.5), expected_p)
     assert got.shape == (4, 14) and bool(torch.isfinite(got).all())
@@ -114,7 +126,9 @@ def test_trak_exact_and_projected(setup):
 
 def test_trak_averages_kernel_and_q_separately(setup):
     model, x, y, xt, yt = setup
-    other = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, O)).double()
+    other = torch.nn.Sequential(
+        torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, O)
+    ).double()
     parts, qs = [], []
     for m in (model, other):
         j, left, g, p, _ = _reference(m, x, y, xt, yt)

@@ -1,5 +1,6 @@
 """KernelSurrogate: the scikit-learn estimator contract, the exact decomposition, faithfulness on
 a trained digits MLP, and its error paths."""
+
 import numpy as np
 import pytest
 import torch
@@ -30,8 +31,9 @@ def test_estimator_params_and_clone(trained):
     params = s.get_params()
     assert params["kind"] == "sum_logits" and params["machine"] == "svm" and params["alpha"] == 0.1
     c = clone(s)
-    assert c is not s and {k: v for k, v in c.get_params().items() if k != "model"} == \
-        {k: v for k, v in params.items() if k != "model"}
+    assert c is not s and {k: v for k, v in c.get_params().items() if k != "model"} == {
+        k: v for k, v in params.items() if k != "model"
+    }
     assert all(torch.equal(a, b) for a, b in zip(_params(c.model), _params(model)))
     assert s.set_params(kind="trace", alpha=1.0) is s and s.kind == "trace" and s.alpha == 1.0
     assert not hasattr(c, "dual_")
@@ -44,16 +46,28 @@ def test_unfitted_raises_not_fitted(trained):
             call(trained[3])
 
 
-@pytest.mark.parametrize("kind,machine,normalize", [
-    ("trace", "ridge", False), ("full", "ridge", False), ("trace", "ridge", True),
-    ("sum_logits", "svm", False), ("trace", "logistic", True)])
+@pytest.mark.parametrize(
+    "kind,machine,normalize",
+    [
+        ("trace", "ridge", False),
+        ("full", "ridge", False),
+        ("trace", "ridge", True),
+        ("sum_logits", "svm", False),
+        ("trace", "logistic", True),
+    ],
+)
 def test_attribution_is_exact(trained, kind, machine, normalize):
     model, x, y, xt, _ = trained
     before = _params(model)
-    if kind == "full":                       # a [1000, 1000] kernel: keep it small, skip the CV
+    if kind == "full":  # a [1000, 1000] kernel: keep it small, skip the CV
         x = x[:100]
-    s = KernelSurrogate(model, kind=kind, machine=machine, normalize=normalize,
-                        alpha={"full": 1e-3, "logistic": 1e-2}.get(kind if kind == "full" else machine)).fit(x)
+    s = KernelSurrogate(
+        model,
+        kind=kind,
+        machine=machine,
+        normalize=normalize,
+        alpha={"full": 1e-3, "logistic": 1e-2}.get(kind if kind == "full" else machine),
+    ).fit(x)
     d = s.decision_function(xt)
     c = s.attribute(xt)
     assert c.shape == (len(xt), len(x), d.shape[1])
@@ -61,8 +75,9 @@ def test_attribution_is_exact(trained, kind, machine, normalize):
     # the decision is the scikit-learn machine's own, on the independently computed kernel
     k = ntk.empirical_ntk(model, xt, x, kind=kind, dtype=torch.float64)
     if normalize:
-        self_t, self_x = (ntk.empirical_ntk(model, v, kind=kind, dtype=torch.float64).diagonal()
-                          for v in (xt, x))
+        self_t, self_x = (
+            ntk.empirical_ntk(model, v, kind=kind, dtype=torch.float64).diagonal() for v in (xt, x)
+        )
         k = k / torch.sqrt(self_t[:, None] * self_x[None, :])
     if kind == "full":
         k = k.permute(0, 2, 1, 3).reshape(len(xt) * 10, len(x) * 10)
@@ -93,8 +108,9 @@ def test_ridge_matches_kernel_ridge_on_outputs(trained):
     scale = float(k.diagonal().mean())
     g = model(x).detach().double().numpy()
     ref = KernelRidge(alpha=1e-3, kernel="precomputed").fit(k.numpy() / scale, g - g.mean(0))
-    np.testing.assert_allclose(s.decision_function(xt), ref.predict(kt.numpy() / scale) + g.mean(0),
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        s.decision_function(xt), ref.predict(kt.numpy() / scale) + g.mean(0), rtol=1e-6, atol=1e-6
+    )
 
 
 def test_faithful_on_trained_mlp(trained):
@@ -137,10 +153,12 @@ def test_bad_input(trained):
 
 
 def test_non_finite_kernel_is_refused():
-    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)).double()
+    net = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)
+    ).double()
     with torch.no_grad():
         net[0].weight.fill_(1.0)
-        net[2].weight.fill_(1e160)           # finite outputs, kernel entries overflow float64
+        net[2].weight.fill_(1e160)  # finite outputs, kernel entries overflow float64
     with pytest.raises(ValueError, match="kernel contains non-finite"):
         KernelSurrogate(net, alpha=1.0).fit(torch.rand(10, 4, dtype=torch.float64) + 0.5)
 

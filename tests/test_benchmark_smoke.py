@@ -1,4 +1,5 @@
 """Smoke test of benchmarks/entk_speed.py: a quick run of our own methods prints its table."""
+
 import re
 import subprocess
 import sys
@@ -13,18 +14,35 @@ def _cells(line: str) -> list[str]:
 
 def test_quick_run_prints_a_table_of_our_methods():
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--no-peers", "--cases", "mlp,trace",
-         "--trace-sizes", "64", "--repeats", "1", "--skip", "ours:jacobian,ours:ntk_vp"],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--quick",
+            "--no-peers",
+            "--cases",
+            "mlp,trace",
+            "--trace-sizes",
+            "64",
+            "--repeats",
+            "1",
+            "--skip",
+            "ours:jacobian,ours:ntk_vp",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.startswith("| case | method | median s"))
-    rows = {(c[0], c[1]): c for c in map(_cells, lines[header + 2:]) if len(c) == 11}
+    header = next(
+        i for i, line in enumerate(lines) if line.startswith("| case | method | median s")
+    )
+    rows = {(c[0], c[1]): c for c in map(_cells, lines[header + 2 :]) if len(c) == 11}
     structured = rows[("mlp, N=16, full", "ours, structured")]
     auto = rows[("mlp, N=16, full", "ours, auto")]
     for row in (structured, auto):
-        assert float(row[2]) > 0 and float(row[5]) >= 0        # median time, memory
-    assert float(auto[9]) < 1e-5                                # same kernel as structured
+        assert float(row[2]) > 0 and float(row[5]) >= 0  # median time, memory
+    assert float(auto[9]) < 1e-5  # same kernel as structured
     assert rows[("mlp, N=16, full", "ours, jacobian")][10].startswith("skipped")
     assert rows[("mlp, N=64, trace", "ours, auto, tile 32")][7] == "32"
     assert re.search(r"\| mlp, N=64, trace \| ours, auto, tile auto \| [0-9.]+ \|", proc.stdout)

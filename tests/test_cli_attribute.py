@@ -1,4 +1,5 @@
 """`ntk attribute` as a subprocess: its rows are the extremes of attribution.influence."""
+
 import json
 import subprocess
 import sys
@@ -19,8 +20,12 @@ def build():
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "attribution.cli", "attribute", *args],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "attribution.cli", "attribute", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_attribute_lists_the_largest_and_smallest_influence(tmp_path):
@@ -30,16 +35,27 @@ def test_attribute_lists_the_largest_and_smallest_influence(tmp_path):
     xt = rng.normal(size=(2, 4)).astype(np.float32)
     np.savez(tmp_path / "train.npz", x=x, y=y)
     np.savez(tmp_path / "test.npz", x=xt)
-    out = run("--model", str(tmp_path / "factory.py:build"), "--data", str(tmp_path / "train.npz"),
-              "--test", str(tmp_path / "test.npz"), "--top", "2", "--format", "json")
+    out = run(
+        "--model",
+        str(tmp_path / "factory.py:build"),
+        "--data",
+        str(tmp_path / "train.npz"),
+        "--test",
+        str(tmp_path / "test.npz"),
+        "--top",
+        "2",
+        "--format",
+        "json",
+    )
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)["rows"]
     assert len(rows) == 2 * 2 * 2
 
     namespace = {}
     exec(FACTORY, namespace)
-    scores = attribution.influence(namespace["build"]().eval(), torch.from_numpy(x),
-                                   torch.from_numpy(y), torch.from_numpy(xt))
+    scores = attribution.influence(
+        namespace["build"]().eval(), torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(xt)
+    )
     for t in range(2):
         order = torch.argsort(scores[t], descending=True).tolist()
         pro = [r["train"] for r in rows if r["test"] == t and r["role"] == "proponent"]
@@ -48,6 +64,12 @@ def test_attribute_lists_the_largest_and_smallest_influence(tmp_path):
 
     no_labels = tmp_path / "nolabels.npz"
     np.savez(no_labels, x=x)
-    bad = run("--model", str(tmp_path / "factory.py:build"), "--data", str(no_labels),
-              "--test", str(tmp_path / "test.npz"))
+    bad = run(
+        "--model",
+        str(tmp_path / "factory.py:build"),
+        "--data",
+        str(no_labels),
+        "--test",
+        str(tmp_path / "test.npz"),
+    )
     assert bad.returncode == 2 and "labels" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,4 +1,5 @@
 """`ntk kernel` as a user runs it: a subprocess, every format, saving, and usage errors."""
+
 import json
 import subprocess
 import sys
@@ -10,8 +11,13 @@ import ntk
 
 
 def run(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "attribution.cli", "kernel", *args],
-                          capture_output=True, text=True, cwd=cwd, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "attribution.cli", "kernel", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+    )
 
 
 FACTORY = """
@@ -45,15 +51,19 @@ def test_kernel_on_a_factory_file_in_every_format(tmp_path):
     csv_out = run(*common, "--format", "csv")
     assert csv_out.returncode == 0
     assert csv_out.stdout.splitlines()[0].startswith("kind,shape,seconds")
-    assert len(csv_out.stdout.splitlines()) == 5         # header + four kinds
+    assert len(csv_out.stdout.splitlines()) == 5  # header + four kinds
     table = run(*common, "--kind", "sum_logits")
     assert table.returncode == 0 and "sum_logits" in table.stdout and "per-layer" in table.stdout
 
 
 def test_usage_errors_exit_2_with_one_line(tmp_path):
-    cases = [["--model", "no_colon"], ["--model", str(tmp_path / "missing.py:f")],
-             ["--model", "json:nothing_here"], ["--kind", "bogus"],
-             ["--save", str(tmp_path / "k.npy")]]
+    cases = [
+        ["--model", "no_colon"],
+        ["--model", str(tmp_path / "missing.py:f")],
+        ["--model", "json:nothing_here"],
+        ["--kind", "bogus"],
+        ["--save", str(tmp_path / "k.npy")],
+    ]
     for args in cases:
         out = run(*args)
         assert out.returncode == 2, (args, out.stderr)

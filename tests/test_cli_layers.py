@@ -1,5 +1,6 @@
 """`ntk layers` as a user runs it: a subprocess on a factory file in every format, the plot,
 weights, the built-in demo, and the usage errors (exit 2, one line, no traceback)."""
+
 import csv
 import io
 import json
@@ -14,8 +15,13 @@ from attribution import layer_importance
 
 
 def run(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "attribution.cli", "layers", *args],
-                          capture_output=True, text=True, cwd=cwd, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "attribution.cli", "layers", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+    )
 
 
 FACTORY = """
@@ -42,14 +48,20 @@ def setup(tmp_path):
     x = rng.normal(size=(16, 4)).astype(np.float32)
     y = rng.integers(0, 3, size=16)
     np.savez(tmp_path / "data.npz", x=x, y=y)
-    return x, y, ["--model", str(tmp_path / "factory.py:build"), "--data", str(tmp_path / "data.npz")]
+    return (
+        x,
+        y,
+        ["--model", str(tmp_path / "factory.py:build"), "--data", str(tmp_path / "data.npz")],
+    )
 
 
 def test_every_format_matches_the_library(tmp_path):
     x, y, common = setup(tmp_path)
     namespace = {}
     exec(FACTORY, namespace)
-    expected = layer_importance(namespace["build"]().eval(), torch.from_numpy(x), torch.from_numpy(y))
+    expected = layer_importance(
+        namespace["build"]().eval(), torch.from_numpy(x), torch.from_numpy(y)
+    )
 
     out = run(*common, "--format", "json")
     assert out.returncode == 0, out.stderr
@@ -69,15 +81,32 @@ def test_every_format_matches_the_library(tmp_path):
     shares = [float(r["share"]) for r in table]
     assert shares == sorted(shares, reverse=True)
 
-    out = run(*common, "--group", "blocks", "--output", str(tmp_path / "t.txt"), "--plot",
-              str(tmp_path / "bars.png"))
+    out = run(
+        *common,
+        "--group",
+        "blocks",
+        "--output",
+        str(tmp_path / "t.txt"),
+        "--plot",
+        str(tmp_path / "bars.png"),
+    )
     assert out.returncode == 0, out.stderr
     text = (tmp_path / "t.txt").read_text()
     assert "1.fc1" not in text and "layer importance by sensitivity" in text
     assert all(name in text for name in ("0", "1", "2", "3"))
     assert (tmp_path / "bars.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    out = run(*common, "--group", "blocks", "--depth", "2", "--score", "block_influence", "--format", "json")
+    out = run(
+        *common,
+        "--group",
+        "blocks",
+        "--depth",
+        "2",
+        "--score",
+        "block_influence",
+        "--format",
+        "json",
+    )
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)["rows"]
     assert {r["layer"] for r in rows} == {"0", "1.fc1", "1.fc2", "2.fc1", "2.fc2", "3"}
@@ -89,7 +118,7 @@ def test_weights_are_loaded(tmp_path):
     exec(FACTORY, namespace)
     model = namespace["build"]()
     with torch.no_grad():
-        model[3].weight.zero_()                 # nothing upstream of the head reaches the output
+        model[3].weight.zero_()  # nothing upstream of the head reaches the output
     torch.save(model.state_dict(), tmp_path / "w.pt")
     out = run(*common, "--weights", str(tmp_path / "w.pt"), "--format", "json", "--score", "share")
     assert out.returncode == 0, out.stderr
@@ -109,12 +138,14 @@ def test_no_arguments_runs_the_digits_demo():
 def test_usage_errors_exit_2_with_one_line(tmp_path):
     _, _, common = setup(tmp_path)
     np.savez(tmp_path / "wide.npz", x=np.zeros((8, 7), np.float32))
-    cases = [["--model", "no_colon"],
-             ["--model", str(tmp_path / "missing.py:build")],
-             [*common[:2], "--data", str(tmp_path / "missing.npz")],
-             [*common[:2], "--data", str(tmp_path / "wide.npz")],          # 7 features for 4 inputs
-             [*common, "--group", "heads"],
-             [*common, "--weights", str(tmp_path / "missing.pt")]]
+    cases = [
+        ["--model", "no_colon"],
+        ["--model", str(tmp_path / "missing.py:build")],
+        [*common[:2], "--data", str(tmp_path / "missing.npz")],
+        [*common[:2], "--data", str(tmp_path / "wide.npz")],  # 7 features for 4 inputs
+        [*common, "--group", "heads"],
+        [*common, "--weights", str(tmp_path / "missing.pt")],
+    ]
     for args in cases:
         out = run(*args)
         assert out.returncode == 2, (args, out.stderr)

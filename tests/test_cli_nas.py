@@ -1,4 +1,5 @@
 """`ntk nas` as a user runs it: a subprocess on the demo space, on a candidates file, and errors."""
+
 import csv
 import io
 import json
@@ -30,15 +31,23 @@ not_a_dict = [net(3)]
 
 
 def run(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "attribution.cli", "nas", *args],
-                          capture_output=True, text=True, cwd=cwd, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "attribution.cli", "nas", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+    )
 
 
 def write_inputs(tmp_path, features=4):
     (tmp_path / "cands.py").write_text(CANDIDATES)
     rng = np.random.default_rng(0)
-    np.savez(tmp_path / "data.npz", x=rng.normal(size=(20, features)).astype(np.float32),
-             y=np.arange(20) % 3)
+    np.savez(
+        tmp_path / "data.npz",
+        x=rng.normal(size=(20, features)).astype(np.float32),
+        y=np.arange(20) % 3,
+    )
 
 
 def test_no_arguments_ranks_the_demo_space():
@@ -53,8 +62,17 @@ def test_no_arguments_ranks_the_demo_space():
 
 def test_candidates_file_data_and_formats(tmp_path):
     write_inputs(tmp_path)
-    result = run("--candidates", "cands.py:space", "--data", "data.npz", "--metric", "params",
-                 "--format", "csv", cwd=tmp_path)
+    result = run(
+        "--candidates",
+        "cands.py:space",
+        "--data",
+        "data.npz",
+        "--metric",
+        "params",
+        "--format",
+        "csv",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     rows = list(csv.DictReader(io.StringIO(result.stdout)))
     assert [r["candidate"] for r in rows] == ["w12", "w6", "w3"]
@@ -64,9 +82,21 @@ def test_candidates_file_data_and_formats(tmp_path):
 def test_condition_number_rows_match_the_library(tmp_path, monkeypatch, capsys):
     write_inputs(tmp_path)
     monkeypatch.chdir(tmp_path)
-    code, out, err = run_here(capsys, "--candidates", "cands.py:space", "--data", "data.npz",
-                              "--metric", "condition_number", "--repeats", "2", "--batch-size",
-                              "10", "--format", "json")
+    code, out, err = run_here(
+        capsys,
+        "--candidates",
+        "cands.py:space",
+        "--data",
+        "data.npz",
+        "--metric",
+        "condition_number",
+        "--repeats",
+        "2",
+        "--batch-size",
+        "10",
+        "--format",
+        "json",
+    )
     assert code == 0, err
     rows = json.loads(out)["rows"]
     data = np.load(tmp_path / "data.npz")
@@ -75,14 +105,34 @@ def test_condition_number_rows_match_the_library(tmp_path, monkeypatch, capsys):
         import cands
     finally:
         sys.path.pop(0)
-    expected = proxies.rank(cands.space, torch.tensor(data["x"]), torch.tensor(data["y"]),
-                            metric="condition_number", repeats=2, batch_size=10)
+    expected = proxies.rank(
+        cands.space,
+        torch.tensor(data["x"]),
+        torch.tensor(data["y"]),
+        metric="condition_number",
+        repeats=2,
+        batch_size=10,
+    )
     assert [(r["candidate"], r["condition_number"]) for r in rows] == expected
     assert all(r["kappa"] >= 1 for r in rows)
 
-    code, out, err = run_here(capsys, "--candidates", "cands.py:space", "--data", "data.npz",
-                              "--metric", "params", "--metric", "condition_number", "--repeats",
-                              "2", "--batch-size", "10", "--format", "json")
+    code, out, err = run_here(
+        capsys,
+        "--candidates",
+        "cands.py:space",
+        "--data",
+        "data.npz",
+        "--metric",
+        "params",
+        "--metric",
+        "condition_number",
+        "--repeats",
+        "2",
+        "--batch-size",
+        "10",
+        "--format",
+        "json",
+    )
     assert code == 0, err
     vote = json.loads(out)["rows"]
     kappa = dict(expected)
@@ -103,8 +153,9 @@ def run_here(capsys, *args):
 def test_table_format(tmp_path, monkeypatch, capsys):
     write_inputs(tmp_path)
     monkeypatch.chdir(tmp_path)
-    code, out, err = run_here(capsys, "--candidates", "cands.py:space", "--data", "data.npz",
-                              "--metric", "params")
+    code, out, err = run_here(
+        capsys, "--candidates", "cands.py:space", "--data", "data.npz", "--metric", "params"
+    )
     assert code == 0, err
     assert out.index("w12") < out.index("w6") < out.index("w3")
 

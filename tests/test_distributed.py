@@ -1,6 +1,7 @@
 """Distributed kernels and sharded featurisation under `torchrun --nproc_per_node=2` (Gloo on
 CPU, loopback only), compared byte for byte with one process, including a featurisation whose
 rank 1 dies mid-way and is resumed. The worker is tests/distributed_worker.py."""
+
 import json
 import os
 import socket
@@ -10,11 +11,11 @@ import sys
 import numpy as np
 import pytest
 import torch
+from distributed_worker import BLOCK, TILE, cli_args, featurize, model_and_data
 
 import ntk
 import ntk.distributed
 import projections
-from distributed_worker import BLOCK, TILE, cli_args, featurize, model_and_data
 
 HERE = os.path.dirname(__file__)
 
@@ -23,13 +24,33 @@ def torchrun(out, mode):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
+    }
     env.pop("NTK_FEATURIZE_EXIT_AFTER_BLOCKS", None)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-                           "--nproc_per_node=2", "--max_restarts=0", "--master_addr=127.0.0.1",
-                           f"--master_port={port}", os.path.join(HERE, "distributed_worker.py"),
-                           str(out), mode], env=env, capture_output=True, text=True, timeout=180)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1",
+            "--nproc_per_node=2",
+            "--max_restarts=0",
+            "--master_addr=127.0.0.1",
+            f"--master_port={port}",
+            os.path.join(HERE, "distributed_worker.py"),
+            str(out),
+            mode,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +86,11 @@ def test_kernel_tiles_on_disk_equal_one_process(runs):
     model, x = model_and_data()
     want = ntk.empirical_ntk(model, x, kind="diagonal", batch_size=TILE)
     tiles = sorted(p.name for p in (out / "diagonal" / "tiles").iterdir())
-    assert len(tiles) == 6 * 7 // 2                         # 6 row blocks: j >= i only
+    assert len(tiles) == 6 * 7 // 2  # 6 row blocks: j >= i only
     assert torch.equal(ntk.distributed.load_tiles(out / "diagonal"), want)
-    into = np.lib.format.open_memmap(out / "k.npy", mode="w+", dtype="float32",
-                                     shape=tuple(want.shape))
+    into = np.lib.format.open_memmap(
+        out / "k.npy", mode="w+", dtype="float32", shape=tuple(want.shape)
+    )
     ntk.distributed.load_tiles(out / "diagonal", out=into)
     assert np.array_equal(into, want.numpy())
 
@@ -79,15 +101,16 @@ def test_sharded_store_equals_one_process_byte_for_byte(runs, tmp_path):
     for name in ("features.npy", "manifest.json"):
         assert same_bytes(out / "fresh" / name, tmp_path / "single" / name), name
     assert not (out / "fresh" / "journal").exists()
-    assert np.array_equal(projections.open_store(out / "fresh"),
-                          projections.open_store(tmp_path / "single"))
+    assert np.array_equal(
+        projections.open_store(out / "fresh"), projections.open_store(tmp_path / "single")
+    )
 
 
 def test_killed_rank_leaves_journal_and_the_rerun_completes_identically(runs, tmp_path):
     out, killed, journal, partial = runs
     assert killed.returncode != 0
-    assert "2.sha256" in journal          # rank 1 owns blocks 2-4 and finished block 2
-    assert partial["blocks"] == {}        # only rank 0 writes the manifest, at the end
+    assert "2.sha256" in journal  # rank 1 owns blocks 2-4 and finished block 2
+    assert partial["blocks"] == {}  # only rank 0 writes the manifest, at the end
     redone = [json.loads((out / f"resumed.{r}.json").read_text()) for r in range(2)]
     assert sorted(redone[0] + redone[1]) == [i for i in range(5) if f"{i}.sha256" not in journal]
     featurize(tmp_path / "single")
@@ -98,16 +121,23 @@ def test_killed_rank_leaves_journal_and_the_rerun_completes_identically(runs, tm
 def test_cli_on_one_process_writes_the_same_store_and_kernel_tiles(runs, tmp_path):
     out = runs[0]
     args = cli_args(tmp_path / "cli", out / "x.npz") + ["--kernel-tiles", str(tmp_path / "k")]
-    run = subprocess.run([sys.executable, "-m", "attribution.cli", *args], capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": HERE})
+    run = subprocess.run(
+        [sys.executable, "-m", "attribution.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": HERE},
+    )
     assert run.returncode == 0, run.stderr
     row = json.loads(run.stdout)["rows"][0]
     assert (row["samples"], row["shape"], row["blocks"], row["ranks"]) == (23, "23x3x16", 5, 1)
     for name in ("features.npy", "manifest.json"):
         assert same_bytes(out / "resumed" / name, tmp_path / "cli" / name), name
     phi = projections.open_store(tmp_path / "cli")
-    assert np.array_equal(ntk.distributed.load_tiles(tmp_path / "k").numpy(),
-                          projections.kernel(phi, kind="trace", tile=BLOCK))
+    assert np.array_equal(
+        ntk.distributed.load_tiles(tmp_path / "k").numpy(),
+        projections.kernel(phi, kind="trace", tile=BLOCK),
+    )
 
 
 def test_store_kernels_equal_one_process(runs):
@@ -117,11 +147,17 @@ def test_store_kernels_equal_one_process(runs):
     assert np.array_equal(got, projections.kernel(phi, kind="trace", tile=TILE))
     assert np.array_equal(got, got.T)
     cross = ntk.distributed.load_tiles(out / "store_kernel").numpy()
-    assert np.array_equal(cross, projections.kernel(phi, projections.open_store(out / "resumed"),
-                                                    kind="trace", tile=TILE))
+    assert np.array_equal(
+        cross,
+        projections.kernel(phi, projections.open_store(out / "resumed"), kind="trace", tile=TILE),
+    )
     model, x = model_and_data()
-    assert np.allclose(got, projections.projected_ntk(model, x, dim=phi.shape[-1], seed=1).numpy(),
-                       rtol=1e-5, atol=1e-6)
+    assert np.allclose(
+        got,
+        projections.projected_ntk(model, x, dim=phi.shape[-1], seed=1).numpy(),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def test_ranks_that_disagree_or_fail_raise_on_every_rank(runs):
@@ -130,7 +166,10 @@ def test_ranks_that_disagree_or_fail_raise_on_every_rank(runs):
     assert "rank 1 disagrees with rank 0 on n1" in errors[0]["samples"]
     assert "rank 0 disagrees with rank 1 on n1" in errors[1]["samples"]
     assert "disagrees" in errors[0]["seed"] and "settings" in errors[1]["seed"]
-    assert errors[0]["path"].startswith("ValueError: path") and "not an empty directory" in errors[0]["path"]
+    assert (
+        errors[0]["path"].startswith("ValueError: path")
+        and "not an empty directory" in errors[0]["path"]
+    )
     assert errors[1]["path"].startswith("RuntimeError: rank 0 failed")
 
 
@@ -141,15 +180,19 @@ def test_single_process_fallback_and_errors(tmp_path):
     assert list(ntk.distributed.shard(5, 1, 2)) == [2, 3, 4]
     k = ntk.distributed.empirical_ntk(model, x, kind="trace", batch_size=TILE)
     assert torch.equal(k, ntk.empirical_ntk(model, x, kind="trace", batch_size=TILE))
-    ntk.distributed.empirical_ntk(model, x, x[:5], kind="sum_logits", batch_size=TILE,
-                                  path=tmp_path / "t")
-    assert torch.equal(ntk.distributed.load_tiles(tmp_path / "t"),
-                       ntk.empirical_ntk(model, x, x[:5], kind="sum_logits", batch_size=TILE))
+    ntk.distributed.empirical_ntk(
+        model, x, x[:5], kind="sum_logits", batch_size=TILE, path=tmp_path / "t"
+    )
+    assert torch.equal(
+        ntk.distributed.load_tiles(tmp_path / "t"),
+        ntk.empirical_ntk(model, x, x[:5], kind="sum_logits", batch_size=TILE),
+    )
     with pytest.raises(ValueError, match="not an empty directory"):
         ntk.distributed.empirical_ntk(model, x, kind="trace", path=tmp_path / "t")
     with pytest.raises(ValueError, match="not both"):
-        ntk.distributed.empirical_ntk(model, x, kind="trace", path=tmp_path / "u",
-                                      out=torch.empty(23, 23))
+        ntk.distributed.empirical_ntk(
+            model, x, kind="trace", path=tmp_path / "u", out=torch.empty(23, 23)
+        )
     with pytest.raises(ValueError, match="no complete kernel"):
         ntk.distributed.load_tiles(tmp_path / "u")
     with pytest.raises(ValueError, match="unknown method"):

@@ -1,26 +1,32 @@
 """Inputs, errors, model safety, out=, memory refusal and spectral helpers of the engine."""
+
 import copy
 
 import numpy as np
 import pytest
 import torch
+from models import MLP, make
+from reference import kernels, of_kind
 from torch import nn
 
 import ntk
-from models import MLP, make
-from reference import kernels, of_kind
 
 
 def snapshot(model):
-    return ({k: v.clone() for k, v in model.state_dict().items()},
-            [m.training for m in model.modules()],
-            [p.requires_grad for p in model.parameters()],
-            [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()])
+    return (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        [m.training for m in model.modules()],
+        [p.requires_grad for p in model.parameters()],
+        [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()],
+    )
 
 
 def same(a, b):
-    return (a[0].keys() == b[0].keys() and all(torch.equal(a[0][k], b[0][k]) for k in a[0])
-            and a[1:] == b[1:])
+    return (
+        a[0].keys() == b[0].keys()
+        and all(torch.equal(a[0][k], b[0][k]) for k in a[0])
+        and a[1:] == b[1:]
+    )
 
 
 @pytest.mark.parametrize("method", ["jacobian", "ntk_vp", "structured"])
@@ -38,7 +44,7 @@ def test_output_fn_and_tuple_inputs():
             self.lin = nn.Linear(3, 6)
 
         def forward(self, a, b):
-            return (self.lin(a) * b).reshape(-1, 2, 3)     # [B, 2, 3]: needs output_fn
+            return (self.lin(a) * b).reshape(-1, 2, 3)  # [B, 2, 3]: needs output_fn
 
     torch.manual_seed(0)
     model = TwoInputs().double().eval()
@@ -121,7 +127,9 @@ def test_out_receives_the_kernel_tile_by_tile(tmp_path):
     model, x1, x2 = make("mlp")
     expected = ntk.empirical_ntk(model, x1, x2, kind="full")
     path = tmp_path / "k.npy"
-    target = np.lib.format.open_memmap(path, mode="w+", dtype=np.float64, shape=tuple(expected.shape))
+    target = np.lib.format.open_memmap(
+        path, mode="w+", dtype=np.float64, shape=tuple(expected.shape)
+    )
     got = ntk.empirical_ntk(model, x1, x2, kind="full", batch_size=2, out=target)
     assert got is target
     target.flush()
@@ -133,7 +141,9 @@ def test_out_receives_the_kernel_tile_by_tile(tmp_path):
 def test_kernels_that_cannot_fit_are_refused_with_size_and_alternatives(monkeypatch):
     monkeypatch.setattr("ntk.empirical.available_bytes", lambda device: 1000)
     model, x1, _ = make("mlp")
-    with pytest.raises(ntk.KernelTooLargeError, match=r"\[6, 6, 3, 3\].*needs 2\.5 KiB.*projections"):
+    with pytest.raises(
+        ntk.KernelTooLargeError, match=r"\[6, 6, 3, 3\].*needs 2\.5 KiB.*projections"
+    ):
         ntk.empirical_ntk(model, x1, kind="full")
 
 
@@ -193,11 +203,13 @@ def test_kernel_alignment_matches_its_formulas():
 def test_auto_picks_structured_when_layers_are_known(monkeypatch):
     calls = []
     import ntk.core.structured as structured
+
     original = structured.Plan.autodiff.__func__
 
     def spy(cls, other):
         calls.append(True)
         return original(cls, other)
+
     monkeypatch.setattr(structured.Plan, "autodiff", classmethod(spy))
     model = MLP().eval()
     ntk.empirical_ntk(model, torch.randn(4, 5), method="auto")

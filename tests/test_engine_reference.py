@@ -1,10 +1,11 @@
 """Every kind × method × layers combination against the independent float64 reference."""
+
 import pytest
 import torch
-
-import ntk
 from models import CASES, make
 from reference import kernels, layer_params, of_kind
+
+import ntk
 
 METHODS = ("jacobian", "ntk_vp", "structured", "auto")
 
@@ -43,9 +44,12 @@ def test_float64_matches_reference(case, kind, method):
 @pytest.mark.parametrize("method", METHODS)
 def test_float32_matches_reference(case, method):
     name, model, x1, x2, ref_sym, ref_cross = case
-    model32 = make(name, dtype=torch.float32)[0]   # same seed: the same weights, rounded
-    x1_32 = {k: v.float() if v.is_floating_point() else v for k, v in x1.items()} if isinstance(x1, dict) \
+    model32 = make(name, dtype=torch.float32)[0]  # same seed: the same weights, rounded
+    x1_32 = (
+        {k: v.float() if v.is_floating_point() else v for k, v in x1.items()}
+        if isinstance(x1, dict)
         else (x1.float() if x1.is_floating_point() else x1)
+    )
     for kind in ntk.KINDS:
         k = ntk.empirical_ntk(model32, x1_32, kind=kind, method=method)
         assert k.dtype == torch.float32
@@ -90,8 +94,14 @@ def test_tiled_equals_untiled_and_symmetric(kind, method):
 def test_methods_agree_on_a_bigger_cnn_in_float32():
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3, padding=1),
-        torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 5)).eval()
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8, 5),
+    ).eval()
     x = torch.randn(7, 3, 10, 10)
     ks = {m: ntk.empirical_ntk(model, x, kind="full", method=m, batch_size=4) for m in METHODS}
     for m in METHODS:
@@ -125,8 +135,13 @@ def test_structured_plan_covers_known_layers_and_falls_back_for_the_rest():
 
     p = planned("transformer")
     assert set(p.covered) == {"embed", "q", "k", "v", "norm", "head"}
-    assert set(p.fallback) == {"pos", "mha.in_proj_weight", "mha.in_proj_bias",
-                               "mha.out_proj.weight", "mha.out_proj.bias"}
+    assert set(p.fallback) == {
+        "pos",
+        "mha.in_proj_weight",
+        "mha.in_proj_bias",
+        "mha.out_proj.weight",
+        "mha.out_proj.bias",
+    }
     p = planned("tied")
     # the tied weight, the module called twice and the embedding used outside its module
     assert set(p.fallback) == {"enc.weight", "twice.weight", "twice.bias", "emb.weight"}

@@ -1,5 +1,6 @@
 """attribution.layer_importance and its validation harness, against independent computations and
 models whose answer is known by construction."""
+
 import numpy as np
 import pytest
 import torch
@@ -75,8 +76,10 @@ def per_sample_jacobians(model, x):
     out = {n: [] for n in names}
     for xi in x:
         f = model(xi[None])[0]
-        rows = [torch.autograd.grad(f[o], list(model.parameters()), retain_graph=True)
-                for o in range(len(f))]
+        rows = [
+            torch.autograd.grad(f[o], list(model.parameters()), retain_graph=True)
+            for o in range(len(f))
+        ]
         for k, n in enumerate(names):
             out[n].append(torch.stack([r[k] for r in rows]))
     return {n: torch.stack(v) for n, v in out.items()}
@@ -104,42 +107,60 @@ def test_scores_match_independent_autograd_computations():
     x, y = data(n=8, features=5)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rows = {r["layer"]: r for r in layer_importance(model, x, y, score="fisher")}
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and not model.training
+    assert (
+        all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and not model.training
+    )
 
     jac = per_sample_jacobians(model, x)
-    owner = {"inp": ["inp.weight", "inp.bias"], "scale": ["scale.s"], "head": ["head.weight", "head.bias"],
-             **{f"blocks.{b}.{fc}": [f"blocks.{b}.{fc}.weight", f"blocks.{b}.{fc}.bias"]
-                for b in range(3) for fc in ("fc1", "fc2")}}
+    owner = {
+        "inp": ["inp.weight", "inp.bias"],
+        "scale": ["scale.s"],
+        "head": ["head.weight", "head.bias"],
+        **{
+            f"blocks.{b}.{fc}": [f"blocks.{b}.{fc}.weight", f"blocks.{b}.{fc}.bias"]
+            for b in range(3)
+            for fc in ("fc1", "fc2")
+        },
+    }
     assert set(rows) == set(owner)
     params = dict(model.named_parameters())
     traces = {}
     for layer, names in owner.items():
-        j = torch.cat([jac[n].flatten(2) for n in names], 2)          # [N, O, P_l]
-        k = torch.einsum("iop,jop->ij", j, j).double()                 # trace kernel
+        j = torch.cat([jac[n].flatten(2) for n in names], 2)  # [N, O, P_l]
+        k = torch.einsum("iop,jop->ij", j, j).double()  # trace kernel
         traces[layer] = float(k.trace())
         r = rows[layer]
         assert r["trace"] == pytest.approx(traces[layer], rel=1e-4)
-        assert r["top_eigenvalue"] == pytest.approx(float(np.linalg.eigvalsh(k.numpy())[-1]), rel=1e-4)
+        assert r["top_eigenvalue"] == pytest.approx(
+            float(np.linalg.eigvalsh(k.numpy())[-1]), rel=1e-4
+        )
         same = (y[:, None] == y[None, :]).double() * 2 - 1
         if traces[layer] > 0:
-            assert r["alignment"] == pytest.approx(np.corrcoef(k.flatten(), same.flatten())[0, 1], abs=1e-5)
-        assert r["param_norm"] == pytest.approx(float(torch.cat([params[n].detach().flatten() for n in names]).norm()),
-                                                rel=1e-5)
+            assert r["alignment"] == pytest.approx(
+                np.corrcoef(k.flatten(), same.flatten())[0, 1], abs=1e-5
+            )
+        assert r["param_norm"] == pytest.approx(
+            float(torch.cat([params[n].detach().flatten() for n in names]).norm()), rel=1e-5
+        )
         per_sample = []
         for xi, yi in zip(x, y):
             loss = nn.functional.cross_entropy(model(xi[None]), yi[None])
-            per_sample.append(torch.cat([g.flatten() for g in torch.autograd.grad(
-                loss, [params[n] for n in names])]))
+            per_sample.append(
+                torch.cat(
+                    [g.flatten() for g in torch.autograd.grad(loss, [params[n] for n in names])]
+                )
+            )
         g = torch.stack(per_sample).double()
         assert r["grad_norm"] == pytest.approx(float(g.mean(0).norm()), rel=1e-4)
-        assert r["fisher"] == pytest.approx(float((g ** 2).sum(1).mean()), rel=1e-4)
+        assert r["fisher"] == pytest.approx(float((g**2).sum(1).mean()), rel=1e-4)
     total = sum(traces.values())
     for layer in owner:
         assert rows[layer]["share"] == pytest.approx(traces[layer] / total, rel=1e-4)
     # Scale has no reset_parameters: its re-draw is zeros, so sensitivity = tr(Θ_l)·mean(θ_l²)/N
     s = params["scale.s"].detach()
-    assert rows["scale"]["sensitivity"] == pytest.approx(traces["scale"] * float((s ** 2).mean()) / len(x),
-                                                         rel=1e-4)
+    assert rows["scale"]["sensitivity"] == pytest.approx(
+        traces["scale"] * float((s**2).mean()) / len(x), rel=1e-4
+    )
     ranks = sorted(rows.values(), key=lambda r: r["rank"])
     assert [r["fisher"] for r in ranks] == sorted((r["fisher"] for r in ranks), reverse=True)
     # the block whose second layer is zero: its fc1 has no kernel at all
@@ -150,8 +171,18 @@ def test_blocks_sum_their_layers_and_block_influence_sees_identity_blocks():
     model = Stack().eval()
     x, y = data(n=8, features=5)
     layers = {r["layer"]: r for r in layer_importance(model, x, y)}
-    blocks = {r["layer"]: r for r in layer_importance(model, x, y, group="blocks", score="block_influence")}
-    assert list(layer_groups(model, "blocks")) == ["inp", "blocks.0", "blocks.1", "blocks.2", "scale", "head"]
+    blocks = {
+        r["layer"]: r
+        for r in layer_importance(model, x, y, group="blocks", score="block_influence")
+    }
+    assert list(layer_groups(model, "blocks")) == [
+        "inp",
+        "blocks.0",
+        "blocks.1",
+        "blocks.2",
+        "scale",
+        "head",
+    ]
     assert list(layer_groups(model, 1)) == ["inp", "blocks", "scale", "head"]
     for b in range(3):
         members = [layers[f"blocks.{b}.fc1"], layers[f"blocks.{b}.fc2"]]
@@ -168,7 +199,10 @@ def test_blocks_sum_their_layers_and_block_influence_sees_identity_blocks():
     out = model.blocks[0](h).detach()
     expected = float((1 - nn.functional.cosine_similarity(h, out, dim=1)).mean())
     assert blocks["blocks.0"]["block_influence"] == pytest.approx(expected, rel=1e-5)
-    assert blocks["inp"]["block_influence"] is None and layers["blocks.0.fc1"]["block_influence"] is None
+    assert (
+        blocks["inp"]["block_influence"] is None
+        and layers["blocks.0.fc1"]["block_influence"] is None
+    )
 
 
 def test_projected_kernels_estimate_the_shares():
@@ -180,12 +214,16 @@ def test_projected_kernels_estimate_the_shares():
 
 
 def test_agreement_is_spearman_over_defined_rows():
-    rows = [{"layer": str(i), "share": s, "fisher": f, "block_influence": b}
-            for i, (s, f, b) in enumerate([(0.1, 3.0, None), (0.2, 2.0, 0.5), (0.3, 1.0, 0.1),
-                                           (0.4, 0.5, 0.2), (0.5, 0.0, 0.3)])]
+    rows = [
+        {"layer": str(i), "share": s, "fisher": f, "block_influence": b}
+        for i, (s, f, b) in enumerate(
+            [(0.1, 3.0, None), (0.2, 2.0, 0.5), (0.3, 1.0, 0.1), (0.4, 0.5, 0.2), (0.5, 0.0, 0.3)]
+        )
+    ]
     truths = {str(i): {"loss_increase": float(i)} for i in range(5)}
-    table = agreement(rows, truths, scores=("share", "fisher", "block_influence"),
-                      measures=("loss_increase",))
+    table = agreement(
+        rows, truths, scores=("share", "fisher", "block_influence"), measures=("loss_increase",)
+    )
     assert table["share"]["loss_increase"] == pytest.approx(1.0)
     assert table["fisher"]["loss_increase"] == pytest.approx(-1.0)
     # rows 1-4 only: ranks 4,1,2,3 vs 1,2,3,4, ρ = 1 − 6·12/(4·15)
@@ -207,5 +245,5 @@ def test_bad_input_is_refused_with_a_clear_message():
         layer_importance(model, x, y, group="heads")
     with pytest.raises(ValueError, match="undefined for every row"):
         layer_importance(model, x, y, score="block_influence")
-    rows = layer_importance(model, x)                                  # no labels: label scores None
+    rows = layer_importance(model, x)  # no labels: label scores None
     assert rows[0]["alignment"] is None and rows[0]["fisher"] is None

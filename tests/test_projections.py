@@ -1,15 +1,16 @@
 """Random-projection features and kernels: unbiasedness against the exact eNTK, shapes,
 determinism, the structured (Kronecker) and dense paths, and input checks."""
+
 import copy
 import math
 
 import pytest
 import torch
+from models import make
 from torch import nn
 
 import ntk
 import projections
-from models import make
 from ntk.core.structured import Factored
 from projections._projectors import PROJECTORS, MatrixBank
 from projections._sketch import Sketcher
@@ -35,7 +36,7 @@ def assert_unbiased(samples: torch.Tensor, exact: torch.Tensor, z_max: float = 5
     mean = samples.mean(0)
     se = samples.std(0) / math.sqrt(samples.shape[0])
     scale = exact.abs().max()
-    live = se > 1e-9 * scale                      # entries that are exactly zero in every sample
+    live = se > 1e-9 * scale  # entries that are exactly zero in every sample
     assert torch.allclose(mean[~live], exact[~live], atol=1e-8 * float(scale))
     z = (mean - exact)[live] / se[live]
     assert z.abs().max() < z_max, f"max |z| = {z.abs().max():.2f}"
@@ -66,10 +67,11 @@ def test_every_projector_is_unbiased(projector):
 def test_mean_over_seeds_converges():
     model, x, _ = make("mlp")
     exact = ntk.empirical_ntk(model, x, kind="trace")
-    runs = torch.stack([projections.projected_ntk(model, x, dim=8, kind="trace", seed=s)
-                        for s in range(60)])
+    runs = torch.stack(
+        [projections.projected_ntk(model, x, dim=8, kind="trace", seed=s) for s in range(60)]
+    )
     assert_unbiased(runs, exact)
-    assert (runs[0] - runs[1]).abs().max() > 1e-3 * exact.abs().max()   # seeds differ
+    assert (runs[0] - runs[1]).abs().max() > 1e-3 * exact.abs().max()  # seeds differ
 
 
 def test_shapes_match_the_engine():
@@ -99,38 +101,57 @@ def test_same_seed_same_features_whatever_the_batching_order_and_dtype():
     model, x, _ = make("cnn")
     ref = projections.features(model, x, dim=64, seed=3)
     for batch in (1, 2, 5):
-        assert torch.allclose(projections.features(model, x, dim=64, seed=3, batch_size=batch),
-                              ref, rtol=1e-10, atol=1e-12)
+        assert torch.allclose(
+            projections.features(model, x, dim=64, seed=3, batch_size=batch),
+            ref,
+            rtol=1e-10,
+            atol=1e-12,
+        )
     order = torch.tensor([4, 2, 0, 3, 1])
-    assert torch.allclose(projections.features(model, x[order], dim=64, seed=3), ref[order],
-                          rtol=1e-10, atol=1e-12)
+    assert torch.allclose(
+        projections.features(model, x[order], dim=64, seed=3), ref[order], rtol=1e-10, atol=1e-12
+    )
     single = copy.deepcopy(model).float()
-    assert torch.allclose(projections.features(single, x.float(), dim=64, seed=3).double(), ref,
-                          rtol=1e-3, atol=1e-4 * float(ref.abs().max()))
-    assert torch.allclose(projections.features(model, x, dim=64, seed=3, dtype=torch.float32).double(),
-                          ref, rtol=1e-3, atol=1e-4 * float(ref.abs().max()))
+    assert torch.allclose(
+        projections.features(single, x.float(), dim=64, seed=3).double(),
+        ref,
+        rtol=1e-3,
+        atol=1e-4 * float(ref.abs().max()),
+    )
+    assert torch.allclose(
+        projections.features(model, x, dim=64, seed=3, dtype=torch.float32).double(),
+        ref,
+        rtol=1e-3,
+        atol=1e-4 * float(ref.abs().max()),
+    )
     assert not torch.allclose(projections.features(model, x, dim=64, seed=4), ref)
 
 
 def test_random_matrix_chunks_do_not_depend_on_request_order(monkeypatch):
     monkeypatch.setattr("projections._projectors._CHUNK_ENTRIES", 64)
-    cols = 8                                         # 8 rows per generated chunk
+    cols = 8  # 8 rows per generated chunk
     a = MatrixBank("gaussian", 5, dtype=torch.float64, device="cpu").matrix(("in", "x"), 20, cols)
     b = MatrixBank("gaussian", 5, dtype=torch.float64, device="cpu").matrix(("in", "x"), 20, cols)
     rows = torch.tensor([17, 3, 9])
-    picked = b.gather(rows)                          # chunks 2, 0, 1 generated in this order
+    picked = b.gather(rows)  # chunks 2, 0, 1 generated in this order
     assert torch.equal(picked, a.dense()[rows])
-    other = MatrixBank("gaussian", 5, dtype=torch.float64, device="cpu").matrix(("in", "y"), 20, cols)
+    other = MatrixBank("gaussian", 5, dtype=torch.float64, device="cpu").matrix(
+        ("in", "y"), 20, cols
+    )
     assert not torch.equal(other.gather(rows), picked)
 
 
 @pytest.mark.parametrize("projector", PROJECTORS)
 def test_projector_entries_have_zero_mean_and_unit_variance(projector):
-    r = MatrixBank(projector, 0, dtype=torch.float64, device="cpu").matrix(("t",), 400, 2000).dense()
+    r = (
+        MatrixBank(projector, 0, dtype=torch.float64, device="cpu")
+        .matrix(("t",), 400, 2000)
+        .dense()
+    )
     assert abs(float(r.mean())) < 5 / math.sqrt(r.numel()) * float(r.std())
     assert abs(float(r.pow(2).mean()) - 1) < 0.02
     if projector == "sparse":
-        assert float((r != 0).double().mean()) == pytest.approx(1 / 20, rel=0.05)   # s = √400
+        assert float((r != 0).double().mean()) == pytest.approx(1 / 20, rel=0.05)  # s = √400
 
 
 @pytest.mark.parametrize("block", [1, 2])
@@ -157,7 +178,9 @@ def test_many_positions_project_the_gradient_densely():
     d = torch.randn(1, 3, 50, 2, generator=g, dtype=torch.float64)
     sketch = Sketcher(MatrixBank("gaussian", 0, dtype=torch.float64, device="cpu"), 8, {})
     grad = torch.einsum("cbso,bsi->cboi", d, a).reshape(1, 3, 4)
-    assert torch.allclose(sketch.factored(Factored("w", a, d)), sketch.explicit("w", "weight", grad))
+    assert torch.allclose(
+        sketch.factored(Factored("w", a, d)), sketch.explicit("w", "weight", grad)
+    )
 
 
 def test_kronecker_and_dense_paths_agree_in_expectation():
@@ -178,7 +201,11 @@ def test_kronecker_and_dense_paths_agree_in_expectation():
 
 
 def test_embedding_padding_rows_contribute_nothing():
-    emb = nn.Sequential(nn.Embedding(7, 3, padding_idx=0), nn.Flatten(), nn.Linear(6, 2)).double().eval()
+    emb = (
+        nn.Sequential(nn.Embedding(7, 3, padding_idx=0), nn.Flatten(), nn.Linear(6, 2))
+        .double()
+        .eval()
+    )
     x = torch.tensor([[0, 0], [1, 2], [0, 5]])
     only = projections.features(emb, x, dim=32, kind="sum_logits", layers=["0"])["0"]
     assert torch.count_nonzero(only[0]) == 0

@@ -1,5 +1,6 @@
 """The on-disk feature store: contents, resume after a killed run (byte-identical), and refusal
 of mismatched settings, other models, incomplete, truncated and corrupted stores."""
+
 import json
 import os
 import subprocess
@@ -9,12 +10,12 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from models import MLP
 from torch.utils.data import DataLoader, TensorDataset
 
 import projections
-from models import MLP
 
-N, DIM, BLOCK = 23, 32, 5          # 5 blocks, the last one short
+N, DIM, BLOCK = 23, 32, 5  # 5 blocks, the last one short
 
 
 def model_and_data(seed=0):
@@ -25,8 +26,18 @@ def model_and_data(seed=0):
 
 
 def store(path, model, x, **kw):
-    return projections.featurize(model, x, path, dim=DIM, kind="trace", block=BLOCK, seed=1,
-                                 batch_size=2, progress=False, **kw)
+    return projections.featurize(
+        model,
+        x,
+        path,
+        dim=DIM,
+        kind="trace",
+        block=BLOCK,
+        seed=1,
+        batch_size=2,
+        progress=False,
+        **kw,
+    )
 
 
 def test_store_holds_the_features_and_its_kernel(tmp_path):
@@ -39,8 +50,13 @@ def test_store_holds_the_features_and_its_kernel(tmp_path):
     projections.kernel(projections.open_store(tmp_path / "s"), kind="trace", out=out, tile=7)
     assert np.allclose(out, projections.projected_ntk(model, x, dim=DIM, seed=1).numpy(), rtol=1e-5)
     info = projections.store_info(tmp_path / "s")
-    assert (info["kind"], info["dim"], info["seed"], info["samples"], info["num_blocks"]) == \
-        ("trace", DIM, 1, N, 5)
+    assert (info["kind"], info["dim"], info["seed"], info["samples"], info["num_blocks"]) == (
+        "trace",
+        DIM,
+        1,
+        N,
+        5,
+    )
     assert sorted(info["blocks"]) == ["0", "1", "2", "3", "4"]
 
 
@@ -49,7 +65,7 @@ def test_data_sources_give_the_same_bytes(tmp_path):
     ref = store(tmp_path / "tensor", model, x)
     labelled = TensorDataset(x, torch.zeros(N))
     assert np.array_equal(store(tmp_path / "dataset", model, labelled), ref)
-    loader = DataLoader(labelled, batch_size=3)                   # batches straddle blocks
+    loader = DataLoader(labelled, batch_size=3)  # batches straddle blocks
     assert np.array_equal(store(tmp_path / "loader", model, loader), ref)
     with pytest.raises(ValueError, match="shuffle"):
         store(tmp_path / "shuffled", model, DataLoader(labelled, shuffle=True))
@@ -62,7 +78,7 @@ def test_killed_run_resumes_to_identical_bytes(tmp_path):
         import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})
         from test_projections_store import model_and_data, store
         model, x = model_and_data()
-        store({str(tmp_path / 'resumed')!r}, model, x)
+        store({str(tmp_path / "resumed")!r}, model, x)
     """)
     env = {**os.environ, "NTK_FEATURIZE_EXIT_AFTER_BLOCKS": "2"}
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
@@ -74,8 +90,9 @@ def test_killed_run_resumes_to_identical_bytes(tmp_path):
     model, x = model_and_data()
     resumed = store(tmp_path / "resumed", model, x)
     whole = store(tmp_path / "whole", model, x)
-    assert (tmp_path / "resumed" / "features.npy").read_bytes() == \
-        (tmp_path / "whole" / "features.npy").read_bytes()
+    assert (tmp_path / "resumed" / "features.npy").read_bytes() == (
+        tmp_path / "whole" / "features.npy"
+    ).read_bytes()
     assert np.array_equal(resumed, whole)
 
 
@@ -84,10 +101,10 @@ def test_half_written_block_is_recomputed(tmp_path):
     path = tmp_path / "s"
     store(path, model, x)
     manifest = json.loads((path / "manifest.json").read_text())
-    del manifest["blocks"]["3"]                                   # as if killed while writing 3
+    del manifest["blocks"]["3"]  # as if killed while writing 3
     (path / "manifest.json").write_text(json.dumps(manifest))
     arr = np.load(path / "features.npy", mmap_mode="r+")
-    arr[3 * BLOCK:4 * BLOCK] = 0.0
+    arr[3 * BLOCK : 4 * BLOCK] = 0.0
     arr.flush()
     del arr
     good = store(tmp_path / "good", model, x)
@@ -108,7 +125,7 @@ def test_mismatched_settings_and_models_are_refused(tmp_path):
     with pytest.raises(projections.StoreError, match="different model"):
         store(path, other, x)
     with torch.no_grad():
-        model.fc1.bias[0] += 1e-3                                 # a trained step later
+        model.fc1.bias[0] += 1e-3  # a trained step later
     with pytest.raises(projections.StoreError, match="different model"):
         store(path, model, x)
 
@@ -119,13 +136,13 @@ def test_corrupted_and_truncated_stores_are_refused(tmp_path):
     store(path, model, x)
     file = path / "features.npy"
     raw = bytearray(file.read_bytes())
-    raw[-(2 * 3 * DIM * 4) + 5] ^= 0xFF                            # one byte of the last block
+    raw[-(2 * 3 * DIM * 4) + 5] ^= 0xFF  # one byte of the last block
     file.write_bytes(bytes(raw))
     with pytest.raises(projections.StoreError, match="block 4 .* corrupted"):
         projections.open_store(path)
     with pytest.raises(projections.StoreError, match="corrupted"):
-        store(path, model, x)                                     # resume refuses too
-    file.write_bytes(bytes(raw[:len(raw) // 2]))
+        store(path, model, x)  # resume refuses too
+    file.write_bytes(bytes(raw[: len(raw) // 2]))
     with pytest.raises(projections.StoreError, match="truncated"):
         projections.open_store(path)
     with pytest.raises(projections.StoreError, match="not a feature store"):

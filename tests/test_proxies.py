@@ -1,4 +1,5 @@
 """ntk.proxies: every metric against a direct computation written here, ranking, errors, safety."""
+
 import copy
 import math
 
@@ -28,7 +29,7 @@ def sum_logit_grads(model, x):
     params = list(model.parameters())
     rows = []
     for i in range(len(x)):
-        out = model(x[i:i + 1]).sum() / math.sqrt(O)
+        out = model(x[i : i + 1]).sum() / math.sqrt(O)
         rows.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(out, params)]))
     return torch.stack(rows).double().numpy()
 
@@ -45,8 +46,12 @@ def test_kernel_metrics_match_a_direct_computation(data):
     k = g @ g.T
     labels = np.where(y.numpy()[:, None] == y.numpy()[None, :], 1.0, -1.0)
     ev = np.linalg.eigvalsh(k)
-    assert run(model, x, y, "lga") == pytest.approx(np.corrcoef(k.ravel(), labels.ravel())[0, 1], abs=1e-5)
-    assert run(model, x, y, "condition_number") == pytest.approx(-math.log(ev[-1] / ev[0]), rel=1e-3)
+    assert run(model, x, y, "lga") == pytest.approx(
+        np.corrcoef(k.ravel(), labels.ravel())[0, 1], abs=1e-5
+    )
+    assert run(model, x, y, "condition_number") == pytest.approx(
+        -math.log(ev[-1] / ev[0]), rel=1e-3
+    )
     assert run(model, x, y, "trace") == pytest.approx(np.trace(k), rel=1e-5)
     assert run(model, x, y, "frobenius") == pytest.approx(np.linalg.norm(k), rel=1e-5)
     assert run(model, x, y, "mean") == pytest.approx(k.mean(), rel=1e-5)
@@ -60,8 +65,12 @@ def test_trace_kind_is_the_sum_of_per_output_kernels(data):
     params = list(model.parameters())
     k = np.zeros((N, N))
     for o in range(O):
-        rows = [torch.cat([g.reshape(-1) for g in torch.autograd.grad(model(x[i:i + 1])[0, o], params)])
-                for i in range(N)]
+        rows = [
+            torch.cat(
+                [g.reshape(-1) for g in torch.autograd.grad(model(x[i : i + 1])[0, o], params)]
+            )
+            for i in range(N)
+        ]
         go = torch.stack(rows).double().numpy()
         k += go @ go.T
     assert run(model, x, y, "trace", kind="trace") == pytest.approx(np.trace(k), rel=1e-5)
@@ -73,7 +82,9 @@ def test_gradient_baselines_match_a_direct_computation(data):
     loss = nn.functional.cross_entropy(model(x), y)
     grads = torch.autograd.grad(loss, list(model.parameters()))
     expected_norm = sum(float(g.norm()) for g in grads)
-    expected_snip = sum(float((p.detach() * g).abs().sum()) for p, g in zip(model.parameters(), grads))
+    expected_snip = sum(
+        float((p.detach() * g).abs().sum()) for p, g in zip(model.parameters(), grads)
+    )
     assert run(model, x, y, "grad_norm") == pytest.approx(expected_norm, rel=1e-5)
     assert run(model, x, y, "snip") == pytest.approx(expected_snip, rel=1e-5)
     assert run(model, x, y, "params") == sum(p.numel() for p in model.parameters())
@@ -92,8 +103,12 @@ def test_synflow_of_a_bias_free_relu_net_is_depth_times_the_path_norm(data):
 def test_jacob_cov_matches_a_direct_computation(data):
     x, y = data
     model = tiny().eval()
-    jac = np.stack([torch.autograd.functional.jacobian(lambda v: model(v[None]).sum(), x[i]).numpy()
-                    for i in range(N)])
+    jac = np.stack(
+        [
+            torch.autograd.functional.jacobian(lambda v: model(v[None]).sum(), x[i]).numpy()
+            for i in range(N)
+        ]
+    )
     v = np.linalg.eigvals(np.corrcoef(jac)).real
     expected = -np.sum(np.log(v + 1e-5) + 1 / (v + 1e-5))
     assert run(model, x, y, "jacob_cov") == pytest.approx(expected, rel=1e-4)
@@ -111,10 +126,24 @@ def test_naswot_matches_the_hamming_kernel(data):
 def test_repeats_report_mean_and_spread_reproducibly(data):
     x, y = data
     factory = lambda: tiny(seed=99)  # noqa: E731 - the seed is overridden per repeat
-    a = proxies.score(lambda: nn.Sequential(nn.Linear(D, 8), nn.Tanh(), nn.Linear(8, O)), x, y,
-                      metric="lga", batch_size=8, repeats=3, return_details=True)
-    b = proxies.score(lambda: nn.Sequential(nn.Linear(D, 8), nn.Tanh(), nn.Linear(8, O)), x, y,
-                      metric="lga", batch_size=8, repeats=3, return_details=True)
+    a = proxies.score(
+        lambda: nn.Sequential(nn.Linear(D, 8), nn.Tanh(), nn.Linear(8, O)),
+        x,
+        y,
+        metric="lga",
+        batch_size=8,
+        repeats=3,
+        return_details=True,
+    )
+    b = proxies.score(
+        lambda: nn.Sequential(nn.Linear(D, 8), nn.Tanh(), nn.Linear(8, O)),
+        x,
+        y,
+        metric="lga",
+        batch_size=8,
+        repeats=3,
+        return_details=True,
+    )
     assert len(a.values) == 3 and a.values == b.values
     assert a.value == pytest.approx(np.mean(a.values)) and a.std == pytest.approx(np.std(a.values))
     assert a.std > 0
@@ -159,8 +188,9 @@ def test_rank_orders_best_first_and_matches_score(data):
     assert values == sorted(values, reverse=True)
     for name, value in ranked:
         assert value == proxies.score(candidates[name], x, y, metric="lga", batch_size=8)
-    modules = proxies.rank({"a": tiny(width=3), "b": tiny(width=9)}, x, y, metric="params",
-                           return_details=True)
+    modules = proxies.rank(
+        {"a": tiny(width=3), "b": tiny(width=9)}, x, y, metric="params", return_details=True
+    )
     assert modules[0][0] == "b" and modules[0][1].metric == "params"
 
 
@@ -171,6 +201,7 @@ def test_clear_errors(data):
 
     def broken():
         raise ZeroDivisionError("no luck")
+
     with pytest.raises(RuntimeError, match="candidate 'bad': the factory raised ZeroDivisionError"):
         proxies.rank({"good": tiny, "bad": broken}, x, y, metric="params")
     with pytest.raises(TypeError, match="candidate 'num'"):
@@ -191,7 +222,11 @@ def test_clear_errors(data):
 
 def test_a_vote_orders_by_the_mean_rank_over_metrics(data):
     x, y = data
-    assert proxies.mean_rank([[3.0, 1.0, 2.0], [1.0, float("nan"), 5.0]]).tolist() == [2.5, 1.0, 2.5]
+    assert proxies.mean_rank([[3.0, 1.0, 2.0], [1.0, float("nan"), 5.0]]).tolist() == [
+        2.5,
+        1.0,
+        2.5,
+    ]
     candidates = {f"w{w}": (lambda w=w: tiny(width=w)) for w in (2, 5, 16)}
     metrics = ("params", "lga")
     singles = {m: dict(proxies.rank(candidates, x, y, metric=m, batch_size=8)) for m in metrics}
@@ -201,6 +236,8 @@ def test_a_vote_orders_by_the_mean_rank_over_metrics(data):
     assert [v.value for _, v in ranked] == sorted(expected.tolist(), reverse=True)
     for name, details in ranked:
         assert details.value == expected[names.index(name)]
-        assert {m: p.value for m, p in details.parts.items()} == {m: singles[m][name] for m in metrics}
+        assert {m: p.value for m, p in details.parts.items()} == {
+            m: singles[m][name] for m in metrics
+        }
     with pytest.raises(ValueError, match="unknown metric"):
         proxies.rank(candidates, x, y, metric=("lga", "accuracy"))

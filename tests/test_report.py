@@ -1,18 +1,19 @@
 """attribution.report and `ntk report`: the numbers against independent computations, the HTML
 self-contained, and the page as headless Chromium renders it."""
+
 import copy
 import json
 import os
 import re
 
+import browser
 import numpy as np
 import pytest
 import torch
 
-import browser
 import ntk
-from attribution.cli import main
 from attribution._report import choose_examples, effective_rank, report
+from attribution.cli import main
 from attribution.surrogate import KernelSurrogate
 from ntk import demo
 
@@ -20,6 +21,7 @@ from ntk import demo
 def _strict_json(path):
     def refuse(constant):
         raise ValueError(f"non-standard JSON constant {constant}")
+
     return json.loads(path.read_text(), parse_constant=refuse)
 
 
@@ -36,9 +38,21 @@ def built(setup, tmp_path_factory):
     model, x_train, y_train, x_test, y_test = setup
     before = copy.deepcopy(model.state_dict())
     path = tmp_path_factory.mktemp("report") / "small.html"
-    result = report(model, x_train, y_train, x_test, y_test, path=path, image_shape=(8, 8),
-                    kernel_samples=80, examples=6, top=3)
-    assert not model.training and all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    result = report(
+        model,
+        x_train,
+        y_train,
+        x_test,
+        y_test,
+        path=path,
+        image_shape=(8, 8),
+        kernel_samples=80,
+        examples=6,
+        top=3,
+    )
+    assert not model.training and all(
+        torch.equal(v, model.state_dict()[k]) for k, v in before.items()
+    )
     return result, path
 
 
@@ -48,9 +62,15 @@ def test_numbers_match_independent_computations(setup, built):
     assert _strict_json(path.with_suffix(".json"))["settings"]["train_samples"] == 200
 
     k = ntk.empirical_ntk(model, x_train[:80], kind=result["kernel"]["kind"]).double().numpy()
-    np.testing.assert_allclose(result["kernel"]["eigenvalues"], np.linalg.eigvalsh(k)[::-1],
-                               rtol=1e-4, atol=1e-6 * np.abs(k).max())
-    assert result["kernel"]["effective_rank"] == pytest.approx(effective_rank(np.linalg.eigvalsh(k)), rel=1e-4)
+    np.testing.assert_allclose(
+        result["kernel"]["eigenvalues"],
+        np.linalg.eigvalsh(k)[::-1],
+        rtol=1e-4,
+        atol=1e-6 * np.abs(k).max(),
+    )
+    assert result["kernel"]["effective_rank"] == pytest.approx(
+        effective_rank(np.linalg.eigvalsh(k)), rel=1e-4
+    )
     assert sum(row["share"] for row in result["layers"]["rows"]) == pytest.approx(1.0)
 
     with torch.no_grad():
@@ -71,21 +91,36 @@ def test_numbers_match_independent_computations(setup, built):
     decisions = surrogate.decision_function(x_test)
     for e in result["attribution"]["examples"]:
         c = contributions[e["index"], :, e["network_prediction"]]
-        assert [q["index"] for q in e["proponents"]] == torch.argsort(c, descending=True)[:3].tolist()
-        assert [q["contribution"] for q in e["opponents"]] == pytest.approx(torch.sort(c).values[:3].tolist())
+        assert [q["index"] for q in e["proponents"]] == torch.argsort(c, descending=True)[
+            :3
+        ].tolist()
+        assert [q["contribution"] for q in e["opponents"]] == pytest.approx(
+            torch.sort(c).values[:3].tolist()
+        )
         decision = decisions[e["index"], e["network_prediction"]]
-        assert e["sum_of_contributions"] + e["intercept"] == pytest.approx(float(decision), rel=1e-6)
+        assert e["sum_of_contributions"] + e["intercept"] == pytest.approx(
+            float(decision), rel=1e-6
+        )
         right = e["label"] == e["network_prediction"]
         assert {"correct": right, "wrong": not right, "uncertain": True}[e["category"]]
-    assert {e["category"] for e in result["attribution"]["examples"]} == {"correct", "wrong", "uncertain"}
+    assert {e["category"] for e in result["attribution"]["examples"]} == {
+        "correct",
+        "wrong",
+        "uncertain",
+    }
     total = contributions[rows, :, p.argmax(1)].abs().sum(0)
     np.testing.assert_allclose(result["attribution"]["total_influence"], total, rtol=1e-6)
     chosen = contributions[rows, :, p.argmax(1)]
     assert result["attribution"]["cancellation"] == pytest.approx(
-        float(np.median((chosen.abs().sum(1) / chosen.sum(1).abs()).numpy())), rel=1e-6)
+        float(np.median((chosen.abs().sum(1) / chosen.sum(1).abs()).numpy())), rel=1e-6
+    )
     for i in (0, 17, 199):
-        own = torch.as_tensor(surrogate.attribute(x_train[i:i + 1]), dtype=torch.float64)[0, i, y_train[i]]
-        assert result["attribution"]["self_influence"][i] == pytest.approx(float(own), rel=1e-6, abs=1e-9)
+        own = torch.as_tensor(surrogate.attribute(x_train[i : i + 1]), dtype=torch.float64)[
+            0, i, y_train[i]
+        ]
+        assert result["attribution"]["self_influence"][i] == pytest.approx(
+            float(own), rel=1e-6, abs=1e-9
+        )
 
 
 def test_example_choice():
@@ -93,13 +128,18 @@ def test_example_choice():
     y = torch.tensor([0, 0, 0, 0, 1])
     assert choose_examples(p, y, 3) == [(3, "correct"), (1, "wrong"), (2, "uncertain")]
     assert choose_examples(p, None, 2) == [(3, "confident"), (2, "uncertain")]
-    assert effective_rank(np.ones(4)) == pytest.approx(4) and effective_rank(np.array([2.0, 0, 0])) == 1
+    assert (
+        effective_rank(np.ones(4)) == pytest.approx(4)
+        and effective_rank(np.array([2.0, 0, 0])) == 1
+    )
 
 
 def test_html_is_self_contained(built):
     result, path = built
     html = path.read_text()
-    assert not re.search(r"<script|<link|@import|url\(|https?://|src=\"(?!data:image/png;base64,)", html)
+    assert not re.search(
+        r"<script|<link|@import|url\(|https?://|src=\"(?!data:image/png;base64,)", html
+    )
     # scatter, spectrum, layers, one row per example, total influence and self-influence rows
     assert html.count("<img ") == 3 + len(result["attribution"]["examples"]) + 2
     for e in result["attribution"]["examples"]:
@@ -111,8 +151,10 @@ def chromium():
     if browser.executable() is None:
         if os.environ.get("NTK_SKIP_BROWSER"):
             pytest.skip("NTK_SKIP_BROWSER is set")
-        pytest.fail("chromium is not installed: apt-get install chromium (.ci/run does), or set "
-                    "NTK_SKIP_BROWSER=1 to skip the browser check deliberately")
+        pytest.fail(
+            "chromium is not installed: apt-get install chromium (.ci/run does), or set "
+            "NTK_SKIP_BROWSER=1 to skip the browser check deliberately"
+        )
     with browser.Chromium() as c:
         yield c
 
@@ -132,7 +174,9 @@ def test_report_in_headless_chromium(built, chromium, tmp_path):
     shot.write_bytes(page.screenshot)
     pixels = imread(shot)[..., :3]
     assert pixels.shape[0] == page.height > 2000 and pixels.shape[1] == 1200
-    assert pixels.std() > 0.1 and (pixels.mean(-1) < 0.5).mean() > 0.01  # not blank: dark ink on white
+    assert (
+        pixels.std() > 0.1 and (pixels.mean(-1) < 0.5).mean() > 0.01
+    )  # not blank: dark ink on white
 
 
 MODEL_FILE = """
@@ -152,8 +196,25 @@ def test_cli_on_files(tmp_path, capsys):
     (tmp_path / "m.py").write_text(MODEL_FILE)
     out = tmp_path / "r.html"
     with pytest.raises(SystemExit) as exit_:
-        main(["report", "--model", f"{tmp_path / 'm.py'}:net", "--train", str(tmp_path / "train.npz"),
-              "--test", str(tmp_path / "test.npz"), "--out", str(out), "--examples", "2", "--alpha", "0.5", "--format", "json"])
+        main(
+            [
+                "report",
+                "--model",
+                f"{tmp_path / 'm.py'}:net",
+                "--train",
+                str(tmp_path / "train.npz"),
+                "--test",
+                str(tmp_path / "test.npz"),
+                "--out",
+                str(out),
+                "--examples",
+                "2",
+                "--alpha",
+                "0.5",
+                "--format",
+                "json",
+            ]
+        )
     assert exit_.value.code == 0
     printed = json.loads(capsys.readouterr().out)
     saved = _strict_json(out.with_suffix(".json"))
@@ -165,11 +226,14 @@ def test_cli_on_files(tmp_path, capsys):
     assert out.read_text().count("<img ") == 3  # flat inputs: attributions as tables, not pictures
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--out", "r.txt"], "--out must name an .html file"),
-    (["--image-shape", "8by8"], "--image-shape must look like"),
-    (["--train", "x.npz"], "needs --model"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--out", "r.txt"], "--out must name an .html file"),
+        (["--image-shape", "8by8"], "--image-shape must look like"),
+        (["--train", "x.npz"], "needs --model"),
+    ],
+)
 def test_cli_usage_errors(args, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["report", *args])

@@ -1,5 +1,6 @@
 """`ntk attribute`: the training examples that most raise (proponents) and lower (opponents) the
 margin of each test prediction, by `attribution.influence`."""
+
 from __future__ import annotations
 
 import click
@@ -11,24 +12,52 @@ from .common import UsageProblem, emit, model_options, resolve_model_and_data, r
 
 @click.command()
 @model_options
-@click.option("--test", "test_file", default=None,
-              help="test data (.npz/.pt with x, optionally y); default: the digits test split")
-@click.option("--test-samples", type=click.IntRange(min=1), default=5, show_default=True,
-              help="explain the first N test samples")
+@click.option(
+    "--test",
+    "test_file",
+    default=None,
+    help="test data (.npz/.pt with x, optionally y); default: the digits test split",
+)
+@click.option(
+    "--test-samples",
+    type=click.IntRange(min=1),
+    default=5,
+    show_default=True,
+    help="explain the first N test samples",
+)
 @click.option("--method", type=click.Choice(METHODS), default="auto", show_default=True)
-@click.option("--top", type=click.IntRange(min=1), default=5, show_default=True,
-              help="proponents and opponents listed per test sample")
-def attribute(model_spec, weights, data, samples, device, batch_size, fmt, output, test_file,
-              test_samples, method, top):
+@click.option(
+    "--top",
+    type=click.IntRange(min=1),
+    default=5,
+    show_default=True,
+    help="proponents and opponents listed per test sample",
+)
+def attribute(
+    model_spec,
+    weights,
+    data,
+    samples,
+    device,
+    batch_size,
+    fmt,
+    output,
+    test_file,
+    test_samples,
+    method,
+    top,
+):
     """Top proponents and opponents among the training data (--data, labels y required) of each
     test prediction (default: the built-in digits demo)."""
-    model, x_train, y_train = resolve_model_and_data(model_spec, weights, data, samples, device,
-                                                     default_samples=1000)
+    model, x_train, y_train = resolve_model_and_data(
+        model_spec, weights, data, samples, device, default_samples=1000
+    )
     if y_train is None:
         raise UsageProblem("--data must hold training labels y for attribution")
     x_test, y_test = resolve_test_data(test_file, data, test_samples)
-    scores = influence(model, x_train, y_train, x_test, method=method, batch_size=batch_size,
-                       device=device)
+    scores = influence(
+        model, x_train, y_train, x_test, method=method, batch_size=batch_size, device=device
+    )
     with torch.no_grad():
         predicted = model(x_test.to(scores.device) if device else x_test).argmax(1).tolist()
     rows = []
@@ -36,8 +65,22 @@ def attribute(model_spec, weights, data, samples, device, batch_size, fmt, outpu
         order = torch.argsort(scores[t], descending=True)
         for role, picks in (("proponent", order[:top]), ("opponent", order.flip(0)[:top])):
             for rank, i in enumerate(picks.tolist(), start=1):
-                rows.append({"test": t, "label": None if y_test is None else int(y_test[t]),
-                             "predicted": predicted[t], "role": role, "rank": rank, "train": i,
-                             "train_label": int(y_train[i]), "score": float(scores[t, i])})
-    emit(rows, fmt, output, title=f"influence ({method}) of {len(x_train)} training examples",
-         meta={"method": method, "train_samples": int(len(x_train))})
+                rows.append(
+                    {
+                        "test": t,
+                        "label": None if y_test is None else int(y_test[t]),
+                        "predicted": predicted[t],
+                        "role": role,
+                        "rank": rank,
+                        "train": i,
+                        "train_label": int(y_train[i]),
+                        "score": float(scores[t, i]),
+                    }
+                )
+    emit(
+        rows,
+        fmt,
+        output,
+        title=f"influence ({method}) of {len(x_train)} training examples",
+        meta={"method": method, "train_samples": int(len(x_train))},
+    )

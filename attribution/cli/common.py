@@ -1,4 +1,5 @@
 """What every subcommand shares: loading models and data, output formats, progress, errors."""
+
 from __future__ import annotations
 
 import csv
@@ -7,8 +8,9 @@ import importlib.util
 import io
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import click
 import numpy as np
@@ -18,6 +20,7 @@ from torch import nn
 
 class UsageProblem(click.ClickException):
     """A usage error (bad flag value, unreadable file, malformed spec): exit 2, one line."""
+
     exit_code = 2
 
 
@@ -31,7 +34,9 @@ def interactive() -> bool:
 def load_object(spec: str, what: str = "model") -> Any:
     """Resolve `package.module:attr` or `path/to/file.py:attr`."""
     if ":" not in spec:
-        raise UsageProblem(f"--{what} must look like package.module:attr or path/file.py:attr, got {spec!r}")
+        raise UsageProblem(
+            f"--{what} must look like package.module:attr or path/file.py:attr, got {spec!r}"
+        )
     target, attr = spec.rsplit(":", 1)
     if not attr.isidentifier():
         raise UsageProblem(f"--{what}: {attr!r} is not a valid attribute name")
@@ -54,7 +59,7 @@ def load_object(spec: str, what: str = "model") -> Any:
     return getattr(module, attr)
 
 
-def load_model(spec: str, weights: Optional[str] = None, device: Optional[str] = None) -> nn.Module:
+def load_model(spec: str, weights: str | None = None, device: str | None = None) -> nn.Module:
     """Instantiate a model from a factory (or module instance) spec, load weights, eval mode."""
     obj = load_object(spec, "model")
     model = obj if isinstance(obj, nn.Module) else obj() if callable(obj) else None
@@ -66,9 +71,13 @@ def load_model(spec: str, weights: Optional[str] = None, device: Optional[str] =
             raise UsageProblem(f"--weights: file {weights} does not exist")
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - any unreadable file is a usage error
+        except Exception as exc:
             raise UsageProblem(f"--weights: cannot read {weights}: {exc}") from None
-        if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        if (
+            isinstance(state, dict)
+            and "state_dict" in state
+            and isinstance(state["state_dict"], dict)
+        ):
             state = state["state_dict"]
         try:
             model.load_state_dict(state)
@@ -80,7 +89,7 @@ def load_model(spec: str, weights: Optional[str] = None, device: Optional[str] =
     return model.eval()
 
 
-def load_arrays(path: str, option: str = "data") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def load_arrays(path: str, option: str = "data") -> tuple[torch.Tensor, torch.Tensor | None]:
     """Arrays `x` and optional `y` from an .npz or .pt file."""
     file = Path(path)
     if not file.is_file():
@@ -97,7 +106,7 @@ def load_arrays(path: str, option: str = "data") -> tuple[torch.Tensor, Optional
             raise UsageProblem(f"--{option}: {path} must be an .npz or .pt file")
     except UsageProblem:
         raise
-    except Exception as exc:  # noqa: BLE001 - unreadable data is a usage error
+    except Exception as exc:
         raise UsageProblem(f"--{option}: cannot read {path}: {exc}") from None
     if not isinstance(content, dict) or "x" not in content:
         raise UsageProblem(f"--{option}: {path} must hold an array named 'x' (and optionally 'y')")
@@ -111,8 +120,14 @@ def load_arrays(path: str, option: str = "data") -> tuple[torch.Tensor, Optional
     return x, y
 
 
-def emit(rows: Sequence[dict], fmt: str, output: Optional[str] = None, *, title: str = "",
-         meta: Optional[dict] = None) -> None:
+def emit(
+    rows: Sequence[dict],
+    fmt: str,
+    output: str | None = None,
+    *,
+    title: str = "",
+    meta: dict | None = None,
+) -> None:
     """Write rows as a table (rich on a terminal, plain text otherwise), JSON or CSV."""
     if fmt == "json":
         text = json.dumps({**(meta or {}), "rows": list(rows)}, indent=2, default=_jsonable) + "\n"
@@ -134,16 +149,19 @@ def emit(rows: Sequence[dict], fmt: str, output: Optional[str] = None, *, title:
     from rich.table import Table
 
     table = Table(title=title or None)
-    for column in (rows[0] if rows else {}):
-        table.add_column(str(column), justify="right" if isinstance(rows[0][column], (int, float)) else "left")
+    for column in rows[0] if rows else {}:
+        table.add_column(
+            str(column), justify="right" if isinstance(rows[0][column], (int, float)) else "left"
+        )
     for row in rows:
         table.add_row(*[_cell(v) for v in row.values()])
     if output:
         with open(output, "w") as f:
             Console(file=f, width=160, color_system=None).print(table)
     else:
-        Console(color_system=None if not interactive() else "auto",
-                width=None if interactive() else 160).print(table)
+        Console(
+            color_system=None if not interactive() else "auto", width=None if interactive() else 160
+        ).print(table)
 
 
 def _cell(value) -> str:
@@ -163,17 +181,37 @@ def _jsonable(value):
 def model_options(f):
     """--model, --weights, --data, --samples, --device, --batch-size, --format, --output."""
     options = [
-        click.option("--model", "model_spec", default=None,
-                     help="package.module:factory or path/file.py:factory (default: the built-in digits demo)"),
-        click.option("--weights", default=None, help="state_dict file (.pt), loaded with weights_only=True"),
-        click.option("--data", default="digits", show_default=True,
-                     help="'digits' or an .npz/.pt file with arrays x (and optionally y)"),
-        click.option("--samples", type=click.IntRange(min=1), default=None, help="use the first N samples"),
+        click.option(
+            "--model",
+            "model_spec",
+            default=None,
+            help="package.module:factory or path/file.py:factory (default: the built-in digits demo)",
+        ),
+        click.option(
+            "--weights", default=None, help="state_dict file (.pt), loaded with weights_only=True"
+        ),
+        click.option(
+            "--data",
+            default="digits",
+            show_default=True,
+            help="'digits' or an .npz/.pt file with arrays x (and optionally y)",
+        ),
+        click.option(
+            "--samples", type=click.IntRange(min=1), default=None, help="use the first N samples"
+        ),
         click.option("--device", default=None, help="torch device, e.g. cpu or cuda"),
-        click.option("--batch-size", type=click.IntRange(min=1), default=None,
-                     help="samples per block (default: chosen from free memory)"),
-        click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True),
-        click.option("--output", default=None, help="write the result to this file instead of stdout"),
+        click.option(
+            "--batch-size",
+            type=click.IntRange(min=1),
+            default=None,
+            help="samples per block (default: chosen from free memory)",
+        ),
+        click.option(
+            "--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True
+        ),
+        click.option(
+            "--output", default=None, help="write the result to this file instead of stdout"
+        ),
     ]
     for option in reversed(options):
         f = option(f)
@@ -186,7 +224,9 @@ def resolve_model_and_data(model_spec, weights, data, samples, device, default_s
         if weights is not None:
             raise UsageProblem("--weights needs --model")
         if data != "digits":
-            raise UsageProblem("--data with a file needs --model (the built-in demo runs on digits)")
+            raise UsageProblem(
+                "--data with a file needs --model (the built-in demo runs on digits)"
+            )
         from ntk import demo
 
         model, digits = demo.demo_model()
@@ -207,7 +247,7 @@ def resolve_model_and_data(model_spec, weights, data, samples, device, default_s
     return model, x, y
 
 
-def resolve_test_data(test_file: Optional[str], data: str, test_samples: Optional[int]):
+def resolve_test_data(test_file: str | None, data: str, test_samples: int | None):
     """Test inputs and labels: a --test file, or the digits test split when training on digits."""
     if test_file is not None:
         x_test, y_test = load_arrays(test_file, "test")
@@ -229,5 +269,6 @@ def check_fits(model: nn.Module, x: torch.Tensor) -> None:
             model(x[:1] if first is None else x[:1].to(first.device))
     except (RuntimeError, IndexError, TypeError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageProblem(f"--data: the model cannot take samples of shape {tuple(x.shape[1:])}: "
-                           f"{first}") from None
+        raise UsageProblem(
+            f"--data: the model cannot take samples of shape {tuple(x.shape[1:])}: {first}"
+        ) from None

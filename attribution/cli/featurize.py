@@ -1,5 +1,6 @@
 """`ntk featurize`: stream projected Jacobian features into an on-disk store, on one process or
 sharded over the ranks of a torchrun job (``torchrun --nproc_per_node=K $(which ntk) featurize …``)."""
+
 from __future__ import annotations
 
 import os
@@ -20,20 +21,57 @@ from .common import emit, interactive, model_options, resolve_model_and_data
 @click.command()
 @click.argument("store", default="ntk-features")
 @model_options
-@click.option("--dim", type=click.IntRange(min=1), default=1024, show_default=True,
-              help="projection dimension k")
+@click.option(
+    "--dim",
+    type=click.IntRange(min=1),
+    default=1024,
+    show_default=True,
+    help="projection dimension k",
+)
 @click.option("--kind", type=click.Choice(ntk.KINDS), default="trace", show_default=True)
-@click.option("--projector", type=click.Choice(projections.PROJECTORS), default="rademacher",
-              show_default=True)
+@click.option(
+    "--projector",
+    type=click.Choice(projections.PROJECTORS),
+    default="rademacher",
+    show_default=True,
+)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--block", type=click.IntRange(min=1), default=1024, show_default=True,
-              help="samples per store block (the unit of resuming and of sharding over ranks)")
-@click.option("--store-dtype", type=click.Choice(["float16", "float32", "float64"]),
-              default="float32", show_default=True)
-@click.option("--kernel-tiles", default=None,
-              help="also write the projected kernel Φ Φᵀ as tiles into this new directory")
-def featurize(store, model_spec, weights, data, samples, device, batch_size, fmt, output, dim, kind,
-              projector, seed, block, store_dtype, kernel_tiles):
+@click.option(
+    "--block",
+    type=click.IntRange(min=1),
+    default=1024,
+    show_default=True,
+    help="samples per store block (the unit of resuming and of sharding over ranks)",
+)
+@click.option(
+    "--store-dtype",
+    type=click.Choice(["float16", "float32", "float64"]),
+    default="float32",
+    show_default=True,
+)
+@click.option(
+    "--kernel-tiles",
+    default=None,
+    help="also write the projected kernel Φ Φᵀ as tiles into this new directory",
+)
+def featurize(
+    store,
+    model_spec,
+    weights,
+    data,
+    samples,
+    device,
+    batch_size,
+    fmt,
+    output,
+    dim,
+    kind,
+    projector,
+    seed,
+    block,
+    store_dtype,
+    kernel_tiles,
+):
     """Featurise the data (default: all of it) into the directory STORE (default: ./ntk-features),
     resuming an interrupted run.
 
@@ -42,12 +80,24 @@ def featurize(store, model_spec, weights, data, samples, device, batch_size, fmt
     the shared STORE, and rank 0 completes the manifest and prints the summary."""
     device, joined = _join_process_group(device)
     rank, world = rank_and_world()
-    model, x, _ = resolve_model_and_data(model_spec, weights, data, samples, device,
-                                         default_samples=None)
+    model, x, _ = resolve_model_and_data(
+        model_spec, weights, data, samples, device, default_samples=None
+    )
     start = time.perf_counter()
-    phi = projections.featurize(model, x, store, dim=dim, kind=kind, projector=projector,
-                                seed=seed, block=block, batch_size=batch_size, device=device,
-                                store_dtype=store_dtype, progress=interactive() and rank == 0)
+    phi = projections.featurize(
+        model,
+        x,
+        store,
+        dim=dim,
+        kind=kind,
+        projector=projector,
+        seed=seed,
+        block=block,
+        batch_size=batch_size,
+        device=device,
+        store_dtype=store_dtype,
+        progress=interactive() and rank == 0,
+    )
     seconds = time.perf_counter() - start
     if kernel_tiles is not None:
         projections.distributed.kernel(store, path=kernel_tiles, tile=block)
@@ -55,9 +105,22 @@ def featurize(store, model_spec, weights, data, samples, device, batch_size, fmt
         dist.destroy_process_group()
     if rank == 0:
         info = projections.store_info(store)
-        emit([{"store": str(store), "samples": info["samples"], "shape": "x".join(map(str, phi.shape)),
-               "blocks": info["num_blocks"], "ranks": world, "seconds": round(seconds, 3),
-               "kernel_tiles": kernel_tiles or ""}], fmt, output, title="feature store")
+        emit(
+            [
+                {
+                    "store": str(store),
+                    "samples": info["samples"],
+                    "shape": "x".join(map(str, phi.shape)),
+                    "blocks": info["num_blocks"],
+                    "ranks": world,
+                    "seconds": round(seconds, 3),
+                    "kernel_tiles": kernel_tiles or "",
+                }
+            ],
+            fmt,
+            output,
+            title="feature store",
+        )
 
 
 def _join_process_group(device):

@@ -1,4 +1,5 @@
 """`ntk kernel`: compute a model's eNTK, summarise it and optionally save it as .npy."""
+
 from __future__ import annotations
 
 import os
@@ -16,11 +17,18 @@ from .common import UsageProblem, emit, interactive, model_options, resolve_mode
 
 @click.command()
 @model_options
-@click.option("--kind", "kinds", type=click.Choice(ntk.KINDS), multiple=True,
-              help="kernel kind(s) to compute (default: all four)")
+@click.option(
+    "--kind",
+    "kinds",
+    type=click.Choice(ntk.KINDS),
+    multiple=True,
+    help="kernel kind(s) to compute (default: all four)",
+)
 @click.option("--method", type=click.Choice(ntk.METHODS), default="auto", show_default=True)
 @click.option("--save", default=None, help="save the kernel as .npy (needs exactly one --kind)")
-def kernel(model_spec, weights, data, samples, device, batch_size, fmt, output, kinds, method, save):
+def kernel(
+    model_spec, weights, data, samples, device, batch_size, fmt, output, kinds, method, save
+):
     """Compute the eNTK of a model (default: the built-in digits demo) and summarise it:
     shapes, time, top eigenvalues, condition number and per-layer trace shares."""
     kinds = kinds or ntk.KINDS
@@ -31,20 +39,43 @@ def kernel(model_spec, weights, data, samples, device, batch_size, fmt, output, 
     saved = None
     for kind in kinds:
         start = time.perf_counter()
-        k = ntk.empirical_ntk(model, x, kind=kind, method=method, batch_size=batch_size,
-                              device=device, progress=interactive())
+        k = ntk.empirical_ntk(
+            model,
+            x,
+            kind=kind,
+            method=method,
+            batch_size=batch_size,
+            device=device,
+            progress=interactive(),
+        )
         seconds = time.perf_counter() - start
         ev = ntk.eigenvalues(k)
-        rows.append({"kind": kind, "shape": "x".join(map(str, k.shape)), "seconds": round(seconds, 4),
-                     "lambda_1": float(ev[0]), "lambda_2": float(ev[1]), "lambda_3": float(ev[2]),
-                     "condition_number": ntk.condition_number(k)})
+        rows.append(
+            {
+                "kind": kind,
+                "shape": "x".join(map(str, k.shape)),
+                "seconds": round(seconds, 4),
+                "lambda_1": float(ev[0]),
+                "lambda_2": float(ev[1]),
+                "lambda_3": float(ev[2]),
+                "condition_number": ntk.condition_number(k),
+            }
+        )
         saved = k
-    layers = ntk.empirical_ntk(model, x, kind="trace", layers="all", method=method,
-                               batch_size=batch_size, device=device)
+    layers = ntk.empirical_ntk(
+        model, x, kind="trace", layers="all", method=method, batch_size=batch_size, device=device
+    )
     traces = {name: float(k.diagonal().sum()) for name, k in layers.items()}
     total = sum(traces.values())
-    shares = [{"layer": name, "type": type(dict(model.named_modules())[name]).__name__,
-               "trace": t, "share": t / total} for name, t in traces.items()]
+    shares = [
+        {
+            "layer": name,
+            "type": type(dict(model.named_modules())[name]).__name__,
+            "trace": t,
+            "share": t / total,
+        }
+        for name, t in traces.items()
+    ]
     if save is not None:
         _save_npy(saved.cpu().numpy(), save)
     if fmt == "table" and output is None:

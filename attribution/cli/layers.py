@@ -1,7 +1,6 @@
 """`ntk layers`: rank a model's layers (or blocks) by importance, from their eNTK components."""
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import click
 
@@ -35,33 +34,90 @@ def _plot(rows: list[dict], score: str, path: str) -> None:
 
 @click.command()
 @model_options
-@click.option("--score", type=click.Choice(SCORES), default=DEFAULT_SCORE, show_default=True,
-              help="score that ranks the rows (every score is reported)")
-@click.option("--kind", type=click.Choice(ntk.KINDS), default="trace", show_default=True,
-              help="kernel kind of the layerwise eNTKs")
-@click.option("--projection-dim", type=click.IntRange(min=1), default=None,
-              help="estimate the layer kernels from random projections of this dimension")
-@click.option("--group", type=click.Choice(("layers", "blocks")), default="layers", show_default=True,
-              help="one row per layer, or per block (name up to its first number, e.g. blocks.3)")
-@click.option("--depth", type=click.IntRange(min=1), default=None,
-              help="with --group blocks: group by the first N components of the layer names")
+@click.option(
+    "--score",
+    type=click.Choice(SCORES),
+    default=DEFAULT_SCORE,
+    show_default=True,
+    help="score that ranks the rows (every score is reported)",
+)
+@click.option(
+    "--kind",
+    type=click.Choice(ntk.KINDS),
+    default="trace",
+    show_default=True,
+    help="kernel kind of the layerwise eNTKs",
+)
+@click.option(
+    "--projection-dim",
+    type=click.IntRange(min=1),
+    default=None,
+    help="estimate the layer kernels from random projections of this dimension",
+)
+@click.option(
+    "--group",
+    type=click.Choice(("layers", "blocks")),
+    default="layers",
+    show_default=True,
+    help="one row per layer, or per block (name up to its first number, e.g. blocks.3)",
+)
+@click.option(
+    "--depth",
+    type=click.IntRange(min=1),
+    default=None,
+    help="with --group blocks: group by the first N components of the layer names",
+)
 @click.option("--plot", default=None, help="also draw a bar chart of the score (e.g. layers.png)")
-def layers(model_spec, weights, data, samples, device, batch_size, fmt, output, score, kind,
-           projection_dim, group, depth, plot):
+def layers(
+    model_spec,
+    weights,
+    data,
+    samples,
+    device,
+    batch_size,
+    fmt,
+    output,
+    score,
+    kind,
+    projection_dim,
+    group,
+    depth,
+    plot,
+):
     """Rank the layers of a model (default: the built-in digits demo) by importance: each layer's
     share of the eNTK, its sensitivity, label alignment and top eigenvalue, with cheap baselines."""
     if depth is not None and group != "blocks":
         raise UsageProblem("--depth needs --group blocks")
-    grouping: Optional[object] = None if group == "layers" else (depth or "blocks")
+    grouping: object | None = None if group == "layers" else (depth or "blocks")
     model, x, y = resolve_model_and_data(model_spec, weights, data, samples, device)
-    rows = layer_importance(model, x, y, score=score, kind=kind, group=grouping,
-                            projection_dim=projection_dim, batch_size=batch_size, device=device,
-                            progress=interactive())
+    rows = layer_importance(
+        model,
+        x,
+        y,
+        score=score,
+        kind=kind,
+        group=grouping,
+        projection_dim=projection_dim,
+        batch_size=batch_size,
+        device=device,
+        progress=interactive(),
+    )
     if plot is not None:
         _plot(rows, score, plot)
-    meta = {"model": model_spec or "demo", "samples": int(x.shape[0]), "score": score, "kind": kind,
-            "group": group if depth is None else f"depth {depth}", "projection_dim": projection_dim}
+    meta = {
+        "model": model_spec or "demo",
+        "samples": int(x.shape[0]),
+        "score": score,
+        "kind": kind,
+        "group": group if depth is None else f"depth {depth}",
+        "projection_dim": projection_dim,
+    }
     if fmt == "table":
         rows = [{k: ("–" if v is None else v) for k, v in r.items()} for r in rows]
-    emit(rows, fmt, output, title=f"layer importance by {score} ({x.shape[0]} samples, {kind} eNTK)",
-         meta=meta)
+    emit(
+        rows,
+        fmt,
+        output,
+        title=f"layer importance by {score} ({x.shape[0]} samples, {kind} eNTK)",
+        meta=meta,
+    )

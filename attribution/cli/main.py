@@ -1,4 +1,5 @@
 """The `ntk` command group and its error handling (exit 2: usage, 1: anything else)."""
+
 from __future__ import annotations
 
 import os
@@ -46,11 +47,16 @@ def main(argv=None) -> None:
         if os.environ.get("NTK_DEBUG"):
             raise
         # Bad input that the library refused before doing any work: a usage problem.
-        click.echo(f"ntk: error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", err=True)
+        click.echo(
+            f"ntk: error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", err=True
+        )
         sys.exit(2)
-    except Exception as exc:  # noqa: BLE001 - the CLI's last line of defence
+    except Exception as exc:
         if os.environ.get("NTK_DEBUG"):
             raise
-        click.echo(f"ntk: error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", err=True)
+        click.echo(
+            f"ntk: error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            err=True,
+        )
         sys.exit(1)
     sys.exit(0)

@@ -1,4 +1,5 @@
 """`ntk nas`: rank candidate architectures with an NTK proxy (default: a small demo space)."""
+
 from __future__ import annotations
 
 from functools import partial
@@ -13,27 +14,62 @@ from .common import FORMATS, UsageProblem, emit, interactive, load_arrays, load_
 
 def demo_space() -> dict:
     """Six ReLU MLPs of varied width and depth for digits: the candidates when none are given."""
-    return {f"mlp-{width}x{depth}": partial(demo.mlp, width, depth)
-            for width, depth in ((8, 1), (64, 1), (256, 1), (16, 4), (64, 2), (128, 3))}
+    return {
+        f"mlp-{width}x{depth}": partial(demo.mlp, width, depth)
+        for width, depth in ((8, 1), (64, 1), (256, 1), (16, 4), (64, 2), (128, 3))
+    }
 
 
 @click.command()
-@click.option("--candidates", "spec", default=None,
-              help="package.module:attr or path/file.py:attr naming a dict of name -> factory or "
-                   "nn.Module (default: a built-in space of six MLPs)")
-@click.option("--data", default="digits", show_default=True,
-              help="'digits' or an .npz/.pt file with arrays x and y (integer class labels)")
-@click.option("--metric", "metrics", type=click.Choice(proxies.METRICS), multiple=True,
-              help=f"proxy to rank by; repeat it to rank by the mean rank over several proxies "
-                   f"(default: the vote of {' and '.join(proxies.DEFAULT_RANKING)})")
-@click.option("--kind", type=click.Choice(["sum_logits", "trace"]), default="sum_logits",
-              show_default=True, help="kernel kind of the kernel metrics")
-@click.option("--batch-size", type=click.IntRange(min=2), default=64, show_default=True,
-              help="samples scored per repeat")
-@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
-              help="random batches and initialisations averaged")
-@click.option("--warmup-steps", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Adam steps on a copy of each candidate before scoring")
+@click.option(
+    "--candidates",
+    "spec",
+    default=None,
+    help="package.module:attr or path/file.py:attr naming a dict of name -> factory or "
+    "nn.Module (default: a built-in space of six MLPs)",
+)
+@click.option(
+    "--data",
+    default="digits",
+    show_default=True,
+    help="'digits' or an .npz/.pt file with arrays x and y (integer class labels)",
+)
+@click.option(
+    "--metric",
+    "metrics",
+    type=click.Choice(proxies.METRICS),
+    multiple=True,
+    help=f"proxy to rank by; repeat it to rank by the mean rank over several proxies "
+    f"(default: the vote of {' and '.join(proxies.DEFAULT_RANKING)})",
+)
+@click.option(
+    "--kind",
+    type=click.Choice(["sum_logits", "trace"]),
+    default="sum_logits",
+    show_default=True,
+    help="kernel kind of the kernel metrics",
+)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=2),
+    default=64,
+    show_default=True,
+    help="samples scored per repeat",
+)
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="random batches and initialisations averaged",
+)
+@click.option(
+    "--warmup-steps",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Adam steps on a copy of each candidate before scoring",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default=None, help="torch device, e.g. cpu or cuda")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True)
@@ -42,23 +78,48 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
     """Rank candidate architectures by NTK and zero-cost proxies (higher is better), best first."""
     candidates = demo_space() if spec is None else load_object(spec, "candidates")
     if not isinstance(candidates, dict):
-        raise UsageProblem(f"--candidates: {spec} is a {type(candidates).__name__}, not a dict of "
-                           "name -> factory or module")
+        raise UsageProblem(
+            f"--candidates: {spec} is a {type(candidates).__name__}, not a dict of "
+            "name -> factory or module"
+        )
     if data == "digits":
         d = demo.digits()
         x, y = d.x_train, d.y_train
     else:
         x, y = load_arrays(data)
     metrics = list(metrics or proxies.DEFAULT_RANKING)
-    ranked = proxies.rank(candidates, x, y, metric=metrics, kind=kind, batch_size=batch_size,
-                          repeats=repeats, warmup_steps=warmup_steps, seed=seed, device=device,
-                          progress=interactive(), return_details=True)
-    rows = [{"rank": position, "candidate": name, **_columns(s), "seconds": round(s.seconds, 4)}
-            for position, (name, s) in enumerate(ranked, 1)]
+    ranked = proxies.rank(
+        candidates,
+        x,
+        y,
+        metric=metrics,
+        kind=kind,
+        batch_size=batch_size,
+        repeats=repeats,
+        warmup_steps=warmup_steps,
+        seed=seed,
+        device=device,
+        progress=interactive(),
+        return_details=True,
+    )
+    rows = [
+        {"rank": position, "candidate": name, **_columns(s), "seconds": round(s.seconds, 4)}
+        for position, (name, s) in enumerate(ranked, 1)
+    ]
     label = " + ".join(metrics)
-    emit(rows, fmt, output, title=f"{label} ({repeats} × {batch_size} samples, higher is better)",
-         meta={"metric": metrics if len(metrics) > 1 else metrics[0], "kind": kind,
-               "repeats": repeats, "batch_size": batch_size, "warmup_steps": warmup_steps})
+    emit(
+        rows,
+        fmt,
+        output,
+        title=f"{label} ({repeats} × {batch_size} samples, higher is better)",
+        meta={
+            "metric": metrics if len(metrics) > 1 else metrics[0],
+            "kind": kind,
+            "repeats": repeats,
+            "batch_size": batch_size,
+            "warmup_steps": warmup_steps,
+        },
+    )
 
 
 def _columns(s: proxies.ProxyScore) -> dict:

@@ -11,6 +11,7 @@ to the other half.
 
     python benchmarks/nas/score.py [--repeats 3] [--only lga,params]    # ≈ 6–10 minutes
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,17 +23,19 @@ from pathlib import Path
 import numpy as np
 import torch
 from scipy.stats import kendalltau, spearmanr
+from space import space
 
 from ntk import demo, proxies
-from space import space
 
 WARMUP = 16  # ≈ one epoch of minibatches of 64 on 1,000 samples: Mok et al.'s "minimal training"
 PROXIES = {m: {"metric": m} for m in proxies.METRICS}
 PROXIES["lga (trace kernel)"] = {"metric": "lga", "kind": "trace"}
 PROXIES["condition_number (trace kernel)"] = {"metric": "condition_number", "kind": "trace"}
 PROXIES[f"lga after {WARMUP} steps"] = {"metric": "lga", "warmup_steps": WARMUP}
-PROXIES[f"condition_number after {WARMUP} steps"] = {"metric": "condition_number",
-                                                     "warmup_steps": WARMUP}
+PROXIES[f"condition_number after {WARMUP} steps"] = {
+    "metric": "condition_number",
+    "warmup_steps": WARMUP,
+}
 VOTES = [("lga", "naswot"), ("lga", "jacob_cov"), ("naswot", "jacob_cov")]  # proxies.mean_rank
 
 
@@ -71,8 +74,15 @@ def main() -> None:
             if options is None:
                 values.append(accuracy_after_one_epoch(candidates[name], data, args.repeats))
             else:
-                values.append(proxies.score(candidates[name], data.x_train, data.y_train,
-                                            repeats=args.repeats, **options))
+                values.append(
+                    proxies.score(
+                        candidates[name],
+                        data.x_train,
+                        data.y_train,
+                        repeats=args.repeats,
+                        **options,
+                    )
+                )
             seconds.append(time.perf_counter() - start)
         measured[label] = (np.array(values), np.array(seconds))
         rows.append(row(label, *measured[label], accuracy))
@@ -80,19 +90,24 @@ def main() -> None:
     for pair in VOTES:
         if all(m in measured for m in pair):
             votes = proxies.mean_rank([measured[m][0] for m in pair])
-            rows.append(row(f"vote: {' + '.join(pair)}", votes,
-                            sum(measured[m][1] for m in pair), accuracy))
+            rows.append(
+                row(f"vote: {' + '.join(pair)}", votes, sum(measured[m][1] for m in pair), accuracy)
+            )
 
     ceiling = truth["ceiling"]
-    print(f"\n{len(names)} architectures, {args.repeats} repeats × 64 samples; ground truth: mean "
-          f"validation accuracy over {len(truth['seeds'])} seeds "
-          f"({truth['budget']['epochs']} epochs of Adam)")
+    print(
+        f"\n{len(names)} architectures, {args.repeats} repeats × 64 samples; ground truth: mean "
+        f"validation accuracy over {len(truth['seeds'])} seeds "
+        f"({truth['budget']['epochs']} epochs of Adam)"
+    )
     print(f"| {'proxy':38s} | Kendall τ | Spearman ρ | ms / arch | top-10 overlap |")
     print(f"|{'-' * 40}|-----------|------------|-----------|----------------|")
     for label, tau, rho, ms, top in rows:
         print(f"| {label:38s} | {tau:+9.3f} | {rho:+10.3f} | {ms:9.1f} | {top:>11d}/10 |")
-    print(f"| {'seed-to-seed ceiling (one run vs one)':38s} | {ceiling['kendall_tau']:+9.3f} | "
-          f"{ceiling['spearman_rho']:+10.3f} |           |                |")
+    print(
+        f"| {'seed-to-seed ceiling (one run vs one)':38s} | {ceiling['kendall_tau']:+9.3f} | "
+        f"{ceiling['spearman_rho']:+10.3f} |           |                |"
+    )
     singles = {m: measured[m][0] for m in proxies.METRICS if m in measured}
     if len(singles) > 2:
         held_out(singles, accuracy)
@@ -104,8 +119,13 @@ def row(label, values, seconds, accuracy):
     values = np.nan_to_num(np.asarray(values, dtype=float), nan=-np.inf)
     best = set(np.argsort(-accuracy)[:10])
     top = set(np.argsort(-values, kind="stable")[:10])
-    return (label, kendalltau(values, accuracy)[0], spearmanr(values, accuracy)[0],
-            1000 * float(np.median(seconds)), len(best & top))
+    return (
+        label,
+        kendalltau(values, accuracy)[0],
+        spearmanr(values, accuracy)[0],
+        1000 * float(np.median(seconds)),
+        len(best & top),
+    )
 
 
 def held_out(singles, accuracy, splits=200):
@@ -118,7 +138,7 @@ def held_out(singles, accuracy, splits=200):
     chosen_single, chosen_pair = [], []
     for _ in range(splits):
         perm = rng.permutation(len(accuracy))
-        a, b = perm[: len(perm) // 2], perm[len(perm) // 2:]
+        a, b = perm[: len(perm) // 2], perm[len(perm) // 2 :]
         single = max(singles, key=lambda m: tau(singles[m], a))
         votes = {p: proxies.mean_rank([singles[m] for m in p]) for p in pairs}
         pair = max(pairs, key=lambda p: tau(votes[p], a))
@@ -127,10 +147,12 @@ def held_out(singles, accuracy, splits=200):
     for what, picks in (("single metric", chosen_single), ("pair vote", chosen_pair)):
         names, taus = zip(*picks)
         common = max(set(names), key=names.count)
-        print(f"held-out: best {what} chosen on half the architectures scores τ "
-              f"{np.median(taus):+.3f} (median; IQR {np.percentile(taus, 25):+.3f} … "
-              f"{np.percentile(taus, 75):+.3f}) on the other half; most often {common} "
-              f"({names.count(common)}/{splits})")
+        print(
+            f"held-out: best {what} chosen on half the architectures scores τ "
+            f"{np.median(taus):+.3f} (median; IQR {np.percentile(taus, 25):+.3f} … "
+            f"{np.percentile(taus, 75):+.3f}) on the other half; most often {common} "
+            f"({names.count(common)}/{splits})"
+        )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ MLPs vary depth (hidden layers), width, activation, normalisation and residual c
 112 are drawn with a fixed seed from the 6 × 6 × 5 × 3 × 2 grid below. CNNs read the 64 features
 as one 8×8 image. `space()` maps each architecture's name to a factory.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -14,12 +15,22 @@ from torch import nn
 
 DEPTHS = (1, 2, 3, 4, 6, 8)
 WIDTHS = (8, 16, 32, 64, 128, 256)
-ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU, "sigmoid": nn.Sigmoid,
-               "leaky": nn.LeakyReLU}
+ACTIVATIONS = {
+    "relu": nn.ReLU,
+    "tanh": nn.Tanh,
+    "gelu": nn.GELU,
+    "sigmoid": nn.Sigmoid,
+    "leaky": nn.LeakyReLU,
+}
 NORMS = {"none": None, "bn": nn.BatchNorm1d, "ln": nn.LayerNorm}
 CNNS = [  # (channels per conv layer, BatchNorm, 2×2 max-pool after the first conv)
-    ((8,), False, False), ((16,), True, False), ((8, 16), False, True), ((16, 32), True, True),
-    ((16, 16), False, False), ((32, 32), True, False), ((8, 8, 8), False, False),
+    ((8,), False, False),
+    ((16,), True, False),
+    ((8, 16), False, True),
+    ((16, 32), True, True),
+    ((16, 16), False, False),
+    ((32, 32), True, False),
+    ((8, 8, 8), False, False),
     ((16, 32, 32), True, True),
 ]
 NUM_MLPS = 112
@@ -41,7 +52,9 @@ class Block(nn.Module):
 
 
 def mlp(depth, width, activation, norm, skip, inputs=64, classes=10) -> nn.Sequential:
-    blocks = [Block(inputs if i == 0 else width, width, activation, norm, skip) for i in range(depth)]
+    blocks = [
+        Block(inputs if i == 0 else width, width, activation, norm, skip) for i in range(depth)
+    ]
     return nn.Sequential(*blocks, nn.Linear(width, classes))
 
 

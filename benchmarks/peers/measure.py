@@ -6,13 +6,15 @@ the block minus the resident size just before it: a thread samples /proc/self/st
 millisecond, and the kernel's own high-water mark (getrusage ru_maxrss) is used as well whenever
 the block raised it, since then it is exact.
 """
+
 from __future__ import annotations
 
 import os
 import resource
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -34,7 +36,7 @@ class PeakRSS:
         self.interval = interval
         self.increase = 0
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         self._stop = threading.Event()
         self._before = rss_bytes()
         self._maxrss_before = _maxrss_bytes()
@@ -53,7 +55,7 @@ class PeakRSS:
         self._thread.join()
         peak = max(self._peak, rss_bytes())
         maxrss = _maxrss_bytes()
-        if maxrss > self._maxrss_before:   # the block set a new high-water mark: exact
+        if maxrss > self._maxrss_before:  # the block set a new high-water mark: exact
             peak = max(peak, maxrss)
         self.increase = peak - self._before
 

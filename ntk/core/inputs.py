@@ -1,12 +1,13 @@
 """Sample-structured model inputs: a tensor, a tuple of tensors (positional arguments) or a
 dict of tensors (keyword arguments), each with the sample axis first."""
+
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import torch
 
-Inputs = Union[torch.Tensor, tuple, list, dict]
+Inputs = torch.Tensor | tuple | list | dict
 
 
 def _leaves(x: Inputs) -> list[torch.Tensor]:
@@ -17,7 +18,8 @@ def _leaves(x: Inputs) -> list[torch.Tensor]:
     if isinstance(x, dict):
         return list(x.values())
     raise TypeError(
-        f"inputs must be a tensor, a tuple of tensors or a dict of tensors, got {type(x).__name__}")
+        f"inputs must be a tensor, a tuple of tensors or a dict of tensors, got {type(x).__name__}"
+    )
 
 
 def validate(x: Inputs, name: str) -> int:
@@ -34,7 +36,8 @@ def validate(x: Inputs, name: str) -> int:
     if any(leaf.shape[0] != n for leaf in leaves):
         raise ValueError(
             f"{name}: all tensors must have the same number of samples (first axis), got "
-            f"{[leaf.shape[0] for leaf in leaves]}")
+            f"{[leaf.shape[0] for leaf in leaves]}"
+        )
     if n == 0:
         raise ValueError(f"{name} holds no samples")
     for leaf in leaves:
@@ -55,9 +58,13 @@ def signature(x: Inputs) -> Any:
 
 def check_compatible(x1: Inputs, x2: Inputs) -> None:
     s1, s2 = signature(x1), signature(x2)
-    if type(x1) is not type(x2) and not (isinstance(x1, (tuple, list)) and isinstance(x2, (tuple, list))):
-        raise ValueError(f"x1 and x2 must have the same structure, got {type(x1).__name__} and "
-                         f"{type(x2).__name__}")
+    if type(x1) is not type(x2) and not (
+        isinstance(x1, (tuple, list)) and isinstance(x2, (tuple, list))
+    ):
+        raise ValueError(
+            f"x1 and x2 must have the same structure, got {type(x1).__name__} and "
+            f"{type(x2).__name__}"
+        )
     if s1 != s2:
         raise ValueError(f"x1 and x2 have different per-sample shapes: {s1} vs {s2}")
 
@@ -76,11 +83,14 @@ def take(x: Inputs, index: slice | torch.Tensor) -> Inputs:
 
 
 def convert(x: Inputs, device: torch.device, dtype: torch.dtype | None) -> Inputs:
-    """Move to `device`; cast floating tensors to `dtype` (integer tensors such as token ids stay)."""
+    """Move to `device`; cast floating tensors to `dtype` (integer tensors such as token ids
+    stay)."""
+
     def one(t: torch.Tensor) -> torch.Tensor:
         if dtype is not None and t.is_floating_point():
             return t.to(device=device, dtype=dtype)
         return t.to(device=device)
+
     if isinstance(x, torch.Tensor):
         return one(x)
     if isinstance(x, dict):

@@ -1,4 +1,5 @@
 """Per-sample Jacobians by automatic differentiation: vmap(jacrev(functional_call))."""
+
 from __future__ import annotations
 
 import torch
@@ -7,7 +8,9 @@ from torch.func import jacrev, vmap
 from .model import ModelView
 
 
-def jacobian_features(view: ModelView, x, cot: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
+def jacobian_features(
+    view: ModelView, x, cot: torch.Tensor, names: list[str]
+) -> dict[str, torch.Tensor]:
     """u_cᵀ ∂f(x_b)/∂θ_n for each parameter name n, as [C, B, numel(θ_n)].
 
     Only the parameters in `names` are differentiated; the others are held constant.

@@ -5,6 +5,7 @@ u_cᵀ J(x) of the Jacobian seen through C cotangent vectors u_c ∈ ℝ^O. For 
 and `trace` the cotangents are the O basis vectors; for `sum_logits` there is one, 1/√O · 1,
 so that its kernel is (1/O) ∇(Σ_o f_o)·∇(Σ_o f_o) (Mohamadi et al., ICML 2023).
 """
+
 from __future__ import annotations
 
 import math
@@ -23,7 +24,9 @@ def check_kind(kind: str) -> str:
 def cotangents(kind: str, num_outputs: int, *, dtype, device) -> torch.Tensor:
     """The C × O matrix whose rows are the cotangent vectors of `kind`."""
     if kind == "sum_logits":
-        return torch.full((1, num_outputs), 1.0 / math.sqrt(num_outputs), dtype=dtype, device=device)
+        return torch.full(
+            (1, num_outputs), 1.0 / math.sqrt(num_outputs), dtype=dtype, device=device
+        )
     return torch.eye(num_outputs, dtype=dtype, device=device)
 
 
@@ -53,7 +56,9 @@ def contract(g1: torch.Tensor, g2: torch.Tensor, kind: str) -> torch.Tensor:
     return g1.transpose(0, 1).reshape(b1, c * p) @ g2.transpose(0, 1).reshape(b2, c * p).T
 
 
-def contract_factored(gram_in: torch.Tensor, d1: torch.Tensor, d2: torch.Tensor, kind: str) -> torch.Tensor:
+def contract_factored(
+    gram_in: torch.Tensor, d1: torch.Tensor, d2: torch.Tensor, kind: str
+) -> torch.Tensor:
     """Kernel tile of a weight shared over S positions, J = Σ_s δ_s ⊗ a_s, from its factors.
 
     gram_in [B1, S1, B2, S2] holds a_s(x)·a_t(x'); d [C, B, S, F] holds the backward signals δ.
@@ -70,7 +75,9 @@ def contract_factored(gram_in: torch.Tensor, d1: torch.Tensor, d2: torch.Tensor,
         if kind == "diagonal":
             g = torch.bmm(d1.reshape(c, b1, f), d2.reshape(c, b2, f).transpose(1, 2))
             return g.mul_(a[None]).permute(1, 2, 0)
-        return (d1.transpose(0, 1).reshape(b1, c * f) @ d2.transpose(0, 1).reshape(b2, c * f).T).mul_(a)
+        return (
+            d1.transpose(0, 1).reshape(b1, c * f) @ d2.transpose(0, 1).reshape(b2, c * f).T
+        ).mul_(a)
     if kind == "full":
         g = d1.reshape(c * b1 * s1, f) @ d2.reshape(c * b2 * s2, f).T
         g = g.reshape(c, b1, s1, c, b2, s2)
@@ -78,7 +85,10 @@ def contract_factored(gram_in: torch.Tensor, d1: torch.Tensor, d2: torch.Tensor,
     if kind == "diagonal":
         g = torch.bmm(d1.reshape(c, b1 * s1, f), d2.reshape(c, b2 * s2, f).transpose(1, 2))
         return torch.einsum("isjt,cisjt->ijc", gram_in, g.reshape(c, b1, s1, b2, s2))
-    g = d1.permute(1, 2, 0, 3).reshape(b1 * s1, c * f) @ d2.permute(1, 2, 0, 3).reshape(b2 * s2, c * f).T
+    g = (
+        d1.permute(1, 2, 0, 3).reshape(b1 * s1, c * f)
+        @ d2.permute(1, 2, 0, 3).reshape(b2 * s2, c * f).T
+    )
     return (gram_in * g.reshape(b1, s1, b2, s2)).sum(dim=(1, 3))
 
 

@@ -1,4 +1,5 @@
 """Memory available for a computation, and block sizes that keep it bounded."""
+
 from __future__ import annotations
 
 import math
@@ -33,7 +34,9 @@ def block_size(n: int, per_sample: float, per_pair: float, budget: float) -> int
     if per_pair <= 0:
         b = budget / max(2 * per_sample, 1.0)
     else:
-        b = (-2 * per_sample + math.sqrt(4 * per_sample ** 2 + 4 * per_pair * budget)) / (2 * per_pair)
+        b = (-2 * per_sample + math.sqrt(4 * per_sample**2 + 4 * per_pair * budget)) / (
+            2 * per_pair
+        )
     return int(max(1, min(n, b)))
 
 

@@ -1,8 +1,9 @@
 """A read-only functional view of an `nn.Module`: its trainable parameters grouped by the module
 that owns them, and a forward pass `f(params, x) -> [B, O]` that never touches the module's state."""
+
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -10,8 +11,14 @@ from torch.func import functional_call
 
 from . import inputs
 
-_DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
-            nn.FeatureAlphaDropout)
+_DROPOUT = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+)
 _BATCHNORM = nn.modules.batchnorm._BatchNorm
 
 
@@ -22,16 +29,19 @@ def check_eval_mode(model: nn.Module) -> None:
         if isinstance(module, _DROPOUT) and module.training and module.p > 0:
             raise ValueError(
                 f"module '{label}' is an active Dropout: the output is random. Call model.eval() "
-                "before computing a kernel.")
+                "before computing a kernel."
+            )
         if isinstance(module, _BATCHNORM) and (module.training or not module.track_running_stats):
             raise ValueError(
                 f"module '{label}' is a BatchNorm that uses batch statistics, so each sample's "
                 "output depends on the rest of the batch. Call model.eval() before computing a "
-                "kernel (and keep track_running_stats=True).")
+                "kernel (and keep track_running_stats=True)."
+            )
         if isinstance(module, nn.MultiheadAttention) and module.training and module.dropout > 0:
             raise ValueError(
                 f"module '{label}' applies attention dropout in training mode: the output is "
-                "random. Call model.eval() before computing a kernel.")
+                "random. Call model.eval() before computing a kernel."
+            )
 
 
 class ModelView:
@@ -42,15 +52,24 @@ class ModelView:
     registered under several modules (tied weights) belongs to the first of them.
     """
 
-    def __init__(self, model: nn.Module, *, output_fn: Optional[Callable] = None,
-                 device=None, dtype: Optional[torch.dtype] = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        output_fn: Callable | None = None,
+        device=None,
+        dtype: torch.dtype | None = None,
+    ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.model = model
         self.output_fn = output_fn
         first = next(iter(model.parameters()), None)
-        self.device = torch.device(device) if device is not None else (
-            first.device if first is not None else torch.device("cpu"))
+        self.device = (
+            torch.device(device)
+            if device is not None
+            else (first.device if first is not None else torch.device("cpu"))
+        )
         self.dtype = dtype
 
         def convert(t: torch.Tensor) -> torch.Tensor:
@@ -59,10 +78,10 @@ class ModelView:
                 return t.to(device=self.device, dtype=dtype)
             return t.to(device=self.device)
 
-        self.params: dict[str, torch.Tensor] = {}        # trainable, detached copies
-        self.constants: dict[str, torch.Tensor] = {}     # frozen parameters
-        self.layers: dict[str, list[str]] = {}           # layer name -> its parameter names
-        self.owner: dict[str, str] = {}                  # parameter name -> layer name
+        self.params: dict[str, torch.Tensor] = {}  # trainable, detached copies
+        self.constants: dict[str, torch.Tensor] = {}  # frozen parameters
+        self.layers: dict[str, list[str]] = {}  # layer name -> its parameter names
+        self.owner: dict[str, str] = {}  # parameter name -> layer name
         seen: set[int] = set()
         for mod_name, module in model.named_modules():
             for p_name, p in module.named_parameters(recurse=False):
@@ -77,8 +96,10 @@ class ModelView:
                 else:
                     self.constants[full] = convert(p)
         if not self.params:
-            raise ValueError("the model has no trainable parameters (requires_grad=True); "
-                             "the eNTK is defined over trainable parameters only")
+            raise ValueError(
+                "the model has no trainable parameters (requires_grad=True); "
+                "the eNTK is defined over trainable parameters only"
+            )
         # Buffers are cloned so that nothing a forward pass does can reach the model's own state.
         self.buffers = {n: convert(b).clone() for n, b in model.named_buffers()}
         self.shared = self._registered_more_than_once(model)
@@ -91,21 +112,25 @@ class ModelView:
             names.setdefault(id(p), []).append(name)
         return {group[0] for group in names.values() if len(group) > 1}
 
-    def select(self, layers) -> Optional[list[str]]:
+    def select(self, layers) -> list[str] | None:
         """Validate a `layers` argument: None (the total), "all", or a list of layer names."""
         if layers is None:
             return None
         if isinstance(layers, str):
             if layers != "all":
-                raise ValueError(f"layers must be None, 'all' or a list of module names, got {layers!r}")
+                raise ValueError(
+                    f"layers must be None, 'all' or a list of module names, got {layers!r}"
+                )
             return list(self.layers)
         names = list(layers)
         if not names:
             raise ValueError("layers is an empty list; pass None for the total")
         unknown = [n for n in names if n not in self.layers]
         if unknown:
-            raise ValueError(f"unknown layer name(s) {unknown}; layers owning trainable parameters "
-                             f"are {list(self.layers)}")
+            raise ValueError(
+                f"unknown layer name(s) {unknown}; layers owning trainable parameters "
+                f"are {list(self.layers)}"
+            )
         return names
 
     @property
@@ -120,7 +145,7 @@ class ModelView:
         trainable parameters (frozen parameters and buffers stay constant)."""
         args, kwargs = inputs.as_call(x)
         tensors = {**self.constants, **self.buffers, **params}
-        out = functional_call(self.model, tensors, args, kwargs, strict=False)
+        out = functional_call(self.model, tensors, args, kwargs)
         return self.to_matrix(out)
 
     def to_matrix(self, out) -> torch.Tensor:
@@ -129,13 +154,15 @@ class ModelView:
         if not isinstance(out, torch.Tensor):
             raise TypeError(
                 f"the model output is a {type(out).__name__}, not a tensor: pass output_fn to map "
-                "it to a [B, O] tensor")
+                "it to a [B, O] tensor"
+            )
         if out.dim() == 1:
             return out.unsqueeze(1)
         if out.dim() != 2:
             raise ValueError(
                 f"the model output has shape {tuple(out.shape)}; the kernel needs [B, O] or [B]. "
-                "Pass output_fn to map it to [B, O] (e.g. lambda out: out[:, -1] for the last token)")
+                "Pass output_fn to map it to [B, O] (e.g. lambda out: out[:, -1] for the last token)"
+            )
         return out
 
     def forward_single(self, params: dict[str, torch.Tensor], x_single) -> torch.Tensor:

@@ -3,14 +3,15 @@
 For each sample x_i of the left block, one vjp gives the C parameter-space vectors J(x_i)ᵀ u_c
 (vmapped over the cotangents); one jvp through the whole right block, vmapped over those C
 tangents, gives J(x_j) J(x_i)ᵀ u_c for every x_j at once. Memory is O(C·P) plus C forward passes
-of the block, instead of the N²·O·P of the pairwise double-vmap recipe. Fused attention kernels have no
+of the block, instead of the N²·O·P of the pairwise double-vmap recipe. Fused attention kernels
+have no
 forward-mode derivative, so the tiles run with PyTorch's composite (math) attention.
 """
+
 from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Optional
 
 import torch
 from torch.func import jvp, vjp, vmap
@@ -20,25 +21,26 @@ from . import inputs
 from .model import ModelView
 
 
-def tile(view: ModelView, x1, x2, cot: torch.Tensor, kind: str,
-         groups: dict[Optional[str], list[str]]) -> dict[Optional[str], torch.Tensor]:
+def tile(
+    view: ModelView, x1, x2, cot: torch.Tensor, kind: str, groups: dict[str | None, list[str]]
+) -> dict[str | None, torch.Tensor]:
     """Kernel tiles K(x1, x2) of each parameter group ({key: parameter names})."""
     params = view.params
     n1 = inputs.count(x1)
-    rows: dict[Optional[str], list[torch.Tensor]] = {key: [] for key in groups}
+    rows: dict[str | None, list[torch.Tensor]] = {key: [] for key in groups}
     for i in range(n1):
         xi = inputs.take(x1, slice(i, i + 1))
-        _, pullback = vjp(lambda p: view.forward(p, xi)[0], params)
-        (tangents,) = vmap(pullback)(cot)                  # name -> [C, *shape]
+        _, pullback = vjp(lambda p, xi=xi: view.forward(p, xi)[0], params)
+        (tangents,) = vmap(pullback)(cot)  # name -> [C, *shape]
         for key, names in groups.items():
             primals = {n: params[n] for n in names}
             rest = {n: p for n, p in params.items() if n not in primals}
 
             def push(t, primals=primals, rest=rest):
-                return jvp(lambda p: view.forward({**rest, **p}, x2), (primals,), (t,))[1]
+                return jvp(lambda q: view.forward({**rest, **q}, x2), (primals,), (t,))[1]
 
             with _forward_mode_attention():
-                r = vmap(push)({n: tangents[n] for n in names})   # [C, B2, O]: J(x_j) J(x_i)ᵀ u_c
+                r = vmap(push)({n: tangents[n] for n in names})  # [C, B2, O]: J(x_j) J(x_i)ᵀ u_c
             rows[key].append(_reduce(r, kind))
     return {key: torch.stack(r) for key, r in rows.items()}
 
@@ -59,9 +61,9 @@ def _forward_mode_attention():
 def _reduce(r: torch.Tensor, kind: str) -> torch.Tensor:
     """Row K(x_i, ·) of a kind from r[c, j, o] = e_oᵀ Θ(x_j, x_i) u_c."""
     if kind == "full":
-        return r.permute(1, 0, 2)                          # [B2, O(c), O(o)]
+        return r.permute(1, 0, 2)  # [B2, O(c), O(o)]
     if kind == "diagonal":
-        return torch.diagonal(r, dim1=0, dim2=2)           # [B2, O]
+        return torch.diagonal(r, dim1=0, dim2=2)  # [B2, O]
     if kind == "trace":
         return torch.diagonal(r, dim1=0, dim2=2).sum(-1)
-    return r[0].sum(-1) / math.sqrt(r.shape[-1])           # sum_logits: u = 1/√O
+    return r[0].sum(-1) / math.sqrt(r.shape[-1])  # sum_logits: u = 1/√O

@@ -11,10 +11,10 @@ C cotangents come from one batched backward pass through zero perturbations adde
 outputs. Parameters of other modules, parameters used outside the module that owns them (tied
 weights) and modules called more than once are differentiated exactly by autodiff instead.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -47,9 +47,11 @@ def _supported(module: nn.Module) -> bool:
 # Features of a block of samples
 # --------------------------------------------------------------------------------------------
 
+
 @dataclass
 class Explicit:
     """Per-sample Jacobian rows g [C, B, P] of some parameters of `layer`."""
+
     layer: str
     g: torch.Tensor
 
@@ -61,13 +63,14 @@ class Factored:
     `a` is [B, S, F_in] (inputs at each position), or [B, S] token ids for an embedding
     (`index=True`, ids equal to `padding_idx` contribute nothing); `d` is [C, B, S, F_out].
     """
+
     layer: str
     a: torch.Tensor
     d: torch.Tensor
     index: bool = False
-    padding_idx: Optional[int] = None
+    padding_idx: int | None = None
 
-    def input_gram(self, other: "Factored") -> torch.Tensor:
+    def input_gram(self, other: Factored) -> torch.Tensor:
         b1, s1 = self.a.shape[:2]
         b2, s2 = other.a.shape[:2]
         if self.index:
@@ -87,7 +90,11 @@ def _linear_factors(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(x.shape[0], -1, x.shape[-1])
     if isinstance(module, nn.Conv1d):
         x = x.unsqueeze(2)
-        kernel, stride, dilation = (1, *module.kernel_size), (1, *module.stride), (1, *module.dilation)
+        kernel, stride, dilation = (
+            (1, *module.kernel_size),
+            (1, *module.stride),
+            (1, *module.dilation),
+        )
     else:
         kernel, stride, dilation = module.kernel_size, module.stride, module.dilation
     mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
@@ -98,7 +105,7 @@ def _linear_factors(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     for axis, (k, s, d) in enumerate(zip(kernel, stride, dilation), start=2):
         x = x.unfold(axis, d * (k - 1) + 1, s)[..., ::d]
     b, c, h, w, kh, kw = x.shape
-    return x.permute(0, 2, 3, 1, 4, 5).reshape(b, h * w, c * kh * kw)   # [B, L, Cin·kh·kw]
+    return x.permute(0, 2, 3, 1, 4, 5).reshape(b, h * w, c * kh * kw)  # [B, L, Cin·kh·kw]
 
 
 def _normalised(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -125,6 +132,7 @@ def _signals(module: nn.Module, d: torch.Tensor) -> torch.Tensor:
 # Plan: which parameters are handled by factors and which by autodiff
 # --------------------------------------------------------------------------------------------
 
+
 class _UsageProbe(TorchFunctionMode):
     """Records, during one forward pass, which module was running when each parameter was used
     and how often each module was called."""
@@ -149,35 +157,44 @@ class _UsageProbe(TorchFunctionMode):
 @dataclass
 class Plan:
     """Modules differentiated by factors, with the parameters they cover, and the rest."""
-    modules: dict[str, nn.Module]          # layer name -> module handled by factors
-    covered: dict[str, list[str]]          # layer name -> parameter names handled by factors
-    factored: set[str]                     # layers whose weight uses the factored contraction
-    fallback: list[str]                    # parameter names differentiated by autodiff
-    positions: dict[str, int]              # layer name -> number of weight-sharing positions S
-    activations: int                       # elements of all module outputs for one sample
+
+    modules: dict[str, nn.Module]  # layer name -> module handled by factors
+    covered: dict[str, list[str]]  # layer name -> parameter names handled by factors
+    factored: set[str]  # layers whose weight uses the factored contraction
+    fallback: list[str]  # parameter names differentiated by autodiff
+    positions: dict[str, int]  # layer name -> number of weight-sharing positions S
+    activations: int  # elements of all module outputs for one sample
 
     @property
     def empty(self) -> bool:
         return not self.modules
 
     @classmethod
-    def autodiff(cls, other: "Plan") -> "Plan":
+    def autodiff(cls, other: Plan) -> Plan:
         """The same parameters, all differentiated by autodiff (the `jacobian` method)."""
         names = other.fallback + [n for names in other.covered.values() for n in names]
         return cls({}, {}, set(), names, {}, other.activations)
 
 
-_PROBE = 2   # samples in the planning pass: a module must see this batch axis to be factored
+_PROBE = 2  # samples in the planning pass: a module must see this batch axis to be factored
 
 
-def plan(view: ModelView, x, kind: str, num_cotangents: int, block: int,
-         only: Optional[list[str]] = None, factor_all: bool = False) -> Plan:
+def plan(
+    view: ModelView,
+    x,
+    kind: str,
+    num_cotangents: int,
+    block: int,
+    only: list[str] | None = None,
+    factor_all: bool = False,
+) -> Plan:
     """Decide, from one forward pass on two copies of the first sample of `x`, how each
     parameter is differentiated.
 
     Only the parameters in `only` (default: all) are planned. A known module is factored only if
     it was called exactly once, its input and output carry the sample axis first (not, say,
-    positions shared by all samples) and its parameters were used by it alone. A weight with S positions uses the factored contraction when it is cheaper than
+    positions shared by all samples) and its parameters were used by it alone. A weight with S
+    positions uses the factored contraction when it is cheaper than
     forming per-sample gradients (see `_prefer_factors`), or always with `factor_all=True`
     (random projections of the factors, which never need the kernel contraction).
     """
@@ -186,13 +203,14 @@ def plan(view: ModelView, x, kind: str, num_cotangents: int, block: int,
     params = dict(view.params)
     probe = _UsageProbe({id(t): n for n, t in params.items()})
     x_probe = inputs.take(x, torch.zeros(_PROBE, dtype=torch.long))
-    out_numel: dict[str, int] = {}     # per sample, for modules whose tensors are per sample
+    out_numel: dict[str, int] = {}  # per sample, for modules whose tensors are per sample
     activations = [0]
 
     def pre_hook(name):
         def hook(module, args):
             probe.stack.append(name)
             probe.calls[name] = probe.calls.get(name, 0) + 1
+
         return hook
 
     def post_hook(name):
@@ -200,11 +218,18 @@ def plan(view: ModelView, x, kind: str, num_cotangents: int, block: int,
             probe.stack.pop()
             if isinstance(out, torch.Tensor):
                 activations[0] += out.numel() // _PROBE
-            per_sample = (isinstance(out, torch.Tensor) and out.dim() > 0 and out.shape[0] == _PROBE
-                          and args and isinstance(args[0], torch.Tensor) and args[0].dim() > 0
-                          and args[0].shape[0] == _PROBE)
+            per_sample = (
+                isinstance(out, torch.Tensor)
+                and out.dim() > 0
+                and out.shape[0] == _PROBE
+                and args
+                and isinstance(args[0], torch.Tensor)
+                and args[0].dim() > 0
+                and args[0].shape[0] == _PROBE
+            )
             if name in names and per_sample:
                 out_numel[name] = out.numel() // _PROBE
+
         return hook
 
     handles = []
@@ -225,9 +250,12 @@ def plan(view: ModelView, x, kind: str, num_cotangents: int, block: int,
         if not pnames:
             continue
         module = names[layer]
-        ok_module = (_supported(module) and probe.calls.get(layer, 0) == 1 and layer in out_numel)
-        mine = [n for n in pnames if ok_module and n not in view.shared
-                and probe.users.get(n, set()) == {layer}]
+        ok_module = _supported(module) and probe.calls.get(layer, 0) == 1 and layer in out_numel
+        mine = [
+            n
+            for n in pnames
+            if ok_module and n not in view.shared and probe.users.get(n, set()) == {layer}
+        ]
         fallback += [n for n in pnames if n not in mine]
         if not mine:
             continue
@@ -270,6 +298,7 @@ def _prefer_factors(module: nn.Module, s: int, kind: str, c: int, block: int) ->
 # Features
 # --------------------------------------------------------------------------------------------
 
+
 def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor) -> list:
     """Explicit and factored Jacobian terms of every trainable parameter for a block `x`."""
     layer_inputs: dict[str, torch.Tensor] = {}
@@ -287,6 +316,7 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor) -> list:
             eps = torch.zeros_like(out, requires_grad=True)
             perturbations[name] = eps
             return out + eps
+
         return record
 
     terms: list = []
@@ -301,11 +331,18 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor) -> list:
         b, o = out.shape
         grad_out = cot[:, None, :].expand(cot.shape[0], b, o).contiguous()
         names = list(perturbations)
-        signals = torch.autograd.grad(out, [perturbations[n] for n in names], grad_outputs=grad_out,
-                                      is_grads_batched=True, allow_unused=True)
+        signals = torch.autograd.grad(
+            out,
+            [perturbations[n] for n in names],
+            grad_outputs=grad_out,
+            is_grads_batched=True,
+            allow_unused=True,
+        )
         for name, d in zip(names, signals):
             if d is None:
-                d = torch.zeros((cot.shape[0], *perturbations[name].shape), dtype=out.dtype, device=out.device)
+                d = torch.zeros(
+                    (cot.shape[0], *perturbations[name].shape), dtype=out.dtype, device=out.device
+                )
             terms += _module_terms(name, plan_, layer_inputs[name], d)
     if plan_.fallback:
         jac = jacobian_features(view, x, cot, plan_.fallback)
@@ -331,20 +368,22 @@ def _module_terms(layer: str, plan_: Plan, a: torch.Tensor, d: torch.Tensor) -> 
                 terms.append(Explicit(layer, g))
         return terms
 
-    d = _signals(module, d)                                # [C, B, S, F_out]
+    d = _signals(module, d)  # [C, B, S, F_out]
     weight, bias = _qualified(layer, "weight") in covered, _qualified(layer, "bias") in covered
     if bias and not weight:
         return [Explicit(layer, d.sum(2))]
     if isinstance(module, nn.Embedding):
         if layer in plan_.factored:
             return [Factored(layer, a, d, index=True, padding_idx=module.padding_idx)]
-        grad = torch.zeros((c, b, module.num_embeddings, d.shape[-1]), dtype=d.dtype, device=d.device)
+        grad = torch.zeros(
+            (c, b, module.num_embeddings, d.shape[-1]), dtype=d.dtype, device=d.device
+        )
         valid = a if module.padding_idx is None else torch.where(a == module.padding_idx, -1, a)
         mask = (valid >= 0).to(d.dtype)
         index = valid.clamp(min=0)[None, :, :, None].expand(c, b, a.shape[1], d.shape[-1])
         grad.scatter_add_(2, index, d * mask[None, :, :, None])
         return [Explicit(layer, grad.reshape(c, b, -1))]
-    if bias:   # y_s = W a_s + b = [W b] [a_s; 1]: the bias is one more input feature
+    if bias:  # y_s = W a_s + b = [W b] [a_s; 1]: the bias is one more input feature
         a = torch.cat([a, a.new_ones(a.shape[:-1] + (1,))], dim=-1)
     if layer in plan_.factored:
         return [Factored(layer, a, d)]

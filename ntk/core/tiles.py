@@ -4,9 +4,10 @@
 The grid only knows how to get the features of a block of samples and how to contract two of
 them into a tile; the eNTK engine, projected kernels and the distributed driver share it.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -23,9 +24,24 @@ class Grid:
     key None for the total kernel or a layer name. Column features are cached when `cache_ok`.
     """
 
-    def __init__(self, *, n1: int, n2: int, block: int, symmetric: bool, kind: str, shape,
-                 keys: Sequence, dtype, device, row_features: Callable, col_features: Callable,
-                 tile: Callable, cache_ok: bool, desc: str):
+    def __init__(
+        self,
+        *,
+        n1: int,
+        n2: int,
+        block: int,
+        symmetric: bool,
+        kind: str,
+        shape,
+        keys: Sequence,
+        dtype,
+        device,
+        row_features: Callable,
+        col_features: Callable,
+        tile: Callable,
+        cache_ok: bool,
+        desc: str,
+    ):
         self.n1, self.n2, self.block, self.symmetric = n1, n2, block, symmetric
         self.kind, self.shape, self.keys = kind, tuple(shape), list(keys)
         self.dtype, self.device = dtype, device
@@ -38,16 +54,20 @@ class Grid:
 
     @property
     def cols(self) -> list[slice]:
-        return self.rows if self.symmetric else \
-            [slice(s, min(s + self.block, self.n2)) for s in range(0, self.n2, self.block)]
+        return (
+            self.rows
+            if self.symmetric
+            else [slice(s, min(s + self.block, self.n2)) for s in range(0, self.n2, self.block)]
+        )
 
     def tiles(self) -> list[tuple[int, int]]:
         """Every tile to compute, (row block, column block) in row-major order."""
         n_rows, n_cols = len(self.rows), len(self.cols)
         return [(i, j) for i in range(n_rows) for j in range(i if self.symmetric else 0, n_cols)]
 
-    def compute(self, owned: Optional[Iterable[tuple[int, int]]] = None,
-                progress: bool = False) -> Iterator[tuple[int, int, dict]]:
+    def compute(
+        self, owned: Iterable[tuple[int, int]] | None = None, progress: bool = False
+    ) -> Iterator[tuple[int, int, dict]]:
         """Yield (i, j, {key: tile}) for the `owned` tiles (default: all), row by row, computing
         each row block's features once."""
         rows, cols = self.rows, self.cols
