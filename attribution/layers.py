@@ -9,11 +9,13 @@ group of layers G with Θ_G = Σ_{l∈G} Θ_l, gets scores from its own kernel c
 - ``alignment``       Pearson correlation of Θ_l's entries with the ±1 label-agreement matrix, the
                       layer's own Label-Gradient Alignment (Mok et al., CVPR 2022); needs labels;
 - ``top_eigenvalue``  λ_max(Θ_l);
-- ``sensitivity``     tr(Θ_l)·E‖θ_l' − θ_l‖²/P_l, the eNTK's first-order estimate of the mean
-  squared
-                      output change when the layer's P_l parameters θ_l are redrawn as θ_l' by their
-                      initialiser (E‖J_l Δ‖² = tr(Θ_l E[ΔΔᵀ]), with E[ΔΔᵀ] taken as isotropic;
-                      three draws of the modules' `reset_parameters()`, zeros where a module has none);
+- ``sensitivity``     tr(Θ_l)·E‖θ_l' − θ_l‖²/(P_l·N), the eNTK's first-order estimate of the
+                      mean squared output change per sample when the layer's P_l parameters θ_l
+                      are redrawn as θ_l' = θ_l + Δ by their initialiser: with J_l the [N·O, P_l]
+                      Jacobian of all N samples, E‖J_l Δ‖²/N = tr(J_lᵀJ_l E[ΔΔᵀ])/N, and
+                      E[ΔΔᵀ] taken as isotropic, (E‖Δ‖²/P_l)·I, this is tr(Θ_l)·E‖Δ‖²/(P_l·N)
+                      (three draws of the modules' `reset_parameters()`, zeros where a module has
+                      none);
 
 and cheap baselines to compare them with:
 
