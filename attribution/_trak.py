@@ -44,6 +44,9 @@ def trak(
     the full eNTK: φ(z)ᵀ(ΦᵀΦ + λI)⁻¹Φᵀ = k(z, X)(K + λI)⁻¹ with K the margin-gradient kernel).
     checkpoints: models or state dicts (see `influence`); y_test=None: the predicted labels.
     damping: λ ≥ 0. The same projector (seed) serves every model, as in the paper.
+    batch_size: samples featurised at a time (the exact kernels' tile size with dim=None);
+    None: from the free memory. Each sample is featurised once, through its own margin
+    gradient (one cotangent, not O).
     """
     if not (isinstance(damping, (int, float)) and damping >= 0):
         raise ValueError(f"damping must be a non-negative number, got {damping!r}")
