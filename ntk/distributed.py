@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .core import kinds
 from .core.tiles import Grid
 from .empirical import Kernel, _Computation
 
@@ -84,7 +85,7 @@ def empirical_ntk(
     x1,
     x2=None,
     *,
-    kind: str = "full",
+    kind: str | kinds.Kind = "full",
     labels=None,
     labels2=None,
     layers: None | str | Sequence[str] = None,

@@ -23,7 +23,7 @@ def empirical_ntk(
     x1,
     x2=None,
     *,
-    kind: str = "full",
+    kind: str | kinds.Kind = "full",
     labels=None,
     labels2=None,
     layers: None | str | Sequence[str] = None,
@@ -40,7 +40,8 @@ def empirical_ntk(
 
     kind: `full` Θ [N1, N2, O, O]; `diagonal` Θ_oo [N1, N2, O]; `trace` Σ_o Θ_oo [N1, N2];
     `sum_logits` (1/O) Σ_oo' Θ_oo' [N1, N2]; `lpntk` s(y)ᵀ Θ s(y') [N1, N2] with s(y) = 2e_y − 1,
-    which needs the class labels of x1 (`labels`, [N1]) and, when x2 is given, of x2 (`labels2`).
+    which needs the class labels of x1 (`labels`, [N1]) and, when x2 is given, of x2 (`labels2`);
+    or a `ntk.core.kinds.Kind` object (e.g. `Weighted()`, whose labels are cotangent vectors).
     layers: None (every layer), "all", or a list of module names (Θ = Σ_l J_l J_lᵀ over the
     modules that directly own trainable parameters) restricts the kernel to those layers.
     per_layer: True gives a dict {layer: component}, False the total over the chosen layers;
@@ -70,7 +71,7 @@ def empirical_ntk(
 def empirical_ntk_fn(
     model: nn.Module,
     *,
-    kind: str = "full",
+    kind: str | kinds.Kind = "full",
     layers: None | str | Sequence[str] = None,
     per_layer: bool | None = None,
     method: str = "auto",
