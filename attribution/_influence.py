@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ntk.core.memory import available_bytes
+from ntk.core.model import ModelView
 
 from . import _kernels
 from ._outputs import labels, logits, margin_gradient, models, softmax_curvature, test_labels
@@ -63,11 +64,13 @@ def influence(
     dimension of a random projection (`projections`; with kind="full" the Gauss–Newton system is
     then solved in the k-dimensional projected parameter space, so N is limited only by the
     features' memory); when exact kernels would not fit in memory, the full kernel projected
-    to `default_dim(model)` is used. y_test=None uses the network's predicted labels. checkpoints: models or state dicts of `model`'s architecture (e.g. independently
-    trained copies) whose scores are averaged; None uses `model` alone. damping (gauss_newton):
-    λ, or "auto" for 3 × tr(ΛΘ)/(N·O) (the mean eigenvalue of the curvature-weighted kernel;
-    3 was the best in the benchmark's sweep 10⁻⁴…10).
-    """
+    to `default_dim(model)` is used (sized by the free memory of the device the kernels are
+    computed on). y_test=None uses the network's predicted labels. checkpoints: models or state
+    dicts of `model`'s architecture (e.g. independently trained copies) whose scores are
+    averaged; None uses `model` alone. damping (gauss_newton): λ, or "auto" for
+    3 × tr(ΛΘ)/(N·O) (the mean eigenvalue of the curvature-weighted kernel; 3 was the best in
+    the benchmark's sweep 10⁻⁴…10). batch_size: the kernels' tile size and the projections'
+    featurisation batch (None: from the free memory)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid methods are {', '.join(METHODS)}")
     method = AUTO if method == "auto" else method
@@ -124,7 +127,7 @@ def _one_model(
         return torch.einsum("mio,mo->mi", torch.as_tensor(surrogate.attribute(x_test)), u)
     n, o = g_train.shape
     r = nn.functional.one_hot(y_train, o).double() - g_train.softmax(1)  # [N, O]
-    if dim is None and not _exact_fits(n, u.shape[0], o):
+    if dim is None and not _exact_fits(n, u.shape[0], o, ModelView(model, device=device).device):
         kind, dim = "full", default_dim(model)
     if kind == "full" and dim is not None:  # parameter space on projected Jacobians
         import projections
@@ -154,10 +157,10 @@ def _one_model(
     )
 
 
-def _exact_fits(n_train: int, n_test: int, o: int) -> bool:
+def _exact_fits(n_train: int, n_test: int, o: int, device: torch.device) -> bool:
     """Whether the exact kernels and the (N·O)² system (float64, with working copies) fit in half
-    the free memory."""
-    return 8 * o * o * n_train * (3 * n_train + n_test) < 0.5 * available_bytes(torch.device("cpu"))
+    the free memory of `device`, where they are computed and solved."""
+    return 8 * o * o * n_train * (3 * n_train + n_test) < 0.5 * available_bytes(device)
 
 
 def default_dim(model: nn.Module) -> int:

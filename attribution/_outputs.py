@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ntk.core import inputs
+from ntk.core.kinds import class_labels as labels  # checked in the core: lpntk needs them too
 from ntk.core.model import ModelView
 
 
@@ -26,24 +27,6 @@ def logits(
             for s in range(0, n, batch_size)
         ]
     return torch.cat(out).to(torch.float64)
-
-
-def labels(y, n: int, num_outputs: int, name: str = "y") -> torch.Tensor:
-    """Class labels as a long tensor [n] in 0..num_outputs−1."""
-    y = torch.as_tensor(y)
-    if y.dim() != 1 or y.shape[0] != n:
-        raise ValueError(
-            f"{name} must be a 1-d tensor of {n} class labels, got shape {tuple(y.shape)}"
-        )
-    if y.is_floating_point() and not bool((y == y.round()).all()):
-        raise ValueError(f"{name} must hold integer class labels")
-    y = y.long()
-    if n and (int(y.min()) < 0 or int(y.max()) >= num_outputs):
-        raise ValueError(
-            f"{name} holds labels outside 0..{num_outputs - 1} (the model has "
-            f"{num_outputs} outputs)"
-        )
-    return y
 
 
 def margins(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from . import _kernels
+import ntk
+from ntk.core import kinds
+
 from ._outputs import labels, logits, margin_gradient, margins, models, test_labels
 
 DEFAULT_DIM = 2048
@@ -42,6 +44,9 @@ def trak(
     the full eNTK: φ(z)ᵀ(ΦᵀΦ + λI)⁻¹Φᵀ = k(z, X)(K + λI)⁻¹ with K the margin-gradient kernel).
     checkpoints: models or state dicts (see `influence`); y_test=None: the predicted labels.
     damping: λ ≥ 0. The same projector (seed) serves every model, as in the paper.
+    batch_size: samples featurised at a time (the exact kernels' tile size with dim=None);
+    None: from the free memory. Each sample is featurised once, through its own margin
+    gradient (one cotangent, not O).
     """
     if not (isinstance(damping, (int, float)) and damping >= 0):
         raise ValueError(f"damping must be a non-negative number, got {damping!r}")
@@ -56,34 +61,25 @@ def trak(
             margin_gradient(g_train, y_tr),
             margin_gradient(g_test, test_labels(g_test, y_test)),
         )
-        opts = dict(batch_size=batch_size, device=device)
+        # the margin kernel u_iᵀ Θ(x_i, x_j) u_j: each sample's Jacobian seen through its own
+        # margin gradient u_i (one cotangent per sample, not O)
+        opts = dict(kind=kinds.Weighted(), batch_size=batch_size, device=device)
         if dim is None:
-            o = g_train.shape[1]
-            full = dict(kind="full", num_outputs=o, **opts)
-            k_train = torch.einsum(
-                "io,ijoq,jq->ij", u_train, _kernels.output_kernel(net, x_train, **full), u_train
+            k_train = ntk.empirical_ntk(net, x_train, labels=u_train, dtype=torch.float64, **opts)
+            k_test = ntk.empirical_ntk(
+                net, x_test, x_train, labels=u_test, labels2=u_train, dtype=torch.float64, **opts
             )
-            k_test = torch.einsum(
-                "mo,mioq,iq->mi",
-                u_test,
-                _kernels.output_kernel(net, x_test, x_train, **full),
-                u_train,
-            )
-            kernel_part = kernel_part + _solve(k_test, k_train, damping)
+            kernel_part = kernel_part + _solve(k_test.double(), k_train.double(), damping)
         else:
             import projections
 
-            feats = dict(dim=dim, kind="full", projector=projector, seed=seed, **opts)
-            phi_train = torch.einsum(
-                "io,iok->ik",
-                u_train,
-                torch.as_tensor(projections.features(net, x_train, **feats)).double(),
-            )
-            phi_test = torch.einsum(
-                "mo,mok->mk",
-                u_test,
-                torch.as_tensor(projections.features(net, x_test, **feats)).double(),
-            )
+            feats = dict(dim=dim, projector=projector, seed=seed, **opts)
+            phi_train = torch.as_tensor(
+                projections.features(net, x_train, labels=u_train, **feats)
+            ).double()
+            phi_test = torch.as_tensor(
+                projections.features(net, x_test, labels=u_test, **feats)
+            ).double()
             kernel_part = kernel_part + phi_test @ _inverse_times_transpose(phi_train, damping)
         q = q + (1 - torch.sigmoid(margins(g_train, y_tr)))
     return (kernel_part / len(nets)) * (q / len(nets))[None, :]

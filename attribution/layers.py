@@ -9,11 +9,13 @@ group of layers G with Θ_G = Σ_{l∈G} Θ_l, gets scores from its own kernel c
 - ``alignment``       Pearson correlation of Θ_l's entries with the ±1 label-agreement matrix, the
                       layer's own Label-Gradient Alignment (Mok et al., CVPR 2022); needs labels;
 - ``top_eigenvalue``  λ_max(Θ_l);
-- ``sensitivity``     tr(Θ_l)·E‖θ_l' − θ_l‖²/P_l, the eNTK's first-order estimate of the mean
-  squared
-                      output change when the layer's P_l parameters θ_l are redrawn as θ_l' by their
-                      initialiser (E‖J_l Δ‖² = tr(Θ_l E[ΔΔᵀ]), with E[ΔΔᵀ] taken as isotropic;
-                      three draws of the modules' `reset_parameters()`, zeros where a module has none);
+- ``sensitivity``     tr(Θ_l)·E‖θ_l' − θ_l‖²/(P_l·N), the eNTK's first-order estimate of the
+                      mean squared output change per sample when the layer's P_l parameters θ_l
+                      are redrawn as θ_l' = θ_l + Δ by their initialiser: with J_l the [N·O, P_l]
+                      Jacobian of all N samples, E‖J_l Δ‖²/N = tr(J_lᵀJ_l E[ΔΔᵀ])/N, and
+                      E[ΔΔᵀ] taken as isotropic, (E‖Δ‖²/P_l)·I, this is tr(Θ_l)·E‖Δ‖²/(P_l·N)
+                      (three draws of the modules' `reset_parameters()`, zeros where a module has
+                      none);
 
 and cheap baselines to compare them with:
 
@@ -159,7 +161,7 @@ def _check_targets(view: ModelView, x, y: torch.Tensor) -> None:
 
 
 def _gradient_stats(
-    view: ModelView, x, y: torch.Tensor, groups: dict[str, list[str]], block: int
+    view: ModelView, x, y: torch.Tensor, groups: dict[str, list[str]], chunk: int
 ) -> dict[str, tuple[float, float]]:
     """Per group: (‖mean-loss gradient‖, mean squared per-sample gradient norm)."""
 
@@ -171,8 +173,8 @@ def _gradient_stats(
     n = inputs.count(x)
     total = {name: torch.zeros_like(p) for name, p in view.params.items()}
     squares = {name: 0.0 for name in view.params}
-    for start in range(0, n, block):
-        rows = slice(start, start + block)
+    for start in range(0, n, chunk):
+        rows = slice(start, start + chunk)
         g = per_sample(view.params, inputs.take(x, rows), y[rows])
         for name, gi in g.items():
             total[name] += gi.sum(0)
@@ -186,7 +188,7 @@ def _gradient_stats(
 
 
 def _block_influence(
-    model: nn.Module, x, groups: dict[str, list[str]], block: int
+    model: nn.Module, x, groups: dict[str, list[str]], chunk: int
 ) -> dict[str, float | None]:
     """1 − cos(flattened input, flattened output) per sample, averaged, for every row module
     whose (first) input and output are tensors of the same shape; None for the others.
@@ -212,8 +214,8 @@ def _block_influence(
 
         handles.append(twin.get_submodule(row).register_forward_hook(hook))
     with torch.no_grad():
-        for start in range(0, inputs.count(x), block):
-            args, kwargs = inputs.as_call(inputs.take(x, slice(start, start + block)))
+        for start in range(0, inputs.count(x), chunk):
+            args, kwargs = inputs.as_call(inputs.take(x, slice(start, start + chunk)))
             twin(*args, **kwargs)
     for handle in handles:
         handle.remove()
@@ -259,7 +261,9 @@ def layer_importance(
     ``ntk.empirical_ntk(model, x, kind=kind, layers="all")`` summed within each group, or with
     `projection_dim` k their unbiased estimates ``projections.projected_ntk(..., dim=k)`` (per-layer
     random projections, for models too large for exact kernels). `group` is None, "blocks" or a
-    name depth (see `layer_groups`). The model is never modified.
+    name depth (see `layer_groups`). batch_size: the kernels' tile size (projections: samples
+    featurised at a time) and the samples per gradient pass of the label scores (None: from the
+    free memory, 256 for the gradients). The model is never modified.
     """
     if score not in SCORES:
         raise ValueError(f"unknown score {score!r}; valid scores are {', '.join(SCORES)}")
@@ -296,12 +300,12 @@ def layer_importance(
         for row, layers in groups.items()
     }
     xd = inputs.convert(x, view.device, None)
-    block = batch_size or 256
+    chunk = batch_size or 256
     grads = None
     if y is not None:
-        grads = _gradient_stats(view, xd, y.to(view.device), groups, block)
+        grads = _gradient_stats(view, xd, y.to(view.device), groups, chunk)
     influence = (
-        _block_influence(model, xd, groups, block) if group is not None else dict.fromkeys(groups)
+        _block_influence(model, xd, groups, chunk) if group is not None else dict.fromkeys(groups)
     )
     modules = dict(model.named_modules())
     rows = []

@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _projection_models import MODELS, images
 
 import ntk
-from projections.projected import Featurizer, _contract
+from ntk.core import kinds
+from projections.projected import Featurizer
 
 DIMS = (256, 1024, 4096, 16384)
 KINDS = ("trace", "sum_logits")
@@ -39,7 +40,7 @@ def error(model, x, exact, kind, dim, seed, block=1):
     if block != 1:
         fz._sketcher.m, fz._sketcher.r = block, dim // (block * block)
     phi = torch.cat([fz.block(x[s : s + 64]) for s in range(0, x.shape[0], 64)]).double()
-    return float((_contract(phi, phi, kind) - exact).norm() / exact.norm())
+    return float((kinds.get(kind).contract_features(phi, phi) - exact).norm() / exact.norm())
 
 
 def main():

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .core import kinds
 from .core.tiles import Grid
 from .empirical import Kernel, _Computation
 
@@ -84,8 +85,11 @@ def empirical_ntk(
     x1,
     x2=None,
     *,
-    kind: str = "full",
+    kind: str | kinds.Kind = "full",
+    labels=None,
+    labels2=None,
     layers: None | str | Sequence[str] = None,
+    per_layer: bool | None = None,
     method: str = "auto",
     batch_size: int | None = None,
     device=None,
@@ -113,6 +117,7 @@ def empirical_ntk(
             model,
             kind=kind,
             layers=layers,
+            per_layer=per_layer,
             method=method,
             batch_size=batch_size,
             device=device,
@@ -121,7 +126,12 @@ def empirical_ntk(
             progress=progress,
         )
         grid = computation.grid(
-            x1, x2, out if rank == 0 else None, in_memory=path is None and rank == 0
+            x1,
+            x2,
+            out if rank == 0 else None,
+            labels=labels,
+            labels2=labels2,
+            in_memory=path is None and rank == 0,
         )
         if path is not None and rank == 0:
             _check_empty(Path(path))
@@ -150,16 +160,16 @@ def run_grid(
         else {
             "n1": grid.n1,
             "n2": grid.n2,
-            "block": grid.block,
+            "block": grid.tile_size,
             "symmetric": grid.symmetric,
-            "kind": grid.kind,
+            "kind": grid.kind.name,
             "shape": list(grid.shape),
             "keys": grid.keys,
             "dtype": str(grid.dtype).replace("torch.", ""),
         }
     )
     summary = agree(summary, error, minimum=("block",))
-    grid.block = summary["block"]
+    grid.tile_size = summary["block"]
     tiles = grid.tiles()
     mine = [tiles[t] for t in shard(len(tiles), rank, world)]
     if path is not None:
@@ -202,7 +212,7 @@ def load_tiles(path: str | os.PathLike, *, out=None) -> Kernel:
     grid = Grid(
         n1=index["n1"],
         n2=index["n2"],
-        block=index["block"],
+        tile_size=index["block"],
         symmetric=index["symmetric"],
         kind=index["kind"],
         shape=index["shape"],
@@ -211,7 +221,7 @@ def load_tiles(path: str | os.PathLike, *, out=None) -> Kernel:
         device=torch.device("cpu"),
         row_features=None,
         col_features=None,
-        tile=None,
+        contract=None,
         cache_ok=False,
         desc="",
     )

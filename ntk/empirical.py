@@ -23,8 +23,11 @@ def empirical_ntk(
     x1,
     x2=None,
     *,
-    kind: str = "full",
+    kind: str | kinds.Kind = "full",
+    labels=None,
+    labels2=None,
     layers: None | str | Sequence[str] = None,
+    per_layer: bool | None = None,
     method: str = "auto",
     batch_size: int | None = None,
     device=None,
@@ -36,20 +39,25 @@ def empirical_ntk(
     """Empirical NTK of `model` between the samples of `x1` and `x2` (x2=None: x2 = x1).
 
     kind: `full` Θ [N1, N2, O, O]; `diagonal` Θ_oo [N1, N2, O]; `trace` Σ_o Θ_oo [N1, N2];
-    `sum_logits` (1/O) Σ_oo' Θ_oo' [N1, N2]. layers: None for the total kernel, "all" or a list
-    of module names for a dict of per-layer components (Θ = Σ_l J_l J_lᵀ over the modules that
-    directly own trainable parameters). method: `jacobian`, `ntk_vp`, `structured` or `auto`
-    (the same kernel to float rounding). batch_size: samples per side of a tile; None picks it
-    from the free memory and keeps the column blocks' features while they fit, an explicit size
-    bounds the working memory by the tile (features are recomputed for each row of tiles).
-    `out`: an optional preallocated tensor or numpy array (e.g. a memory-mapped `.npy`) that
-    receives the total kernel tile by tile.
+    `sum_logits` (1/O) Σ_oo' Θ_oo' [N1, N2]; `lpntk` s(y)ᵀ Θ s(y') [N1, N2] with s(y) = 2e_y − 1,
+    which needs the class labels of x1 (`labels`, [N1]) and, when x2 is given, of x2 (`labels2`);
+    or a `ntk.core.kinds.Kind` object (e.g. `Weighted()`, whose labels are cotangent vectors).
+    layers: None (every layer), "all", or a list of module names (Θ = Σ_l J_l J_lᵀ over the
+    modules that directly own trainable parameters) restricts the kernel to those layers.
+    per_layer: True gives a dict {layer: component}, False the total over the chosen layers;
+    None (the default) splits whenever `layers` is given. method: `jacobian`, `ntk_vp`,
+    `structured` or `auto` (the same kernel to float rounding). batch_size: the tile size,
+    samples per side of a tile; None picks it from the free memory and keeps the column blocks'
+    features while they fit, an explicit size bounds the working memory by the tile (features
+    are recomputed for each row of tiles). `out`: an optional preallocated tensor or numpy array
+    (e.g. a memory-mapped `.npy`) that receives the total kernel tile by tile.
     The model is never modified.
     """
     fn = empirical_ntk_fn(
         model,
         kind=kind,
         layers=layers,
+        per_layer=per_layer,
         method=method,
         batch_size=batch_size,
         device=device,
@@ -57,14 +65,15 @@ def empirical_ntk(
         output_fn=output_fn,
         progress=progress,
     )
-    return fn(x1, x2, out=out)
+    return fn(x1, x2, labels=labels, labels2=labels2, out=out)
 
 
 def empirical_ntk_fn(
     model: nn.Module,
     *,
-    kind: str = "full",
+    kind: str | kinds.Kind = "full",
     layers: None | str | Sequence[str] = None,
+    per_layer: bool | None = None,
     method: str = "auto",
     batch_size: int | None = None,
     device=None,
@@ -72,7 +81,8 @@ def empirical_ntk_fn(
     output_fn: Callable | None = None,
     progress: bool = False,
 ) -> Callable[..., Kernel]:
-    """Build a kernel function `fn(x1, x2=None, *, out=None)` with fixed settings.
+    """Build a kernel function `fn(x1, x2=None, *, labels=None, labels2=None, out=None)` with
+    fixed settings (see `empirical_ntk`).
 
     The function reads the model's parameters when it is called, so it follows training.
     """
@@ -80,6 +90,7 @@ def empirical_ntk_fn(
         model,
         kind=kind,
         layers=layers,
+        per_layer=per_layer,
         method=method,
         batch_size=batch_size,
         device=device,
@@ -88,8 +99,8 @@ def empirical_ntk_fn(
         progress=progress,
     )
 
-    def kernel_fn(x1, x2=None, *, out=None) -> Kernel:
-        return computation.run(x1, x2, out)
+    def kernel_fn(x1, x2=None, *, labels=None, labels2=None, out=None) -> Kernel:
+        return computation.run(x1, x2, out, labels=labels, labels2=labels2)
 
     return kernel_fn
 
@@ -98,11 +109,22 @@ class _Computation:
     """The settings of a kernel, checked once; `run`/`grid` compute it for given samples."""
 
     def __init__(
-        self, model, *, kind, layers, method, batch_size, device, dtype, output_fn, progress
+        self,
+        model,
+        *,
+        kind,
+        layers,
+        method,
+        batch_size,
+        device,
+        dtype,
+        output_fn,
+        progress,
+        per_layer=None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        kinds.check_kind(kind)
+        self.kind = kinds.get(kind)
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; valid methods are {', '.join(METHODS)}")
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
@@ -111,22 +133,25 @@ class _Computation:
             raise ValueError(
                 f"layers must be None, 'all' or a list of module names, got {layers!r}"
             )
-        self.model, self.kind, self.layers, self.method = model, kind, layers, method
-        self.batch_size, self.device, self.dtype = batch_size, device, dtype
+        check_per_layer(per_layer)
+        self.model, self.layers, self.per_layer, self.method = model, layers, per_layer, method
+        # an explicit batch_size fixes the tile size and bounds memory by the tile (no cache)
+        self.tile_size, self.device, self.dtype = batch_size, device, dtype
         self.output_fn, self.progress = output_fn, progress
 
     # -- the computation -------------------------------------------------------------------------
-    def run(self, x1, x2, out):
-        grid = self.grid(x1, x2, out)
+    def run(self, x1, x2, out, *, labels=None, labels2=None):
+        grid = self.grid(x1, x2, out, labels=labels, labels2=labels2)
         results = grid.allocate(out)
         for i, j, values in grid.compute(progress=self.progress):
             grid.write(results, i, j, values)
         return grid.result(results)
 
-    def grid(self, x1, x2, out=None, *, in_memory: bool = True) -> Grid:
+    def grid(self, x1, x2, out=None, *, labels=None, labels2=None, in_memory: bool = True) -> Grid:
         """Validate, plan and size the tiles of K(x1, x2). in_memory=False: the caller streams
         the tiles elsewhere (to disk), so the kernel need not fit in memory."""
         check_eval_mode(self.model)
+        kind = self.kind
         n1 = inputs.validate(x1, "x1")
         symmetric = x2 is None
         if not symmetric:
@@ -134,18 +159,27 @@ class _Computation:
             inputs.check_compatible(x1, x2)
         else:
             n2 = n1
+            if labels2 is not None:
+                raise ValueError("labels2= labels the samples of x2; x2 is None (pass labels=)")
         view = ModelView(self.model, output_fn=self.output_fn, device=self.device, dtype=self.dtype)
-        selected = view.select(self.layers)
+        only, selected = view.selection(self.layers, self.per_layer)
         if out is not None and selected is not None:
-            raise ValueError("out= receives the total kernel only; use layers=None with out")
+            raise ValueError("out= receives the total kernel only; use per_layer=False with out")
         x1 = inputs.convert(x1, view.device, self.dtype)
         x2 = x1 if symmetric else inputs.convert(x2, view.device, self.dtype)
         num_outputs = check_outputs(view, [x1] if symmetric else [x1, x2])
         param_dtype = next(iter(view.params.values())).dtype
-        cot = kinds.cotangents(self.kind, num_outputs, dtype=param_dtype, device=view.device)
-        c = cot.shape[0]
+        on = dict(dtype=param_dtype, device=view.device)
+        y1 = kind.check_labels(labels, n1, num_outputs, "labels")
+        cot1 = kind.cotangents(num_outputs, labels=y1, **on)
+        if symmetric:
+            cot2 = cot1
+        else:
+            y2 = kind.check_labels(labels2, n2, num_outputs, "labels2")
+            cot2 = kind.cotangents(num_outputs, labels=y2, **on)
+        c = cot1.shape[0]
 
-        shape = kinds.tile_shape(self.kind, n1, n2, num_outputs)
+        shape = kind.shape(n1, n2, num_outputs)
         n_components = 1 if selected is None else len(selected)
         itemsize = torch.empty((), dtype=param_dtype).element_size()
         out_bytes = itemsize * float(np.prod(shape)) * n_components
@@ -153,18 +187,18 @@ class _Computation:
         holds = in_memory and out is None
         if holds and out_bytes > 0.8 * avail:
             raise KernelTooLargeError(
-                f"the {self.kind} kernel of shape {list(shape)}"
-                f"{f' × {n_components} layers' if n_components > 1 else ''} needs {human(out_bytes)} "
-                f"but only {human(avail)} is available. Use a smaller kind ('trace' or 'sum_logits' "
-                "are [N1, N2]), random projections (projections.projected_ntk, or "
-                "projections.featurize for an on-disk store), or pass out= a memory-mapped array "
-                "on disk (numpy.lib.format.open_memmap) to receive it tile by tile."
+                f"the {kind} kernel of shape {list(shape)}"
+                f"{f' × {n_components} layers' if n_components > 1 else ''} needs "
+                f"{human(out_bytes)} but only {human(avail)} is available. Use a smaller kind "
+                "('trace' or 'sum_logits' are [N1, N2]), random projections "
+                "(projections.projected_ntk, or projections.featurize for an on-disk store), or "
+                "pass out= a memory-mapped array on disk (numpy.lib.format.open_memmap) to "
+                "receive it tile by tile."
             )
 
-        only = None if selected is None else [n for layer in selected for n in view.layers[layer]]
-        provisional = self.batch_size or min(max(n1, n2), 256)
+        planned_tile = self.tile_size or min(max(n1, n2), 256)  # the cost model's tile size
         method = self.method
-        plan = structured.plan(view, x1, self.kind, c, provisional, only=only)
+        plan = structured.plan(view, x1, kind, c, planned_tile, only=only)
         if method == "auto":
             method = "structured" if plan.covered else "jacobian"
         if method == "jacobian" or method == "ntk_vp":
@@ -172,7 +206,7 @@ class _Computation:
 
         per_sample, per_pair = self._memory(view, plan, method, c, itemsize, n_components, shape)
         budget = max(0.4 * (avail - (out_bytes if holds else 0)), 64 << 20)
-        block = self.batch_size or min(
+        tile_size = self.tile_size or min(
             AUTO_BLOCK_LIMIT, block_size(max(n1, n2), per_sample, per_pair, budget)
         )
         if method == "ntk_vp":
@@ -181,26 +215,35 @@ class _Computation:
                 if selected is None
                 else {layer: view.layers[layer] for layer in selected}
             )
-            prepare = lambda x: x  # noqa: E731 - the tile needs the raw block
-            tile = lambda a, b: ntk_vp.tile(view, a, b, cot, self.kind, groups)  # noqa: E731
+
+            def prepare(x, u):  # the tile needs the raw block and its cotangents
+                return x, u
+
+            def contract(a, b):
+                return ntk_vp.tile(view, a[0], b[0], a[1], b[1], kind, groups)
         else:
-            prepare = lambda x: _by_component(structured.features(view, plan, x, cot), selected)  # noqa: E731
-            tile = lambda a, b: _contract_terms(a, b, self.kind)  # noqa: E731
+
+            def prepare(x, u):
+                return _by_component(structured.features(view, plan, x, u), selected)
+
+            def contract(a, b):
+                return _contract_terms(a, b, kind)
+
         return Grid(
             n1=n1,
             n2=n2,
-            block=block,
+            tile_size=tile_size,
             symmetric=symmetric,
-            kind=self.kind,
+            kind=kind,
             shape=shape,
             keys=[None] if selected is None else selected,
             dtype=param_dtype,
             device=view.device,
-            row_features=lambda rs: prepare(inputs.take(x1, rs)),
-            col_features=lambda cs: prepare(inputs.take(x2, cs)),
-            tile=tile,
-            cache_ok=self.batch_size is None and n2 * per_sample <= budget / 2,
-            desc=f"{self.kind} eNTK",
+            row_features=lambda rs: prepare(inputs.take(x1, rs), kinds.rows(cot1, rs)),
+            col_features=lambda cs: prepare(inputs.take(x2, cs), kinds.rows(cot2, cs)),
+            contract=contract,
+            cache_ok=self.tile_size is None and n2 * per_sample <= budget / 2,
+            desc=f"{kind} eNTK",
         )
 
     def _memory(self, view, plan, method, c, itemsize, n_components, shape):
@@ -215,10 +258,13 @@ class _Computation:
                     per_sample += c * sum(view.params[n].numel() for n in names)
         pair_out = float(np.prod(shape[2:])) if len(shape) > 2 else 1.0
         s_max = max([plan.positions[layer] for layer in plan.factored] or [0])
-        per_pair = pair_out * (n_components + 1) + s_max * s_max * (
-            1 + kinds.pair_factor(self.kind, c)
-        )
+        per_pair = pair_out * (n_components + 1) + s_max * s_max * (1 + self.kind.pair_factor(c))
         return itemsize * per_sample * 2, itemsize * per_pair
+
+
+def check_per_layer(per_layer) -> None:
+    if per_layer is not None and not isinstance(per_layer, bool):
+        raise TypeError(f"per_layer must be True, False or None, got {per_layer!r}")
 
 
 def check_outputs(view: ModelView, xs: list) -> int:
@@ -270,16 +316,16 @@ def _by_component(terms: list, selected: list[str] | None) -> dict:
     return grouped
 
 
-def _contract_terms(f1: dict, f2: dict, kind: str) -> dict:
+def _contract_terms(f1: dict, f2: dict, kind: kinds.Kind) -> dict:
     """Tiles {component: Σ of its terms' contributions} from two blocks' grouped terms."""
     tiles = {}
     for key, left in f1.items():
         acc = None
         for a, b in zip(left, f2[key]):
             if isinstance(a, structured.Explicit):
-                part = kinds.contract(a.g, b.g, kind)
+                part = kind.contract(a.g, b.g)
             else:
-                part = kinds.contract_factored(a.input_gram(b), a.d, b.d, kind)
+                part = kind.contract_factored(a.input_gram(b), a.d, b.d)
             acc = part if acc is None else acc.add_(part)
         tiles[key] = acc
     return tiles

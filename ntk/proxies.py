@@ -42,7 +42,7 @@ from scipy.stats import rankdata
 from torch import nn
 from tqdm.auto import tqdm
 
-from .core.kinds import check_kind
+from .core import kinds
 from .empirical import empirical_ntk
 from .spectrum import condition_number, kernel_alignment
 
@@ -241,7 +241,7 @@ def _check_metric(metric) -> None:
 
 def _check_options(metric, kind, batch_size, repeats, warmup_steps) -> None:
     _check_metric(metric)
-    check_kind(kind)
+    kinds.get(kind)
     for name, value, low in (
         ("batch_size", batch_size, 2),
         ("repeats", repeats, 1),
@@ -347,8 +347,9 @@ def _calibrate_norms(net: nn.Module, x) -> nn.Module:
 
 
 def _kernel(net, x, kind, layers):
-    k = empirical_ntk(net, x, kind=kind, layers=None if layers is None else list(layers))
-    return sum(k.values()) if isinstance(k, dict) else k
+    return empirical_ntk(
+        net, x, kind=kind, layers=None if layers is None else list(layers), per_layer=False
+    )
 
 
 def _square(k: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ depends only on the layer's shapes, so it is the same for every batch.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -44,13 +45,34 @@ from ._projectors import MatrixBank
 
 
 class Sketcher:
-    """Projects the terms of one layer to k dimensions with matrices from a `MatrixBank`."""
+    """Projects the terms of one layer to k dimensions with matrices from a `MatrixBank`.
 
-    def __init__(self, bank: MatrixBank, dim: int, vocab: dict[str, int], block: int = 1):
-        if dim % (block * block):
-            raise ValueError(f"dim={dim} must be a multiple of block²={block * block}")
-        self.bank, self.dim, self.vocab, self.m = bank, dim, vocab, block
-        self.r = dim // (block * block)
+    kron: m, the side of each Kronecker block; route_count: the number of cotangents the cost
+    model weighs when it chooses a factored weight's route (None: the terms' own C).
+    """
+
+    def __init__(
+        self,
+        bank: MatrixBank,
+        dim: int,
+        vocab: dict[str, int],
+        kron: int = 1,
+        route_count: int | None = None,
+        *,
+        block: int | None = None,
+    ):
+        if block is not None:
+            warnings.warn(
+                "Sketcher(block=) is deprecated; the Kronecker block side is now kron=",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            kron = block
+        if dim % (kron * kron):
+            raise ValueError(f"dim={dim} must be a multiple of kron²={kron * kron}")
+        self.bank, self.dim, self.vocab, self.m = bank, dim, vocab, kron
+        self.r = dim // (kron * kron)
+        self.route_count = route_count
 
     def explicit(self, layer: str, part, g: torch.Tensor) -> torch.Tensor:
         """g [C, B, P] → g R/√k [C, B, k]; `part` names the term within the layer."""
@@ -73,8 +95,9 @@ class Sketcher:
             r_in = self.bank.matrix(("in", t.layer), f_in, r * m, scale)
             # multiply-adds per sample in units of k: projected factors vs the dense projection of
             # the per-sample gradient G (which also has to be formed, S·P per cotangent)
-            via_factors = s * (f_in + c * f_out) / m + c * s
-            via_gradient = c * f_out * f_in * (1 + s / self.dim)
+            n = self.route_count or c
+            via_factors = s * (f_in + n * f_out) / m + n * s
+            via_gradient = n * f_out * f_in * (1 + s / self.dim)
             if via_gradient < via_factors:
                 g = torch.einsum("cbso,bsi->cboi", t.d, t.a).reshape(c, b, f_out * f_in)
                 return self.explicit(t.layer, "weight", g)

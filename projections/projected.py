@@ -5,7 +5,8 @@ R is block-diagonal over layers (the modules that directly own trainable paramet
 Σ_l J_l(x) R_l with an independent R_l per layer, built by `_sketch` from the engine's per-layer
 Jacobian factors, so per-sample gradients of factored weights are never formed. The features
 of the cotangents of a kind (the rows u_cᵀ J of `ntk.core.kinds`) give Φ [N, k] for `sum_logits`
-and Φ [N, O, k] for `trace`, `diagonal` and `full`; the kernels are contractions of Φ over k.
+and `lpntk` (one cotangent; per sample for `lpntk`) and Φ [N, O, k] for `trace`, `diagonal` and
+`full`; the kernels are contractions of Φ over k.
 This is the projection used by TRAK (Park et al., ICML 2023) and by the projected trNTK of
 Engel et al. (ICLR 2024), applied to factors instead of materialised gradients.
 """
@@ -24,7 +25,7 @@ from ntk.core import inputs, kinds, structured
 from ntk.core.memory import available_bytes, block_size
 from ntk.core.model import ModelView, check_eval_mode
 from ntk.core.tiles import Grid
-from ntk.empirical import check_outputs
+from ntk.empirical import check_outputs, check_per_layer
 
 from ._projectors import MatrixBank, check_projector
 from ._sketch import Sketcher
@@ -44,10 +45,11 @@ class Featurizer:
         model: nn.Module,
         *,
         dim: int,
-        kind: str = "trace",
+        kind: str | kinds.Kind = "trace",
         projector: str = "rademacher",
         seed: int = 0,
         layers: None | str | Sequence[str] = None,
+        per_layer: bool | None = None,
         device=None,
         dtype: torch.dtype | None = None,
         output_fn: Callable | None = None,
@@ -58,13 +60,14 @@ class Featurizer:
             raise ValueError(f"dim must be a positive integer, got {dim!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an integer, got {seed!r}")
-        kinds.check_kind(kind)
+        self.kind = kinds.get(kind)
         check_projector(projector)
         check_eval_mode(model)
-        self.dim, self.kind, self.projector, self.seed = dim, kind, projector, seed
+        check_per_layer(per_layer)
+        self.dim, self.projector, self.seed = dim, projector, seed
         self.dtype = dtype
         self.view = ModelView(model, output_fn=output_fn, device=device, dtype=dtype)
-        self.layers = self.view.select(layers)
+        self._only, self.layers = self.view.selection(layers, per_layer)
         self.param_dtype = next(iter(self.view.params.values())).dtype
         self.num_outputs: int | None = None
         self._plan = None
@@ -92,21 +95,13 @@ class Featurizer:
             )
         if self._plan is None:
             self.num_outputs = o
-            self.cot = kinds.cotangents(
-                self.kind, o, dtype=self.param_dtype, device=self.view.device
-            )
-            only = (
-                None
-                if self.layers is None
-                else [n for l in self.layers for n in self.view.layers[l]]
-            )
             self._plan = structured.plan(
                 self.view,
                 inputs.take(x, slice(0, 1)),
                 self.kind,
-                self.cot.shape[0],
+                self.kind.count(o),
                 1,
-                only=only,
+                only=self._only,
                 factor_all=True,
             )
             vocab = {
@@ -117,13 +112,13 @@ class Featurizer:
             bank = MatrixBank(
                 self.projector, self.seed, dtype=self.param_dtype, device=self.view.device
             )
-            self._sketcher = Sketcher(bank, self.dim, vocab)
+            self._sketcher = Sketcher(bank, self.dim, vocab, route_count=self.kind.route_count(o))
         return self
 
     def default_batch(self, n: int) -> int:
         """Samples per batch so that activations, factors and features stay within memory."""
         p = self._plan
-        c = self.cot.shape[0]
+        c = self.kind.count(self.num_outputs)
         itemsize = torch.empty((), dtype=self.param_dtype).element_size()
         explicit = sum(self.view.params[n].numel() for n in p.fallback)
         outputs = 1 if self.layers is None else len(self.layers)
@@ -134,15 +129,20 @@ class Featurizer:
         budget = max(0.25 * available_bytes(self.view.device), 64 << 20)
         return max(1, min(512, block_size(n, per_sample, 0.0, budget)))
 
-    def block(self, x) -> Features:
-        """Features of a prepared batch: [B, k] or [B, O, k] (dict per layer with `layers`)."""
+    def block(self, x, labels=None) -> Features:
+        """Features of a prepared batch: [B, k] or [B, O, k] (dict per layer with per_layer);
+        `labels`: the batch's labels, for a labelled kind."""
         x = inputs.convert(x, self.view.device, self.dtype)
         # a fresh copy (index by tensor): the arithmetic must not depend on where the batch sits
         # in memory (alignment changes SIMD paths), so a store's bytes do not depend on the source
         b = inputs.count(x)
         x = inputs.take(x, torch.arange(b, device=self.view.device))
+        labels = self.kind.check_labels(labels, b, self.num_outputs)
+        cot = self.kind.cotangents(
+            self.num_outputs, labels=labels, dtype=self.param_dtype, device=self.view.device
+        )
         with torch.no_grad():
-            terms = structured.features(self.view, self._plan, x, self.cot)
+            terms = structured.features(self.view, self._plan, x, cot)
         with torch.no_grad():
             phis = self._sketcher.terms(terms, self.layers)
         shaped = {}
@@ -150,11 +150,11 @@ class Featurizer:
             phi = phis.get(key)
             if phi is None:  # a selected layer that does not affect the outputs
                 phi = torch.zeros(
-                    (self.cot.shape[0], b, self.dim),
+                    (cot.shape[0], b, self.dim),
                     dtype=self.param_dtype,
                     device=self.view.device,
                 )
-            shaped[key] = phi[0] if self.kind == "sum_logits" else phi.transpose(0, 1)
+            shaped[key] = self.kind.shape_features(phi)
         return shaped[None] if self.layers is None else shaped
 
 
@@ -163,10 +163,12 @@ def features(
     x,
     *,
     dim: int,
-    kind: str = "trace",
+    kind: str | kinds.Kind = "trace",
+    labels=None,
     projector: str = "rademacher",
     seed: int = 0,
     layers: None | str | Sequence[str] = None,
+    per_layer: bool | None = None,
     batch_size: int | None = None,
     device=None,
     dtype: torch.dtype | None = None,
@@ -176,10 +178,13 @@ def features(
     """Projected Jacobian features Φ(x) = J(x) R with E[R Rᵀ] = I, so that Φ Φᵀ estimates the
     eNTK of `kind` without bias.
 
-    Returns [N, dim] for `sum_logits` and [N, O, dim] for `trace`, `diagonal` and `full`
-    (a dict {layer: features} with `layers="all"` or a list of module names, each layer with its
-    own independent projection). projector: "rademacher", "gaussian" or "sparse". The same
-    `seed` gives the same features whatever `batch_size`, device or the model's dtype.
+    Returns [N, dim] for `sum_logits` and `lpntk` (Φ(x) = s(y)ᵀ J(x) R, which needs `labels`, the
+    class labels of x) and [N, O, dim] for `trace`, `diagonal` and `full`. layers restricts the
+    features to those modules; per_layer=True (None: whenever `layers` is given) gives a dict
+    {layer: features}, each layer with its own independent projection. projector: "rademacher",
+    "gaussian" or "sparse". batch_size: samples featurised at a time (None: from the free
+    memory). The same `seed` gives the same features whatever `batch_size`, device or the
+    model's dtype.
     """
     fz = Featurizer(
         model,
@@ -188,24 +193,27 @@ def features(
         projector=projector,
         seed=seed,
         layers=layers,
+        per_layer=per_layer,
         device=device,
         dtype=dtype,
         output_fn=output_fn,
     )
-    return _features_of(fz, x, batch_size, progress)
+    return _features_of(fz, x, batch_size, progress, labels, "labels")
 
 
-def _features_of(fz: Featurizer, x, batch_size, progress) -> Features:
+def _features_of(fz: Featurizer, x, batch_size, progress, labels, name) -> Features:
     if batch_size is not None and (
         isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
     ):
         raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
     n = inputs.validate(x, "x")
     fz.prepare(x)
-    block = batch_size or fz.default_batch(n)
+    y = fz.kind.check_labels(labels, n, fz.num_outputs, name)
+    batch = batch_size or fz.default_batch(n)
     parts = []
-    for start in tqdm(range(0, n, block), disable=not progress, desc="features", unit="batch"):
-        parts.append(fz.block(inputs.take(x, slice(start, start + block))))
+    for start in tqdm(range(0, n, batch), disable=not progress, desc="features", unit="batch"):
+        rows = slice(start, start + batch)
+        parts.append(fz.block(inputs.take(x, rows), None if y is None else y[rows]))
     if fz.layers is None:
         return torch.cat(parts)
     return {layer: torch.cat([p[layer] for p in parts]) for layer in fz.layers}
@@ -217,10 +225,13 @@ def projected_ntk(
     x2=None,
     *,
     dim: int,
-    kind: str = "trace",
+    kind: str | kinds.Kind = "trace",
+    labels=None,
+    labels2=None,
     projector: str = "rademacher",
     seed: int = 0,
     layers: None | str | Sequence[str] = None,
+    per_layer: bool | None = None,
     batch_size: int | None = None,
     device=None,
     dtype: torch.dtype | None = None,
@@ -228,8 +239,9 @@ def projected_ntk(
     progress: bool = False,
 ):
     """Φ(x1) Φ(x2)ᵀ contracted as `kind`: an unbiased estimate of
-    `ntk.empirical_ntk(model, x1, x2, kind=kind, layers=layers)`, with the same shape
-    ([N1, N2, O, O], [N1, N2, O] or [N1, N2]; a dict per layer with `layers`)."""
+    `ntk.empirical_ntk(model, x1, x2, kind=kind, labels=labels, labels2=labels2, layers=layers,
+    per_layer=per_layer)`, with the same shape ([N1, N2, O, O], [N1, N2, O] or [N1, N2]; a dict
+    per layer when split). batch_size: samples featurised at a time."""
     fz = Featurizer(
         model,
         dim=dim,
@@ -237,6 +249,7 @@ def projected_ntk(
         projector=projector,
         seed=seed,
         layers=layers,
+        per_layer=per_layer,
         device=device,
         dtype=dtype,
         output_fn=output_fn,
@@ -244,22 +257,14 @@ def projected_ntk(
     if x2 is not None:
         inputs.validate(x2, "x2")
         inputs.check_compatible(x1, x2)
-    f1 = _features_of(fz, x1, batch_size, progress)
-    f2 = f1 if x2 is None else _features_of(fz, x2, batch_size, progress)
+    elif labels2 is not None:
+        raise ValueError("labels2= labels the samples of x2; x2 is None (pass labels=)")
+    f1 = _features_of(fz, x1, batch_size, progress, labels, "labels")
+    f2 = f1 if x2 is None else _features_of(fz, x2, batch_size, progress, labels2, "labels2")
+    contract = fz.kind.contract_features
     if fz.layers is None:
-        return _contract(f1, f2, kind)
-    return {layer: _contract(f1[layer], f2[layer], kind) for layer in fz.layers}
-
-
-def _contract(f1: torch.Tensor, f2: torch.Tensor, kind: str) -> torch.Tensor:
-    """Kernel of `kind` from features [N, k] (sum_logits) or [N, O, k]."""
-    if kind == "sum_logits":
-        return f1 @ f2.T
-    if kind == "trace":
-        return f1.reshape(f1.shape[0], -1) @ f2.reshape(f2.shape[0], -1).T
-    if kind == "diagonal":
-        return torch.einsum("iok,jok->ijo", f1, f2)
-    return torch.einsum("iak,jbk->ijab", f1, f2)
+        return contract(f1, f2)
+    return {layer: contract(f1[layer], f2[layer]) for layer in fz.layers}
 
 
 def kernel(phi1, phi2=None, *, kind: str, out=None, tile: int = 4096, progress: bool = False):
@@ -279,12 +284,12 @@ def kernel(phi1, phi2=None, *, kind: str, out=None, tile: int = 4096, progress: 
 
 def kernel_grid(phi1, phi2=None, *, kind: str, tile: int = 4096) -> Grid:
     """The tile grid of Φ1 Φ2ᵀ (shared with `projections.distributed.kernel`)."""
-    kinds.check_kind(kind)
+    kind = kinds.get(kind)
     if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
         raise ValueError(f"tile must be a positive integer, got {tile!r}")
     sym = phi2 is None
     phi2 = phi1 if sym else phi2
-    want = 2 if kind == "sum_logits" else 3
+    want = kind.feature_axes()
     for name, p in (("phi1", phi1), ("phi2", phi2)):
         if len(p.shape) != want:
             raise ValueError(f"{name} has shape {tuple(p.shape)}; {kind} features have {want} axes")
@@ -301,16 +306,16 @@ def kernel_grid(phi1, phi2=None, *, kind: str, tile: int = 4096) -> Grid:
     return Grid(
         n1=n1,
         n2=n2,
-        block=tile,
+        tile_size=tile,
         symmetric=sym,
         kind=kind,
-        shape=kinds.tile_shape(kind, n1, n2, o),
+        shape=kind.shape(n1, n2, o),
         keys=[None],
         dtype=getattr(torch, np.asarray(phi1[:1]).dtype.name),
         device=torch.device("cpu"),
         row_features=read(phi1),
         col_features=read(phi2),
-        tile=lambda a, b: {None: _contract(a, b, kind)},
+        contract=lambda a, b: {None: kind.contract_features(a, b)},
         cache_ok=False,
         desc="kernel",
     )

@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 from tqdm.auto import tqdm
 
-from ntk.core import inputs
+from ntk.core import inputs, kinds
 from ntk.distributed import rank_and_world
 
 from .projected import Featurizer
@@ -233,7 +233,7 @@ def _load_or_create(root: Path, settings: dict, batch_size, fz: Featurizer, n: i
     root.mkdir(parents=True, exist_ok=True)
     shape = (
         (n, settings["dim"])
-        if settings["kind"] == "sum_logits"
+        if kinds.get(settings["kind"]).feature_axes() == 2
         else (n, settings["num_outputs"], settings["dim"])
     )
     tmp = root / (_ARRAY + ".tmp")

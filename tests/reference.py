@@ -69,3 +69,14 @@ def of_kind(full: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "trace":
         return diag.sum(-1)
     return full.sum((2, 3)) / full.shape[-1]  # sum_logits
+
+
+def signs(y: torch.Tensor, num_outputs: int) -> torch.Tensor:
+    """s(y) = 2e_y − 1 [N, O]."""
+    return 2 * torch.nn.functional.one_hot(y, num_outputs).double() - 1
+
+
+def lpntk(full: torch.Tensor, y1: torch.Tensor, y2: torch.Tensor) -> torch.Tensor:
+    """s(y)ᵀ Θ(x, x') s(y') [N1, N2] from the full kernel [N1, N2, O, O]."""
+    o = full.shape[-1]
+    return torch.einsum("io,ijoq,jq->ij", signs(y1, o), full.double(), signs(y2, o))

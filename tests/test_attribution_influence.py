@@ -159,3 +159,17 @@ def test_model_untouched_and_errors(setup):
         influence(model, x, y, xt, checkpoints=[])
     with pytest.raises(ValueError, match="positive"):
         influence(model, x, y, xt, damping=0.0)
+
+
+def test_exact_kernels_are_sized_by_the_computation_device(setup, monkeypatch):
+    """Whether exact kernels fit is asked of the device the kernels are computed on (the
+    model's, or `device`), not of the host's memory."""
+    module = importlib.import_module("attribution._influence")
+    model, x, y, xt, yt = setup
+    asked = []
+    monkeypatch.setattr(module, "available_bytes", lambda device: asked.append(device) or 0)
+    got = influence(model, x, y, xt, yt, damping=0.1, device="cpu")
+    assert asked == [torch.device("cpu")]
+    torch.testing.assert_close(
+        got, influence(model, x, y, xt, yt, kind="full", damping=0.1, dim=128)
+    )

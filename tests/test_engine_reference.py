@@ -3,7 +3,7 @@
 import pytest
 import torch
 from models import CASES, make
-from reference import kernels, layer_params, of_kind
+from reference import kernels, layer_params, lpntk, of_kind
 
 import ntk
 
@@ -148,3 +148,33 @@ def test_structured_plan_covers_known_layers_and_falls_back_for_the_rest():
     assert p.covered == {"enc": ["enc.bias"], "dec": ["dec.bias"]}
     p = planned("mlp")
     assert not p.fallback and p.factored == {"fc1", "fc2", "head"}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_lpntk_matches_reference(case, method):
+    """s(y)ᵀ Θ s(y') with per-sample cotangents, symmetric, cross and per layer; a model with a
+    single output has no classes and is refused."""
+    name, model, x1, x2, ref_sym, ref_cross = case
+    o = ref_sym[None].shape[-1]
+    n1, n2 = ref_sym[None].shape[0], ref_cross[None].shape[1]
+    g = torch.Generator().manual_seed(1)
+    y1, y2 = torch.randint(0, o, (n1,), generator=g), torch.randint(0, o, (n2,), generator=g)
+    if o == 1:
+        with pytest.raises(ValueError, match="at least two outputs"):
+            ntk.empirical_ntk(model, x1, kind="lpntk", labels=y1, method=method)
+        return
+    total = ntk.empirical_ntk(model, x1, kind="lpntk", labels=y1, method=method)
+    assert total.shape == (n1, n1)
+    assert rel_err(total, lpntk(ref_sym[None], y1, y1)) <= 1e-9
+    parts = ntk.empirical_ntk(
+        model, x1, x2, kind="lpntk", labels=y1, labels2=y2, method=method, layers="all"
+    )
+    assert list(parts) == list(layer_params(model))
+    for layer, value in parts.items():
+        expected = lpntk(ref_cross[layer], y1, y2)
+        if float(expected.abs().max()) > 0:
+            assert rel_err(value, expected) <= 1e-9, layer
+        else:
+            assert float(value.abs().max()) == 0.0, layer
+    cross = ntk.empirical_ntk(model, x1, x2, kind="lpntk", labels=y1, labels2=y2, method=method)
+    assert rel_err(cross, lpntk(ref_cross[None], y1, y2)) <= 1e-9

@@ -1,5 +1,6 @@
 """A read-only functional view of an `nn.Module`: its trainable parameters grouped by the module
-that owns them, and a forward pass `f(params, x) -> [B, O]` that never touches the module's state."""
+that owns them, and a forward pass `f(params, x) -> [B, O]` that never touches the module's
+state."""
 
 from __future__ import annotations
 
@@ -133,6 +134,16 @@ class ModelView:
             )
         return names
 
+    def selection(self, layers, per_layer: bool | None = None):
+        """(the parameter names that `layers` keeps, None for all; the layers the kernel splits
+        into, None for a total). per_layer=None splits whenever `layers` is given."""
+        chosen = self.select(layers)
+        only = None if chosen is None else [n for layer in chosen for n in self.layers[layer]]
+        split = layers is not None if per_layer is None else per_layer
+        if not split:
+            return only, None
+        return only, list(self.layers) if chosen is None else chosen
+
     @property
     def num_params(self) -> int:
         return sum(p.numel() for p in self.params.values())
@@ -161,7 +172,8 @@ class ModelView:
         if out.dim() != 2:
             raise ValueError(
                 f"the model output has shape {tuple(out.shape)}; the kernel needs [B, O] or [B]. "
-                "Pass output_fn to map it to [B, O] (e.g. lambda out: out[:, -1] for the last token)"
+                "Pass output_fn to map it to [B, O] (e.g. lambda out: out[:, -1] for the last "
+                "token)"
             )
         return out
 

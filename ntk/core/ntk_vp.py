@@ -10,7 +10,6 @@ forward-mode derivative, so the tiles run with PyTorch's composite (math) attent
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 
 import torch
@@ -18,20 +17,28 @@ from torch.func import jvp, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import inputs
+from .kinds import Kind
 from .model import ModelView
 
 
 def tile(
-    view: ModelView, x1, x2, cot: torch.Tensor, kind: str, groups: dict[str | None, list[str]]
+    view: ModelView,
+    x1,
+    x2,
+    u1: torch.Tensor,
+    u2: torch.Tensor,
+    kind: Kind,
+    groups: dict[str | None, list[str]],
 ) -> dict[str | None, torch.Tensor]:
-    """Kernel tiles K(x1, x2) of each parameter group ({key: parameter names})."""
+    """Kernel tiles K(x1, x2) of each parameter group ({key: parameter names}); u1, u2: the
+    blocks' cotangents ([C, O] shared, or [C, B, O] per sample)."""
     params = view.params
     n1 = inputs.count(x1)
     rows: dict[str | None, list[torch.Tensor]] = {key: [] for key in groups}
     for i in range(n1):
         xi = inputs.take(x1, slice(i, i + 1))
         _, pullback = vjp(lambda p, xi=xi: view.forward(p, xi)[0], params)
-        (tangents,) = vmap(pullback)(cot)  # name -> [C, *shape]
+        (tangents,) = vmap(pullback)(u1 if u1.dim() == 2 else u1[:, i])  # name -> [C, *shape]
         for key, names in groups.items():
             primals = {n: params[n] for n in names}
             rest = {n: p for n, p in params.items() if n not in primals}
@@ -41,7 +48,7 @@ def tile(
 
             with _forward_mode_attention():
                 r = vmap(push)({n: tangents[n] for n in names})  # [C, B2, O]: J(x_j) J(x_i)ᵀ u_c
-            rows[key].append(_reduce(r, kind))
+            rows[key].append(kind.reduce(r, u2))
     return {key: torch.stack(r) for key, r in rows.items()}
 
 
@@ -56,14 +63,3 @@ def _forward_mode_attention():
             yield
     finally:
         torch.backends.mha.set_fastpath_enabled(previous)
-
-
-def _reduce(r: torch.Tensor, kind: str) -> torch.Tensor:
-    """Row K(x_i, ·) of a kind from r[c, j, o] = e_oᵀ Θ(x_j, x_i) u_c."""
-    if kind == "full":
-        return r.permute(1, 0, 2)  # [B2, O(c), O(o)]
-    if kind == "diagonal":
-        return torch.diagonal(r, dim1=0, dim2=2)  # [B2, O]
-    if kind == "trace":
-        return torch.diagonal(r, dim1=0, dim2=2).sum(-1)
-    return r[0].sum(-1) / math.sqrt(r.shape[-1])  # sum_logits: u = 1/√O

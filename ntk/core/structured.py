@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import inputs
 from .jacobian import jacobian_features
-from .kinds import pair_factor
+from .kinds import Kind, get
 from .model import ModelView
 
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -182,9 +182,9 @@ _PROBE = 2  # samples in the planning pass: a module must see this batch axis to
 def plan(
     view: ModelView,
     x,
-    kind: str,
+    kind: str | Kind,
     num_cotangents: int,
-    block: int,
+    tile_size: int,
     only: list[str] | None = None,
     factor_all: bool = False,
 ) -> Plan:
@@ -264,7 +264,7 @@ def plan(
         if isinstance(module, _WEIGHTED) and _qualified(layer, "weight") in mine:
             s = _positions(module, out_numel[layer])
             positions[layer] = s
-            if factor_all or _prefer_factors(module, s, kind, num_cotangents, block):
+            if factor_all or _prefer_factors(module, s, kind, num_cotangents, tile_size):
                 factored.add(layer)
     return Plan(modules, covered, factored, fallback, positions, activations[0])
 
@@ -277,10 +277,10 @@ def _positions(module: nn.Module, out_numel: int) -> int:
     return max(1, out_numel // module.out_channels)
 
 
-def _prefer_factors(module: nn.Module, s: int, kind: str, c: int, block: int) -> bool:
+def _prefer_factors(module: nn.Module, s: int, kind: str | Kind, c: int, tile_size: int) -> bool:
     """Compare multiply-adds of the factored contraction and of explicit per-sample gradients
-    for one tile of `block` × `block` samples."""
-    kf = pair_factor(kind, c)
+    for one tile of `tile_size` × `tile_size` samples."""
+    kf = get(kind).pair_factor(c)
     if isinstance(module, nn.Embedding):
         f_in, f_out, build = 1, module.embedding_dim, c * s * module.embedding_dim
         dense = module.num_embeddings * module.embedding_dim
@@ -289,8 +289,9 @@ def _prefer_factors(module: nn.Module, s: int, kind: str, c: int, block: int) ->
         f_out, f_in = w.shape[0], w[0].numel()
         dense = w.numel()
         build = c * s * dense
-    explicit = 2 * block * build + kf * block * block * dense
-    factors = block * block * s * s * (f_in + kf * f_out + kf)
+    b = tile_size
+    explicit = 2 * b * build + kf * b * b * dense
+    factors = b * b * s * s * (f_in + kf * f_out + kf)
     return factors <= explicit
 
 
@@ -300,7 +301,8 @@ def _prefer_factors(module: nn.Module, s: int, kind: str, c: int, block: int) ->
 
 
 def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor) -> list:
-    """Explicit and factored Jacobian terms of every trainable parameter for a block `x`."""
+    """Explicit and factored Jacobian terms of every trainable parameter for a block `x`, seen
+    through the cotangents `cot` ([C, O] shared by the samples, or [C, B, O] per sample)."""
     layer_inputs: dict[str, torch.Tensor] = {}
     perturbations: dict[str, torch.Tensor] = {}
 
@@ -329,7 +331,8 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor) -> list:
             for h in handles:
                 h.remove()
         b, o = out.shape
-        grad_out = cot[:, None, :].expand(cot.shape[0], b, o).contiguous()
+        grad_out = (cot[:, None, :] if cot.dim() == 2 else cot).expand(cot.shape[0], b, o)
+        grad_out = grad_out.contiguous()
         names = list(perturbations)
         signals = torch.autograd.grad(
             out,

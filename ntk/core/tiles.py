@@ -17,10 +17,10 @@ from . import kinds
 
 
 class Grid:
-    """Tiles of `block` × `block` samples of a kernel of `kind` and `shape`.
+    """Tiles of `tile_size` × `tile_size` samples of a kernel of `kind` and `shape`.
 
     row_features(slice) / col_features(slice): features of a block of x1 / x2 samples (a
-    symmetric grid uses col_features for both sides); tile(left, right) -> {key: tile} with
+    symmetric grid uses col_features for both sides); contract(left, right) -> {key: tile} with
     key None for the total kernel or a layer name. Column features are cached when `cache_ok`.
     """
 
@@ -29,35 +29,40 @@ class Grid:
         *,
         n1: int,
         n2: int,
-        block: int,
+        tile_size: int,
         symmetric: bool,
-        kind: str,
+        kind: str | kinds.Kind,
         shape,
         keys: Sequence,
         dtype,
         device,
         row_features: Callable,
         col_features: Callable,
-        tile: Callable,
+        contract: Callable,
         cache_ok: bool,
         desc: str,
     ):
-        self.n1, self.n2, self.block, self.symmetric = n1, n2, block, symmetric
-        self.kind, self.shape, self.keys = kind, tuple(shape), list(keys)
+        self.n1, self.n2, self.tile_size, self.symmetric = n1, n2, tile_size, symmetric
+        self.kind, self.shape, self.keys = kinds.get(kind), tuple(shape), list(keys)
         self.dtype, self.device = dtype, device
-        self.row_features, self.col_features, self.tile = row_features, col_features, tile
+        self.row_features, self.col_features = row_features, col_features
+        self.contract = contract
         self.cache_ok, self.desc = cache_ok, desc
 
     @property
     def rows(self) -> list[slice]:
-        return [slice(s, min(s + self.block, self.n1)) for s in range(0, self.n1, self.block)]
+        size = self.tile_size
+        return [slice(s, min(s + size, self.n1)) for s in range(0, self.n1, size)]
 
     @property
     def cols(self) -> list[slice]:
         return (
             self.rows
             if self.symmetric
-            else [slice(s, min(s + self.block, self.n2)) for s in range(0, self.n2, self.block)]
+            else [
+                slice(s, min(s + self.tile_size, self.n2))
+                for s in range(0, self.n2, self.tile_size)
+            ]
         )
 
     def tiles(self) -> list[tuple[int, int]]:
@@ -90,7 +95,7 @@ class Grid:
                 left = col(i) if self.symmetric else self.row_features(rows[i])
                 for j in js:
                     right = left if self.symmetric and i == j else col(j)
-                    yield i, j, self.tile(left, right)
+                    yield i, j, self.contract(left, right)
                     bar.update()
 
     def allocate(self, out=None) -> dict:
@@ -107,7 +112,7 @@ class Grid:
         for key, value in values.items():
             _write(results[key], rs, cs, value)
             if self.symmetric and i != j:
-                _write(results[key], cs, rs, kinds.transpose_tile(value, self.kind))
+                _write(results[key], cs, rs, self.kind.transpose(value))
 
     def result(self, results: dict):
         """The kernel (keys [None]) or the dict of components."""
