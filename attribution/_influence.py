@@ -117,7 +117,7 @@ def influence(
 def _one_model(
     model, x_train, y_train, x_test, y_test, *, method, kind, dim, damping, seed, batch_size, device
 ) -> torch.Tensor:
-    g_train, g_test = logits(model, x_train), logits(model, x_test)
+    g_train, g_test = logits(model, x_train, name="x_train"), logits(model, x_test, name="x_test")
     y_train = labels(y_train, g_train.shape[0], g_train.shape[1], "y_train")
     u = margin_gradient(g_test, test_labels(g_test, y_test))  # [M, O]
     if method == "surrogate":

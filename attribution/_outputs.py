@@ -15,24 +15,41 @@ from ntk.core.model import ModelView
 
 
 def logits(
-    model: nn.Module, x, *, output_fn: Callable | None = None, batch_size: int = 1024
+    model: nn.Module,
+    x,
+    *,
+    output_fn: Callable | None = None,
+    batch_size: int = 1024,
+    name: str = "x",
 ) -> torch.Tensor:
-    """Model outputs [N, O] in float64, computed functionally (the model is never modified)."""
+    """Model outputs [N, O] in float64, computed functionally (the model is never modified);
+    `name` names the inputs (x_train, x_test, ...) in errors."""
     view = ModelView(model, output_fn=output_fn)
-    n = inputs.validate(x, "x")
+    x = inputs.from_numpy(x, name)
+    n = inputs.validate(x, name)
     x = inputs.convert(x, view.device, None)
     with torch.no_grad():
         out = [
-            view.forward(view.params, inputs.take(x, slice(s, s + batch_size)))
+            view.forward_checked(inputs.take(x, slice(s, s + batch_size)), name)
             for s in range(0, n, batch_size)
         ]
-    return torch.cat(out).to(torch.float64)
+    out = torch.cat(out)
+    if not bool(torch.isfinite(out).all()):
+        raise ValueError(f"the model produced non-finite outputs (NaN or inf) on {name}")
+    return out.to(torch.float64)
+
+
+def _check_classes(g: torch.Tensor) -> None:
+    if g.shape[-1] < 2:
+        raise ValueError(
+            f"the margin needs a classifier with at least two outputs (class scores); the model "
+            f"has {g.shape[-1]} output"
+        )
 
 
 def margins(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """f = g_y − logsumexp_{j≠y} g_j for logits g [..., N, O] and labels y [N]."""
-    if g.shape[-1] < 2:
-        raise ValueError("the margin needs at least two outputs (classes)")
+    _check_classes(g)
     y = y.expand(g.shape[:-1])
     correct = g.gather(-1, y.unsqueeze(-1)).squeeze(-1)
     others = g.scatter(-1, y.unsqueeze(-1), float("-inf"))
@@ -41,6 +58,7 @@ def margins(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def margin_gradient(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """∂f/∂g [N, O]: +1 at y, −softmax of the other logits elsewhere."""
+    _check_classes(g)
     others = g.scatter(-1, y.unsqueeze(-1), float("-inf")).softmax(-1)
     return (-others).scatter(-1, y.unsqueeze(-1), 1.0)
 
@@ -60,12 +78,18 @@ def models(model: nn.Module, checkpoints: Sequence | None) -> list[nn.Module]:
     if len(checkpoints) == 0:
         raise ValueError("checkpoints is empty; pass None to use the model alone")
     out = []
-    for c in checkpoints:
+    for k, c in enumerate(checkpoints):
         if isinstance(c, nn.Module):
             out.append(c)
         elif isinstance(c, dict):
             copy_ = copy.deepcopy(model)
-            copy_.load_state_dict(c)
+            try:
+                copy_.load_state_dict(c)
+            except RuntimeError as e:  # torch lists every mismatch after a header line
+                detail = "; ".join(line.strip() for line in str(e).splitlines()[1:] if line.strip())
+                raise ValueError(
+                    f"checkpoints[{k}] does not fit the model: {detail or e}"
+                ) from None
             out.append(copy_)
         else:
             raise TypeError(

@@ -89,8 +89,8 @@ def report(
 ) -> dict:
     """Build the report of a classifier `model` (O ≥ 2 outputs) on training data (x_train,
     y_train) and test data (x_test, y_test); labels are optional (without them the network's
-    predictions stand in and accuracies are left out). Writes `path` (HTML) and the same name with
-    `.json`; returns the JSON content as a dict.
+    predictions stand in and accuracies are left out). Writes `path` (HTML, named .html or
+    .htm) and the same name with `.json`; returns the JSON content as a dict.
 
     surrogate: an unfitted `KernelSurrogate` of `model` to use (default: `KernelSurrogate(model)`
     with the toolkit's default kernel and machine); it is fitted to the network's outputs on
@@ -105,6 +105,13 @@ def report(
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if x_test is None:
         raise ValueError("report needs test data x_test (faithfulness is measured on it)")
+    path = Path(path)
+    if path.suffix.lower() not in (".html", ".htm"):
+        raise ValueError(
+            f"path must name an .html file (the JSON is written beside it, as "
+            f"{path.with_suffix('.json').name}), got {str(path)!r}"
+        )
+    x_train, x_test = inputs.from_numpy(x_train, "x_train"), inputs.from_numpy(x_test, "x_test")
     for name, value in (("examples", examples), ("top", top), ("kernel_samples", kernel_samples)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -113,7 +120,10 @@ def report(
     clock = _Clock(progress)
 
     with clock("network outputs"):
-        g_train, g_test = logits(model, x_train), logits(model, x_test)
+        g_train, g_test = (
+            logits(model, x_train, name="x_train"),
+            logits(model, x_test, name="x_test"),
+        )
         classes = g_train.shape[1]
         if classes < 2:
             raise ValueError(
@@ -223,7 +233,6 @@ def report(
     result["seconds"] = {**clock.seconds, "total": sum(clock.seconds.values())}
     clock.close()
     html = _render(result, figures)
-    path = Path(path)
     path.write_text(html, encoding="utf-8")
     plain = _plain(result)
     path.with_suffix(".json").write_text(json.dumps(plain, indent=1, allow_nan=False) + "\n")

@@ -55,7 +55,7 @@ def trak(
     kernel_part, q = 0.0, 0.0
     nets = models(model, checkpoints)
     for net in nets:
-        g_train, g_test = logits(net, x_train), logits(net, x_test)
+        g_train, g_test = logits(net, x_train, name="x_train"), logits(net, x_test, name="x_test")
         y_tr = labels(y_train, g_train.shape[0], g_train.shape[1], "y_train")
         u_train, u_test = (
             margin_gradient(g_train, y_tr),

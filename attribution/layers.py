@@ -144,8 +144,8 @@ def check_labels(y, n: int) -> torch.Tensor:
 def _check_targets(view: ModelView, x, y: torch.Tensor) -> None:
     """Labels must index the model's outputs; real targets must have one value per output."""
     with torch.no_grad():
-        outputs = view.forward(
-            view.params, inputs.convert(inputs.take(x, slice(0, 1)), view.device, None)
+        outputs = view.forward_checked(
+            inputs.convert(inputs.take(x, slice(0, 1)), view.device, None), "x"
         ).shape[1]
     if not y.is_floating_point():
         if int(y.min()) < 0 or int(y.max()) >= outputs:
@@ -267,6 +267,7 @@ def layer_importance(
     """
     if score not in SCORES:
         raise ValueError(f"unknown score {score!r}; valid scores are {', '.join(SCORES)}")
+    x = inputs.from_numpy(x, "x")
     n = inputs.validate(x, "x")
     if y is not None:
         y = check_labels(y, n)

@@ -162,14 +162,16 @@ def worker(spec: dict) -> dict:
 
         ntk.empirical.block_size = recording_block_size
         kind = spec.get("kind", "full")
+
         def fn():
             return ntk.empirical_ntk(
-                    model,
-                    x,
-                    kind=kind,
-                    method=method[5:],
-                    batch_size=spec.get("batch_size"),
-                )
+                model,
+                x,
+                kind=kind,
+                method=method[5:],
+                batch_size=spec.get("batch_size"),
+            )
+
         kernel, times, mem = timed(fn, spec["repeats"], spec["slow"])
         info["tile"] = spec.get("batch_size") or (chosen[0] if chosen else None)
     elif method == "tutorial":

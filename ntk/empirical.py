@@ -152,6 +152,8 @@ class _Computation:
         the tiles elsewhere (to disk), so the kernel need not fit in memory."""
         check_eval_mode(self.model)
         kind = self.kind
+        x1 = inputs.from_numpy(x1, "x1")
+        x2 = None if x2 is None else inputs.from_numpy(x2, "x2")
         n1 = inputs.validate(x1, "x1")
         symmetric = x2 is None
         if not symmetric:
@@ -267,22 +269,23 @@ def check_per_layer(per_layer) -> None:
         raise TypeError(f"per_layer must be True, False or None, got {per_layer!r}")
 
 
-def check_outputs(view: ModelView, xs: list) -> int:
+def check_outputs(view: ModelView, xs: list, names: list | None = None) -> int:
     """Forward every sample once (no grad): finite [B, O] outputs that do not depend on the
-    rest of the batch. Returns O."""
+    rest of the batch. Returns O. `names` name the inputs in errors (default x1, x2)."""
     num_outputs = None
+    names = names or ["x1", "x2"]
     with torch.no_grad():
-        for x in xs:
+        for x, name in zip(xs, names):
             n = inputs.count(x)
             for start in range(0, n, 1024):
-                y = view.forward(view.params, inputs.take(x, slice(start, start + 1024)))
+                y = view.forward_checked(inputs.take(x, slice(start, start + 1024)), name)
                 if y.shape[0] != min(1024, n - start):
                     raise ValueError(
                         f"the model returned {y.shape[0]} rows for {min(1024, n - start)} samples"
                     )
                 if not bool(torch.isfinite(y).all()):
                     raise ValueError(
-                        "the model produced non-finite outputs (NaN or inf) on the given inputs"
+                        f"the model produced non-finite outputs (NaN or inf) on {name}"
                     )
                 num_outputs = y.shape[1]
         probe = inputs.take(xs[0], slice(0, 4))

@@ -42,7 +42,9 @@ from scipy.stats import rankdata
 from torch import nn
 from tqdm.auto import tqdm
 
-from .core import kinds
+from .core import inputs, kinds
+from .core.model import naming_failures, resolve_device
+from .core.tiles import require_finite
 from .empirical import empirical_ntk
 from .spectrum import condition_number, kernel_alignment
 
@@ -120,6 +122,7 @@ def score(
     _check_options(metric, kind, batch_size, repeats, warmup_steps)
     x, y = _check_data(x, y, metric, warmup_steps)
     if device is not None:
+        device = resolve_device(device)
         x, y = x.to(device), None if y is None else y.to(device)
     start = time.perf_counter()
     values, raws = [], []
@@ -132,6 +135,7 @@ def score(
         idx = torch.randperm(len(x), generator=generator)[:batch_size].to(x.device)
         xb, yb = x[idx], None if y is None else y[idx]
         net = _calibrate_norms(net, xb).eval()
+        _check_outputs(net, xb)
         value, raw = _MEASURES[metric](net, xb, yb, kind=kind, layers=layers)
         values.append(value)
         raws.append(raw)
@@ -252,10 +256,14 @@ def _check_options(metric, kind, batch_size, repeats, warmup_steps) -> None:
 
 
 def _check_data(x, y, metric, warmup_steps):
+    x = inputs.from_numpy(x, "x")
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a tensor with the sample axis first, got {type(x).__name__}")
+        raise TypeError(
+            f"x must be a tensor or numpy array with the sample axis first, got {type(x).__name__}"
+        )
     if x.dim() == 0 or len(x) < 2:
         raise ValueError(f"x must hold at least 2 samples, got shape {tuple(x.shape)}")
+    inputs.validate(x, "x")  # finite
     if y is None:
         if metric in _NEEDS_LABELS or warmup_steps:
             raise ValueError(
@@ -291,6 +299,14 @@ def _prepare(candidate: Candidate, seed: int) -> nn.Module:
     if not isinstance(net, nn.Module):
         raise TypeError(f"the factory returned a {type(net).__name__}, not an nn.Module")
     return net
+
+
+def _check_outputs(net: nn.Module, x: torch.Tensor) -> None:
+    """The scored batch must run through the network (errors name x) to finite outputs."""
+    with torch.no_grad(), naming_failures(net, x, "x"):
+        out = net(x)
+    if isinstance(out, torch.Tensor) and not bool(torch.isfinite(out).all()):
+        raise ValueError("the model produced non-finite outputs (NaN or inf) on x")
 
 
 def _check_labels(out: torch.Tensor, y: torch.Tensor) -> None:
@@ -392,6 +408,9 @@ def _loss_grads(net, x, y):
     out = net(x)
     _check_labels(out, y)
     grads = torch.autograd.grad(nn.functional.cross_entropy(out, y), params, allow_unused=True)
+    for g in grads:
+        if g is not None:
+            require_finite(g, "the gradient of the loss on x")
     return [(p, torch.zeros_like(p) if g is None else g) for p, g in zip(params, grads)]
 
 
@@ -413,6 +432,9 @@ def _synflow(net, x, y, **_):
     params = [p for p in net.parameters() if p.requires_grad]
     ones = torch.ones((1, *x.shape[1:]), dtype=torch.float64, device=x.device)
     grads = torch.autograd.grad(net(ones).sum(), params, allow_unused=True)
+    for g in grads:
+        if g is not None:
+            require_finite(g, "the synflow gradient")
     value = float(sum((p.detach() * g).abs().sum() for p, g in zip(params, grads) if g is not None))
     return value, value
 
@@ -420,6 +442,7 @@ def _synflow(net, x, y, **_):
 def _jacob_cov(net, x, y, **_):
     x = x.detach().clone().requires_grad_(True)
     (jac,) = torch.autograd.grad(net(x).sum(), x)
+    require_finite(jac, "the input Jacobian of x")
     with np.errstate(invalid="ignore", divide="ignore"):  # a constant row gives NaN below
         corr = np.corrcoef(jac.reshape(len(x), -1).cpu().double().numpy())
     if not np.isfinite(corr).all():

@@ -21,15 +21,17 @@ were journalled and computes only the rest.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 
 from ntk.distributed import agree, barrier, rank_and_world, run_grid, shard
 
-from . import store
+from . import _format
 from .projected import Featurizer, kernel_grid
 
 _JOURNAL = "journal"
@@ -38,59 +40,76 @@ _JOURNAL = "journal"
 def featurize_shard(fz: Featurizer, blocks, root: Path, settings: dict, batch_size, show: bool):
     """This rank's share of `projections.featurize` (called by it with the store's settings)."""
     rank, world = rank_and_world()
-    error = None
-    try:
-        if rank == 0:
-            manifest = store._load_or_create(root, settings, batch_size, fz, settings["samples"])
+    error, read_only = None, False
+    with ExitStack() as lock:
+        try:
+            if rank == 0:
+                if (root / _format.MANIFEST).exists():
+                    read_only = _format.complete(_format.matching(root, settings, batch_size))
+                if not read_only:
+                    root.mkdir(parents=True, exist_ok=True)
+                    lock.enter_context(_format.writer_lock(root))
+                    manifest = _format.load_or_create(root, settings, batch_size, fz)
+                    _merge_journal(root, manifest)
+                    (root / _JOURNAL).mkdir()
+        except (ValueError, TypeError, OSError) as e:
+            error = e
+        agree({"settings": settings, "batch_size": batch_size}, error)
+        manifest = _format.read_manifest(root)
+        todo = [i for i in range(manifest["num_blocks"]) if str(i) not in manifest["blocks"]]
+        mine = [todo[t] for t in shard(len(todo), rank, world)]
+
+        def record(i: int, digests: dict) -> None:
+            tmp = root / _JOURNAL / f"{i}.sha256.part"
+            with open(tmp, "w") as f:
+                json.dump(digests, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, root / _JOURNAL / f"{i}.sha256")
+
+        error = None
+        try:
+            _format.write_blocks(fz, blocks, root, manifest, mine, record, show and rank == 0)
+        except (ValueError, TypeError, OSError) as e:
+            error = e
+        agree({}, error)
+        if rank == 0 and not read_only:
             _merge_journal(root, manifest)
-            (root / _JOURNAL).mkdir()
-    except (ValueError, TypeError, OSError) as e:
-        error = e
-    agree({"settings": settings, "batch_size": batch_size}, error)
-    manifest = store.store_info(root)
-    todo = [i for i in range(manifest["num_blocks"]) if str(i) not in manifest["blocks"]]
-    mine = [todo[t] for t in shard(len(todo), rank, world)]
-
-    def record(i: int, digest: str) -> None:
-        tmp = root / _JOURNAL / f"{i}.sha256.part"
-        with open(tmp, "w") as f:
-            f.write(digest)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, root / _JOURNAL / f"{i}.sha256")
-
-    store.write_blocks(fz, blocks, root, manifest, mine, record, show and rank == 0)
-    barrier()
-    if rank == 0:
-        _merge_journal(root, manifest)
-        missing = manifest["num_blocks"] - len(manifest["blocks"])
-        if missing:
-            raise store.StoreError(
-                f"{missing} blocks of the store at {root} are missing or do "
-                "not hold the bytes their rank wrote (do all ranks share this "
-                "filesystem, with coherent writes?); run again to recompute them"
-            )
-    barrier()
-    return store.open_store(root, verify=False)
+            missing = manifest["num_blocks"] - len(manifest["blocks"])
+            if missing:
+                raise _format.StoreError(
+                    f"{missing} blocks of the store at {root} are missing or do not hold the "
+                    "bytes their rank wrote (do all ranks share this filesystem, with coherent "
+                    "writes?); run again to recompute them"
+                )
+        barrier()
+    return _format.open_store(root, verify=False)
 
 
 def _merge_journal(root: Path, manifest: dict) -> None:
     """Move the journalled blocks whose bytes match their digest into the manifest (in block
-    order, as one process writes it) and delete the journal."""
+    order, as one process writes it) and delete the journal. Each entry was journalled only
+    after its rank had matched every complete block against its data, so the merged blocks
+    belong to the same data as the manifest's."""
     journal = root / _JOURNAL
     if not journal.is_dir():
         return
-    array = store._open_array(root, manifest)
+    array = _format.open_array(root, manifest)
     block = manifest["block"]
     for entry in journal.glob("*.sha256"):
         i = int(entry.name.split(".")[0])
-        digest = entry.read_text()
-        if store._digest(array[i * block : (i + 1) * block]) == digest:
-            manifest["blocks"][str(i)] = digest
+        try:
+            digests = json.loads(entry.read_text())
+        except ValueError:
+            continue  # not a complete entry: the block is computed again
+        rows = array[i * block : (i + 1) * block]
+        if isinstance(digests, dict) and _format.rows_digest(rows) == digests.get("features"):
+            manifest["blocks"][str(i)] = digests
     manifest["blocks"] = {
         str(i): manifest["blocks"][str(i)] for i in sorted(map(int, manifest["blocks"]))
     }
-    store._write_manifest(root, manifest)
+    _format.check_manifest(manifest, root / _format.MANIFEST)
+    _format.write_manifest(root, manifest)
     shutil.rmtree(journal)
 
 
@@ -111,14 +130,14 @@ def kernel(
     `ntk.distributed.load_tiles`). The numbers are those of `projections.kernel` (a symmetric
     kernel's lower tiles are mirrors of the upper ones).
     """
-    kind = store.store_info(store1)["kind"]
-    if store2 is not None and store.store_info(store2)["kind"] != kind:
+    kind = _format.store_info(store1)["kind"]
+    if store2 is not None and _format.store_info(store2)["kind"] != kind:
         raise ValueError(
             f"the stores hold features of different kinds ({kind} and "
-            f"{store.store_info(store2)['kind']})"
+            f"{_format.store_info(store2)['kind']})"
         )
-    phi1 = store.open_store(store1, verify=False)
-    phi2 = None if store2 is None else store.open_store(store2, verify=False)
+    phi1 = _format.open_store(store1, verify=False)
+    phi2 = None if store2 is None else _format.open_store(store2, verify=False)
     result = run_grid(
         kernel_grid(phi1, phi2, kind=kind, tile=tile), path=path, out=out, progress=progress
     )

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from ntk.core import inputs, kinds, structured
 from ntk.core.memory import available_bytes, block_size
 from ntk.core.model import ModelView, check_eval_mode
-from ntk.core.tiles import Grid
+from ntk.core.tiles import Grid, require_finite
 from ntk.empirical import check_outputs, check_per_layer
 
 from ._projectors import MatrixBank, check_projector
@@ -79,16 +79,15 @@ class Featurizer:
         v = self.view
         for group in (v.params, v.constants, v.buffers):
             for name in sorted(group):
-                t = group[name].detach().cpu().contiguous()
-                h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+                inputs.hash_tensor(h, name, group[name])
         return h.hexdigest()
 
-    def prepare(self, x) -> Featurizer:
-        """Validate a batch (finite inputs and outputs, samples independent) and plan once."""
-        inputs.validate(x, "x")
+    def prepare(self, x, name: str = "x") -> Featurizer:
+        """Validate a batch (finite inputs and outputs, samples independent) and plan once;
+        `name` names the inputs in errors."""
+        inputs.validate(x, name)
         x = inputs.convert(x, self.view.device, self.dtype)
-        o = check_outputs(self.view, [x])
+        o = check_outputs(self.view, [x], [name])
         if self.num_outputs is not None and o != self.num_outputs:
             raise ValueError(
                 f"the model returned {o} outputs, earlier batches had {self.num_outputs}"
@@ -154,6 +153,7 @@ class Featurizer:
                     dtype=self.param_dtype,
                     device=self.view.device,
                 )
+            require_finite(phi, f"the projected features of a batch of {b} samples")
             shaped[key] = self.kind.shape_features(phi)
         return shaped[None] if self.layers is None else shaped
 
@@ -198,17 +198,19 @@ def features(
         dtype=dtype,
         output_fn=output_fn,
     )
-    return _features_of(fz, x, batch_size, progress, labels, "labels")
+    return _features_of(fz, inputs.from_numpy(x, "x"), batch_size, progress, "x", labels, "labels")
 
 
-def _features_of(fz: Featurizer, x, batch_size, progress, labels, name) -> Features:
+def _features_of(
+    fz: Featurizer, x, batch_size, progress, name: str, labels=None, labels_name: str = "labels"
+) -> Features:
     if batch_size is not None and (
         isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
     ):
         raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
-    n = inputs.validate(x, "x")
-    fz.prepare(x)
-    y = fz.kind.check_labels(labels, n, fz.num_outputs, name)
+    n = inputs.validate(x, name)
+    fz.prepare(x, name)
+    y = fz.kind.check_labels(labels, n, fz.num_outputs, labels_name)
     batch = batch_size or fz.default_batch(n)
     parts = []
     for start in tqdm(range(0, n, batch), disable=not progress, desc="features", unit="batch"):
@@ -254,13 +256,15 @@ def projected_ntk(
         dtype=dtype,
         output_fn=output_fn,
     )
+    x1 = inputs.from_numpy(x1, "x1")
     if x2 is not None:
+        x2 = inputs.from_numpy(x2, "x2")
         inputs.validate(x2, "x2")
         inputs.check_compatible(x1, x2)
     elif labels2 is not None:
         raise ValueError("labels2= labels the samples of x2; x2 is None (pass labels=)")
-    f1 = _features_of(fz, x1, batch_size, progress, labels, "labels")
-    f2 = f1 if x2 is None else _features_of(fz, x2, batch_size, progress, labels2, "labels2")
+    f1 = _features_of(fz, x1, batch_size, progress, "x1", labels, "labels")
+    f2 = f1 if x2 is None else _features_of(fz, x2, batch_size, progress, "x2", labels2, "labels2")
     contract = fz.kind.contract_features
     if fz.layers is None:
         return contract(f1, f2)

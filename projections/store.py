@@ -1,23 +1,15 @@
 """A resumable on-disk store of projected features, for kernels larger than memory.
 
-A store is a directory with
-
-- ``features.npy``: one preallocated array [N, k] (`sum_logits`) or [N, O, k], written block by
-  block through a memory map;
-- ``manifest.json``: what the features are (model fingerprint, kind, k, projector, seed, dtypes,
-  sample count, block size) and the SHA-256 of every complete block.
-
-A block counts as complete only once its rows are flushed and a new manifest naming it has been
-written to a temporary file and atomically renamed over the old one, so an interrupted run never
-leaves a half-written block that looks complete; `featurize` on the same path resumes with the
-missing blocks and produces the same bytes as an uninterrupted run. Stores written with other
-settings or another model, and truncated or corrupted blocks, are refused with `StoreError`.
+`featurize` streams the features of a data set into a directory, block by block, and resumes an
+interrupted run with the missing blocks, producing the same bytes as an uninterrupted run; the
+format (features.npy, manifest.json with the digests of every block's features and inputs, and a
+writer's lock) is described in `projections._format`. Stores written with other settings, another
+model or other data, edited manifests, and truncated or corrupted blocks are refused with
+`StoreError`; so is a second writer while one is at work.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -27,20 +19,16 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
-from tqdm.auto import tqdm
 
-from ntk.core import inputs, kinds
+from ntk.core import inputs
 from ntk.distributed import rank_and_world
 
+from . import _format
+from ._format import StoreError, open_store, store_info
+from .distributed import featurize_shard
 from .projected import Featurizer
 
-FORMAT = "ntk-feature-store/1"
-_MANIFEST, _ARRAY = "manifest.json", "features.npy"
-_EXIT_HOOK = "NTK_FEATURIZE_EXIT_AFTER_BLOCKS"  # testing: os._exit(3) after this many new blocks
-
-
-class StoreError(ValueError):
-    """The store does not match the request, is incomplete, or is damaged."""
+__all__ = ["StoreError", "featurize", "open_store", "store_info"]
 
 
 def featurize(
@@ -64,20 +52,27 @@ def featurize(
     """Stream the projected features of `data` (see `projections.features`) into the store at
     `path`, `block` samples per block, resuming an interrupted run; returns `open_store(path)`.
 
-    data: a tensor (or tuple/dict of tensors) with samples first, a `TensorDataset` (its first
-    tensor is the model input) or a `DataLoader` with a sequential sampler (batches that are
-    tuples/lists use their first element). `batch_size` samples are featurised at a time
-    (None: chosen from free memory on the first run, then reused so that a resumed run repeats
-    the same arithmetic). `progress`: a tqdm bar (None: only on a terminal).
+    data: a tensor or numpy array (or tuple/dict of them) with samples first, a `TensorDataset`
+    (its first tensor is the model input) or a `DataLoader` with a sequential sampler (batches
+    that are tuples/lists use their first element). `batch_size` samples are featurised at a
+    time (None: chosen from free memory on the first run, then reused so that a resumed run
+    repeats the same arithmetic). `progress`: a tqdm bar (None: only on a terminal).
+    A complete store is only read (its data checked against the manifest), so it may sit in a
+    read-only directory; an incomplete one is written by one process at a time.
     distributed: share the blocks among the ranks of the torch.distributed process group, every
     rank calling with the same arguments (None: whenever a group of more than one process is
     initialised); see `projections.distributed`.
     """
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive integer, got {block!r}")
+    if batch_size is not None and (
+        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
+    ):
+        raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
     store_dtype = np.dtype(store_dtype).name
-    if store_dtype not in ("float16", "float32", "float64"):
+    if store_dtype not in _format.STORE_DTYPES:
         raise ValueError(f"store_dtype must be float16, float32 or float64, got {store_dtype!r}")
+    distributed = _sharded(distributed)
     fz = Featurizer(
         model,
         dim=dim,
@@ -90,10 +85,11 @@ def featurize(
     )
     n, blocks = _blocks(data, block)
     first = next(blocks)
-    fz.prepare(first)
+    fz.prepare(first, "data")
+    blocks = _chain(first, blocks)
     root = Path(path)
     settings = {
-        "format": FORMAT,
+        "format": _format.FORMAT,
         "model": fz.fingerprint(),
         "kind": kind,
         "dim": dim,
@@ -106,188 +102,45 @@ def featurize(
         "compute_dtype": str(fz.param_dtype).replace("torch.", ""),
     }
     show = sys.stderr.isatty() if progress is None else progress
-    if distributed is None:
-        distributed = rank_and_world()[1] > 1
     if distributed:
-        from .distributed import featurize_shard
+        return featurize_shard(fz, blocks, root, settings, batch_size, show)
+    if (root / _format.MANIFEST).exists():
+        manifest = _format.matching(root, settings, batch_size)
+        if _format.complete(manifest):  # only read: check the data against the manifest
+            _format.write_blocks(fz, blocks, root, manifest, [], None, False)
+            return open_store(root, verify=False)
+    root.mkdir(parents=True, exist_ok=True)
+    with _format.writer_lock(root):
+        manifest = _format.load_or_create(root, settings, batch_size, fz)
+        todo = [i for i in range(manifest["num_blocks"]) if str(i) not in manifest["blocks"]]
 
-        return featurize_shard(fz, _chain(first, blocks), root, settings, batch_size, show)
-    manifest = _load_or_create(root, settings, batch_size, fz, n)
-    todo = [i for i in range(manifest["num_blocks"]) if str(i) not in manifest["blocks"]]
+        def record(i: int, digests: dict) -> None:
+            manifest["blocks"][str(i)] = digests
+            _format.write_manifest(root, manifest)
 
-    def record(i: int, digest: str) -> None:
-        manifest["blocks"][str(i)] = digest
-        _write_manifest(root, manifest)
-
-    write_blocks(fz, _chain(first, blocks), root, manifest, todo, record, show)
+        _format.write_blocks(fz, blocks, root, manifest, todo, record, show)
     return open_store(root, verify=False)
 
 
-def write_blocks(
-    fz: Featurizer,
-    blocks,
-    root: Path,
-    manifest: dict,
-    todo: list,
-    record: Callable[[int, str], None],
-    show: bool,
-) -> None:
-    """Featurise the blocks numbered in `todo` (of the iterator `blocks`) into the store's
-    array; after each block's rows are flushed, `record(i, sha256)` marks it complete."""
-    batch, block, store_dtype = manifest["batch"], manifest["block"], manifest["store_dtype"]
-    array = np.load(root / _ARRAY, mmap_mode="r+")
-    wanted = set(todo)
-    exit_after = int(os.environ.get(_EXIT_HOOK, "0"))
-    written = 0
-    with tqdm(total=len(todo), disable=not show, desc="featurize", unit="block") as bar:
-        for i, x in enumerate(blocks):
-            if written == len(wanted):
-                break
-            if i not in wanted:
-                continue
-            rows = slice(i * block, i * block + inputs.count(x))
-            fz.prepare(x)
-            for start in range(0, inputs.count(x), batch):
-                part = fz.block(inputs.take(x, slice(start, start + batch)))
-                array[rows.start + start : rows.start + start + part.shape[0]] = (
-                    part.detach().cpu().numpy().astype(store_dtype)
-                )
-            array.flush()
-            record(i, _digest(array[rows]))
-            bar.update()
-            written += 1
-            if exit_after and written >= exit_after:
-                os._exit(3)
-    del array
-
-
-def open_store(path: str | os.PathLike, *, verify: bool = True) -> np.ndarray:
-    """The features of a complete store as a read-only memory-mapped array, [N, k] or [N, O, k].
-
-    verify: recompute every block's SHA-256 and refuse a corrupted store (reads the whole file).
-    Use `projections.kernel(open_store(p), kind=store_info(p)["kind"])` for Φ Φᵀ in tiles.
-    """
-    root = Path(path)
-    manifest = store_info(root)
-    missing = manifest["num_blocks"] - len(manifest["blocks"])
-    if missing:
-        raise StoreError(
-            f"the store at {root} is incomplete: {missing} of {manifest['num_blocks']} "
-            "blocks missing; run projections.featurize again with the same settings "
-            "to resume"
+def _sharded(distributed: bool | None) -> bool:
+    """Whether to featurise on all ranks of the process group; refuse `distributed=True` without
+    an initialised group of several processes, and a torchrun job that never initialised its
+    group (every process would act as rank 0)."""
+    world = rank_and_world()[1]
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if distributed is None and world == 1 and launched not in ("", "0", "1"):
+        raise ValueError(
+            f"WORLD_SIZE={launched} (a torchrun job?) but no torch.distributed process group is "
+            "initialised: call torch.distributed.init_process_group() first, or pass "
+            "distributed=False to featurise on this process alone"
         )
-    array = _open_array(root, manifest)
-    if verify:
-        _verify(array, manifest, root)
-    return array
-
-
-def store_info(path: str | os.PathLike) -> dict:
-    """The manifest of the store at `path` (settings, shape, complete blocks)."""
-    file = Path(path) / _MANIFEST
-    try:
-        manifest = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise StoreError(f"{path} is not a feature store (no {_MANIFEST})") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise StoreError(f"cannot read {file}: {e}") from None
-    if manifest.get("format") != FORMAT:
-        raise StoreError(f"{file} is not a {FORMAT} manifest")
-    return manifest
-
-
-# --------------------------------------------------------------------------------------------
-
-
-def _load_or_create(root: Path, settings: dict, batch_size, fz: Featurizer, n: int) -> dict:
-    if (root / _MANIFEST).exists():
-        manifest = store_info(root)
-        diff = [
-            f"{k}: store has {manifest.get(k)!r}, requested {v!r}"
-            for k, v in settings.items()
-            if manifest.get(k) != v and k != "model"
-        ]
-        if diff:
-            raise StoreError(
-                f"the store at {root} was written with other settings ("
-                + "; ".join(diff)
-                + "); use another path"
-            )
-        if manifest["model"] != settings["model"]:
-            raise StoreError(
-                f"the store at {root} was written by a different model (parameter "
-                f"fingerprint {manifest['model'][:12]}…, this model "
-                f"{settings['model'][:12]}…); use another path"
-            )
-        if batch_size is not None and batch_size != manifest["batch"]:
-            raise StoreError(
-                f"the store at {root} is being written with batch_size="
-                f"{manifest['batch']}; resume with the same batch_size (or None)"
-            )
-        _verify(_open_array(root, manifest), manifest, root)
-        return manifest
-    if batch_size is not None and (
-        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
-    ):
-        raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
-    root.mkdir(parents=True, exist_ok=True)
-    shape = (
-        (n, settings["dim"])
-        if kinds.get(settings["kind"]).feature_axes() == 2
-        else (n, settings["num_outputs"], settings["dim"])
-    )
-    tmp = root / (_ARRAY + ".tmp")
-    np.lib.format.open_memmap(tmp, mode="w+", dtype=settings["store_dtype"], shape=shape).flush()
-    os.replace(tmp, root / _ARRAY)
-    manifest = {
-        **settings,
-        "shape": list(shape),
-        "num_blocks": -(-n // settings["block"]),
-        "batch": min(batch_size or fz.default_batch(n), settings["block"]),
-        "blocks": {},
-    }
-    _write_manifest(root, manifest)
-    return manifest
-
-
-def _open_array(root: Path, manifest: dict) -> np.ndarray:
-    file = root / _ARRAY
-    try:
-        array = np.load(file, mmap_mode="r")
-    except (OSError, ValueError) as e:
-        raise StoreError(f"cannot read {file} (truncated or damaged?): {e}") from None
-    if list(array.shape) != manifest["shape"] or array.dtype.name != manifest["store_dtype"]:
-        raise StoreError(
-            f"{file} holds {array.dtype.name} {list(array.shape)}, the manifest "
-            f"says {manifest['store_dtype']} {manifest['shape']}"
+    if distributed and world < 2:
+        raise ValueError(
+            "distributed=True needs an initialised torch.distributed process group of more "
+            f"than one process (this one has {world}); launch with torchrun and call "
+            "torch.distributed.init_process_group() first"
         )
-    return array
-
-
-def _verify(array: np.ndarray, manifest: dict, root: Path) -> None:
-    block = manifest["block"]
-    for key, digest in manifest["blocks"].items():
-        i = int(key)
-        if _digest(array[i * block : (i + 1) * block]) != digest:
-            raise StoreError(
-                f"block {i} of the store at {root} (samples {i * block}–"
-                f"{min((i + 1) * block, manifest['samples']) - 1}) is corrupted: its "
-                "checksum does not match the manifest; delete the store and "
-                "featurize again"
-            )
-
-
-def _digest(rows: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(rows).tobytes()).hexdigest()
-
-
-def _write_manifest(root: Path, manifest: dict) -> None:
-    tmp = root / (_MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / _MANIFEST)
+    return world > 1 if distributed is None else bool(distributed)
 
 
 def _blocks(data, block: int):
@@ -306,6 +159,7 @@ def _blocks(data, block: int):
             "data must be a tensor (or tuple/dict of tensors), a TensorDataset or a "
             f"DataLoader, got {type(data).__name__}; wrap it in a DataLoader"
         )
+    data = inputs.from_numpy(data, "data")
     n = inputs.validate(data, "data")
     return n, (inputs.take(data, slice(s, s + block)) for s in range(0, n, block))
 

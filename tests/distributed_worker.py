@@ -2,7 +2,7 @@
 of a tiny model, written under OUT for the test to compare with one process.
 
 usage: distributed_worker.py OUT kill|all
-  kill: `ntk featurize OUT/resumed` of OUT/x.npz, rank 1 exits (os._exit) after its first block
+  kill: `ntk featurize OUT/resumed` of OUT/x.npz, rank 1 dies (os._exit) after its first block
   all:  kernels (gathered and as tiles), featurise OUT/fresh, resume OUT/resumed, store kernels
 """
 
@@ -12,12 +12,13 @@ import sys
 
 import torch
 import torch.distributed as dist
+from dying import die_after_records
 from models import MLP
 
 import ntk.distributed
 import projections
+import projections._format
 import projections.distributed
-import projections.store
 from attribution.cli.main import cli
 
 N, DIM, BLOCK, TILE = 23, 16, 5, 4
@@ -63,14 +64,14 @@ def featurize(path, log=None):
     """Featurise into `path`; `log`: also write the blocks this rank computes to that file."""
     model, x = model_and_data()
     if log is not None:
-        write_blocks = projections.store.write_blocks
+        write_blocks = projections._format.write_blocks
 
         def spy(fz, blocks, root, manifest, todo, *rest):
             with open(log, "w") as f:
                 json.dump(list(todo), f)
             return write_blocks(fz, blocks, root, manifest, todo, *rest)
 
-        projections.store.write_blocks = spy
+        projections._format.write_blocks = spy
     return projections.featurize(
         model, x, path, dim=DIM, kind="trace", block=BLOCK, seed=1, batch_size=2, progress=False
     )
@@ -79,7 +80,7 @@ def featurize(path, log=None):
 def main(out, mode):
     if mode == "kill":
         if os.environ["RANK"] == "1":
-            os.environ["NTK_FEATURIZE_EXIT_AFTER_BLOCKS"] = "1"
+            die_after_records(1)
         cli.main(
             cli_args(os.path.join(out, "resumed"), os.path.join(out, "x.npz")),
             standalone_mode=False,

@@ -31,7 +31,6 @@ def torchrun(out, mode):
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
     }
-    env.pop("NTK_FEATURIZE_EXIT_AFTER_BLOCKS", None)
     return subprocess.run(
         [
             sys.executable,

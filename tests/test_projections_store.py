@@ -5,8 +5,8 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
+import dying
 import numpy as np
 import pytest
 import torch
@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import projections
 
 N, DIM, BLOCK = 23, 32, 5  # 5 blocks, the last one short
+HERE = os.path.dirname(__file__)
 
 
 def model_and_data(seed=0):
@@ -71,25 +72,27 @@ def test_data_sources_give_the_same_bytes(tmp_path):
         store(tmp_path / "shuffled", model, DataLoader(labelled, shuffle=True))
 
 
+def run_dying(path, *args):
+    """tests/dying.py: featurise its tiny store into `path` in a subprocess that dies mid-way."""
+    return subprocess.run(
+        [sys.executable, os.path.join(HERE, "dying.py"), str(path), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 def test_killed_run_resumes_to_identical_bytes(tmp_path):
-    """A subprocess is killed (os._exit) after two blocks; the resumed store equals an
+    """A subprocess dies (os._exit) after two blocks; the resumed store equals an
     uninterrupted one byte for byte (also across processes)."""
-    script = textwrap.dedent(f"""
-        import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})
-        from test_projections_store import model_and_data, store
-        model, x = model_and_data()
-        store({str(tmp_path / "resumed")!r}, model, x)
-    """)
-    env = {**os.environ, "NTK_FEATURIZE_EXIT_AFTER_BLOCKS": "2"}
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    run = run_dying(tmp_path / "resumed", 7, 0, "records", 2)
     assert run.returncode == 3, run.stderr
     partial = projections.store_info(tmp_path / "resumed")
     assert sorted(partial["blocks"]) == ["0", "1"]
     with pytest.raises(projections.StoreError, match="incomplete"):
         projections.open_store(tmp_path / "resumed")
-    model, x = model_and_data()
-    resumed = store(tmp_path / "resumed", model, x)
-    whole = store(tmp_path / "whole", model, x)
+    resumed = dying.featurize(tmp_path / "resumed")
+    whole = dying.featurize(tmp_path / "whole")
     assert (tmp_path / "resumed" / "features.npy").read_bytes() == (
         tmp_path / "whole" / "features.npy"
     ).read_bytes()

@@ -8,14 +8,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("ntk", "projections", "attribution")
 SCRIPTS = ("benchmarks", "tests", "examples")
 # the store's sharded writer and the store import each other; the integrity work (issue 15,
 # item 3: one store-format module) removes it
-KNOWN_CYCLE = {"projections.store", "projections.distributed"}
 
 
 def _name(path: Path) -> str:
@@ -141,12 +138,5 @@ def test_no_package_imports_another_packages_underscore_modules():
     assert not offenders
 
 
-def test_no_import_cycles_but_the_known_one():
-    assert [c for c in cycles(graph()) if c != KNOWN_CYCLE] == []
-
-
-@pytest.mark.xfail(
-    strict=True, reason="projections.store <-> projections.distributed (issue 15, item 3)"
-)
-def test_no_store_distributed_cycle():
-    assert KNOWN_CYCLE not in cycles(graph())
+def test_no_import_cycles():
+    assert cycles(graph()) == []

@@ -3,8 +3,10 @@ dict of tensors (keyword arguments), each with the sample axis first."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
+import numpy as np
 import torch
 
 Inputs = torch.Tensor | tuple | list | dict
@@ -20,6 +22,24 @@ def _leaves(x: Inputs) -> list[torch.Tensor]:
     raise TypeError(
         f"inputs must be a tensor, a tuple of tensors or a dict of tensors, got {type(x).__name__}"
     )
+
+
+def from_numpy(x, name: str):
+    """`x` with numpy arrays (alone, in a tuple/list or in a dict) turned into tensors of the
+    same dtype, so that arrays are accepted wherever tensors are; tensors pass through."""
+
+    def one(leaf):
+        if not isinstance(leaf, np.ndarray):
+            return leaf
+        if leaf.dtype.kind not in "biufc":
+            raise TypeError(f"{name} holds a numpy array of dtype {leaf.dtype}, not numbers")
+        return torch.as_tensor(np.ascontiguousarray(leaf))
+
+    if isinstance(x, (tuple, list)):
+        return tuple(one(v) for v in x)
+    if isinstance(x, dict):
+        return {k: one(v) for k, v in x.items()}
+    return one(x)
 
 
 def validate(x: Inputs, name: str) -> int:
@@ -114,3 +134,23 @@ def unsqueeze(x: Inputs) -> Inputs:
     if isinstance(x, dict):
         return {k: v.unsqueeze(0) for k, v in x.items()}
     return tuple(v.unsqueeze(0) for v in x)
+
+
+def hash_tensor(h, name: str, t: torch.Tensor) -> None:
+    """Feed a tensor's name, dtype, shape and bytes into the hashlib object `h`."""
+    t = t.detach().cpu().contiguous()
+    h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def digest(x: Inputs) -> str:
+    """SHA-256 of samples: the names (positions or dict keys, sorted), dtypes, shapes and bytes
+    of their tensors."""
+    h = hashlib.sha256()
+    if isinstance(x, dict):
+        named = sorted(x.items())
+    else:
+        named = [(str(i), t) for i, t in enumerate(_leaves(x))]
+    for name, t in named:
+        hash_tensor(h, name, t)
+    return h.hexdigest()

@@ -5,6 +5,7 @@ state."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -21,6 +22,82 @@ _DROPOUT = (
     nn.FeatureAlphaDropout,
 )
 _BATCHNORM = nn.modules.batchnorm._BatchNorm
+
+
+class ModelInputError(ValueError):
+    """The model failed on the inputs it was given (wrong shape, dtype, ids out of range...)."""
+
+
+# What a module raises when its inputs do not fit it (shapes, dtypes, indices, arity).
+_MODEL_ERRORS = (RuntimeError, IndexError, TypeError, ValueError, KeyError, AssertionError)
+
+
+def resolve_device(device) -> torch.device:
+    """`torch.device(device)`, refused with a ValueError unless a tensor can be made there."""
+    try:
+        resolved = torch.device(device)
+        torch.empty(0, device=resolved)
+    except (RuntimeError, AssertionError, TypeError, ValueError) as e:
+        raise ValueError(f"device={device!r} is not usable: {_first_line(e)}") from None
+    return resolved
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def describe_inputs(x) -> str:
+    """Per-sample shape and dtype of model inputs, for error messages."""
+    if isinstance(x, torch.Tensor):
+        return f"per-sample shape {tuple(x.shape[1:])} and dtype {x.dtype}"
+    items = x.items() if isinstance(x, dict) else enumerate(x)
+    parts = [
+        f"{k}: {tuple(v.shape[1:])} {v.dtype}" if isinstance(v, torch.Tensor) else f"{k}: {v!r}"
+        for k, v in items
+    ]
+    return "per-sample shapes and dtypes {" + ", ".join(parts) + "}"
+
+
+@contextmanager
+def naming_failures(model: nn.Module, x, name: str):
+    """Run a forward pass of `model` on `x` (the argument `name`) so that a failure of the model
+    becomes a `ModelInputError` naming the argument, the per-sample shape and dtype it got, the
+    parameters' dtype and the model's first error line; Embedding ids outside a table are named
+    before the model indexes with them."""
+
+    def check_ids(label: str, module: nn.Embedding):
+        def hook(_, args):
+            ids = args[0] if args else None
+            if not isinstance(ids, torch.Tensor) or ids.numel() == 0 or ids.is_floating_point():
+                return
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= module.num_embeddings:
+                raise ModelInputError(
+                    f"{name}: the ids reaching embedding '{label}' range from {low} to {high}, "
+                    f"but it has {module.num_embeddings} rows (ids 0–{module.num_embeddings - 1})"
+                )
+
+        return hook
+
+    handles = [
+        m.register_forward_pre_hook(check_ids(label or type(m).__name__, m))
+        for label, m in model.named_modules()
+        if isinstance(m, nn.Embedding)
+    ]
+    try:
+        yield
+    except ModelInputError:
+        raise
+    except _MODEL_ERRORS as e:
+        dtypes = sorted({str(p.dtype) for p in model.parameters()})
+        raise ModelInputError(
+            f"{name}: the model failed on inputs of {describe_inputs(x)} (its parameters are "
+            f"{', '.join(dtypes) or 'none'}): {_first_line(e)}"
+        ) from e
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def check_eval_mode(model: nn.Module) -> None:
@@ -67,7 +144,7 @@ class ModelView:
         self.output_fn = output_fn
         first = next(iter(model.parameters()), None)
         self.device = (
-            torch.device(device)
+            resolve_device(device)
             if device is not None
             else (first.device if first is not None else torch.device("cpu"))
         )
@@ -157,6 +234,15 @@ class ModelView:
         args, kwargs = inputs.as_call(x)
         tensors = {**self.constants, **self.buffers, **params}
         out = functional_call(self.model, tensors, args, kwargs)
+        return self.to_matrix(out)
+
+    def forward_checked(self, x: inputs.Inputs, name: str) -> torch.Tensor:
+        """`forward` with the view's parameters, a failure of the model on `x` (the argument
+        `name`) reported by `naming_failures`."""
+        args, kwargs = inputs.as_call(x)
+        tensors = {**self.constants, **self.buffers, **self.params}
+        with naming_failures(self.model, x, name):
+            out = functional_call(self.model, tensors, args, kwargs)
         return self.to_matrix(out)
 
     def to_matrix(self, out) -> torch.Tensor:

@@ -95,7 +95,14 @@ class Grid:
                 left = col(i) if self.symmetric else self.row_features(rows[i])
                 for j in js:
                     right = left if self.symmetric and i == j else col(j)
-                    yield i, j, self.contract(left, right)
+                    values = self.contract(left, right)
+                    for value in values.values():
+                        require_finite(
+                            value,
+                            f"the {self.desc} between samples {_span(rows[i])} and "
+                            f"{_span(cols[j])}",
+                        )
+                    yield i, j, values
                     bar.update()
 
     def allocate(self, out=None) -> dict:
@@ -117,6 +124,20 @@ class Grid:
     def result(self, results: dict):
         """The kernel (keys [None]) or the dict of components."""
         return results[None] if self.keys == [None] else {k: results[k] for k in self.keys}
+
+
+def require_finite(t: torch.Tensor, what: str) -> None:
+    """Refuse NaN or inf in a kernel tile, features or gradients computed from the model: every
+    kernel, projection, store block and proxy checks its results here."""
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(
+            f"{what} is not finite (NaN or inf): the model's gradients on those samples are not "
+            "finite (e.g. sqrt or log at 0, or an overflow)"
+        )
+
+
+def _span(s: slice) -> str:
+    return f"{s.start}–{s.stop - 1}"
 
 
 def _write(target, rows: slice, cols: slice, value: torch.Tensor) -> None:

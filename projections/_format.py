@@ -1,0 +1,389 @@
+"""The on-disk format of a feature store, shared by the local writer (`projections.store`) and the
+sharded one (`projections.distributed`).
+
+A store is a directory with
+
+- ``features.npy``: one preallocated array [N, k] (`sum_logits`) or [N, O, k], written block by
+  block through a memory map;
+- ``manifest.json``: the settings (model fingerprint, kind, k, projector, seed, dtypes, sample
+  count, block and batch sizes), the SHA-256 of those settings, and for every complete block the
+  SHA-256 of its rows (``features``) and of the model inputs they were computed from
+  (``inputs``);
+- ``lock``: held (`fcntl.flock`) by the one process that writes the store, with its pid and
+  host; the operating system releases it when that process dies.
+
+Every field of the manifest is checked against the others, against their checksum and against
+the array's header, so that an edited manifest is refused rather than believed. A block counts as
+complete once its rows are flushed and a manifest naming it has been atomically renamed over the
+old one, and only after every block already complete has been matched against the inputs of the
+current run: a store never mixes the features of two data sets.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import socket
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from ntk.core import inputs, kinds
+from ntk.core.kinds import KINDS
+
+from ._projectors import PROJECTORS
+
+FORMAT = "ntk-feature-store/2"
+MANIFEST, ARRAY, LOCK = "manifest.json", "features.npy", "lock"
+STORE_DTYPES = ("float16", "float32", "float64")
+_FIELDS = {  # the manifest's fields and their JSON types, besides "blocks"
+    "format": str,
+    "model": str,
+    "kind": str,
+    "dim": int,
+    "projector": str,
+    "seed": int,
+    "samples": int,
+    "block": int,
+    "num_outputs": int,
+    "store_dtype": str,
+    "compute_dtype": str,
+    "shape": list,
+    "num_blocks": int,
+    "batch": int,
+    "settings_sha256": str,
+}
+
+
+class StoreError(ValueError):
+    """The store does not match the request, is incomplete, damaged or being written."""
+
+
+# -- the manifest --------------------------------------------------------------------------------
+
+
+def new_manifest(settings: dict, batch: int) -> dict:
+    """The manifest of an empty store with `settings` (the fields the caller decides)."""
+    n, dim, o = settings["samples"], settings["dim"], settings["num_outputs"]
+    manifest = {
+        **settings,
+        "shape": [n, dim] if kinds.get(settings["kind"]).feature_axes() == 2 else [n, o, dim],
+        "num_blocks": -(-n // settings["block"]),
+        "batch": batch,
+    }
+    manifest["settings_sha256"] = _settings_digest(manifest)
+    manifest["blocks"] = {}
+    return manifest
+
+
+def read_manifest(root: Path) -> dict:
+    """The manifest of the store at `root`, checked field by field (`check_manifest`)."""
+    file = root / MANIFEST
+    try:
+        manifest = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise StoreError(f"{root} is not a feature store (no {MANIFEST})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StoreError(f"cannot read {file}: {e}") from None
+    check_manifest(manifest, file)
+    return manifest
+
+
+def check_manifest(manifest, file: Path) -> None:
+    """Refuse a manifest whose fields are missing, mistyped, out of range, inconsistent with each
+    other, or edited since they were written (their checksum differs)."""
+
+    def bad(what: str):
+        return StoreError(f"{file} is damaged or was edited: {what}; featurize into a new path")
+
+    if not isinstance(manifest, dict):
+        raise bad("it is not a JSON object")
+    fmt = manifest.get("format")
+    if fmt != FORMAT:
+        older = isinstance(fmt, str) and fmt.startswith("ntk-feature-store/")
+        raise StoreError(
+            f"{file} is a {fmt} manifest, written by another version of the toolkit (this one "
+            f"reads {FORMAT}); featurize into a new path"
+            if older
+            else f"{file} is not a {FORMAT} manifest"
+        )
+    for key, kind in {**_FIELDS, "blocks": dict}.items():
+        value = manifest.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise bad(f"{key} is {value!r}, not a JSON {kind.__name__}")
+    for key in ("dim", "samples", "block", "num_outputs", "batch"):
+        if manifest[key] < 1:
+            raise bad(f"{key} is {manifest[key]}, not a positive integer")
+    for key, allowed in (
+        ("kind", KINDS),
+        ("projector", PROJECTORS),
+        ("store_dtype", STORE_DTYPES),
+        ("compute_dtype", STORE_DTYPES + ("bfloat16",)),
+    ):
+        if manifest[key] not in allowed:
+            raise bad(f"{key} is {manifest[key]!r}, not one of {', '.join(allowed)}")
+    n, block = manifest["samples"], manifest["block"]
+    expected = new_manifest({k: manifest[k] for k in _settings_keys()}, manifest["batch"])
+    for key in ("shape", "num_blocks"):
+        if manifest[key] != expected[key]:
+            raise bad(
+                f"{key} is {manifest[key]}, but {n} samples in blocks of {block} with these "
+                f"settings give {expected[key]}"
+            )
+    if manifest["batch"] > block:
+        raise bad(f"batch {manifest['batch']} exceeds the block size {block}")
+    if manifest["settings_sha256"] != expected["settings_sha256"]:
+        raise bad("its settings do not match their checksum (settings_sha256)")
+    for key, entry in manifest["blocks"].items():
+        if key not in map(str, range(manifest["num_blocks"])):
+            raise bad(f"it lists block {key!r} of a store of {manifest['num_blocks']} blocks")
+        if not (
+            isinstance(entry, dict)
+            and set(entry) == {"features", "inputs"}
+            and all(_is_sha256(v) for v in entry.values())
+        ):
+            raise bad(f"block {key} is {entry!r}, not its features' and inputs' SHA-256")
+
+
+def _settings_keys() -> list:
+    return [k for k in _FIELDS if k not in ("shape", "num_blocks", "batch", "settings_sha256")]
+
+
+def _settings_digest(manifest: dict) -> str:
+    fields = {k: manifest[k] for k in _FIELDS if k != "settings_sha256"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def _is_sha256(value) -> bool:
+    return (
+        isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+    )
+
+
+def write_manifest(root: Path, manifest: dict) -> None:
+    """Replace the manifest atomically (through a temporary file of this process)."""
+    tmp = root / f"{MANIFEST}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / MANIFEST)
+
+
+def matching(root: Path, settings: dict, batch_size) -> dict:
+    """The existing store's manifest, refused unless it was written with `settings` (and
+    `batch_size`, unless None) and its complete blocks hold the bytes they were written with."""
+    manifest = read_manifest(root)
+    diff = [
+        f"{k}: store has {manifest[k]!r}, requested {v!r}"
+        for k, v in settings.items()
+        if manifest[k] != v and k != "model"
+    ]
+    if diff:
+        raise StoreError(
+            f"the store at {root} was written with other settings ({'; '.join(diff)}); "
+            "use another path"
+        )
+    if manifest["model"] != settings["model"]:
+        raise StoreError(
+            f"the store at {root} was written by a different model (parameter fingerprint "
+            f"{manifest['model'][:12]}…, this model {settings['model'][:12]}…); use another path"
+        )
+    if batch_size is not None and batch_size != manifest["batch"]:
+        raise StoreError(
+            f"the store at {root} is being written with batch_size={manifest['batch']}; resume "
+            "with the same batch_size (or None)"
+        )
+    verify_features(open_array(root, manifest), manifest, root)
+    return manifest
+
+
+def load_or_create(root: Path, settings: dict, batch_size, fz) -> dict:
+    """The manifest of the store at `root` (checked against the request), or of a new empty
+    store there. The caller holds the store's lock."""
+    if (root / MANIFEST).exists():
+        return matching(root, settings, batch_size)
+    batch = min(batch_size or fz.default_batch(settings["samples"]), settings["block"])
+    manifest = new_manifest(settings, batch)
+    create_array(root, manifest)
+    write_manifest(root, manifest)
+    return manifest
+
+
+def complete(manifest: dict) -> bool:
+    return len(manifest["blocks"]) == manifest["num_blocks"]
+
+
+# -- the array -----------------------------------------------------------------------------------
+
+
+def create_array(root: Path, manifest: dict) -> None:
+    """Preallocate features.npy (through a temporary file, so it is never half created)."""
+    tmp = root / f"{ARRAY}.{os.getpid()}.tmp"
+    np.lib.format.open_memmap(
+        tmp, mode="w+", dtype=manifest["store_dtype"], shape=tuple(manifest["shape"])
+    ).flush()
+    os.replace(tmp, root / ARRAY)
+
+
+def open_array(root: Path, manifest: dict, mode: str = "r") -> np.ndarray:
+    """features.npy as a memory map, refused unless its header agrees with the manifest."""
+    file = root / ARRAY
+    try:
+        array = np.load(file, mmap_mode=mode, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise StoreError(f"cannot read {file} (truncated or damaged?): {e}") from None
+    if list(array.shape) != manifest["shape"] or array.dtype.name != manifest["store_dtype"]:
+        raise StoreError(
+            f"{file} holds {array.dtype.name} {list(array.shape)}, the manifest says "
+            f"{manifest['store_dtype']} {manifest['shape']}"
+        )
+    return array
+
+
+def rows_digest(rows: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(rows).tobytes()).hexdigest()
+
+
+def verify_features(array: np.ndarray, manifest: dict, root: Path) -> None:
+    """Recompute every complete block's SHA-256 and refuse a store whose bytes changed."""
+    block = manifest["block"]
+    for key, entry in manifest["blocks"].items():
+        i = int(key)
+        if rows_digest(array[i * block : (i + 1) * block]) != entry["features"]:
+            raise StoreError(
+                f"block {i} of the store at {root} ({_samples(i, manifest)}) is corrupted: its "
+                "checksum does not match the manifest; delete the store and featurize again"
+            )
+
+
+def _samples(i: int, manifest: dict) -> str:
+    block = manifest["block"]
+    return f"samples {i * block}–{min((i + 1) * block, manifest['samples']) - 1}"
+
+
+def open_store(path: str | os.PathLike, *, verify: bool = True) -> np.ndarray:
+    """The features of a complete store as a read-only memory-mapped array, [N, k] or [N, O, k].
+
+    verify: recompute every block's SHA-256 and refuse a corrupted store (reads the whole file).
+    Use `projections.kernel(open_store(p), kind=store_info(p)["kind"])` for Φ Φᵀ in tiles.
+    """
+    root = Path(path)
+    manifest = read_manifest(root)
+    if not complete(manifest):
+        missing = manifest["num_blocks"] - len(manifest["blocks"])
+        raise StoreError(
+            f"the store at {root} is incomplete: {missing} of {manifest['num_blocks']} blocks "
+            "missing; run projections.featurize again with the same settings to resume"
+        )
+    array = open_array(root, manifest)
+    if verify:
+        verify_features(array, manifest, root)
+    return array
+
+
+def store_info(path: str | os.PathLike) -> dict:
+    """The manifest of the store at `path` (settings, shape, complete blocks), checked."""
+    return read_manifest(Path(path))
+
+
+# -- writing -------------------------------------------------------------------------------------
+
+
+def write_blocks(
+    fz,
+    blocks,
+    root: Path,
+    manifest: dict,
+    todo: list,
+    record: Callable[[int, dict], None],
+    show: bool,
+) -> None:
+    """Featurise the blocks numbered in `todo` (of the iterator `blocks`, a `Featurizer` `fz`)
+    into the store's array, and check the inputs of the blocks already complete against the
+    manifest on the way (a differing block is refused, by number).
+
+    `record(i, {"features": sha256, "inputs": sha256})` marks block i complete once its rows are
+    flushed and every complete block has been matched; the digests of the inputs are taken from
+    the blocks as they stream past, with no second pass over the data."""
+    done = {int(k): v["inputs"] for k, v in manifest["blocks"].items()}
+    wanted = set(todo)
+    last = max(wanted | set(done), default=-1)
+    checked_up_to = max(done, default=-1)  # new blocks are recorded once these are matched
+    block, n = manifest["block"], manifest["samples"]
+    array, pending, i = None, [], -1
+    with tqdm(total=len(wanted), disable=not show, desc="featurize", unit="block") as bar:
+        for i, x in enumerate(blocks):
+            if i > last:
+                break
+            size = inputs.count(x)
+            if size != min(block, n - i * block):
+                raise ValueError(
+                    f"block {i} of the data holds {size} samples, expected "
+                    f"{min(block, n - i * block)}: the data yields fewer or more samples than "
+                    f"its length ({n})"
+                )
+            digest = inputs.digest(x)
+            if i in done and digest != done[i]:
+                raise StoreError(
+                    f"the data differ from those the store at {root} was written from, first in "
+                    f"block {i} ({_samples(i, manifest)}); featurize other data into another path"
+                )
+            if i in wanted:
+                if array is None:
+                    array = open_array(root, manifest, "r+")
+                fz.prepare(x, "data")
+                start = i * block
+                for s in range(0, size, manifest["batch"]):
+                    part = fz.block(inputs.take(x, slice(s, s + manifest["batch"])))
+                    array[start + s : start + s + part.shape[0]] = (
+                        part.detach().cpu().numpy().astype(manifest["store_dtype"])
+                    )
+                array.flush()
+                rows = array[start : start + size]
+                pending.append((i, {"features": rows_digest(rows), "inputs": digest}))
+            if i >= checked_up_to:
+                for entry in pending:
+                    record(*entry)
+                    bar.update()
+                pending = []
+        else:
+            if last >= 0 and i < last:
+                raise ValueError(f"the data ended after block {i}, expected {last + 1} blocks")
+    del array
+
+
+@contextmanager
+def writer_lock(root: Path):
+    """Hold the store's lock while writing; refuse (naming the holder) while another process
+    holds it. The lock dies with its process, so a killed writer never blocks the next one."""
+    fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace")
+            try:
+                who = json.loads(holder)
+                who = f"process {who['pid']} on {who['host']}"
+            except (ValueError, TypeError, KeyError):
+                who = "another process"
+            raise StoreError(
+                f"the store at {root} is being written by {who}; wait for it to finish, or stop "
+                "it, before featurizing into it (one writer at a time)"
+            ) from None
+        me = json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, me, 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
