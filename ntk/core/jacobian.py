@@ -1,11 +1,13 @@
-"""Per-sample Jacobians by automatic differentiation: vmap(jacrev(functional_call))."""
+"""Per-sample Jacobians by automatic differentiation: vmap(jacrev(functional_call)), or a loop
+over samples for models that cannot be vmapped (`persample`)."""
 
 from __future__ import annotations
 
 import torch
-from torch.func import jacrev, vmap
+from torch.func import jacrev
 
 from .model import ModelView
+from .persample import map_samples
 
 
 def jacobian_features(
@@ -21,6 +23,6 @@ def jacobian_features(
     def projected_output(params, x_single):
         return cot @ view.forward_single({**rest, **params}, x_single)
 
-    jac = vmap(jacrev(projected_output), in_dims=(None, 0))(wrt, x)
+    jac = map_samples(view, jacrev(projected_output), wrt, x)
     c = cot.shape[0]
     return {n: j.reshape(j.shape[0], c, -1).transpose(0, 1) for n, j in jac.items()}

@@ -10,10 +10,13 @@ gradients Σ_s δ_s x̂_s that are formed in closed form. The backward signals o
 C cotangents come from one batched backward pass through zero perturbations added to the layer
 outputs. Parameters of other modules, parameters used outside the module that owns them (tied
 weights) and modules called more than once are differentiated exactly by autodiff instead.
+Besides torch's Linear, Conv1d/2d, Embedding and normalisation layers, transformers' `Conv1D`
+(GPT-2's y = x W + b with W stored as [F_in, F_out]) is factored like a Linear.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +37,20 @@ def _qualified(layer: str, attr: str) -> str:
     return f"{layer}.{attr}" if layer else attr
 
 
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    """Whether `module` is transformers' Conv1D (only possible once transformers is imported, so
+    transformers is never imported here)."""
+    cls = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    return cls is not None and type(module) is cls
+
+
+def _weighted(module: nn.Module) -> bool:
+    return isinstance(module, _WEIGHTED) or _is_hf_conv1d(module)
+
+
 def _supported(module: nn.Module) -> bool:
+    if _is_hf_conv1d(module):
+        return True
     kind = type(module)
     if kind in (nn.Conv1d, nn.Conv2d):
         return module.groups == 1
@@ -86,7 +102,7 @@ class Factored:
 
 def _linear_factors(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Inputs seen by the weight at each position: [B, S, F_in]."""
-    if isinstance(module, nn.Linear):
+    if isinstance(module, nn.Linear) or _is_hf_conv1d(module):
         return x.reshape(x.shape[0], -1, x.shape[-1])
     if isinstance(module, nn.Conv1d):
         x = x.unsqueeze(2)
@@ -261,7 +277,7 @@ def plan(
             continue
         modules[layer] = module
         covered[layer] = mine
-        if isinstance(module, _WEIGHTED) and _qualified(layer, "weight") in mine:
+        if _weighted(module) and _qualified(layer, "weight") in mine:
             s = _positions(module, out_numel[layer])
             positions[layer] = s
             if factor_all or _prefer_factors(module, s, kind, num_cotangents, block):
@@ -274,6 +290,8 @@ def _positions(module: nn.Module, out_numel: int) -> int:
         return max(1, out_numel // module.embedding_dim)
     if isinstance(module, nn.Linear):
         return max(1, out_numel // module.out_features)
+    if _is_hf_conv1d(module):
+        return max(1, out_numel // module.weight.shape[1])
     return max(1, out_numel // module.out_channels)
 
 
@@ -287,6 +305,8 @@ def _prefer_factors(module: nn.Module, s: int, kind: str, c: int, block: int) ->
     else:
         w = module.weight
         f_out, f_in = w.shape[0], w[0].numel()
+        if _is_hf_conv1d(module):
+            f_in, f_out = w.shape
         dense = w.numel()
         build = c * s * dense
     explicit = 2 * block * build + kf * block * block * dense
