@@ -10,7 +10,7 @@ score(z, i) = mean_m[kernel part] · mean_m[Q_i] — the two parts averaged sepa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -35,13 +35,17 @@ def trak(
     seed: int = 0,
     batch_size: int | None = None,
     device=None,
+    output_fn: Callable | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """TRAK scores [N_test, N_train] (= `influence(method="trak")`).
 
     dim: projection dimension (TRAK's default 2048), or None for the exact gradients (through
     the full eNTK: φ(z)ᵀ(ΦᵀΦ + λI)⁻¹Φᵀ = k(z, X)(K + λI)⁻¹ with K the margin-gradient kernel).
     checkpoints: models or state dicts (see `influence`); y_test=None: the predicted labels.
-    damping: λ ≥ 0. The same projector (seed) serves every model, as in the paper.
+    damping: λ ≥ 0. The same projector (seed) serves every model, as in the paper. output_fn and
+    dtype: as in `influence` (kernels and features in `dtype`, None: the model's; solves in
+    float64).
     """
     if not (isinstance(damping, (int, float)) and damping >= 0):
         raise ValueError(f"damping must be a non-negative number, got {damping!r}")
@@ -50,13 +54,14 @@ def trak(
     kernel_part, q = 0.0, 0.0
     nets = models(model, checkpoints)
     for net in nets:
-        g_train, g_test = logits(net, x_train), logits(net, x_test)
+        g_train = logits(net, x_train, output_fn=output_fn)
+        g_test = logits(net, x_test, output_fn=output_fn)
         y_tr = labels(y_train, g_train.shape[0], g_train.shape[1], "y_train")
         u_train, u_test = (
             margin_gradient(g_train, y_tr),
             margin_gradient(g_test, test_labels(g_test, y_test)),
         )
-        opts = dict(batch_size=batch_size, device=device)
+        opts = dict(batch_size=batch_size, device=device, output_fn=output_fn, dtype=dtype)
         if dim is None:
             o = g_train.shape[1]
             full = dict(kind="full", num_outputs=o, **opts)

@@ -37,9 +37,10 @@ def map_samples(view: ModelView, fn: Callable, params, x, *per_sample) -> object
             raise
         except Exception as error:  # any failure under vmap: the loop shows a real error again
             reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            reason = reason if len(reason) <= 120 else reason[:119] + "…"
             _NOT_VMAPPABLE[view] = reason
             warnings.warn(
-                f"{type(view.model).__name__} cannot be vmapped over samples ({reason[:160]}); "
+                f"{type(view.model).__name__} cannot be vmapped over samples ({reason}); "
                 "computing per-sample derivatives one sample at a time",
                 PerSampleFallbackWarning,
                 stacklevel=2,
