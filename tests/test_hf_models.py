@@ -262,3 +262,20 @@ def test_surrogate_and_report_of_dict_inputs(bert, tmp_path):
     )
     assert (tmp_path / "r.html").exists() and len(result["attribution"]["examples"]) == 2
     assert {r["layer"] for r in result["layers"]["rows"]} == set(ModelView(bert).layers)
+
+
+def test_proxies_of_dict_inputs(bert):
+    from ntk import proxies
+
+    x, y = _tokens(6, 6), torch.tensor([0, 1, 2, 0, 1, 2])
+    opts = dict(batch_size=6, output_fn=logits)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PerSampleFallbackWarning)
+        lga = proxies.score(bert, x, y, metric="lga", **opts)
+        k = ntk.empirical_ntk(bert, x, kind="sum_logits", output_fn=logits)
+        ranked = proxies.rank({"a": bert, "b": _bert(seed=7)}, x, y, metric="grad_norm", **opts)
+    # a batch of all 6 samples in a random order: the alignment of the whole kernel
+    assert lga == pytest.approx(ntk.kernel_alignment(k, y, centering="mean"), rel=1e-9)
+    assert {name for name, _ in ranked} == {"a", "b"}
+    with pytest.raises(ValueError, match="floating-point input tensor"):
+        proxies.score(bert, x, metric="jacob_cov", **opts)

@@ -46,15 +46,9 @@ def map_samples(view: ModelView, fn: Callable, params, x, *per_sample) -> object
                 stacklevel=2,
             )
     rows = [
-        fn(params, inputs.take(x, b), *(a[b] for a in per_sample))
-        for b in range(inputs.count(x))
+        fn(params, inputs.take(x, b), *(a[b] for a in per_sample)) for b in range(inputs.count(x))
     ]
     return _stack(rows)
-
-
-def vmap_failure(view: ModelView) -> str | None:
-    """Why `view`'s model could not be vmapped over samples (None: no failure seen)."""
-    return _NOT_VMAPPABLE.get(view)
 
 
 def _stack(rows: list):
