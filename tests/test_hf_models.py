@@ -5,12 +5,12 @@ layer importance and influence; models that cannot be vmapped; LoRA-style adapte
 import warnings
 
 import pytest
+import reference
 import torch
 from torch import nn
 
 import ntk
 import projections
-import reference
 from attribution import KernelSurrogate, influence, layer_importance, report
 from ntk.core import structured
 from ntk.core.model import ModelView
@@ -279,3 +279,66 @@ def test_proxies_of_dict_inputs(bert):
     assert {name for name, _ in ranked} == {"a", "b"}
     with pytest.raises(ValueError, match="floating-point input tensor"):
         proxies.score(bert, x, metric="jacob_cov", **opts)
+
+
+BERT_FACTORY = """
+import torch
+import transformers
+
+def build():
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, max_position_embeddings=8, num_labels=3,
+    )
+    return transformers.BertForSequenceClassification(config)
+"""
+
+
+def _cli(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "attribution.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.slow  # three subprocesses that each import transformers
+def test_cli_with_dict_data_and_output_fn(tmp_path):
+    import json
+
+    import numpy as np
+
+    (tmp_path / "bert.py").write_text(BERT_FACTORY)
+    x, xt = _tokens(8, 6), _tokens(2, 6, seed=9)
+    y = np.array([0, 1, 2, 0, 1, 2, 0, 1])
+    np.savez(tmp_path / "train.npz", y=y, **{f"x.{k}": v.numpy() for k, v in x.items()})
+    np.savez(tmp_path / "test.npz", **{f"x.{k}": v.numpy() for k, v in xt.items()})
+    common = ["--model", str(tmp_path / "bert.py:build"), "--data", str(tmp_path / "train.npz")]
+    out = _cli(
+        "kernel", *common, "--output-fn", "logits", "--kind", "trace", "--format", "json",
+        "--save", str(tmp_path / "k.npy"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["rows"][0]["shape"] == "8x8"
+    namespace = {}
+    exec(BERT_FACTORY, namespace)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PerSampleFallbackWarning)
+        expected = ntk.empirical_ntk(namespace["build"]().eval(), x, kind="trace", output_fn=logits)
+    assert np.allclose(np.load(tmp_path / "k.npy"), expected.numpy(), rtol=1e-4, atol=1e-7)
+
+    out = _cli(
+        "attribute", *common, "--output-fn", "logits", "--test", str(tmp_path / "test.npz"),
+        "--top", "2", "--format", "json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["rows"]
+    assert len(rows) == 2 * 2 * 2 and {r["test"] for r in rows} == {0, 1}
+
+    out = _cli("kernel", *common, "--kind", "trace")  # no --output-fn: a usage message
+    assert out.returncode != 0 and "output_fn" in out.stderr
