@@ -3,7 +3,7 @@ one sample at a time where it does not.
 
 vmap cannot run code that branches on tensor values, such as the attention-mask handling of
 HuggingFace transformers (`if (mask == 1).all(): ...`). The first vmapped call that fails for a
-model view marks the view, warns once with the reason, and this and every later call of that view
+model marks the model, warns once with the reason, and this and every later call for that model
 loop over the samples instead (the same values, one forward and backward pass per sample).
 """
 
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch.func import vmap
@@ -24,13 +25,13 @@ class PerSampleFallbackWarning(UserWarning):
     """The model could not be vmapped over samples; samples are processed one at a time."""
 
 
-_NOT_VMAPPABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # view -> reason
+_NOT_VMAPPABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> reason
 
 
 def map_samples(view: ModelView, fn: Callable, params, x, *per_sample) -> object:
     """fn(params, x_b, *(a[b] for a in per_sample)) for every sample b of `x` (without its sample
     axis), stacked along a new first axis (tensors, or dicts/tuples of tensors)."""
-    if view not in _NOT_VMAPPABLE:
+    if view.model not in _NOT_VMAPPABLE:
         try:
             return vmap(fn, in_dims=(None, 0) + (0,) * len(per_sample))(params, x, *per_sample)
         except torch.OutOfMemoryError:
@@ -38,17 +39,28 @@ def map_samples(view: ModelView, fn: Callable, params, x, *per_sample) -> object
         except Exception as error:  # any failure under vmap: the loop shows a real error again
             reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
             reason = reason if len(reason) <= 120 else reason[:119] + "…"
-            _NOT_VMAPPABLE[view] = reason
+            _NOT_VMAPPABLE[view.model] = reason
             warnings.warn(
                 f"{type(view.model).__name__} cannot be vmapped over samples ({reason}); "
                 "computing per-sample derivatives one sample at a time",
                 PerSampleFallbackWarning,
                 stacklevel=2,
             )
-    rows = [
-        fn(params, inputs.take(x, b), *(a[b] for a in per_sample)) for b in range(inputs.count(x))
-    ]
+    with quiet_batching_notes():  # vmap over cotangents inside fn
+        rows = [
+            fn(params, inputs.take(x, b), *(a[b] for a in per_sample))
+            for b in range(inputs.count(x))
+        ]
     return _stack(rows)
+
+
+@contextmanager
+def quiet_batching_notes() -> Iterator[None]:
+    """Silence torch's notes that an op has no vmap batching rule (it is only slower: e.g. the
+    backward of fused CPU attention under batched gradients)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="There is a performance drop")
+        yield
 
 
 def _stack(rows: list):

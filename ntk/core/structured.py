@@ -28,6 +28,7 @@ from . import inputs
 from .jacobian import jacobian_features
 from .kinds import pair_factor
 from .model import ModelView
+from .persample import quiet_batching_notes
 
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding)
@@ -351,13 +352,14 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor) -> list:
         b, o = out.shape
         grad_out = cot[:, None, :].expand(cot.shape[0], b, o).contiguous()
         names = list(perturbations)
-        signals = torch.autograd.grad(
-            out,
-            [perturbations[n] for n in names],
-            grad_outputs=grad_out,
-            is_grads_batched=True,
-            allow_unused=True,
-        )
+        with quiet_batching_notes():
+            signals = torch.autograd.grad(
+                out,
+                [perturbations[n] for n in names],
+                grad_outputs=grad_out,
+                is_grads_batched=True,
+                allow_unused=True,
+            )
         for name, d in zip(names, signals):
             if d is None:
                 d = torch.zeros(
