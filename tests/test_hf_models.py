@@ -113,8 +113,36 @@ def test_gpt2_conv1d_is_factored(gpt2):
     conv1d = [n for n, m in gpt2.named_modules() if type(m).__name__ == "Conv1D"]
     assert conv1d and set(conv1d) <= set(plan.covered)
     assert set(conv1d) & plan.factored
-    # position embeddings are indexed by positions shared by the batch: autodiff
-    assert plan.fallback == ["transformer.wpe.weight"]
+    # position embeddings, looked up once for the batch, are expanded per sample: no autodiff
+    assert plan.fallback == [] and plan.shared == {"transformer.wpe"}
+
+
+class _SharedLookups(nn.Module):
+    """Two embeddings of positions shared by the batch: one broadcast over the samples, one
+    reduced over its first axis (expanding that one per sample would change the output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens, self.pos = nn.Embedding(7, 4), nn.Embedding(3, 4)
+        self.rows = nn.Embedding(3, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1])
+        h = self.tokens(ids) + self.pos(positions[None]) + self.rows(positions).sum(0)
+        return self.head(torch.tanh(h).mean(1))
+
+
+def test_batch_shared_embeddings_are_expanded_only_when_that_is_safe():
+    torch.manual_seed(0)
+    model = _SharedLookups().double()
+    x = torch.randint(0, 7, (5, 3))
+    plan = structured.plan(ModelView(model), x, "full", 2, 5)
+    assert plan.shared == {"pos"} and plan.fallback == ["rows.weight"]
+    k = ntk.empirical_ntk(model, x, kind="full", layers="all", method="structured")
+    expected = reference.kernels(model, x)
+    for layer in k:
+        torch.testing.assert_close(k[layer], expected[layer], rtol=1e-10, atol=1e-12)
 
 
 class _DataDependent(nn.Module):
