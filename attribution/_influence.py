@@ -20,7 +20,7 @@ Scalar kinds (`trace`, `sum_logits`) stand in for Θ as k(x, x') ⊗ I_O. Severa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -54,6 +54,8 @@ def influence(
     seed: int = 0,
     batch_size: int | None = None,
     device=None,
+    output_fn: Callable | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Scores [N_test, N_train]: influence of each training example on each test margin.
 
@@ -70,7 +72,13 @@ def influence(
     averaged; None uses `model` alone. damping (gauss_newton): λ, or "auto" for
     3 × tr(ΛΘ)/(N·O) (the mean eigenvalue of the curvature-weighted kernel; 3 was the best in
     the benchmark's sweep 10⁻⁴…10). batch_size: the kernels' tile size and the projections'
-    featurisation batch (None: from the free memory)."""
+    featurisation batch (None: from the free memory). output_fn: maps the model's output to the
+    logits [B, O] (e.g. `lambda out: out.logits` for a HuggingFace model); inputs may be tensors,
+    tuples or dicts of tensors (e.g. input_ids and attention_mask). dtype: the dtype of kernels
+    and projected features (None: the model's); the solves, the curvature and the
+    parameter-space Gram are float64 either way; torch.float64 computes the kernels in float64
+    too.
+    """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid methods are {', '.join(METHODS)}")
     method = AUTO if method == "auto" else method
@@ -87,6 +95,8 @@ def influence(
             seed=seed,
             batch_size=batch_size,
             device=device,
+            output_fn=output_fn,
+            dtype=dtype,
             **({} if dim is None else {"dim": dim}),
         )
     kind = kind or ("full" if method == "grad_dot" else "trace")
@@ -108,6 +118,8 @@ def influence(
             seed=seed,
             batch_size=batch_size,
             device=device,
+            output_fn=output_fn,
+            dtype=dtype,
         )
         for m in models(model, checkpoints)
     ]
@@ -115,14 +127,36 @@ def influence(
 
 
 def _one_model(
-    model, x_train, y_train, x_test, y_test, *, method, kind, dim, damping, seed, batch_size, device
+    model,
+    x_train,
+    y_train,
+    x_test,
+    y_test,
+    *,
+    method,
+    kind,
+    dim,
+    damping,
+    seed,
+    batch_size,
+    device,
+    output_fn,
+    dtype,
 ) -> torch.Tensor:
-    g_train, g_test = logits(model, x_train, name="x_train"), logits(model, x_test, name="x_test")
+    g_train = logits(model, x_train, output_fn=output_fn, name="x_train")
+    g_test = logits(model, x_test, output_fn=output_fn, name="x_test")
     y_train = labels(y_train, g_train.shape[0], g_train.shape[1], "y_train")
     u = margin_gradient(g_test, test_labels(g_test, y_test))  # [M, O]
     if method == "surrogate":
         surrogate = KernelSurrogate(
-            model, kind=kind, projection_dim=dim, seed=seed, batch_size=batch_size, device=device
+            model,
+            kind=kind,
+            projection_dim=dim,
+            seed=seed,
+            batch_size=batch_size,
+            device=device,
+            output_fn=output_fn,
+            dtype=dtype,
         ).fit(x_train)
         return torch.einsum("mio,mo->mi", torch.as_tensor(surrogate.attribute(x_test)), u)
     n, o = g_train.shape
@@ -138,7 +172,8 @@ def _one_model(
             seed=seed,
             batch_size=batch_size,
             device=device,
-            dtype=torch.float64,
+            dtype=dtype,
+            output_fn=output_fn,
         )
         phi_train, phi_test = (
             torch.as_tensor(projections.features(model, v, **feats)).double()
@@ -148,7 +183,16 @@ def _one_model(
         if method == "grad_dot":
             return left @ torch.einsum("io,iok->ik", r, phi_train).T
         return gauss_newton_features(left, phi_train, g_train, y_train, damping)
-    opts = dict(kind=kind, num_outputs=o, dim=dim, seed=seed, batch_size=batch_size, device=device)
+    opts = dict(
+        kind=kind,
+        num_outputs=o,
+        dim=dim,
+        seed=seed,
+        batch_size=batch_size,
+        device=device,
+        output_fn=output_fn,
+        dtype=dtype,
+    )
     left = torch.einsum("mo,mioq->miq", u, _kernels.output_kernel(model, x_test, x_train, **opts))
     if method == "grad_dot":
         return (left * r).sum(-1)

@@ -4,6 +4,8 @@ scalar kinds' [N1, N2] matrices (optionally cosine-normalised) or as an output k
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 import ntk
@@ -23,10 +25,13 @@ def compute(
     seed: int = 0,
     batch_size: int | None = None,
     device=None,
+    output_fn: Callable | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """ntk.empirical_ntk(kind=...) exactly (dim=None) or projections.projected_ntk with `dim`,
-    computed in float64 (the kernel machines and solves downstream need its precision)."""
-    opts = dict(kind=kind, batch_size=batch_size, device=device, dtype=torch.float64)
+    computed in `dtype` (None: the model's) and returned in float64 for the kernel machines and
+    solves downstream."""
+    opts = dict(kind=kind, batch_size=batch_size, device=device, dtype=dtype, output_fn=output_fn)
     if dim is None:
         k = ntk.empirical_ntk(model, x1, x2, **opts)
     else:
@@ -48,6 +53,8 @@ def self_similarity(
     seed: int = 0,
     batch_size: int | None = None,
     device=None,
+    output_fn: Callable | None = None,
+    dtype: torch.dtype | None = None,
     block: int = 256,
 ) -> torch.Tensor:
     """K(x, x) for every sample [N] of a scalar kind, in blocks (never the whole N × N)."""
@@ -62,6 +69,8 @@ def self_similarity(
                 seed=seed,
                 batch_size=batch_size,
                 device=device,
+                output_fn=output_fn,
+                dtype=dtype,
             ).diagonal()
             for s in range(0, n, block)
         ]
@@ -86,13 +95,26 @@ def output_kernel(
     seed: int = 0,
     batch_size: int | None = None,
     device=None,
+    output_fn: Callable | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Θ [N1, N2, O, O]: the full kernel, or a scalar kind as k(x, x') ⊗ I_O on the scale of Θ's
     diagonal (trace / O; sum_logits as is: the pseudo-NTK approximates Θ ≈ k ⊗ I_O, Mohamadi et
     al., ICML 2023)."""
     if kind not in OUTPUT_KINDS:
         raise ValueError(f"kind must be one of {', '.join(OUTPUT_KINDS)}, got {kind!r}")
-    k = compute(model, x1, x2, kind=kind, dim=dim, seed=seed, batch_size=batch_size, device=device)
+    k = compute(
+        model,
+        x1,
+        x2,
+        kind=kind,
+        dim=dim,
+        seed=seed,
+        batch_size=batch_size,
+        device=device,
+        output_fn=output_fn,
+        dtype=dtype,
+    )
     if kind == "full":
         return k
     scale = 1.0 / num_outputs if kind == "trace" else 1.0

@@ -25,7 +25,7 @@ import json
 import math
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
@@ -85,6 +85,7 @@ def report(
     settings: dict | None = None,
     batch_size: int | None = None,
     device=None,
+    output_fn: Callable | None = None,
     progress: bool = False,
 ) -> dict:
     """Build the report of a classifier `model` (O ≥ 2 outputs) on training data (x_train,
@@ -99,7 +100,9 @@ def report(
     eigendecomposition is O(N³)). image_shape: per-sample shape to draw inputs as images
     (e.g. (8, 8)); by default inputs shaped [N, H, W] or [N, C, H, W] (C = 1 or 3) are drawn and
     others are shown as tables. settings: extra rows for the settings table (e.g. data files).
-    The model is never modified.
+    output_fn: maps the model's output to the logits [B, O] (e.g. `lambda out: out.logits` for a
+    HuggingFace model, whose inputs can be dicts of tensors); the default surrogate uses it too (a
+    surrogate passed in keeps its own). The model is never modified.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -120,10 +123,8 @@ def report(
     clock = _Clock(progress)
 
     with clock("network outputs"):
-        g_train, g_test = (
-            logits(model, x_train, name="x_train"),
-            logits(model, x_test, name="x_test"),
-        )
+        g_train = logits(model, x_train, output_fn=output_fn, name="x_train")
+        g_test = logits(model, x_test, output_fn=output_fn, name="x_test")
         classes = g_train.shape[1]
         if classes < 2:
             raise ValueError(
@@ -137,7 +138,7 @@ def report(
         own = y_train if y_train is not None else net_train  # training labels, or predictions
 
     surrogate = (
-        KernelSurrogate(model, batch_size=batch_size, device=device)
+        KernelSurrogate(model, batch_size=batch_size, device=device, output_fn=output_fn)
         if surrogate is None
         else surrogate
     )
@@ -146,7 +147,14 @@ def report(
     x_kernel = inputs.take(x_train, slice(0, n_kernel))
     y_kernel = own[:n_kernel]
     with clock("kernel spectrum"):
-        k = ntk.empirical_ntk(model, x_kernel, kind=kind, batch_size=batch_size, device=device)
+        k = ntk.empirical_ntk(
+            model,
+            x_kernel,
+            kind=kind,
+            batch_size=batch_size,
+            device=device,
+            output_fn=output_fn,
+        )
         eigenvalues = ntk.eigenvalues(k).numpy()
         kernel = {
             "kind": kind,
@@ -159,7 +167,13 @@ def report(
         }
     with clock("layer importance"):
         layer_rows = layer_importance(
-            model, x_kernel, y_kernel, kind=kind, batch_size=batch_size, device=device
+            model,
+            x_kernel,
+            y_kernel,
+            kind=kind,
+            batch_size=batch_size,
+            device=device,
+            output_fn=output_fn,
         )
 
     with clock("surrogate fit"):

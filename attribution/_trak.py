@@ -10,7 +10,7 @@ score(z, i) = mean_m[kernel part] · mean_m[Q_i] — the two parts averaged sepa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -37,6 +37,8 @@ def trak(
     seed: int = 0,
     batch_size: int | None = None,
     device=None,
+    output_fn: Callable | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """TRAK scores [N_test, N_train] (= `influence(method="trak")`).
 
@@ -46,7 +48,8 @@ def trak(
     damping: λ ≥ 0. The same projector (seed) serves every model, as in the paper.
     batch_size: samples featurised at a time (the exact kernels' tile size with dim=None);
     None: from the free memory. Each sample is featurised once, through its own margin
-    gradient (one cotangent, not O).
+    gradient (one cotangent, not O). output_fn and dtype: as in `influence` (kernels and
+    features in `dtype`, None: the model's; solves in float64).
     """
     if not (isinstance(damping, (int, float)) and damping >= 0):
         raise ValueError(f"damping must be a non-negative number, got {damping!r}")
@@ -55,7 +58,8 @@ def trak(
     kernel_part, q = 0.0, 0.0
     nets = models(model, checkpoints)
     for net in nets:
-        g_train, g_test = logits(net, x_train, name="x_train"), logits(net, x_test, name="x_test")
+        g_train = logits(net, x_train, output_fn=output_fn, name="x_train")
+        g_test = logits(net, x_test, output_fn=output_fn, name="x_test")
         y_tr = labels(y_train, g_train.shape[0], g_train.shape[1], "y_train")
         u_train, u_test = (
             margin_gradient(g_train, y_tr),
@@ -63,12 +67,16 @@ def trak(
         )
         # the margin kernel u_iᵀ Θ(x_i, x_j) u_j: each sample's Jacobian seen through its own
         # margin gradient u_i (one cotangent per sample, not O)
-        opts = dict(kind=kinds.Weighted(), batch_size=batch_size, device=device)
+        opts = dict(
+            kind=kinds.Weighted(),
+            batch_size=batch_size,
+            device=device,
+            output_fn=output_fn,
+            dtype=dtype,
+        )
         if dim is None:
-            k_train = ntk.empirical_ntk(net, x_train, labels=u_train, dtype=torch.float64, **opts)
-            k_test = ntk.empirical_ntk(
-                net, x_test, x_train, labels=u_test, labels2=u_train, dtype=torch.float64, **opts
-            )
+            k_train = ntk.empirical_ntk(net, x_train, labels=u_train, **opts)
+            k_test = ntk.empirical_ntk(net, x_test, x_train, labels=u_test, labels2=u_train, **opts)
             kernel_part = kernel_part + _solve(k_test.double(), k_train.double(), damping)
         else:
             import projections

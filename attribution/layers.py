@@ -41,12 +41,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import grad, vmap
+from torch.func import grad
 
 import ntk
 import projections
 from ntk.core import inputs
 from ntk.core.model import ModelView
+from ntk.core.persample import map_samples
 from ntk.spectrum import as_matrix
 
 NTK_SCORES = ("sensitivity", "share", "alignment", "top_eigenvalue")
@@ -169,13 +170,12 @@ def _gradient_stats(
         out = view.forward(params, inputs.unsqueeze(xi))
         return sample_losses(out, yi.unsqueeze(0))[0]
 
-    per_sample = vmap(grad(loss_one), in_dims=(None, 0, 0))
     n = inputs.count(x)
     total = {name: torch.zeros_like(p) for name, p in view.params.items()}
     squares = {name: 0.0 for name in view.params}
     for start in range(0, n, chunk):
         rows = slice(start, start + chunk)
-        g = per_sample(view.params, inputs.take(x, rows), y[rows])
+        g = map_samples(view, grad(loss_one), view.params, inputs.take(x, rows), y[rows])
         for name, gi in g.items():
             total[name] += gi.sum(0)
             squares[name] += float((gi.double() ** 2).sum())

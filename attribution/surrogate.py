@@ -46,11 +46,14 @@ class KernelSurrogate(BaseEstimator):
     of a random projection (`projections.projected_ntk`, seeded by `seed`). alpha: the
     regularisation (ridge α, 1/C for svm and logistic) on the kernel scaled to unit mean
     diagonal; None chooses it from GRID by `cv`-fold cross-validation on the training set.
-    The model is never modified. Defaults: in benchmarks/attribution_digits.py (fitted to the
-    network's outputs, 500 test digits) ridge reaches Kendall τ 0.996 with `trace`, 0.998 with
-    `sum_logits`, 1.000 with `full` (~10× the time), and 0.995 / 0.990 / 0.911 with a k = 1024
-    projection; `trace` + ridge is the default: within 0.002 of the best exact scalar kind and
-    the best projected one (svm and logistic fit labels, not outputs, and follow it less).
+    output_fn maps the model's output to a [B, O] tensor (e.g. `lambda out: out.logits` for a
+    HuggingFace model); dtype: the dtype kernels are computed in (None: the model's; the machines
+    are fitted in float64 either way). The model is never modified. Defaults: in
+    benchmarks/attribution_digits.py (fitted to the network's outputs, 500 test digits) ridge
+    reaches Kendall τ 0.996 with `trace`, 0.998 with `sum_logits`, 1.000 with `full` (~10× the
+    time), and 0.995 / 0.990 / 0.911 with a k = 1024 projection; `trace` + ridge is the default:
+    within 0.002 of the best exact scalar kind and the best projected one (svm and logistic fit
+    labels, not outputs, and follow it less).
     """
 
     def __init__(
@@ -66,6 +69,8 @@ class KernelSurrogate(BaseEstimator):
         seed: int = 0,
         batch_size: int | None = None,
         device=None,
+        output_fn=None,
+        dtype: torch.dtype | None = None,
     ):
         self.model = model
         self.kind = kind
@@ -77,6 +82,8 @@ class KernelSurrogate(BaseEstimator):
         self.seed = seed
         self.batch_size = batch_size
         self.device = device
+        self.output_fn = output_fn
+        self.dtype = dtype
 
     # -- kernels ---------------------------------------------------------------------------------
     def _check_params(self) -> None:
@@ -101,6 +108,8 @@ class KernelSurrogate(BaseEstimator):
             seed=self.seed,
             batch_size=self.batch_size,
             device=self.device,
+            output_fn=self.output_fn,
+            dtype=self.dtype,
         )
 
     def _as_matrix(self, k: torch.Tensor) -> np.ndarray:
@@ -125,7 +134,7 @@ class KernelSurrogate(BaseEstimator):
         """Fit the machine to the network's outputs (y=None: its logits for ridge, its predicted
         labels for svm and logistic) or to class labels y."""
         self._check_params()
-        g = logits(self.model, x_train)
+        g = logits(self.model, x_train, output_fn=self.output_fn, name="x_train")
         n, o = g.shape
         if y is None:
             targets = g.numpy() if self.machine == "ridge" else g.argmax(1).numpy()
@@ -269,7 +278,7 @@ class KernelSurrogate(BaseEstimator):
         (when the decision has one column per output); label_agreement; with y_test also the
         accuracies, their gap and the Jaccard overlap of the misclassified sets.
         """
-        g = logits(self.model, x_test).numpy()
+        g = logits(self.model, x_test, output_fn=self.output_fn, name="x_test").numpy()
         k = self._test_kernel(x_test)
         d = self._decision(k)
         pred_net = g.argmax(1)

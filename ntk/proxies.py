@@ -108,6 +108,7 @@ def score(
     seed: int = 0,
     layers: Sequence[str] | None = None,
     device=None,
+    output_fn: Callable | None = None,
     return_details: bool = False,
 ) -> float | ProxyScore:
     """Score one architecture with `metric` (higher is better); returns the mean over repeats.
@@ -117,13 +118,16 @@ def score(
     under `torch.manual_seed(seed + r)` for repeat r). Each repeat scores a random batch of
     `batch_size` samples of (x, y), after `warmup_steps` Adam steps (lr `warmup_lr`, minibatches
     of 64 from all of x, y) on the copy. kind: the kernel kind of the kernel metrics; layers:
-    restrict their kernel to these modules. return_details=True gives a `ProxyScore`.
+    restrict their kernel to these modules. x may be a tensor or a tuple/dict of tensors (e.g.
+    input_ids and attention_mask; `synflow` and `jacob_cov` need one floating-point input tensor);
+    output_fn maps the model's output to [B, O] (e.g. `lambda out: out.logits`).
+    return_details=True gives a `ProxyScore`.
     """
     _check_options(metric, kind, batch_size, repeats, warmup_steps)
     x, y = _check_data(x, y, metric, warmup_steps)
     if device is not None:
         device = resolve_device(device)
-        x, y = x.to(device), None if y is None else y.to(device)
+        x, y = inputs.convert(x, device, None), None if y is None else y.to(device)
     start = time.perf_counter()
     values, raws = [], []
     for r in range(repeats):
@@ -131,12 +135,12 @@ def score(
         net = _prepare(model, seed + r)
         net = net if device is None else net.to(device)
         if warmup_steps:
-            _warm_up(net, x, y, warmup_steps, warmup_lr, generator)
-        idx = torch.randperm(len(x), generator=generator)[:batch_size].to(x.device)
-        xb, yb = x[idx], None if y is None else y[idx]
+            _warm_up(net, x, y, warmup_steps, warmup_lr, generator, output_fn)
+        idx = torch.randperm(inputs.count(x), generator=generator)[:batch_size]
+        xb, yb = inputs.take(x, idx), None if y is None else y[idx.to(y.device)]
         net = _calibrate_norms(net, xb).eval()
-        _check_outputs(net, xb)
-        value, raw = _MEASURES[metric](net, xb, yb, kind=kind, layers=layers)
+        _check_outputs(net, xb, output_fn)
+        value, raw = _MEASURES[metric](net, xb, yb, kind=kind, layers=layers, output_fn=output_fn)
         values.append(value)
         raws.append(raw)
     with np.errstate(invalid="ignore"):  # the spread of infinite values is NaN
@@ -257,13 +261,9 @@ def _check_options(metric, kind, batch_size, repeats, warmup_steps) -> None:
 
 def _check_data(x, y, metric, warmup_steps):
     x = inputs.from_numpy(x, "x")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(
-            f"x must be a tensor or numpy array with the sample axis first, got {type(x).__name__}"
-        )
-    if x.dim() == 0 or len(x) < 2:
-        raise ValueError(f"x must hold at least 2 samples, got shape {tuple(x.shape)}")
-    inputs.validate(x, "x")  # finite
+    n = inputs.validate(x, "x")  # finite
+    if n < 2:
+        raise ValueError(f"x must hold at least 2 samples, got {n}")
     if y is None:
         if metric in _NEEDS_LABELS or warmup_steps:
             raise ValueError(
@@ -276,8 +276,8 @@ def _check_data(x, y, metric, warmup_steps):
             f"y must be a 1-D tensor of integer class labels, got "
             f"{y.dtype} of shape {tuple(y.shape)}"
         )
-    if len(y) != len(x):
-        raise ValueError(f"x has {len(x)} samples but y has {len(y)} labels")
+    if len(y) != n:
+        raise ValueError(f"x has {n} samples but y has {len(y)} labels")
     if bool((y < 0).any()):
         raise ValueError("y holds negative class labels")
     return x, y
@@ -301,10 +301,10 @@ def _prepare(candidate: Candidate, seed: int) -> nn.Module:
     return net
 
 
-def _check_outputs(net: nn.Module, x: torch.Tensor) -> None:
+def _check_outputs(net: nn.Module, x, output_fn: Callable | None) -> None:
     """The scored batch must run through the network (errors name x) to finite outputs."""
     with torch.no_grad(), naming_failures(net, x, "x"):
-        out = net(x)
+        out = _forward(net, x, output_fn)
     if isinstance(out, torch.Tensor) and not bool(torch.isfinite(out).all()):
         raise ValueError("the model produced non-finite outputs (NaN or inf) on x")
 
@@ -319,19 +319,44 @@ def _check_labels(out: torch.Tensor, y: torch.Tensor) -> None:
         raise ValueError(f"y holds class {int(y.max())} but the model has {out.shape[1]} outputs")
 
 
-def _warm_up(net: nn.Module, x, y, steps: int, lr: float, generator: torch.Generator) -> None:
+def _forward(net: nn.Module, x, output_fn: Callable | None = None):
+    """net called on a batch (a tensor, or a tuple/dict of tensors), through `output_fn`."""
+    args, kwargs = inputs.as_call(x)
+    out = net(*args, **kwargs)
+    return out if output_fn is None else output_fn(out)
+
+
+def _float_input(x, metric: str) -> torch.Tensor:
+    if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
+        raise ValueError(
+            f"{metric} needs one floating-point input tensor (it differentiates or replaces the "
+            "input), not token ids or a tuple/dict of tensors"
+        )
+    return x
+
+
+def _warm_up(
+    net: nn.Module,
+    x,
+    y,
+    steps: int,
+    lr: float,
+    generator: torch.Generator,
+    output_fn: Callable | None = None,
+) -> None:
     """`steps` Adam steps of cross-entropy on minibatches of 64 cycling through (x, y)."""
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     net.train()
     order = torch.empty(0, dtype=torch.long)
     for _ in range(steps):
         if len(order) == 0:
-            order = torch.randperm(len(x), generator=generator)
+            order = torch.randperm(inputs.count(x), generator=generator)
         idx, order = order[:64], order[64:]
         opt.zero_grad()
-        out = net(x[idx])
-        _check_labels(out, y[idx])
-        nn.functional.cross_entropy(out, y[idx]).backward()
+        out = _forward(net, inputs.take(x, idx), output_fn)
+        yb = y[idx.to(y.device)]
+        _check_labels(out, yb)
+        nn.functional.cross_entropy(out, yb).backward()
         opt.step()
 
 
@@ -351,7 +376,7 @@ def _calibrate_norms(net: nn.Module, x) -> nn.Module:
             m.momentum = None
             m.train()
         with torch.no_grad():
-            net(x)
+            _forward(net, x)
         for m, momentum in zip(fresh, momenta):
             m.momentum = momentum
     return net
@@ -362,9 +387,14 @@ def _calibrate_norms(net: nn.Module, x) -> nn.Module:
 # --------------------------------------------------------------------------------------------
 
 
-def _kernel(net, x, kind, layers):
+def _kernel(net, x, kind, layers, output_fn):
     return empirical_ntk(
-        net, x, kind=kind, layers=None if layers is None else list(layers), per_layer=False
+        net,
+        x,
+        kind=kind,
+        layers=None if layers is None else list(layers),
+        per_layer=False,
+        output_fn=output_fn,
     )
 
 
@@ -377,35 +407,35 @@ def _square(k: torch.Tensor) -> torch.Tensor:
     return k.to(torch.float64)
 
 
-def _lga(net, x, y, *, kind, layers):
-    k = _square(_kernel(net, x, kind, layers))
+def _lga(net, x, y, *, kind, layers, output_fn):
+    k = _square(_kernel(net, x, kind, layers, output_fn))
     value = kernel_alignment(k, y, centering="mean")
     return value, value
 
 
-def _condition(net, x, y, *, kind, layers):
-    kappa = condition_number(_square(_kernel(net, x, kind, layers)))
+def _condition(net, x, y, *, kind, layers, output_fn):
+    kappa = condition_number(_square(_kernel(net, x, kind, layers, output_fn)))
     return -math.log(kappa), kappa
 
 
-def _trace(net, x, y, *, kind, layers):
-    value = float(_square(_kernel(net, x, kind, layers)).diagonal().sum())
+def _trace(net, x, y, *, kind, layers, output_fn):
+    value = float(_square(_kernel(net, x, kind, layers, output_fn)).diagonal().sum())
     return value, value
 
 
-def _frobenius(net, x, y, *, kind, layers):
-    value = float(torch.linalg.norm(_square(_kernel(net, x, kind, layers))))
+def _frobenius(net, x, y, *, kind, layers, output_fn):
+    value = float(torch.linalg.norm(_square(_kernel(net, x, kind, layers, output_fn))))
     return value, value
 
 
-def _mean(net, x, y, *, kind, layers):
-    value = float(_square(_kernel(net, x, kind, layers)).mean())
+def _mean(net, x, y, *, kind, layers, output_fn):
+    value = float(_square(_kernel(net, x, kind, layers, output_fn)).mean())
     return value, value
 
 
-def _loss_grads(net, x, y):
+def _loss_grads(net, x, y, output_fn):
     params = [p for p in net.parameters() if p.requires_grad]
-    out = net(x)
+    out = _forward(net, x, output_fn)
     _check_labels(out, y)
     grads = torch.autograd.grad(nn.functional.cross_entropy(out, y), params, allow_unused=True)
     for g in grads:
@@ -414,24 +444,25 @@ def _loss_grads(net, x, y):
     return [(p, torch.zeros_like(p) if g is None else g) for p, g in zip(params, grads)]
 
 
-def _grad_norm(net, x, y, **_):
-    value = float(sum(g.norm() for _, g in _loss_grads(net, x, y)))
+def _grad_norm(net, x, y, *, output_fn, **_):
+    value = float(sum(g.norm() for _, g in _loss_grads(net, x, y, output_fn)))
     return value, value
 
 
-def _snip(net, x, y, **_):
-    value = float(sum((p.detach() * g).abs().sum() for p, g in _loss_grads(net, x, y)))
+def _snip(net, x, y, *, output_fn, **_):
+    value = float(sum((p.detach() * g).abs().sum() for p, g in _loss_grads(net, x, y, output_fn)))
     return value, value
 
 
-def _synflow(net, x, y, **_):
+def _synflow(net, x, y, *, output_fn, **_):
+    x = _float_input(x, "synflow")
     net = net.double()
     with torch.no_grad():
         for p in net.parameters():
             p.abs_()
     params = [p for p in net.parameters() if p.requires_grad]
     ones = torch.ones((1, *x.shape[1:]), dtype=torch.float64, device=x.device)
-    grads = torch.autograd.grad(net(ones).sum(), params, allow_unused=True)
+    grads = torch.autograd.grad(_forward(net, ones, output_fn).sum(), params, allow_unused=True)
     for g in grads:
         if g is not None:
             require_finite(g, "the synflow gradient")
@@ -439,9 +470,9 @@ def _synflow(net, x, y, **_):
     return value, value
 
 
-def _jacob_cov(net, x, y, **_):
-    x = x.detach().clone().requires_grad_(True)
-    (jac,) = torch.autograd.grad(net(x).sum(), x)
+def _jacob_cov(net, x, y, *, output_fn, **_):
+    x = _float_input(x, "jacob_cov").detach().clone().requires_grad_(True)
+    (jac,) = torch.autograd.grad(_forward(net, x, output_fn).sum(), x)
     require_finite(jac, "the input Jacobian of x")
     with np.errstate(invalid="ignore", divide="ignore"):  # a constant row gives NaN below
         corr = np.corrcoef(jac.reshape(len(x), -1).cpu().double().numpy())
@@ -455,15 +486,16 @@ def _jacob_cov(net, x, y, **_):
 
 def _naswot(net, x, y, **_):
     codes = []
-    record = lambda module, inp, out: codes.append(inp[0].reshape(len(x), -1) > 0)  # noqa: E731
+    n = inputs.count(x)
+    record = lambda module, inp, out: codes.append(inp[0].reshape(n, -1) > 0)  # noqa: E731
     hooks = [m.register_forward_hook(record) for m in net.modules() if isinstance(m, _ACTIVATIONS)]
     if not hooks:
         raise ValueError("naswot needs activation modules (nn.ReLU, nn.GELU, ...) in the model")
     with torch.no_grad():
-        net(x)
+        _forward(net, x)
     for h in hooks:
         h.remove()
-    k = torch.zeros(len(x), len(x), dtype=torch.float64)
+    k = torch.zeros(n, n, dtype=torch.float64)
     for c in codes:
         c = c.to(torch.float64).cpu()
         k += c @ c.T + (1 - c) @ (1 - c).T

@@ -28,12 +28,14 @@ def _count(x):
     return next(iter(x.values())).shape[0] if isinstance(x, dict) else x.shape[0]
 
 
-def jacobians(model, x):
-    """{layer: J [N, O, P_layer]} by one autograd.grad call per sample and output."""
+def jacobians(model, x, output_fn=None):
+    """{layer: J [N, O, P_layer]} by one autograd.grad call per sample and output; `output_fn`
+    maps the model's output (e.g. a HuggingFace ModelOutput) to a tensor."""
     layers = layer_params(model)
     per_layer = {name: [] for name in layers}
     for i in range(_count(x)):
-        out = _call(model, x, i).reshape(-1)
+        out = _call(model, x, i)
+        out = (out if output_fn is None else output_fn(out)).reshape(-1)
         rows = {name: [] for name in layers}
         for o in range(out.shape[0]):
             for name, params in layers.items():
@@ -51,10 +53,10 @@ def jacobians(model, x):
     return {name: torch.stack(v) for name, v in per_layer.items()}
 
 
-def kernels(model, x1, x2=None):
+def kernels(model, x1, x2=None, output_fn=None):
     """{layer: full kernel [N1, N2, O, O]} and the total under key None."""
-    j1 = jacobians(model, x1)
-    j2 = j1 if x2 is None else jacobians(model, x2)
+    j1 = jacobians(model, x1, output_fn)
+    j2 = j1 if x2 is None else jacobians(model, x2, output_fn)
     out = {name: torch.einsum("iop,jqp->ijoq", j1[name], j2[name]) for name in j1}
     out[None] = sum(out.values())
     return out

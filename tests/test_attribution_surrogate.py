@@ -72,11 +72,12 @@ def test_attribution_is_exact(trained, kind, machine, normalize):
     c = s.attribute(xt)
     assert c.shape == (len(xt), len(x), d.shape[1])
     np.testing.assert_allclose(c.sum(1) + s.intercept_, d, rtol=1e-9, atol=1e-9 * np.abs(d).max())
-    # the decision is the scikit-learn machine's own, on the independently computed kernel
-    k = ntk.empirical_ntk(model, xt, x, kind=kind, dtype=torch.float64)
+    # the decision is the scikit-learn machine's own, on the independently computed kernel (in
+    # the model's dtype, float32, as the surrogate computes it by default)
+    k = ntk.empirical_ntk(model, xt, x, kind=kind).double()
     if normalize:
         self_t, self_x = (
-            ntk.empirical_ntk(model, v, kind=kind, dtype=torch.float64).diagonal() for v in (xt, x)
+            ntk.empirical_ntk(model, v, kind=kind).double().diagonal() for v in (xt, x)
         )
         k = k / torch.sqrt(self_t[:, None] * self_x[None, :])
     if kind == "full":
@@ -102,7 +103,7 @@ def test_attribution_is_exact(trained, kind, machine, normalize):
 
 def test_ridge_matches_kernel_ridge_on_outputs(trained):
     model, x, _, xt, _ = trained
-    s = KernelSurrogate(model, alpha=1e-3).fit(x)
+    s = KernelSurrogate(model, alpha=1e-3, dtype=torch.float64).fit(x)  # kernels in float64
     k = ntk.empirical_ntk(model, x, kind="trace", dtype=torch.float64)
     kt = ntk.empirical_ntk(model, xt, x, kind="trace", dtype=torch.float64)
     scale = float(k.diagonal().mean())

@@ -184,4 +184,4 @@ def test_failures_name_the_candidate(tmp_path, monkeypatch, capsys):
 
     write_inputs(tmp_path, features=7)  # data that the networks cannot read
     code, _, err = run_here(capsys, "--candidates", "cands.py:space", "--data", "data.npz")
-    assert code == 1 and "candidate 'w3'" in err
+    assert code == 2 and "candidate 'w3'" in err

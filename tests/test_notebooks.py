@@ -12,12 +12,13 @@ from nbclient import NotebookClient
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "examples").glob("*.ipynb"))
 
 
-def test_all_four_notebooks_exist():
+def test_all_five_notebooks_exist():
     assert [p.name for p in NOTEBOOKS] == [
         "01_kernels.ipynb",
         "02_surrogate_and_attribution.ipynb",
         "03_layer_importance.ipynb",
         "04_nas_proxies.ipynb",
+        "05_text_classifier.ipynb",
     ]
 
 

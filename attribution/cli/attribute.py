@@ -6,8 +6,18 @@ from __future__ import annotations
 import click
 import torch
 
+from ntk.core import inputs
+
 from .._influence import METHODS, influence
-from .common import UsageProblem, emit, model_options, resolve_model_and_data, resolve_test_data
+from .._outputs import logits
+from .common import (
+    UsageProblem,
+    emit,
+    load_output_fn,
+    model_options,
+    resolve_model_and_data,
+    resolve_test_data,
+)
 
 
 @click.command()
@@ -39,6 +49,7 @@ def attribute(
     data,
     samples,
     device,
+    output_fn,
     batch_size,
     fmt,
     output,
@@ -55,13 +66,20 @@ def attribute(
     if y_train is None:
         raise UsageProblem("--data must hold training labels y for attribution")
     x_test, y_test = resolve_test_data(test_file, data, test_samples)
+    output_fn = load_output_fn(output_fn)
     scores = influence(
-        model, x_train, y_train, x_test, method=method, batch_size=batch_size, device=device
+        model,
+        x_train,
+        y_train,
+        x_test,
+        method=method,
+        batch_size=batch_size,
+        device=device,
+        output_fn=output_fn,
     )
-    with torch.no_grad():
-        predicted = model(x_test.to(scores.device) if device else x_test).argmax(1).tolist()
+    predicted = logits(model, x_test, output_fn=output_fn).argmax(1).tolist()
     rows = []
-    for t in range(len(x_test)):
+    for t in range(inputs.count(x_test)):
         order = torch.argsort(scores[t], descending=True)
         for role, picks in (("proponent", order[:top]), ("opponent", order.flip(0)[:top])):
             for rank, i in enumerate(picks.tolist(), start=1):
@@ -81,6 +99,6 @@ def attribute(
         rows,
         fmt,
         output,
-        title=f"influence ({method}) of {len(x_train)} training examples",
-        meta={"method": method, "train_samples": int(len(x_train))},
+        title=f"influence ({method}) of {inputs.count(x_train)} training examples",
+        meta={"method": method, "train_samples": inputs.count(x_train)},
     )

@@ -7,8 +7,9 @@ import importlib
 import importlib.util
 import io
 import json
+import operator
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ import click
 import numpy as np
 import torch
 from torch import nn
+
+from ntk.core import inputs
 
 
 class UsageProblem(click.ClickException):
@@ -89,8 +92,28 @@ def load_model(spec: str, weights: str | None = None, device: str | None = None)
     return model.eval()
 
 
-def load_arrays(path: str, option: str = "data") -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Arrays `x` and optional `y` from an .npz or .pt file."""
+def load_output_fn(spec: str | None) -> Callable | None:
+    """--output-fn: None, the name of an attribute of the model's output (`logits` for
+    HuggingFace models), or package.module:function / path/file.py:function."""
+    if spec is None:
+        return None
+    if ":" in spec:
+        fn = load_object(spec, "output-fn")
+        if not callable(fn):
+            raise UsageProblem(f"--output-fn: {spec} is not callable")
+        return fn
+    if not spec.isidentifier():
+        raise UsageProblem(
+            f"--output-fn must be an attribute name (e.g. logits) or package.module:function, "
+            f"got {spec!r}"
+        )
+    return operator.attrgetter(spec)
+
+
+def load_arrays(path: str, option: str = "data") -> tuple[inputs.Inputs, torch.Tensor | None]:
+    """Inputs `x` and optional labels `y` from an .npz or .pt file. `x` is one array, or several
+    model inputs passed by keyword: arrays named x.<name> (e.g. x.input_ids and
+    x.attention_mask), or in a .pt file a dict of tensors under x."""
     file = Path(path)
     if not file.is_file():
         raise UsageProblem(f"--{option}: file {path} does not exist")
@@ -108,15 +131,31 @@ def load_arrays(path: str, option: str = "data") -> tuple[torch.Tensor, torch.Te
         raise
     except Exception as exc:
         raise UsageProblem(f"--{option}: cannot read {path}: {exc}") from None
-    if not isinstance(content, dict) or "x" not in content:
-        raise UsageProblem(f"--{option}: {path} must hold an array named 'x' (and optionally 'y')")
-    x = torch.as_tensor(content["x"])
-    if x.is_floating_point():
-        x = x.float()
+    named = (
+        {}
+        if not isinstance(content, dict)
+        else {k[2:]: v for k, v in content.items() if k.startswith("x.")}
+    )
+    if not isinstance(content, dict) or ("x" not in content and not named):
+        raise UsageProblem(
+            f"--{option}: {path} must hold an array named 'x' (or arrays x.<name>, one per "
+            "keyword input) and optionally 'y'"
+        )
+    x = content["x"] if "x" in content else named
+
+    def tensor(a) -> torch.Tensor:
+        t = torch.as_tensor(a)
+        return t.float() if t.is_floating_point() else t
+
+    x = {k: tensor(v) for k, v in x.items()} if isinstance(x, dict) else tensor(x)
+    try:
+        n = inputs.validate(x, "x")
+    except (TypeError, ValueError) as exc:
+        raise UsageProblem(f"--{option}: {path}: {exc}") from None
     y = content.get("y")
     y = None if y is None else torch.as_tensor(y)
-    if y is not None and len(y) != len(x):
-        raise UsageProblem(f"--{option}: x has {len(x)} samples but y has {len(y)}")
+    if y is not None and len(y) != n:
+        raise UsageProblem(f"--{option}: x has {n} samples but y has {len(y)}")
     return x, y
 
 
@@ -179,7 +218,8 @@ def _jsonable(value):
 
 
 def model_options(f):
-    """--model, --weights, --data, --samples, --device, --batch-size, --format, --output."""
+    """--model, --weights, --data, --samples, --device, --output-fn, --batch-size, --format,
+    --output."""
     options = [
         click.option(
             "--model",
@@ -200,6 +240,12 @@ def model_options(f):
             "--samples", type=click.IntRange(min=1), default=None, help="use the first N samples"
         ),
         click.option("--device", default=None, help="torch device, e.g. cpu or cuda"),
+        click.option(
+            "--output-fn",
+            default=None,
+            help="map the model's output to [B, O]: an attribute name (e.g. logits for "
+            "HuggingFace models) or package.module:function",
+        ),
         click.option(
             "--batch-size",
             type=click.IntRange(min=1),
@@ -242,7 +288,7 @@ def resolve_model_and_data(model_spec, weights, data, samples, device, default_s
         else:
             x, y = load_arrays(data)
     n = samples or default_samples
-    x, y = x[:n], (None if y is None else y[:n])
+    x, y = inputs.take(x, slice(0, n)), (None if y is None else y[:n])
     check_fits(model, x)
     return model, x, y
 
@@ -258,17 +304,21 @@ def resolve_test_data(test_file: str | None, data: str, test_samples: int | None
         x_test, y_test = split.x_test, split.y_test
     else:
         raise UsageProblem("--test is needed with a training data file")
-    return x_test[:test_samples], None if y_test is None else y_test[:test_samples]
+    x_test = inputs.take(x_test, slice(0, test_samples))
+    return x_test, None if y_test is None else y_test[:test_samples]
 
 
-def check_fits(model: nn.Module, x: torch.Tensor) -> None:
+def check_fits(model: nn.Module, x) -> None:
     """Run one sample through the model so that data of the wrong shape is a usage error."""
     try:
         with torch.no_grad():
             first = next(model.parameters(), None)
-            model(x[:1] if first is None else x[:1].to(first.device))
+            one = inputs.take(x, slice(0, 1))
+            one = one if first is None else inputs.convert(one, first.device, None)
+            args, kwargs = inputs.as_call(one)
+            model(*args, **kwargs)
     except (RuntimeError, IndexError, TypeError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageProblem(
-            f"--data: the model cannot take samples of shape {tuple(x.shape[1:])}: {first}"
+            f"--data: the model cannot take samples of shape {inputs.signature(x)}: {first}"
         ) from None

@@ -15,7 +15,7 @@ import projections
 import projections.distributed
 from ntk.distributed import rank_and_world
 
-from .common import emit, interactive, model_options, resolve_model_and_data
+from .common import emit, interactive, load_output_fn, model_options, resolve_model_and_data
 
 
 @click.command()
@@ -61,6 +61,7 @@ def featurize(
     data,
     samples,
     device,
+    output_fn,
     batch_size,
     fmt,
     output,
@@ -96,6 +97,7 @@ def featurize(
         batch_size=batch_size,
         device=device,
         store_dtype=store_dtype,
+        output_fn=load_output_fn(output_fn),
         progress=interactive() and rank == 0,
     )
     seconds = time.perf_counter() - start

@@ -11,8 +11,16 @@ import click
 import numpy as np
 
 import ntk
+from ntk.core import inputs
 
-from .common import UsageProblem, emit, interactive, model_options, resolve_model_and_data
+from .common import (
+    UsageProblem,
+    emit,
+    interactive,
+    load_output_fn,
+    model_options,
+    resolve_model_and_data,
+)
 
 
 @click.command()
@@ -27,7 +35,18 @@ from .common import UsageProblem, emit, interactive, model_options, resolve_mode
 @click.option("--method", type=click.Choice(ntk.METHODS), default="auto", show_default=True)
 @click.option("--save", default=None, help="save the kernel as .npy (needs exactly one --kind)")
 def kernel(
-    model_spec, weights, data, samples, device, batch_size, fmt, output, kinds, method, save
+    model_spec,
+    weights,
+    data,
+    samples,
+    device,
+    output_fn,
+    batch_size,
+    fmt,
+    output,
+    kinds,
+    method,
+    save,
 ):
     """Compute the eNTK of a model (default: the built-in digits demo) and summarise it:
     shapes, time, top eigenvalues, condition number and per-layer trace shares."""
@@ -35,6 +54,7 @@ def kernel(
     if save is not None and len(kinds) != 1:
         raise UsageProblem("--save needs exactly one --kind")
     model, x, _ = resolve_model_and_data(model_spec, weights, data, samples, device)
+    output_fn = load_output_fn(output_fn)
     rows = []
     saved = None
     for kind in kinds:
@@ -46,6 +66,7 @@ def kernel(
             method=method,
             batch_size=batch_size,
             device=device,
+            output_fn=output_fn,
             progress=interactive(),
         )
         seconds = time.perf_counter() - start
@@ -63,7 +84,14 @@ def kernel(
         )
         saved = k
     layers = ntk.empirical_ntk(
-        model, x, kind="trace", layers="all", method=method, batch_size=batch_size, device=device
+        model,
+        x,
+        kind="trace",
+        layers="all",
+        method=method,
+        batch_size=batch_size,
+        device=device,
+        output_fn=output_fn,
     )
     traces = {name: float(k.diagonal().sum()) for name, k in layers.items()}
     total = sum(traces.values())
@@ -79,10 +107,10 @@ def kernel(
     if save is not None:
         _save_npy(saved.cpu().numpy(), save)
     if fmt == "table" and output is None:
-        emit(rows, fmt, title=f"eNTK of {x.shape[0]} samples")
+        emit(rows, fmt, title=f"eNTK of {inputs.count(x)} samples")
         emit(shares, fmt, title="per-layer trace shares")
     else:
-        emit(rows, fmt, output, meta={"samples": int(x.shape[0]), "layers": shares})
+        emit(rows, fmt, output, meta={"samples": inputs.count(x), "layers": shares})
 
 
 def _save_npy(array: np.ndarray, path: str) -> None:

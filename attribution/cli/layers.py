@@ -5,9 +5,17 @@ from __future__ import annotations
 import click
 
 import ntk
+from ntk.core import inputs
 
 from ..layers import DEFAULT_SCORE, SCORES, layer_importance
-from .common import UsageProblem, emit, interactive, model_options, resolve_model_and_data
+from .common import (
+    UsageProblem,
+    emit,
+    interactive,
+    load_output_fn,
+    model_options,
+    resolve_model_and_data,
+)
 
 
 def _plot(rows: list[dict], score: str, path: str) -> None:
@@ -74,6 +82,7 @@ def layers(
     data,
     samples,
     device,
+    output_fn,
     batch_size,
     fmt,
     output,
@@ -100,13 +109,14 @@ def layers(
         projection_dim=projection_dim,
         batch_size=batch_size,
         device=device,
+        output_fn=load_output_fn(output_fn),
         progress=interactive(),
     )
     if plot is not None:
         _plot(rows, score, plot)
     meta = {
         "model": model_spec or "demo",
-        "samples": int(x.shape[0]),
+        "samples": inputs.count(x),
         "score": score,
         "kind": kind,
         "group": group if depth is None else f"depth {depth}",
@@ -118,6 +128,6 @@ def layers(
         rows,
         fmt,
         output,
-        title=f"layer importance by {score} ({x.shape[0]} samples, {kind} eNTK)",
+        title=f"layer importance by {score} ({inputs.count(x)} samples, {kind} eNTK)",
         meta=meta,
     )

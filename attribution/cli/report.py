@@ -12,6 +12,7 @@ from .common import (
     UsageProblem,
     emit,
     interactive,
+    load_output_fn,
     model_options,
     resolve_model_and_data,
     resolve_test_data,
@@ -85,6 +86,7 @@ def report(
     data,
     samples,
     device,
+    output_fn,
     batch_size,
     fmt,
     output,
@@ -114,6 +116,7 @@ def report(
         model_spec, weights, data, samples, device, default_samples=None
     )
     x_test, y_test = resolve_test_data(test_file, data, test_samples)
+    output_fn = load_output_fn(output_fn)
     if shape is None and data == "digits":
         shape = (8, 8)
     chosen = {
@@ -125,6 +128,7 @@ def report(
         **({"normalize": True} if normalize else {}),
         batch_size=batch_size,
         device=device,
+        output_fn=output_fn,
     )
     result = build_report(
         model,
@@ -139,6 +143,7 @@ def report(
         image_shape=shape,
         batch_size=batch_size,
         device=device,
+        output_fn=output_fn,
         progress=interactive(),
         settings={
             "data": "digits (scikit-learn, built-in)" if data == "digits" else data,

@@ -1,11 +1,13 @@
-"""Per-sample Jacobians by automatic differentiation: vmap(jacrev(functional_call))."""
+"""Per-sample Jacobians by automatic differentiation: vmap(jacrev(functional_call)), or a loop
+over samples for models that cannot be vmapped (`persample`)."""
 
 from __future__ import annotations
 
 import torch
-from torch.func import jacrev, vmap
+from torch.func import jacrev
 
 from .model import ModelView
+from .persample import map_samples
 
 
 def jacobian_features(
@@ -22,7 +24,9 @@ def jacobian_features(
     def projected_output(params, x_single, u):
         return u @ view.forward_single({**rest, **params}, x_single)
 
-    per_sample = 1 if cot.dim() == 3 else None
-    jac = vmap(jacrev(projected_output), in_dims=(None, 0, per_sample))(wrt, x, cot)
+    if cot.dim() == 3:  # per-sample cotangents [C, B, O]: sample b's are cot[:, b]
+        jac = map_samples(view, jacrev(projected_output), wrt, x, cot.transpose(0, 1))
+    else:
+        jac = map_samples(view, lambda p, xb: jacrev(projected_output)(p, xb, cot), wrt, x)
     c = cot.shape[0]
     return {n: j.reshape(j.shape[0], c, -1).transpose(0, 1) for n, j in jac.items()}

@@ -10,11 +10,18 @@ gradients Σ_s δ_s x̂_s that are formed in closed form. The backward signals o
 C cotangents come from one batched backward pass through zero perturbations added to the layer
 outputs. Parameters of other modules, parameters used outside the module that owns them (tied
 weights) and modules called more than once are differentiated exactly by autodiff instead.
+An embedding looked up once for the whole batch (position ids [1, S] or [S], as in HuggingFace
+transformers) is factored too, with its output expanded to one copy per sample so that each sample
+gets its own backward signal, once a planning pass has checked that the expansion leaves the
+model's output unchanged.
+Besides torch's Linear, Conv1d/2d, Embedding and normalisation layers, transformers' `Conv1D`
+(GPT-2's y = x W + b with W stored as [F_in, F_out]) is factored like a Linear.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +32,7 @@ from . import inputs
 from .jacobian import jacobian_features
 from .kinds import Kind, get
 from .model import ModelView
+from .persample import quiet_batching_notes
 
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding)
@@ -34,7 +42,20 @@ def _qualified(layer: str, attr: str) -> str:
     return f"{layer}.{attr}" if layer else attr
 
 
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    """Whether `module` is transformers' Conv1D (only possible once transformers is imported, so
+    transformers is never imported here)."""
+    cls = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    return cls is not None and type(module) is cls
+
+
+def _weighted(module: nn.Module) -> bool:
+    return isinstance(module, _WEIGHTED) or _is_hf_conv1d(module)
+
+
 def _supported(module: nn.Module) -> bool:
+    if _is_hf_conv1d(module):
+        return True
     kind = type(module)
     if kind in (nn.Conv1d, nn.Conv2d):
         return module.groups == 1
@@ -86,7 +107,7 @@ class Factored:
 
 def _linear_factors(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Inputs seen by the weight at each position: [B, S, F_in]."""
-    if isinstance(module, nn.Linear):
+    if isinstance(module, nn.Linear) or _is_hf_conv1d(module):
         return x.reshape(x.shape[0], -1, x.shape[-1])
     if isinstance(module, nn.Conv1d):
         x = x.unsqueeze(2)
@@ -164,6 +185,7 @@ class Plan:
     fallback: list[str]  # parameter names differentiated by autodiff
     positions: dict[str, int]  # layer name -> number of weight-sharing positions S
     activations: int  # elements of all module outputs for one sample
+    shared: set[str] = field(default_factory=set)  # embeddings looked up once for the batch
 
     @property
     def empty(self) -> bool:
@@ -192,8 +214,9 @@ def plan(
     parameter is differentiated.
 
     Only the parameters in `only` (default: all) are planned. A known module is factored only if
-    it was called exactly once, its input and output carry the sample axis first (not, say,
-    positions shared by all samples) and its parameters were used by it alone. A weight with S
+    it was called exactly once, its input and output carry the sample axis first (or, for an
+    embedding, its ids are shared by the whole batch, see `_expand_shared`) and its parameters were
+    used by it alone. A weight with S
     positions uses the factored contraction when it is cheaper than
     forming per-sample gradients (see `_prefer_factors`), or always with `factor_all=True`
     (random projections of the factors, which never need the kernel contraction).
@@ -204,6 +227,7 @@ def plan(
     probe = _UsageProbe({id(t): n for n, t in params.items()})
     x_probe = inputs.take(x, torch.zeros(_PROBE, dtype=torch.long))
     out_numel: dict[str, int] = {}  # per sample, for modules whose tensors are per sample
+    shared: set[str] = set()  # embeddings whose ids are shared by the batch
     activations = [0]
 
     def pre_hook(name):
@@ -229,6 +253,9 @@ def plan(
             )
             if name in names and per_sample:
                 out_numel[name] = out.numel() // _PROBE
+            elif name in names and _batch_shared(module, args, out):
+                out_numel[name] = out.numel()
+                shared.add(name)
 
         return hook
 
@@ -238,10 +265,15 @@ def plan(
             handles.append(module.register_forward_pre_hook(pre_hook(name)))
             handles.append(module.register_forward_hook(post_hook(name)))
         with torch.no_grad(), probe:
-            view.forward(params, x_probe)
+            reference = view.forward(params, x_probe)
     finally:
         for h in handles:
             h.remove()
+    candidates = {n for n in shared if probe.calls.get(n, 0) == 1}
+    shared = {n for n in candidates if _expansion_keeps_output(view, x_probe, {n}, reference)}
+    if len(shared) > 1 and not _expansion_keeps_output(view, x_probe, shared, reference):
+        shared = set()
+    out_numel = {n: v for n, v in out_numel.items() if n in shared or n not in candidates}
 
     modules, covered, fallback, positions, factored = {}, {}, [], {}, set()
     wanted = set(view.params if only is None else only)
@@ -261,12 +293,53 @@ def plan(
             continue
         modules[layer] = module
         covered[layer] = mine
-        if isinstance(module, _WEIGHTED) and _qualified(layer, "weight") in mine:
+        if _weighted(module) and _qualified(layer, "weight") in mine:
             s = _positions(module, out_numel[layer])
             positions[layer] = s
             if factor_all or _prefer_factors(module, s, kind, num_cotangents, tile_size):
                 factored.add(layer)
-    return Plan(modules, covered, factored, fallback, positions, activations[0])
+    return Plan(
+        modules, covered, factored, fallback, positions, activations[0], shared & set(modules)
+    )
+
+
+def _batch_shared(module: nn.Module, args, out) -> bool:
+    """An embedding whose ids carry no sample axis: [S], or [1, S] broadcast over the batch."""
+    if type(module) is not nn.Embedding or not args or not isinstance(args[0], torch.Tensor):
+        return False
+    ids = args[0]
+    return isinstance(out, torch.Tensor) and (
+        ids.dim() == 1 or (ids.dim() > 1 and ids.shape[0] == 1)
+    )
+
+
+def _expand_shared(out: torch.Tensor, ids: torch.Tensor, b: int):
+    """A batch-shared embedding's output and ids with a sample axis of b: ([b, *per-sample
+    output], [b, S]). The output is materialised (zeros added) so each sample can carry its own
+    perturbation."""
+    if ids.dim() > 1:
+        out, ids = out[0], ids[0]
+    return out + out.new_zeros((b, *out.shape)), ids.reshape(1, -1).expand(b, -1)
+
+
+def _expansion_keeps_output(view: ModelView, x_probe, layers: set[str], reference) -> bool:
+    """Whether the model gives the same output with these embeddings' outputs expanded to one
+    copy per sample (it does when they are only broadcast, e.g. added to per-sample tensors)."""
+    module_of = dict(view.model.named_modules())
+
+    def expand(module, args, out):
+        return _expand_shared(out, args[0], _PROBE)[0]
+
+    handles = [module_of[n].register_forward_hook(expand) for n in layers]
+    try:
+        with torch.no_grad():
+            out = view.forward(view.params, x_probe)
+    except (RuntimeError, ValueError, IndexError, TypeError):
+        return False
+    finally:
+        for h in handles:
+            h.remove()
+    return out.shape == reference.shape and bool(torch.allclose(out, reference))
 
 
 def _positions(module: nn.Module, out_numel: int) -> int:
@@ -274,6 +347,8 @@ def _positions(module: nn.Module, out_numel: int) -> int:
         return max(1, out_numel // module.embedding_dim)
     if isinstance(module, nn.Linear):
         return max(1, out_numel // module.out_features)
+    if _is_hf_conv1d(module):
+        return max(1, out_numel // module.weight.shape[1])
     return max(1, out_numel // module.out_channels)
 
 
@@ -287,6 +362,8 @@ def _prefer_factors(module: nn.Module, s: int, kind: str | Kind, c: int, tile_si
     else:
         w = module.weight
         f_out, f_in = w.shape[0], w[0].numel()
+        if _is_hf_conv1d(module):
+            f_in, f_out = w.shape
         dense = w.numel()
         build = c * s * dense
     b = tile_size
@@ -305,10 +382,13 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor) -> list:
     through the cotangents `cot` ([C, O] shared by the samples, or [C, B, O] per sample)."""
     layer_inputs: dict[str, torch.Tensor] = {}
     perturbations: dict[str, torch.Tensor] = {}
+    b = inputs.count(x)
 
     def hook(name):
         def record(module, args, out):
             x_in = args[0].detach()
+            if name in plan_.shared:
+                out, x_in = _expand_shared(out, x_in, b)
             if isinstance(module, nn.Embedding):
                 layer_inputs[name] = x_in.reshape(x_in.shape[0], -1)
             elif isinstance(module, _NORMS):
@@ -334,13 +414,14 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor) -> list:
         grad_out = (cot[:, None, :] if cot.dim() == 2 else cot).expand(cot.shape[0], b, o)
         grad_out = grad_out.contiguous()
         names = list(perturbations)
-        signals = torch.autograd.grad(
-            out,
-            [perturbations[n] for n in names],
-            grad_outputs=grad_out,
-            is_grads_batched=True,
-            allow_unused=True,
-        )
+        with quiet_batching_notes():
+            signals = torch.autograd.grad(
+                out,
+                [perturbations[n] for n in names],
+                grad_outputs=grad_out,
+                is_grads_batched=True,
+                allow_unused=True,
+            )
         for name, d in zip(names, signals):
             if d is None:
                 d = torch.zeros(

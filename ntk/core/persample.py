@@ -1,0 +1,74 @@
+"""Per-sample functions of a model: `torch.func.vmap` over samples where the model allows it,
+one sample at a time where it does not.
+
+vmap cannot run code that branches on tensor values, such as the attention-mask handling of
+HuggingFace transformers (`if (mask == 1).all(): ...`). The first vmapped call that fails for a
+model marks the model, warns once with the reason, and this and every later call for that model
+loop over the samples instead (the same values, one forward and backward pass per sample).
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch.func import vmap
+
+from . import inputs
+from .model import ModelView
+
+
+class PerSampleFallbackWarning(UserWarning):
+    """The model could not be vmapped over samples; samples are processed one at a time."""
+
+
+_NOT_VMAPPABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> reason
+
+
+def map_samples(view: ModelView, fn: Callable, params, x, *per_sample) -> object:
+    """fn(params, x_b, *(a[b] for a in per_sample)) for every sample b of `x` (without its sample
+    axis), stacked along a new first axis (tensors, or dicts/tuples of tensors)."""
+    if view.model not in _NOT_VMAPPABLE:
+        try:
+            return vmap(fn, in_dims=(None, 0) + (0,) * len(per_sample))(params, x, *per_sample)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:  # any failure under vmap: the loop shows a real error again
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            reason = reason if len(reason) <= 120 else reason[:119] + "…"
+            _NOT_VMAPPABLE[view.model] = reason
+            warnings.warn(
+                f"{type(view.model).__name__} cannot be vmapped over samples ({reason}); "
+                "computing per-sample derivatives one sample at a time",
+                PerSampleFallbackWarning,
+                stacklevel=2,
+            )
+    with quiet_batching_notes():  # vmap over cotangents inside fn
+        rows = [
+            fn(params, inputs.take(x, b), *(a[b] for a in per_sample))
+            for b in range(inputs.count(x))
+        ]
+    return _stack(rows)
+
+
+@contextmanager
+def quiet_batching_notes() -> Iterator[None]:
+    """Silence torch's notes that an op has no vmap batching rule (it is only slower: e.g. the
+    backward of fused CPU attention under batched gradients)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="There is a performance drop")
+        yield
+
+
+def _stack(rows: list):
+    first = rows[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(rows)
+    if isinstance(first, dict):
+        return {k: _stack([r[k] for r in rows]) for k in first}
+    if isinstance(first, (tuple, list)):
+        return type(first)(_stack(list(parts)) for parts in zip(*rows))
+    raise TypeError(f"per-sample results must be tensors, dicts or tuples, got {type(first)}")
