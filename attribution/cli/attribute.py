@@ -4,10 +4,17 @@ margin of each test prediction, by `attribution.influence`."""
 from __future__ import annotations
 
 import click
-import torch
 
-from .._influence import METHODS, influence
-from .common import UsageProblem, emit, model_options, resolve_model_and_data, resolve_test_data
+from .choices import INFLUENCE_METHODS
+from .common import (
+    UsageProblem,
+    emit,
+    model_options,
+    resolve_model_and_data,
+    resolve_test_data,
+    step,
+    weights_note,
+)
 
 
 @click.command()
@@ -25,7 +32,7 @@ from .common import UsageProblem, emit, model_options, resolve_model_and_data, r
     show_default=True,
     help="explain the first N test samples",
 )
-@click.option("--method", type=click.Choice(METHODS), default="auto", show_default=True)
+@click.option("--method", type=click.Choice(INFLUENCE_METHODS), default="auto", show_default=True)
 @click.option(
     "--top",
     type=click.IntRange(min=1),
@@ -40,24 +47,29 @@ def attribute(
     samples,
     device,
     batch_size,
-    fmt,
-    output,
+    out,
     test_file,
     test_samples,
     method,
     top,
 ):
     """Top proponents and opponents among the training data (--data, labels y required) of each
-    test prediction (default: the built-in digits demo)."""
-    model, x_train, y_train = resolve_model_and_data(
-        model_spec, weights, data, samples, device, default_samples=1000
-    )
+    test prediction (default: the built-in digits demo). The score is the influence of a
+    training example on the test margin: higher raises it."""
+    import torch
+
+    from .._influence import influence
+
+    model, x_train, y_train = resolve_model_and_data(model_spec, weights, data, samples, device)
     if y_train is None:
         raise UsageProblem("--data must hold training labels y for attribution")
-    x_test, y_test = resolve_test_data(test_file, data, test_samples)
-    scores = influence(
-        model, x_train, y_train, x_test, method=method, batch_size=batch_size, device=device
-    )
+    x_test, y_test = resolve_test_data(test_file, data, test_samples, model)
+    with step(
+        f"influence ({method}) of {len(x_train)} training examples on {len(x_test)} predictions"
+    ):
+        scores = influence(
+            model, x_train, y_train, x_test, method=method, batch_size=batch_size, device=device
+        )
     with torch.no_grad():
         predicted = model(x_test.to(scores.device) if device else x_test).argmax(1).tolist()
     rows = []
@@ -79,8 +91,16 @@ def attribute(
                 )
     emit(
         rows,
-        fmt,
-        output,
-        title=f"influence ({method}) of {len(x_train)} training examples",
-        meta={"method": method, "train_samples": int(len(x_train))},
+        out,
+        title=(
+            f"influence ({method}) of {len(x_train)} training examples on {len(x_test)} test "
+            f"predictions{weights_note(model_spec, weights)}"
+        ),
+        meta={
+            "method": method,
+            "train_samples": int(len(x_train)),
+            "test_samples": int(len(x_test)),
+        },
+        headers={"score": "score ↑"},
+        notes=["score ↑: how much the training example raises the test margin"],
     )

@@ -7,15 +7,17 @@ import os
 import time
 
 import click
-import torch
-import torch.distributed as dist
 
-import ntk
-import projections
-import projections.distributed
-from ntk.distributed import rank_and_world
-
-from .common import emit, interactive, model_options, resolve_model_and_data
+from .choices import KERNEL_KINDS, PROJECTORS
+from .common import (
+    UsageProblem,
+    emit,
+    interactive,
+    model_options,
+    resolve_model_and_data,
+    step,
+    weights_note,
+)
 
 
 @click.command()
@@ -28,10 +30,10 @@ from .common import emit, interactive, model_options, resolve_model_and_data
     show_default=True,
     help="projection dimension k",
 )
-@click.option("--kind", type=click.Choice(ntk.KINDS), default="trace", show_default=True)
+@click.option("--kind", type=click.Choice(KERNEL_KINDS), default="trace", show_default=True)
 @click.option(
     "--projector",
-    type=click.Choice(projections.PROJECTORS),
+    type=click.Choice(PROJECTORS),
     default="rademacher",
     show_default=True,
 )
@@ -62,8 +64,7 @@ def featurize(
     samples,
     device,
     batch_size,
-    fmt,
-    output,
+    out,
     dim,
     kind,
     projector,
@@ -78,6 +79,16 @@ def featurize(
     Under torchrun (WORLD_SIZE > 1) every rank joins the job's process group (NCCL with a CUDA
     --device, each rank on cuda:LOCAL_RANK; Gloo otherwise), writes its share of the blocks into
     the shared STORE, and rank 0 completes the manifest and prints the summary."""
+    import torch.distributed as dist
+
+    import projections
+    import projections.distributed
+    from ntk.distributed import rank_and_world
+
+    for path, option in ((store, "STORE"), (kernel_tiles, "--kernel-tiles")):
+        parent = None if path is None else os.path.dirname(os.path.abspath(path))
+        if parent is not None and not os.path.isdir(parent):
+            raise UsageProblem(f"{option}: directory {parent} does not exist (for {path})")
     device, joined = _join_process_group(device)
     rank, world = rank_and_world()
     model, x, _ = resolve_model_and_data(
@@ -100,7 +111,8 @@ def featurize(
     )
     seconds = time.perf_counter() - start
     if kernel_tiles is not None:
-        projections.distributed.kernel(store, path=kernel_tiles, tile=block)
+        with step("projected kernel tiles"):
+            projections.distributed.kernel(store, path=kernel_tiles, tile=block)
     if joined:
         dist.destroy_process_group()
     if rank == 0:
@@ -117,15 +129,17 @@ def featurize(
                     "kernel_tiles": kernel_tiles or "",
                 }
             ],
-            fmt,
-            output,
-            title="feature store",
+            out,
+            title=f"feature store ({info['samples']} samples){weights_note(model_spec, weights)}",
         )
 
 
 def _join_process_group(device):
     """Inside a torchrun job, initialise its process group unless the caller did; returns this
     rank's device and whether the group was initialised here."""
+    import torch
+    import torch.distributed as dist
+
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return device, False
     cuda = device is not None and torch.device(device).type == "cuda"
