@@ -112,9 +112,7 @@ def _load_weights(model: nn.Module, weights: str) -> None:
         raise UsageProblem(f"--weights: cannot read {weights}: {_first_line(exc)}") from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
-    if not isinstance(state, dict) or not all(
-        isinstance(v, torch.Tensor) for v in state.values()
-    ):
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise UsageProblem(f"--weights: {weights} does not hold a state_dict of tensors")
     own = model.state_dict()
     problems = [
@@ -370,7 +368,8 @@ def model_options(f):
             "--model",
             "model_spec",
             default=None,
-            help="package.module:factory or path/file.py:factory (default: the built-in digits demo)",
+            help="package.module:factory or path/file.py:factory "
+            "(default: the built-in digits demo)",
         ),
         click.option(
             "--weights", default=None, help="state_dict file (.pt), loaded with weights_only=True"

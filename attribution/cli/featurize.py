@@ -1,5 +1,6 @@
 """`ntk featurize`: stream projected Jacobian features into an on-disk store, on one process or
-sharded over the ranks of a torchrun job (``torchrun --nproc_per_node=K $(which ntk) featurize …``)."""
+sharded over the ranks of a torchrun job
+(``torchrun --nproc_per_node=K $(which ntk) featurize …``)."""
 
 from __future__ import annotations
 
