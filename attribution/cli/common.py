@@ -291,33 +291,35 @@ def emit(
 
 
 def _print_table(console, rows, shown, title, headers, notes) -> None:
+    """Every text is a rich `Text`, so that brackets in names or titles are not taken as markup."""
     from rich import box
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     for column in shown:
         numeric = bool(rows) and isinstance(rows[0][column], (int, float))
         table.add_column(
-            headers.get(column, column), justify="right" if numeric else "left", no_wrap=True
+            Text(headers.get(column, column)), justify="right" if numeric else "left", no_wrap=True
         )
     cells = [[cell(row[c]) for c in shown] for row in rows]
     for line in cells:
-        table.add_row(*line)
+        table.add_row(*map(Text, line))
     if title:
-        console.print(title, highlight=False)
+        console.print(Text(title))
     if console.measure(table).maximum <= console.width:
-        console.print(table, highlight=False)
+        console.print(table)
     else:  # fold: one block per row, each value on its own line, nothing cut
         for line in cells:
             grid = Table.grid(padding=(0, 2))
             grid.add_column(no_wrap=True)
             grid.add_column(overflow="fold")
             for column, value in zip(shown, line):
-                grid.add_row(headers.get(column, column), value)
-            console.print(grid, highlight=False)
+                grid.add_row(Text(headers.get(column, column)), Text(value))
+            console.print(grid)
             console.print()
     for note in notes:
-        console.print(note, highlight=False)
+        console.print(Text(note))
 
 
 def cell(value) -> str:

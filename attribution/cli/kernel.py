@@ -130,7 +130,7 @@ def why_singular(kind: str, n: int, size: int, rank: int) -> str:
     if rank >= size:
         return f"λmin ≤ 0 by rounding although the rank is full ({rank})"
     rows = f"N·O = {n}·{size // n} = {size}" if size != n else f"N = {n}"
-    return f"rank-deficient: {rows} > rank {rank} (κ is finite only for a full-rank kernel)"
+    return f"rank-deficient: {rows} > rank {rank}"
 
 
 def _save_npy(array, path: str) -> None:

@@ -108,7 +108,7 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
         for position, (name, s) in enumerate(ranked, 1)
     ]
     label = " + ".join(metrics)
-    undefined = sorted({k for r in rows for k, v in r.items() if v is None})
+    undefined = sorted({k for r in rows for k, v in r.items() if v is None and k in PROXY_METRICS})
     notes = [
         "↑ higher is better; the rank column orders the candidates, 1 = best",
         *(
@@ -117,7 +117,7 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
             else []
         ),
         *(
-            [f"– undefined ({', '.join(undefined)}: log det of a singular matrix is -inf)"]
+            [f"– undefined ({', '.join(undefined)}: e.g. the log det of a singular matrix)"]
             if undefined
             else []
         ),
