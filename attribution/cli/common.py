@@ -307,9 +307,13 @@ def _print_table(console, rows, shown, title, headers, notes) -> None:
         table.add_row(*map(Text, line))
     if title:
         console.print(Text(title))
-    if console.measure(table).maximum <= console.width:
+    from rich.measure import Measurement
+
+    natural = Measurement.get(console, console.options.update_width(1 << 20), table).maximum
+    if natural <= console.width:
         console.print(table)
     else:  # fold: one block per row, each value on its own line, nothing cut
+        console.print()
         for line in cells:
             grid = Table.grid(padding=(0, 2))
             grid.add_column(no_wrap=True)
@@ -330,8 +334,9 @@ def cell(value) -> str:
         return str(value)
     if value == 0 or not math.isfinite(value):
         return "0" if value == 0 else str(value)
-    if 1e-3 <= abs(value) < 1e5:
-        return f"{value:.4g}"
+    text = f"{value:.4g}"
+    if abs(value) >= 1e-3 and "e" not in text:
+        return text
     for digits in (3, 2):
         mantissa, exponent = f"{value:.{digits}e}".split("e")
         text = f"{mantissa}e{int(exponent)}"

@@ -131,6 +131,7 @@ def featurize(
                 }
             ],
             out,
+            columns=("store", "samples", "shape", "blocks", "ranks", "seconds"),
             title=f"feature store ({info['samples']} samples){weights_note(model_spec, weights)}",
         )
 

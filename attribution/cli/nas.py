@@ -112,7 +112,7 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
     notes = [
         "↑ higher is better; the rank column orders the candidates, 1 = best",
         *(
-            [f"vote ↑: the mean of each proxy's rank (1 = worst … {len(rows)} = best)"]
+            [f"vote ↑: the mean of each proxy's rank (1 = worst, {len(rows)} = best)"]
             if len(metrics) > 1
             else []
         ),
