@@ -13,7 +13,7 @@ from .common import (
     resolve_model_and_data,
     resolve_test_data,
     step,
-    weights_note,
+    untrained_note,
 )
 
 
@@ -64,6 +64,7 @@ def attribute(
     if y_train is None:
         raise UsageProblem("--data must hold training labels y for attribution")
     x_test, y_test = resolve_test_data(test_file, data, test_samples, model)
+    untrained = untrained_note(model_spec, weights)
     with step(
         f"influence ({method}) of {len(x_train)} training examples on {len(x_test)} predictions"
     ):
@@ -94,7 +95,7 @@ def attribute(
         out,
         title=(
             f"influence ({method}) of {len(x_train)} training examples on {len(x_test)} test "
-            f"predictions{weights_note(model_spec, weights)}"
+            f"predictions{untrained}"
         ),
         meta={
             "method": method,

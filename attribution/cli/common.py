@@ -421,9 +421,7 @@ def demo_model():
 def resolve_model_and_data(
     model_spec, weights, data, samples, device, default_samples: int | None = DEMO_SAMPLES
 ):
-    """The model and (x, y) a subcommand works on; no --model means the trained demo network.
-    A --model without --weights is warned about: its weights are the factory's (random unless it
-    loads some)."""
+    """The model and (x, y) a subcommand works on; no --model means the trained demo network."""
     if model_spec is None:
         if weights is not None:
             raise UsageProblem("--weights needs --model")
@@ -446,17 +444,19 @@ def resolve_model_and_data(
     n = samples or default_samples
     x, y = x[:n], (None if y is None else y[:n])
     check_fits(model, x, "data")
-    if model_spec is not None and weights is None:
-        warn(
-            f"--model {model_spec} without --weights: using the factory's weights as they are "
-            "(randomly initialised unless it loads trained ones)"
-        )
     return model, x, y
 
 
-def weights_note(model_spec, weights) -> str:
-    """The title suffix of a result computed with the factory's own (likely random) weights."""
-    return f" [{UNTRAINED}]" if model_spec is not None and weights is None else ""
+def untrained_note(model_spec, weights) -> str:
+    """Warn (once the inputs are checked) that a --model without --weights keeps the factory's
+    own weights, random unless it loads some; returns the suffix that says so in the title."""
+    if model_spec is None or weights is not None:
+        return ""
+    warn(
+        f"--model {model_spec} without --weights: using the factory's weights as they are "
+        "(randomly initialised unless it loads trained ones)"
+    )
+    return f" [{UNTRAINED}]"
 
 
 def resolve_test_data(test_file: str | None, data: str, test_samples: int | None, model=None):

@@ -17,7 +17,7 @@ from .common import (
     model_options,
     resolve_model_and_data,
     step,
-    weights_note,
+    untrained_note,
 )
 
 
@@ -95,6 +95,7 @@ def featurize(
     model, x, _ = resolve_model_and_data(
         model_spec, weights, data, samples, device, default_samples=None
     )
+    untrained = untrained_note(model_spec, weights)
     start = time.perf_counter()
     phi = projections.featurize(
         model,
@@ -132,7 +133,7 @@ def featurize(
             ],
             out,
             columns=("store", "samples", "shape", "blocks", "ranks", "seconds"),
-            title=f"feature store ({info['samples']} samples){weights_note(model_spec, weights)}",
+            title=f"feature store ({info['samples']} samples){untrained}",
         )
 
 

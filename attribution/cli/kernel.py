@@ -18,7 +18,7 @@ from .common import (
     model_options,
     resolve_model_and_data,
     step,
-    weights_note,
+    untrained_note,
 )
 
 # The full and diagonal kernels are [N·O, N·O] matrices to eigendecompose: O((N·O)³).
@@ -51,6 +51,7 @@ def kernel(model_spec, weights, data, samples, device, batch_size, out, kinds, m
     model, x, _ = resolve_model_and_data(
         model_spec, weights, data, samples, device, default_samples=DEFAULT_SAMPLES
     )
+    untrained = untrained_note(model_spec, weights)
     n = x.shape[0]
     rows, notes = [], []
     saved = None
@@ -107,7 +108,7 @@ def kernel(model_spec, weights, data, samples, device, batch_size, out, kinds, m
         emit(
             rows,
             out,
-            title=f"eNTK of {n} samples{weights_note(model_spec, weights)}",
+            title=f"eNTK of {n} samples{untrained}",
             columns=COLUMNS,
             headers=HEADERS,
             notes=notes,

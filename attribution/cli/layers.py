@@ -12,7 +12,7 @@ from .common import (
     interactive,
     model_options,
     resolve_model_and_data,
-    weights_note,
+    untrained_note,
 )
 
 
@@ -91,6 +91,7 @@ def layers(
     check_output_path(plot, "--plot")
     grouping: object | None = None if group == "layers" else (depth or "blocks")
     model, x, y = resolve_model_and_data(model_spec, weights, data, samples, device)
+    untrained = untrained_note(model_spec, weights)
     rows = layer_importance(
         model,
         x,
@@ -117,10 +118,7 @@ def layers(
     emit(
         rows,
         out,
-        title=(
-            f"layer importance by {score} ({x.shape[0]} samples, {kind} eNTK)"
-            f"{weights_note(model_spec, weights)}"
-        ),
+        title=(f"layer importance by {score} ({x.shape[0]} samples, {kind} eNTK){untrained}"),
         meta=meta,
         columns=list(dict.fromkeys(columns)),
         headers={score: f"{score} ↑"},

@@ -16,7 +16,7 @@ from .common import (
     model_options,
     resolve_model_and_data,
     resolve_test_data,
-    weights_note,
+    untrained_note,
 )
 
 
@@ -129,6 +129,7 @@ def report(
         model_spec, weights, data, samples, device, default_samples=None
     )
     x_test, y_test = resolve_test_data(test_file, data, test_samples, model)
+    untrained = untrained_note(model_spec, weights)
     if shape is None and data == "digits":
         shape = (8, 8)
     chosen = {
@@ -192,10 +193,7 @@ def report(
     emit(
         rows,
         out,
-        title=(
-            f"surrogate report of {len(x_train)} training and {n_test} test samples"
-            f"{weights_note(model_spec, weights)}"
-        ),
+        title=(f"surrogate report of {len(x_train)} training and {n_test} test samples{untrained}"),
         meta={"html": html, "json": json_path, "train_samples": int(len(x_train))},
         notes=notes,
     )
