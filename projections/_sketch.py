@@ -23,9 +23,9 @@ projection of the same k: a single Kronecker product (r = 1, m = √k) has relat
 Rakhshan & Rabusseau, AISTATS 2020) keeps the error within about √(8/2) = 2× the dense
 projection's on the diagonal while it is the cheapest per column (`python
 benchmarks/projection_speed.py` compares its error with TRAK's dense projection;
-`benchmarks/projection_accuracy.py` measures the 1/√k trend). A weight shared over so many positions that projecting the factors costs
-more
-(S·(F_in + F_out) > P, as in early convolutions) is projected like an explicit term instead:
+`benchmarks/projection_accuracy.py` measures the 1/√k trend). A weight shared over so many
+positions that projecting the factors costs more (S·(F_in + F_out) > P, as in early
+convolutions) is projected like an explicit term instead:
 its per-sample gradient G = Σ_s δ_s a_sᵀ (smaller than the factors it replaces) times a dense R,
 at the same cost as the Kronecker route through G and with the lower dense variance. The choice
 depends only on the layer's shapes, so it is the same for every batch.
