@@ -63,7 +63,8 @@ def influence(
     dimension of a random projection (`projections`; with kind="full" the Gauss–Newton system is
     then solved in the k-dimensional projected parameter space, so N is limited only by the
     features' memory); when exact kernels would not fit in memory, the full kernel projected
-    to `default_dim(model)` is used. y_test=None uses the network's predicted labels. checkpoints: models or state dicts of `model`'s architecture (e.g. independently
+    to `default_dim(model)` is used. y_test=None uses the network's predicted labels.
+    checkpoints: models or state dicts of `model`'s architecture (e.g. independently
     trained copies) whose scores are averaged; None uses `model` alone. damping (gauss_newton):
     λ, or "auto" for 3 × tr(ΛΘ)/(N·O) (the mean eigenvalue of the curvature-weighted kernel;
     3 was the best in the benchmark's sweep 10⁻⁴…10).

@@ -13,7 +13,8 @@ group of layers G with Θ_G = Σ_{l∈G} Θ_l, gets scores from its own kernel c
   squared
                       output change when the layer's P_l parameters θ_l are redrawn as θ_l' by their
                       initialiser (E‖J_l Δ‖² = tr(Θ_l E[ΔΔᵀ]), with E[ΔΔᵀ] taken as isotropic;
-                      three draws of the modules' `reset_parameters()`, zeros where a module has none);
+                      three draws of the modules' `reset_parameters()`, zeros where a module
+                      has none);
 
 and cheap baselines to compare them with:
 

@@ -154,9 +154,10 @@ class _Computation:
         if holds and out_bytes > 0.8 * avail:
             raise KernelTooLargeError(
                 f"the {self.kind} kernel of shape {list(shape)}"
-                f"{f' × {n_components} layers' if n_components > 1 else ''} needs {human(out_bytes)} "
-                f"but only {human(avail)} is available. Use a smaller kind ('trace' or 'sum_logits' "
-                "are [N1, N2]), random projections (projections.projected_ntk, or "
+                f"{f' × {n_components} layers' if n_components > 1 else ''} "
+                f"needs {human(out_bytes)} but only {human(avail)} is available. "
+                "Use a smaller kind ('trace' or 'sum_logits' are [N1, N2]), "
+                "random projections (projections.projected_ntk, or "
                 "projections.featurize for an on-disk store), or pass out= a memory-mapped array "
                 "on disk (numpy.lib.format.open_memmap) to receive it tile by tile."
             )

@@ -1,5 +1,6 @@
 """A read-only functional view of an `nn.Module`: its trainable parameters grouped by the module
-that owns them, and a forward pass `f(params, x) -> [B, O]` that never touches the module's state."""
+that owns them, and a forward pass `f(params, x) -> [B, O]` that never touches the module's
+state."""
 
 from __future__ import annotations
 
@@ -161,7 +162,8 @@ class ModelView:
         if out.dim() != 2:
             raise ValueError(
                 f"the model output has shape {tuple(out.shape)}; the kernel needs [B, O] or [B]. "
-                "Pass output_fn to map it to [B, O] (e.g. lambda out: out[:, -1] for the last token)"
+                "Pass output_fn to map it to [B, O] "
+                "(e.g. lambda out: out[:, -1] for the last token)"
             )
         return out
 
