@@ -110,6 +110,12 @@ def test_demo_tables_fit_80_and_120_columns_with_no_value_cut(
     result = json.loads(out)
     rows = result["rows"]
     columns = DEMO_RUNS[command][1] or list(rows[0])
+    if command == "report":  # every section says the samples it used: the run's one budget
+        samples = {r["measure"]: r["samples"] for r in rows}
+        assert (
+            samples["condition_number"] == "40 train" and samples["share of layer 0"] == "40 train"
+        )
+        assert samples["label_agreement"] == "40 test"
     for width in (80, 120):
         monkeypatch.setenv("COLUMNS", str(width))
         code, out, err = run(capsys, *args)

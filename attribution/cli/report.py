@@ -128,6 +128,7 @@ def report(
     model, x_train, y_train = resolve_model_and_data(
         model_spec, weights, data, samples, device, default_samples=None
     )
+    kernel_samples = kernel_samples or min(len(x_train), DEMO_SAMPLES)
     x_test, y_test = resolve_test_data(test_file, data, test_samples, model)
     untrained = untrained_note(model_spec, weights)
     if shape is None and data == "digits":
