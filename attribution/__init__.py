@@ -1,21 +1,33 @@
-"""Kernel-machine surrogates, data attribution, layer importance, reports and the `ntk` CLI."""
+"""Kernel-machine surrogates, data attribution, layer importance, reports and the `ntk` CLI.
 
-from ._influence import influence
-from ._report import report
-from ._trak import trak
-from .evaluation import flip_labels, lds, mislabel_auc, random_subsets, train_on_subsets
-from .layers import layer_importance
-from .surrogate import KernelSurrogate
+The public names are imported on first use (PEP 562), so that `attribution.cli` can print its
+help without importing torch."""
 
-__all__ = [
-    "KernelSurrogate",
-    "flip_labels",
-    "influence",
-    "layer_importance",
-    "lds",
-    "mislabel_auc",
-    "random_subsets",
-    "report",
-    "train_on_subsets",
-    "trak",
-]
+import importlib
+
+_PUBLIC = {
+    "KernelSurrogate": ".surrogate",
+    "flip_labels": ".evaluation",
+    "influence": "._influence",
+    "layer_importance": ".layers",
+    "lds": ".evaluation",
+    "mislabel_auc": ".evaluation",
+    "random_subsets": ".evaluation",
+    "report": "._report",
+    "train_on_subsets": ".evaluation",
+    "trak": "._trak",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))

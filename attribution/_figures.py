@@ -55,7 +55,7 @@ def spectrum(eigenvalues: np.ndarray) -> str:
     return png(fig)
 
 
-def bars(names: Sequence[str], values: Sequence[float], xlabel: str) -> str:
+def bar_chart(names: Sequence[str], values: Sequence[float], xlabel: str) -> Figure:
     """Horizontal bars, first name on top."""
     fig = Figure(figsize=(5.2, 0.45 * len(names) + 1.0))
     ax = fig.add_subplot()
@@ -65,7 +65,12 @@ def bars(names: Sequence[str], values: Sequence[float], xlabel: str) -> str:
     ax.invert_yaxis()
     ax.set_xlabel(xlabel)
     ax.grid(True, axis="x", alpha=0.3)
-    return png(fig)
+    return fig
+
+
+def bars(names: Sequence[str], values: Sequence[float], xlabel: str) -> str:
+    """`bar_chart` as a base64 PNG."""
+    return png(bar_chart(names, values, xlabel))
 
 
 def image_row(

@@ -59,8 +59,8 @@ def influence(
 ) -> torch.Tensor:
     """Scores [N_test, N_train]: influence of each training example on each test margin.
 
-    method: "auto" (= "gauss_newton" with the trace kernel, the best in
-    benchmarks/attribution_digits.py: LDS 0.671 against 0.658 for the full kernel), "trak",
+    method: "auto" (= "gauss_newton" with the trace kernel, the best LDS in
+    `python benchmarks/attribution_digits.py --sections lds`), "trak",
     "surrogate" or "grad_dot" (module docstring). kind: the kernel, "trace" (default; "full"
     for grad_dot), "full" or "sum_logits". dim: None for exact kernels, or the
     dimension of a random projection (`projections`; with kind="full" the Gauss–Newton system is
@@ -209,8 +209,8 @@ def _exact_fits(n_train: int, n_test: int, o: int, device: torch.device) -> bool
 
 def default_dim(model: nn.Module) -> int:
     """The projection used when exact kernels do not fit: the power of two ≥ the number of
-    trainable parameters P, at most MAX_DIM (in benchmarks/attribution_digits.py, k ≈ P is within
-    the seed noise of exact on a 4,810-parameter MLP; smaller k lose accuracy)."""
+    trainable parameters P, at most MAX_DIM (`python benchmarks/attribution_digits.py`: k ≈ P is
+    within the seed noise of exact; smaller k lose accuracy)."""
     p = sum(t.numel() for t in model.parameters() if t.requires_grad)
     return min(MAX_DIM, 1 << max(p - 1, 1).bit_length())
 

@@ -48,12 +48,11 @@ class KernelSurrogate(BaseEstimator):
     diagonal; None chooses it from GRID by `cv`-fold cross-validation on the training set.
     output_fn maps the model's output to a [B, O] tensor (e.g. `lambda out: out.logits` for a
     HuggingFace model); dtype: the dtype kernels are computed in (None: the model's; the machines
-    are fitted in float64 either way). The model is never modified. Defaults: in
-    benchmarks/attribution_digits.py (fitted to the network's outputs, 500 test digits) ridge
-    reaches Kendall τ 0.996 with `trace`, 0.998 with `sum_logits`, 1.000 with `full` (~10× the
-    time), and 0.995 / 0.990 / 0.911 with a k = 1024 projection; `trace` + ridge is the default:
-    within 0.002 of the best exact scalar kind and the best projected one (svm and logistic fit
-    labels, not outputs, and follow it less).
+    are fitted in float64 either way). The model is never modified. Defaults: `python
+    benchmarks/attribution_digits.py --sections faithfulness` measures every kind and machine;
+    `trace` + ridge is the default, as faithful to the network's outputs as the best exact scalar
+    kind and the best projected one at a fraction of `full`'s time (svm and logistic fit labels,
+    not outputs, and follow it less).
     """
 
     def __init__(

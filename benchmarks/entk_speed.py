@@ -1,7 +1,7 @@
 """Speed and memory of the empirical NTK: ntk-toolkit against its peers, on the same weights and
 inputs.
 
-    python benchmarks/entk_speed.py                  # the full benchmark (tens of minutes on 2 cores)
+    python benchmarks/entk_speed.py                # the full benchmark (tens of minutes, 2 cores)
     python benchmarks/entk_speed.py --quick --no-peers   # seconds-long smoke run, ours only
 
 Cases (float32, CPU, PyTorch default initialisation with a fixed seed, Gaussian inputs):

@@ -142,7 +142,8 @@ def run():
         results[name] = agreement(rows, truths)
         rows_by_model[name] = (rows, truths)
         print(
-            f"# {name}: {len(rows)} rows, test accuracy {acc:.3f}, {time.perf_counter() - start:.1f} s",
+            f"# {name}: {len(rows)} rows, test accuracy {acc:.3f}, "
+            f"{time.perf_counter() - start:.1f} s",
             file=sys.stderr,
         )
     return results, rows_by_model
@@ -160,7 +161,8 @@ def print_tables(results, rows_by_model):
     models = list(results)
     for measure in TRUTHS:
         print(
-            f"\nSpearman ρ: score vs {measure} (block_influence: only where defined, the 3 blocks and the final LayerNorm)"
+            f"\nSpearman ρ: score vs {measure} (block_influence: only where defined, "
+            "the 3 blocks and the final LayerNorm)"
         )
         print(f"{'score':<16}" + "".join(f"{m:>19}" for m in models) + f"{'mean':>7}")
         for score in SCORES:
@@ -181,7 +183,8 @@ def print_tables(results, rows_by_model):
             t = truths[r["layer"]]
             print(
                 f"{r['layer']:<14}{r['sensitivity']:12.3g}{r['share']:7.3f}{r['alignment']:7.3f}"
-                f"{r['top_eigenvalue']:9.3g}{r['fisher']:9.3g}{_fmt(r['block_influence'], 9, '.3f')}"
+                f"{r['top_eigenvalue']:9.3g}{r['fisher']:9.3g}"
+                f"{_fmt(r['block_influence'], 9, '.3f')}"
                 f"{t['loss_increase']:8.3f}{t['accuracy_drop']:7.3f}{t['finetune_gain']:8.3f}"
             )
 

@@ -176,7 +176,8 @@ def main():
             t = store_time(args.store_samples, args.dim, tmp)
             print(
                 f"\nfeaturize {args.store_samples:,} samples (MLP, sum_logits, k={args.dim}, "
-                f"float32 store, blocks of 4096): {t:.1f} s ({args.store_samples / t:.0f} samples/s)"
+                f"float32 store, blocks of 4096): {t:.1f} s "
+                f"({args.store_samples / t:.0f} samples/s)"
             )
 
 

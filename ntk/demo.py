@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 
 @dataclass
@@ -53,12 +54,14 @@ def train(
     lr: float = 3e-3,
     weight_decay: float = 1e-4,
     seed: int = 0,
+    progress: bool = False,
 ) -> nn.Module:
-    """Train a classifier with Adam and cross-entropy (fixed seed); returns it in eval mode."""
+    """Train a classifier with Adam and cross-entropy (fixed seed); returns it in eval mode.
+    `progress`: a bar over the epochs."""
     generator = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
     model.train()
-    for _ in range(epochs):
+    for _ in tqdm(range(epochs), disable=not progress, desc="training the demo", unit="epoch"):
         for idx in torch.randperm(len(y), generator=generator).split(batch_size):
             opt.zero_grad()
             nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
@@ -66,11 +69,11 @@ def train(
     return model.eval()
 
 
-def demo_model(seed: int = 0) -> tuple[nn.Module, DigitsData]:
+def demo_model(seed: int = 0, progress: bool = False) -> tuple[nn.Module, DigitsData]:
     """The demo network (MLP 64-64-10) trained on the digits training split, and the data."""
     data = digits(seed=seed)
     torch.manual_seed(seed)
-    model = train(mlp(), data.x_train, data.y_train, seed=seed)
+    model = train(mlp(), data.x_train, data.y_train, seed=seed, progress=progress)
     return model, data
 
 

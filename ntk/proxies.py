@@ -51,9 +51,9 @@ from .spectrum import condition_number, kernel_alignment
 KERNEL_METRICS = ("lga", "condition_number", "trace", "frobenius", "mean")
 BASELINE_METRICS = ("naswot", "synflow", "grad_norm", "snip", "jacob_cov", "params")
 METRICS = KERNEL_METRICS + BASELINE_METRICS
-# Earned on benchmarks/nas (120 architectures on digits, see benchmarks/README.md): the best
-# single metric (Kendall τ 0.69 with trained accuracy), and for ranking a set of candidates the
-# vote of LGA and NASWOT (τ 0.79, and 0.78 when the pair is chosen on held-out architectures).
+# Earned on `python benchmarks/nas/score.py` (120 architectures on digits; figures in
+# benchmarks/README.md): the best single metric, and for ranking a set of candidates the vote of
+# LGA and NASWOT (also the best pair when it is chosen on held-out architectures).
 DEFAULT = "jacob_cov"
 DEFAULT_RANKING = ("lga", "naswot")
 _NEEDS_LABELS = ("lga", "grad_norm", "snip")

@@ -25,10 +25,19 @@ def as_matrix(kernel) -> torch.Tensor:
 
 
 def eigenvalues(kernel) -> torch.Tensor:
-    """Eigenvalues of a symmetric kernel in descending order (float64)."""
+    """Eigenvalues of a symmetric kernel K(x, x) in descending order (float64). A kernel that is
+    not symmetric to rounding (max |K − Kᵀ| > 1e-4 · max |K|), such as a cross kernel K(x1, x2)
+    of equal batch sizes, is refused."""
     m = as_matrix(kernel).to(torch.float64)
     if not bool(torch.isfinite(m).all()):
         raise ValueError("the kernel contains non-finite values")
+    asymmetry, scale = float((m - m.T).abs().max()), float(m.abs().max())
+    if asymmetry > 1e-4 * scale:
+        raise ValueError(
+            f"spectral summaries need a symmetric kernel K(x, x), and this one is not "
+            f"(max |K − Kᵀ| = {asymmetry:.3g}, max |K| = {scale:.3g}); a cross kernel "
+            "K(x1, x2) has no eigenvalues to summarise"
+        )
     m = (m + m.T) / 2
     return torch.linalg.eigvalsh(m).flip(0)
 

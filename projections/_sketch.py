@@ -21,12 +21,11 @@ average of r = k/m² blocks has variance ‖g‖⁴(4m + 4)/k against 2‖g‖�
 projection of the same k: a single Kronecker product (r = 1, m = √k) has relative error
 ∝ k^(-1/4), not k^(-1/2). The default m = 1 (a row-wise Kronecker or "Khatri–Rao" projection,
 Rakhshan & Rabusseau, AISTATS 2020) keeps the error within about √(8/2) = 2× the dense
-projection's on the diagonal while it is the cheapest per column (measured on the demo MLP,
-k = 1024: 1.1× the dense error for sum_logits, 2.5× for trace; on the MLP 784-512-512-10 at
-k = 4096, 1.09× TRAK's dense error, see benchmarks/README.md); `benchmarks/projection_accuracy.py`
-measures the 1/√k trend. A weight shared over so many positions that projecting the factors costs
-more
-(S·(F_in + F_out) > P, as in early convolutions) is projected like an explicit term instead:
+projection's on the diagonal while it is the cheapest per column (`python
+benchmarks/projection_speed.py` compares its error with TRAK's dense projection;
+`benchmarks/projection_accuracy.py` measures the 1/√k trend). A weight shared over so many
+positions that projecting the factors costs more (S·(F_in + F_out) > P, as in early
+convolutions) is projected like an explicit term instead:
 its per-sample gradient G = Σ_s δ_s a_sᵀ (smaller than the factors it replaces) times a dense R,
 at the same cost as the Kronecker route through G and with the lower dense variance. The choice
 depends only on the layer's shapes, so it is the same for every batch.

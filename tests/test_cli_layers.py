@@ -131,7 +131,7 @@ def test_weights_are_loaded(tmp_path):
 def test_no_arguments_runs_the_digits_demo():
     out = run()
     assert out.returncode == 0, out.stderr
-    assert "layer importance by sensitivity (256 samples" in out.stdout
+    assert "layer importance by sensitivity (1000 samples" in out.stdout
     assert "Linear" in out.stdout and "Traceback" not in out.stderr
 
 

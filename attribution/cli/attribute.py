@@ -4,12 +4,8 @@ margin of each test prediction, by `attribution.influence`."""
 from __future__ import annotations
 
 import click
-import torch
 
-from ntk.core import inputs
-
-from .._influence import METHODS, influence
-from .._outputs import logits
+from .choices import INFLUENCE_METHODS
 from .common import (
     UsageProblem,
     emit,
@@ -17,6 +13,8 @@ from .common import (
     model_options,
     resolve_model_and_data,
     resolve_test_data,
+    step,
+    untrained_note,
 )
 
 
@@ -35,7 +33,7 @@ from .common import (
     show_default=True,
     help="explain the first N test samples",
 )
-@click.option("--method", type=click.Choice(METHODS), default="auto", show_default=True)
+@click.option("--method", type=click.Choice(INFLUENCE_METHODS), default="auto", show_default=True)
 @click.option(
     "--top",
     type=click.IntRange(min=1),
@@ -51,35 +49,43 @@ def attribute(
     device,
     output_fn,
     batch_size,
-    fmt,
-    output,
+    out,
     test_file,
     test_samples,
     method,
     top,
 ):
     """Top proponents and opponents among the training data (--data, labels y required) of each
-    test prediction (default: the built-in digits demo)."""
-    model, x_train, y_train = resolve_model_and_data(
-        model_spec, weights, data, samples, device, default_samples=1000
-    )
+    test prediction (default: the built-in digits demo). The score is the influence of a
+    training example on the test margin: higher raises it."""
+    import torch
+
+    from ntk.core import inputs
+
+    from .._influence import influence
+    from .._outputs import logits
+
+    model, x_train, y_train = resolve_model_and_data(model_spec, weights, data, samples, device)
     if y_train is None:
         raise UsageProblem("--data must hold training labels y for attribution")
-    x_test, y_test = resolve_test_data(test_file, data, test_samples)
+    x_test, y_test = resolve_test_data(test_file, data, test_samples, model)
+    untrained = untrained_note(model_spec, weights)
     output_fn = load_output_fn(output_fn)
-    scores = influence(
-        model,
-        x_train,
-        y_train,
-        x_test,
-        method=method,
-        batch_size=batch_size,
-        device=device,
-        output_fn=output_fn,
-    )
-    predicted = logits(model, x_test, output_fn=output_fn).argmax(1).tolist()
+    n_train, n_test = inputs.count(x_train), inputs.count(x_test)
+    with step(f"influence ({method}) of {n_train} training examples on {n_test} predictions"):
+        scores = influence(
+            model,
+            x_train,
+            y_train,
+            x_test,
+            method=method,
+            batch_size=batch_size,
+            device=device,
+            output_fn=output_fn,
+        )
+    predicted = logits(model, x_test, output_fn=output_fn, name="x_test").argmax(1).tolist()
     rows = []
-    for t in range(inputs.count(x_test)):
+    for t in range(n_test):
         order = torch.argsort(scores[t], descending=True)
         for role, picks in (("proponent", order[:top]), ("opponent", order.flip(0)[:top])):
             for rank, i in enumerate(picks.tolist(), start=1):
@@ -97,8 +103,16 @@ def attribute(
                 )
     emit(
         rows,
-        fmt,
-        output,
-        title=f"influence ({method}) of {inputs.count(x_train)} training examples",
-        meta={"method": method, "train_samples": inputs.count(x_train)},
+        out,
+        title=(
+            f"influence ({method}) of {n_train} training examples on {n_test} test "
+            f"predictions{untrained}"
+        ),
+        meta={
+            "method": method,
+            "train_samples": n_train,
+            "test_samples": n_test,
+        },
+        headers={"score": "score ↑"},
+        notes=["score ↑: how much the training example raises the test margin"],
     )

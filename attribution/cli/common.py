@@ -1,24 +1,31 @@
-"""What every subcommand shares: loading models and data, output formats, progress, errors."""
+"""What every subcommand shares: loading models and data, output formats, progress, errors.
+
+Only click and the standard library are imported at module level: torch, numpy and the toolkit
+are imported inside the functions that need them, so that `ntk --help` starts fast."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import functools
 import importlib
 import importlib.util
 import io
 import json
+import math
 import operator
 import sys
+import zipfile
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-import numpy as np
-import torch
-from torch import nn
 
-from ntk.core import inputs
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 
 class UsageProblem(click.ClickException):
@@ -28,14 +35,25 @@ class UsageProblem(click.ClickException):
 
 
 FORMATS = ("table", "json", "csv")
+UNTRAINED = "untrained: no --weights"
 
 
 def interactive() -> bool:
     return sys.stdout.isatty()
 
 
+def warn(message: str) -> None:
+    click.echo(f"ntk: warning: {message}", err=True)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
 def load_object(spec: str, what: str = "model") -> Any:
-    """Resolve `package.module:attr` or `path/to/file.py:attr`."""
+    """Resolve `package.module:attr` or `path/to/file.py:attr`; any failure to import is a
+    usage error naming the option."""
     if ":" not in spec:
         raise UsageProblem(
             f"--{what} must look like package.module:attr or path/file.py:attr, got {spec!r}"
@@ -43,20 +61,19 @@ def load_object(spec: str, what: str = "model") -> Any:
     target, attr = spec.rsplit(":", 1)
     if not attr.isidentifier():
         raise UsageProblem(f"--{what}: {attr!r} is not a valid attribute name")
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise UsageProblem(f"--{what}: file {target} does not exist")
     try:
         if target.endswith(".py"):
-            path = Path(target)
-            if not path.is_file():
-                raise UsageProblem(f"--{what}: file {target} does not exist")
             module_spec = importlib.util.spec_from_file_location(path.stem, path)
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(target)
-    except UsageProblem:
-        raise
-    except ImportError as exc:
-        raise UsageProblem(f"--{what}: cannot import {target}: {exc}") from None
+    except Exception as exc:
+        raise UsageProblem(f"--{what}: cannot import {target}: {_first_line(exc)}") from None
     if not hasattr(module, attr):
         raise UsageProblem(f"--{what}: {target} has no attribute {attr!r}")
     return getattr(module, attr)
@@ -64,32 +81,58 @@ def load_object(spec: str, what: str = "model") -> Any:
 
 def load_model(spec: str, weights: str | None = None, device: str | None = None) -> nn.Module:
     """Instantiate a model from a factory (or module instance) spec, load weights, eval mode."""
+    from torch import nn
+
     obj = load_object(spec, "model")
-    model = obj if isinstance(obj, nn.Module) else obj() if callable(obj) else None
+    if isinstance(obj, nn.Module) or not callable(obj):
+        model = obj
+    else:
+        try:
+            model = obj()
+        except Exception as exc:
+            raise UsageProblem(f"--model: {spec}() raised {_first_line(exc)}") from None
     if not isinstance(model, nn.Module):
         raise UsageProblem(f"--model: {spec} is neither an nn.Module nor a factory returning one")
     if weights is not None:
-        path = Path(weights)
-        if not path.is_file():
-            raise UsageProblem(f"--weights: file {weights} does not exist")
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise UsageProblem(f"--weights: cannot read {weights}: {exc}") from None
-        if (
-            isinstance(state, dict)
-            and "state_dict" in state
-            and isinstance(state["state_dict"], dict)
-        ):
-            state = state["state_dict"]
-        try:
-            model.load_state_dict(state)
-        except (RuntimeError, TypeError, AttributeError) as exc:
-            first = str(exc).strip().splitlines()[0]
-            raise UsageProblem(f"--weights: {weights} does not fit the model: {first}") from None
+        _load_weights(model, weights)
     if device is not None:
         model = model.to(device)
     return model.eval()
+
+
+def _load_weights(model: nn.Module, weights: str) -> None:
+    """Load a state_dict file; a checkpoint that does not fit names the tensors and shapes."""
+    import torch
+
+    path = Path(weights)
+    if not path.is_file():
+        raise UsageProblem(f"--weights: file {weights} does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise UsageProblem(f"--weights: cannot read {weights}: {_first_line(exc)}") from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UsageProblem(f"--weights: {weights} does not hold a state_dict of tensors")
+    own = model.state_dict()
+    problems = [
+        f"tensor {k!r} is {list(state[k].shape)} in the file but {list(v.shape)} in the model"
+        for k, v in own.items()
+        if k in state and state[k].shape != v.shape
+    ]
+    problems += [f"tensor {k!r} is missing from the file" for k in own if k not in state]
+    problems += [f"the file has tensor {k!r}, which the model lacks" for k in state if k not in own]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise UsageProblem(f"--weights: {weights} does not fit the model: {problems[0]}{more}")
+    try:
+        model.load_state_dict(state)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        details = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        raise UsageProblem(
+            f"--weights: {weights} does not fit the model: {details[-1] if details else exc}"
+        ) from None
 
 
 def load_output_fn(spec: str | None) -> Callable | None:
@@ -110,27 +153,43 @@ def load_output_fn(spec: str | None) -> Callable | None:
     return operator.attrgetter(spec)
 
 
-def load_arrays(path: str, option: str = "data") -> tuple[inputs.Inputs, torch.Tensor | None]:
+def load_arrays(path: str, option: str = "data") -> tuple[Any, torch.Tensor | None]:
     """Inputs `x` and optional labels `y` from an .npz or .pt file. `x` is one array, or several
     model inputs passed by keyword: arrays named x.<name> (e.g. x.input_ids and
     x.attention_mask), or in a .pt file a dict of tensors under x."""
+    import numpy as np
+    import torch
+
+    from ntk.core import inputs
+
     file = Path(path)
     if not file.is_file():
         raise UsageProblem(f"--{option}: file {path} does not exist")
+    if file.suffix not in (".npz", ".pt"):
+        raise UsageProblem(f"--{option}: {path} must be an .npz or .pt file")
     try:
         if file.suffix == ".npz":
+            if not zipfile.is_zipfile(file):
+                raise UsageProblem(
+                    f"--{option}: {path} is not an .npz archive (write one with numpy.savez)"
+                )
             with np.load(file, allow_pickle=False) as z:
                 content = {k: z[k] for k in z.files}
-        elif file.suffix == ".pt":
+        else:
             content = torch.load(file, map_location="cpu", weights_only=True)
             if isinstance(content, torch.Tensor):
                 content = {"x": content}
-        else:
-            raise UsageProblem(f"--{option}: {path} must be an .npz or .pt file")
     except UsageProblem:
         raise
+    except ValueError as exc:
+        if "pickle" in str(exc):  # numpy's advice to load untrusted data unsafely is not ours
+            raise UsageProblem(
+                f"--{option}: {path} holds Python objects (pickled data), which are not loaded; "
+                "save plain numeric arrays"
+            ) from None
+        raise UsageProblem(f"--{option}: cannot read {path}: {_first_line(exc)}") from None
     except Exception as exc:
-        raise UsageProblem(f"--{option}: cannot read {path}: {exc}") from None
+        raise UsageProblem(f"--{option}: cannot read {path}: {_first_line(exc)}") from None
     named = (
         {}
         if not isinstance(content, dict)
@@ -147,69 +206,188 @@ def load_arrays(path: str, option: str = "data") -> tuple[inputs.Inputs, torch.T
         t = torch.as_tensor(a)
         return t.float() if t.is_floating_point() else t
 
-    x = {k: tensor(v) for k, v in x.items()} if isinstance(x, dict) else tensor(x)
+    try:
+        x = {k: tensor(v) for k, v in x.items()} if isinstance(x, dict) else tensor(x)
+        y = content.get("y")
+        y = None if y is None else torch.as_tensor(y)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise UsageProblem(f"--{option}: {path}: {_first_line(exc)}") from None
+    if isinstance(x, torch.Tensor) and (x.dim() == 0 or len(x) == 0):
+        raise UsageProblem(f"--{option}: {path} holds no samples (x has shape {tuple(x.shape)})")
     try:
         n = inputs.validate(x, "x")
     except (TypeError, ValueError) as exc:
         raise UsageProblem(f"--{option}: {path}: {exc}") from None
-    y = content.get("y")
-    y = None if y is None else torch.as_tensor(y)
-    if y is not None and len(y) != n:
-        raise UsageProblem(f"--{option}: x has {n} samples but y has {len(y)}")
+    if y is not None and (y.dim() == 0 or len(y) != n):
+        raise UsageProblem(f"--{option}: x has {n} samples but y has shape {tuple(y.shape)}")
     return x, y
+
+
+def check_output_path(path: str | None, option: str) -> None:
+    """Refuse, before any computation, an output path whose directory does not exist."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise UsageProblem(f"{option}: {path} is a directory, not a file")
+    if not target.parent.is_dir():
+        raise UsageProblem(f"{option}: directory {target.parent} does not exist (for {path})")
+
+
+@dataclass(frozen=True)
+class Output:
+    """Where and how a subcommand writes its result (--format, --output, --all, --columns)."""
+
+    fmt: str = "table"
+    path: str | None = None
+    all_columns: bool = False
+    columns: tuple[str, ...] = ()
+
+
+def output_options(f):
+    """--format, --output, --all and --columns, passed to the command as one `out: Output`."""
+
+    @functools.wraps(f)
+    def command(*args, fmt, output, all_columns, columns, **kwargs):
+        check_output_path(output, "--output")
+        chosen = tuple(c.strip() for c in columns.split(",") if c.strip()) if columns else ()
+        if all_columns and chosen:
+            raise UsageProblem("--all and --columns exclude each other")
+        return f(*args, out=Output(fmt, output, all_columns, chosen), **kwargs)
+
+    options = [
+        click.option(
+            "--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True
+        ),
+        click.option(
+            "--output", default=None, help="write the result to this file instead of stdout"
+        ),
+        click.option(
+            "--all",
+            "all_columns",
+            is_flag=True,
+            help="table: show every column (json and csv always hold every column)",
+        ),
+        click.option(
+            "--columns",
+            default=None,
+            help="table: the columns to show, comma-separated (e.g. layer,share,rank)",
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
 
 
 def emit(
     rows: Sequence[dict],
-    fmt: str,
-    output: str | None = None,
+    out: Output,
     *,
     title: str = "",
     meta: dict | None = None,
+    columns: Sequence[str] | None = None,
+    headers: dict[str, str] | None = None,
+    notes: Sequence[str] = (),
 ) -> None:
-    """Write rows as a table (rich on a terminal, plain text otherwise), JSON or CSV."""
-    if fmt == "json":
-        text = json.dumps({**(meta or {}), "rows": list(rows)}, indent=2, default=_jsonable) + "\n"
-    elif fmt == "csv":
-        buf = io.StringIO()
-        writer = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else [], lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(rows)
-        text = buf.getvalue()
-    else:
-        text = None
-    if text is not None:
-        if output:
-            Path(output).write_text(text)
+    """Write rows as JSON or CSV (every column), or as a table of `columns` (default: all) that
+    fits the console: numbers in at most 9 characters, and a table wider than the console is
+    folded into one block per row rather than cut. `headers` relabel columns in the table only;
+    `notes` are printed under it."""
+    if out.fmt in ("json", "csv"):
+        if out.fmt == "json":
+            text = json.dumps({**(meta or {}), "rows": list(rows)}, indent=2, default=_jsonable)
+            text += "\n"
+        else:
+            buf = io.StringIO()
+            writer = csv.DictWriter(buf, list(rows[0]) if rows else [], lineterminator="\n")
+            writer.writeheader()
+            writer.writerows(rows)
+            text = buf.getvalue()
+        if out.path:
+            Path(out.path).write_text(text)
         else:
             click.echo(text, nl=False)
         return
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table(title=title or None)
-    for column in rows[0] if rows else {}:
-        table.add_column(
-            str(column), justify="right" if isinstance(rows[0][column], (int, float)) else "left"
+    available = list(rows[0]) if rows else list(columns or ())
+    shown = list(out.columns) or (available if out.all_columns or columns is None else columns)
+    unknown = [c for c in shown if c not in available]
+    if unknown:
+        raise UsageProblem(
+            f"--columns: no column {unknown[0]!r}; the columns are {', '.join(available)}"
         )
-    for row in rows:
-        table.add_row(*[_cell(v) for v in row.values()])
-    if output:
-        with open(output, "w") as f:
-            Console(file=f, width=160, color_system=None).print(table)
-    else:
-        Console(
-            color_system=None if not interactive() else "auto", width=None if interactive() else 160
-        ).print(table)
+    hidden = [c for c in available if c not in shown]
+    if hidden:
+        notes = [*notes, f"{len(hidden)} more columns with --all or --columns, or in json/csv"]
+    with contextlib.ExitStack() as stack:
+        if out.path:
+            f = stack.enter_context(open(out.path, "w"))
+            console = Console(file=f, width=120, color_system=None)
+        else:
+            console = Console(color_system="auto" if interactive() else None)
+        _print_table(console, rows, shown, title, headers or {}, notes)
 
 
-def _cell(value) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
+def _print_table(console, rows, shown, title, headers, notes) -> None:
+    """Every text is a rich `Text`, so that brackets in names or titles are not taken as markup."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in shown:
+        numeric = bool(rows) and isinstance(rows[0][column], (int, float))
+        table.add_column(
+            Text(headers.get(column, column)), justify="right" if numeric else "left", no_wrap=True
+        )
+    cells = [[cell(row[c]) for c in shown] for row in rows]
+    for line in cells:
+        table.add_row(*map(Text, line))
+    if title:
+        console.print(Text(title))
+    from rich.measure import Measurement
+
+    natural = Measurement.get(console, console.options.update_width(1 << 20), table).maximum
+    if natural <= console.width:
+        console.print(table)
+    else:  # fold: one block per row, each value on its own line, nothing cut
+        console.print()
+        for line in cells:
+            grid = Table.grid(padding=(0, 2))
+            grid.add_column(no_wrap=True)
+            grid.add_column(overflow="fold")
+            for column, value in zip(shown, line):
+                grid.add_row(Text(headers.get(column, column)), Text(value))
+            console.print(grid)
+            console.print()
+    for note in notes:
+        console.print(Text(note))
+
+
+def cell(value) -> str:
+    """A table cell: floats in at most 9 characters (4 significant digits, short exponent)."""
+    if value is None:
+        return "–"
+    if not isinstance(value, float):
+        return str(value)
+    if value == 0 or not math.isfinite(value):
+        return "0" if value == 0 else str(value)
+    text = f"{value:.4g}"
+    if abs(value) >= 1e-3 and "e" not in text:
+        return text
+    for digits in (3, 2):
+        mantissa, exponent = f"{value:.{digits}e}".split("e")
+        text = f"{mantissa}e{int(exponent)}"
+        if len(text) <= 9:
+            return text
+    return text
 
 
 def _jsonable(value):
+    import numpy as np
+    import torch
+
     if isinstance(value, (np.floating, np.integer)):
         return value.item()
     if isinstance(value, torch.Tensor):
@@ -217,15 +395,28 @@ def _jsonable(value):
     raise TypeError(f"cannot write {type(value).__name__} as JSON")
 
 
+@contextlib.contextmanager
+def step(text: str):
+    """A spinner on stderr while a step without its own progress bar runs (terminals only)."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status(text):
+        yield
+
+
 def model_options(f):
-    """--model, --weights, --data, --samples, --device, --output-fn, --batch-size, --format,
-    --output."""
+    """--model, --weights, --data, --samples, --device, --output-fn, --batch-size and
+    `output_options`."""
     options = [
         click.option(
             "--model",
             "model_spec",
             default=None,
-            help="package.module:factory or path/file.py:factory (default: the built-in digits demo)",
+            help="package.module:factory or path/file.py:factory "
+            "(default: the built-in digits demo)",
         ),
         click.option(
             "--weights", default=None, help="state_dict file (.pt), loaded with weights_only=True"
@@ -252,19 +443,30 @@ def model_options(f):
             default=None,
             help="samples per block (default: chosen from free memory)",
         ),
-        click.option(
-            "--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True
-        ),
-        click.option(
-            "--output", default=None, help="write the result to this file instead of stdout"
-        ),
     ]
+    f = output_options(f)
     for option in reversed(options):
         f = option(f)
     return f
 
 
-def resolve_model_and_data(model_spec, weights, data, samples, device, default_samples=256):
+# The sample budget of a run: all 1,000 training samples of the demo (`ntk kernel`, whose full
+# kernel costs O((N·O)³), takes fewer); every section says how many samples it used.
+DEMO_SAMPLES = 1000
+
+
+@functools.lru_cache(maxsize=1)
+def demo_model():
+    """The trained demo network and its data, trained once per process (a progress bar on a
+    terminal)."""
+    from ntk import demo
+
+    return demo.demo_model(progress=sys.stderr.isatty())
+
+
+def resolve_model_and_data(
+    model_spec, weights, data, samples, device, default_samples: int | None = DEMO_SAMPLES
+):
     """The model and (x, y) a subcommand works on; no --model means the trained demo network."""
     if model_spec is None:
         if weights is not None:
@@ -273,28 +475,41 @@ def resolve_model_and_data(model_spec, weights, data, samples, device, default_s
             raise UsageProblem(
                 "--data with a file needs --model (the built-in demo runs on digits)"
             )
-        from ntk import demo
-
-        model, digits = demo.demo_model()
+        model, digits = demo_model()
         model = model.to(device) if device else model
         x, y = digits.x_train, digits.y_train
     else:
+        if data != "digits":
+            x, y = load_arrays(data)
         model = load_model(model_spec, weights, device)
         if data == "digits":
             from ntk import demo
 
             d = demo.digits()
             x, y = d.x_train, d.y_train
-        else:
-            x, y = load_arrays(data)
+    from ntk.core import inputs
+
     n = samples or default_samples
     x, y = inputs.take(x, slice(0, n)), (None if y is None else y[:n])
-    check_fits(model, x)
+    check_fits(model, x, "data")
     return model, x, y
 
 
-def resolve_test_data(test_file: str | None, data: str, test_samples: int | None):
-    """Test inputs and labels: a --test file, or the digits test split when training on digits."""
+def untrained_note(model_spec, weights) -> str:
+    """Warn (once the inputs are checked) that a --model without --weights keeps the factory's
+    own weights, random unless it loads some; returns the suffix that says so in the title."""
+    if model_spec is None or weights is not None:
+        return ""
+    warn(
+        f"--model {model_spec} without --weights: using the factory's weights as they are "
+        "(randomly initialised unless it loads trained ones)"
+    )
+    return f" [{UNTRAINED}]"
+
+
+def resolve_test_data(test_file: str | None, data: str, test_samples: int | None, model=None):
+    """Test inputs and labels: a --test file, or the digits test split when training on digits;
+    checked against the model like --data."""
     if test_file is not None:
         x_test, y_test = load_arrays(test_file, "test")
     elif data == "digits":
@@ -304,12 +519,22 @@ def resolve_test_data(test_file: str | None, data: str, test_samples: int | None
         x_test, y_test = split.x_test, split.y_test
     else:
         raise UsageProblem("--test is needed with a training data file")
+    from ntk.core import inputs
+
     x_test = inputs.take(x_test, slice(0, test_samples))
-    return x_test, None if y_test is None else y_test[:test_samples]
+    y_test = None if y_test is None else y_test[:test_samples]
+    if model is not None:
+        check_fits(model, x_test, "test")
+    return x_test, y_test
 
 
-def check_fits(model: nn.Module, x) -> None:
+def check_fits(model: nn.Module, x, option: str = "data") -> None:
     """Run one sample through the model so that data of the wrong shape is a usage error."""
+    import torch
+
+    from ntk.core import inputs
+    from ntk.core.model import describe_inputs
+
     try:
         with torch.no_grad():
             first = next(model.parameters(), None)
@@ -317,8 +542,12 @@ def check_fits(model: nn.Module, x) -> None:
             one = one if first is None else inputs.convert(one, first.device, None)
             args, kwargs = inputs.as_call(one)
             model(*args, **kwargs)
-    except (RuntimeError, IndexError, TypeError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    except Exception as exc:
+        got = (
+            f"shape {tuple(x.shape[1:])} ({x.dtype})"
+            if isinstance(x, torch.Tensor)
+            else describe_inputs(x)
+        )
         raise UsageProblem(
-            f"--data: the model cannot take samples of shape {inputs.signature(x)}: {first}"
+            f"--{option}: the model cannot take samples of {got}: {_first_line(exc)}"
         ) from None

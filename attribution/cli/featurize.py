@@ -1,5 +1,6 @@
 """`ntk featurize`: stream projected Jacobian features into an on-disk store, on one process or
-sharded over the ranks of a torchrun job (``torchrun --nproc_per_node=K $(which ntk) featurize …``)."""
+sharded over the ranks of a torchrun job
+(``torchrun --nproc_per_node=K $(which ntk) featurize …``)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,18 @@ import os
 import time
 
 import click
-import torch
-import torch.distributed as dist
 
-import ntk
-import projections
-import projections.distributed
-from ntk.distributed import rank_and_world
-
-from .common import emit, interactive, load_output_fn, model_options, resolve_model_and_data
+from .choices import KERNEL_KINDS, PROJECTORS
+from .common import (
+    UsageProblem,
+    emit,
+    interactive,
+    load_output_fn,
+    model_options,
+    resolve_model_and_data,
+    step,
+    untrained_note,
+)
 
 
 @click.command()
@@ -28,10 +32,10 @@ from .common import emit, interactive, load_output_fn, model_options, resolve_mo
     show_default=True,
     help="projection dimension k",
 )
-@click.option("--kind", type=click.Choice(ntk.KINDS), default="trace", show_default=True)
+@click.option("--kind", type=click.Choice(KERNEL_KINDS), default="trace", show_default=True)
 @click.option(
     "--projector",
-    type=click.Choice(projections.PROJECTORS),
+    type=click.Choice(PROJECTORS),
     default="rademacher",
     show_default=True,
 )
@@ -63,8 +67,7 @@ def featurize(
     device,
     output_fn,
     batch_size,
-    fmt,
-    output,
+    out,
     dim,
     kind,
     projector,
@@ -79,11 +82,22 @@ def featurize(
     Under torchrun (WORLD_SIZE > 1) every rank joins the job's process group (NCCL with a CUDA
     --device, each rank on cuda:LOCAL_RANK; Gloo otherwise), writes its share of the blocks into
     the shared STORE, and rank 0 completes the manifest and prints the summary."""
+    import torch.distributed as dist
+
+    import projections
+    import projections.distributed
+    from ntk.distributed import rank_and_world
+
+    for path, option in ((store, "STORE"), (kernel_tiles, "--kernel-tiles")):
+        parent = None if path is None else os.path.dirname(os.path.abspath(path))
+        if parent is not None and not os.path.isdir(parent):
+            raise UsageProblem(f"{option}: directory {parent} does not exist (for {path})")
     device, joined = _join_process_group(device)
     rank, world = rank_and_world()
     model, x, _ = resolve_model_and_data(
         model_spec, weights, data, samples, device, default_samples=None
     )
+    untrained = untrained_note(model_spec, weights)
     start = time.perf_counter()
     phi = projections.featurize(
         model,
@@ -102,7 +116,8 @@ def featurize(
     )
     seconds = time.perf_counter() - start
     if kernel_tiles is not None:
-        projections.distributed.kernel(store, path=kernel_tiles, tile=block)
+        with step("projected kernel tiles"):
+            projections.distributed.kernel(store, path=kernel_tiles, tile=block)
     if joined:
         dist.destroy_process_group()
     if rank == 0:
@@ -119,15 +134,18 @@ def featurize(
                     "kernel_tiles": kernel_tiles or "",
                 }
             ],
-            fmt,
-            output,
-            title="feature store",
+            out,
+            columns=("store", "samples", "shape", "blocks", "ranks", "seconds"),
+            title=f"feature store ({info['samples']} samples){untrained}",
         )
 
 
 def _join_process_group(device):
     """Inside a torchrun job, initialise its process group unless the caller did; returns this
     rank's device and whether the group was initialised here."""
+    import torch
+    import torch.distributed as dist
+
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return device, False
     cuda = device is not None and torch.device(device).type == "cuda"

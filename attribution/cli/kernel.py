@@ -8,19 +8,24 @@ import time
 from pathlib import Path
 
 import click
-import numpy as np
 
-import ntk
-from ntk.core import inputs
-
+from .choices import KERNEL_KINDS, KERNEL_METHODS
 from .common import (
     UsageProblem,
+    check_output_path,
     emit,
     interactive,
     load_output_fn,
     model_options,
     resolve_model_and_data,
+    step,
+    untrained_note,
 )
+
+# The full and diagonal kernels are [N·O, N·O] matrices to eigendecompose: O((N·O)³).
+DEFAULT_SAMPLES = 256
+COLUMNS = ("kind", "shape", "lambda_1", "condition_number", "rank", "seconds")
+HEADERS = {"lambda_1": "λ1", "condition_number": "κ", "rank": "rank"}
 
 
 @click.command()
@@ -28,34 +33,32 @@ from .common import (
 @click.option(
     "--kind",
     "kinds",
-    type=click.Choice(ntk.KINDS),
+    type=click.Choice(KERNEL_KINDS),
     multiple=True,
     help="kernel kind(s) to compute (default: all four)",
 )
-@click.option("--method", type=click.Choice(ntk.METHODS), default="auto", show_default=True)
+@click.option("--method", type=click.Choice(KERNEL_METHODS), default="auto", show_default=True)
 @click.option("--save", default=None, help="save the kernel as .npy (needs exactly one --kind)")
 def kernel(
-    model_spec,
-    weights,
-    data,
-    samples,
-    device,
-    output_fn,
-    batch_size,
-    fmt,
-    output,
-    kinds,
-    method,
-    save,
+    model_spec, weights, data, samples, device, output_fn, batch_size, out, kinds, method, save
 ):
-    """Compute the eNTK of a model (default: the built-in digits demo) and summarise it:
-    shapes, time, top eigenvalues, condition number and per-layer trace shares."""
-    kinds = kinds or ntk.KINDS
+    """Compute the eNTK of a model (default: the built-in digits demo) on the first 256 samples
+    (--samples) and summarise it: shapes, time, top eigenvalues, condition number κ, numerical
+    rank and per-layer trace shares."""
+    import ntk
+    from ntk.core import inputs
+
+    kinds = kinds or KERNEL_KINDS
     if save is not None and len(kinds) != 1:
         raise UsageProblem("--save needs exactly one --kind")
-    model, x, _ = resolve_model_and_data(model_spec, weights, data, samples, device)
+    check_output_path(save, "--save")
+    model, x, _ = resolve_model_and_data(
+        model_spec, weights, data, samples, device, default_samples=DEFAULT_SAMPLES
+    )
+    untrained = untrained_note(model_spec, weights)
+    n = inputs.count(x)
     output_fn = load_output_fn(output_fn)
-    rows = []
+    rows, notes = [], []
     saved = None
     for kind in kinds:
         start = time.perf_counter()
@@ -70,53 +73,80 @@ def kernel(
             progress=interactive(),
         )
         seconds = time.perf_counter() - start
-        ev = ntk.eigenvalues(k)
+        with step(f"spectrum of the {kind} kernel"):
+            ev = ntk.eigenvalues(k)
+            kappa = ntk.condition_number(k)
+        size = len(ev)
+        rank = numerical_rank(ev, size)
         rows.append(
             {
                 "kind": kind,
                 "shape": "x".join(map(str, k.shape)),
                 "seconds": round(seconds, 4),
-                "lambda_1": float(ev[0]),
-                "lambda_2": float(ev[1]),
-                "lambda_3": float(ev[2]),
-                "condition_number": ntk.condition_number(k),
+                **{f"lambda_{i}": float(ev[i - 1]) if i <= len(ev) else None for i in (1, 2, 3)},
+                "condition_number": kappa,
+                "rank": rank,
             }
         )
+        if kappa == float("inf"):
+            notes.append(f"κ = inf for {kind}: {why_singular(kind, n, size, rank)}")
         saved = k
-    layers = ntk.empirical_ntk(
-        model,
-        x,
-        kind="trace",
-        layers="all",
-        method=method,
-        batch_size=batch_size,
-        device=device,
-        output_fn=output_fn,
-    )
+    with step("per-layer trace kernels"):
+        layers = ntk.empirical_ntk(
+            model,
+            x,
+            kind="trace",
+            layers="all",
+            method=method,
+            batch_size=batch_size,
+            device=device,
+            output_fn=output_fn,
+        )
     traces = {name: float(k.diagonal().sum()) for name, k in layers.items()}
     total = sum(traces.values())
+    modules = dict(model.named_modules())
     shares = [
-        {
-            "layer": name,
-            "type": type(dict(model.named_modules())[name]).__name__,
-            "trace": t,
-            "share": t / total,
-        }
+        {"layer": name, "type": type(modules[name]).__name__, "trace": t, "share": t / total}
         for name, t in traces.items()
     ]
     if save is not None:
         _save_npy(saved.cpu().numpy(), save)
-    if fmt == "table" and output is None:
-        emit(rows, fmt, title=f"eNTK of {inputs.count(x)} samples")
-        emit(shares, fmt, title="per-layer trace shares")
+    if out.fmt == "table" and out.path is None:
+        emit(
+            rows,
+            out,
+            title=f"eNTK of {n} samples{untrained}",
+            columns=COLUMNS,
+            headers=HEADERS,
+            notes=notes,
+        )
+        emit(shares, out, title=f"per-layer trace shares ({n} samples)")
     else:
-        emit(rows, fmt, output, meta={"samples": inputs.count(x), "layers": shares})
+        emit(rows, out, meta={"samples": int(n), "layers": shares}, notes=notes)
 
 
-def _save_npy(array: np.ndarray, path: str) -> None:
+def numerical_rank(eigenvalues, size: int) -> int:
+    """Eigenvalues above numpy's matrix_rank tolerance, λmax · size · ε(float32)."""
+    import numpy as np
+
+    tolerance = float(eigenvalues[0]) * size * np.finfo(np.float32).eps
+    return int((eigenvalues > tolerance).sum())
+
+
+def why_singular(kind: str, n: int, size: int, rank: int) -> str:
+    """Why κ is infinite: the kernel's numerical rank is below its size."""
+    if rank >= size:
+        return f"λmin ≤ 0 by rounding although the rank is full ({rank})"
+    rows = f"N·O = {n}·{size // n} = {size}" if size != n else f"N = {n}"
+    return f"rank-deficient: {rows} > rank {rank}"
+
+
+def _save_npy(array, path: str) -> None:
     """Write atomically: a partial file never carries the final name."""
+    import numpy as np
+
     target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent or ".", suffix=".npy.part")
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".npy.part")
     try:
         with os.fdopen(fd, "wb") as f:
             np.save(f, array)

@@ -4,54 +4,45 @@ from __future__ import annotations
 
 import click
 
-import ntk
-from ntk.core import inputs
-
-from ..layers import DEFAULT_SCORE, SCORES, layer_importance
+from .choices import DEFAULT_LAYER_SCORE, KERNEL_KINDS, LAYER_SCORES
 from .common import (
     UsageProblem,
+    check_output_path,
     emit,
     interactive,
     load_output_fn,
     model_options,
     resolve_model_and_data,
+    untrained_note,
 )
 
 
 def _plot(rows: list[dict], score: str, path: str) -> None:
     """Horizontal bar chart of `score`, most important at the top (rows where it is undefined
-    are left out)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    are left out); a matplotlib `Figure`, no pyplot state."""
+    from .._figures import bar_chart
 
     rows = [r for r in rows if r[score] is not None]
-    labels = [f"{r['layer'] or '(root)'}  [{r['type']}]" for r in rows]
-    values = [r[score] for r in rows]
-    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.35 * len(rows)))
-    ax.barh(range(len(rows)), values, color="tab:blue")
-    ax.set_yticks(range(len(rows)), labels, fontsize=9)
-    ax.invert_yaxis()
-    ax.set_xlabel(score)
-    ax.set_title(f"layer importance ({score})")
+    fig = bar_chart(
+        [f"{r['layer'] or '(root)'}  [{r['type']}]" for r in rows], [r[score] for r in rows], score
+    )
+    fig.axes[0].set_title(f"layer importance ({score})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 @click.command()
 @model_options
 @click.option(
     "--score",
-    type=click.Choice(SCORES),
-    default=DEFAULT_SCORE,
+    type=click.Choice(LAYER_SCORES),
+    default=DEFAULT_LAYER_SCORE,
     show_default=True,
-    help="score that ranks the rows (every score is reported)",
+    help="score that ranks the rows (higher is more important; --all shows every score)",
 )
 @click.option(
     "--kind",
-    type=click.Choice(ntk.KINDS),
+    type=click.Choice(KERNEL_KINDS),
     default="trace",
     show_default=True,
     help="kernel kind of the layerwise eNTKs",
@@ -84,8 +75,7 @@ def layers(
     device,
     output_fn,
     batch_size,
-    fmt,
-    output,
+    out,
     score,
     kind,
     projection_dim,
@@ -94,11 +84,19 @@ def layers(
     plot,
 ):
     """Rank the layers of a model (default: the built-in digits demo) by importance: each layer's
-    share of the eNTK, its sensitivity, label alignment and top eigenvalue, with cheap baselines."""
+    share of the eNTK, its sensitivity, label alignment and top eigenvalue, with cheap baselines
+    (all higher-is-more-important)."""
+    from ntk.core import inputs
+
+    from ..layers import layer_importance
+
     if depth is not None and group != "blocks":
         raise UsageProblem("--depth needs --group blocks")
+    check_output_path(plot, "--plot")
     grouping: object | None = None if group == "layers" else (depth or "blocks")
     model, x, y = resolve_model_and_data(model_spec, weights, data, samples, device)
+    untrained = untrained_note(model_spec, weights)
+    n = inputs.count(x)
     rows = layer_importance(
         model,
         x,
@@ -116,18 +114,19 @@ def layers(
         _plot(rows, score, plot)
     meta = {
         "model": model_spec or "demo",
-        "samples": inputs.count(x),
+        "samples": n,
         "score": score,
         "kind": kind,
         "group": group if depth is None else f"depth {depth}",
         "projection_dim": projection_dim,
     }
-    if fmt == "table":
-        rows = [{k: ("–" if v is None else v) for k, v in r.items()} for r in rows]
+    columns = ["layer", "type", "params", score, "share", "rank"]
     emit(
         rows,
-        fmt,
-        output,
-        title=f"layer importance by {score} ({inputs.count(x)} samples, {kind} eNTK)",
+        out,
+        title=(f"layer importance by {score} ({n} samples, {kind} eNTK){untrained}"),
         meta=meta,
+        columns=list(dict.fromkeys(columns)),
+        headers={score: f"{score} ↑"},
+        notes=["↑ ranks the rows, higher is more important; – where a score is undefined"],
     )

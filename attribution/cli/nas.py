@@ -5,15 +5,15 @@ from __future__ import annotations
 from functools import partial
 
 import click
-import numpy as np
 
-from ntk import demo, proxies
-
-from .common import FORMATS, UsageProblem, emit, interactive, load_arrays, load_object
+from .choices import DEFAULT_RANKING, PROXY_METRICS
+from .common import UsageProblem, emit, interactive, load_arrays, load_object, output_options
 
 
 def demo_space() -> dict:
     """Six ReLU MLPs of varied width and depth for digits: the candidates when none are given."""
+    from ntk import demo
+
     return {
         f"mlp-{width}x{depth}": partial(demo.mlp, width, depth)
         for width, depth in ((8, 1), (64, 1), (256, 1), (16, 4), (64, 2), (128, 3))
@@ -37,10 +37,10 @@ def demo_space() -> dict:
 @click.option(
     "--metric",
     "metrics",
-    type=click.Choice(proxies.METRICS),
+    type=click.Choice(PROXY_METRICS),
     multiple=True,
     help=f"proxy to rank by; repeat it to rank by the mean rank over several proxies "
-    f"(default: the vote of {' and '.join(proxies.DEFAULT_RANKING)})",
+    f"(default: the vote of {' and '.join(DEFAULT_RANKING)})",
 )
 @click.option(
     "--kind",
@@ -72,10 +72,11 @@ def demo_space() -> dict:
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default=None, help="torch device, e.g. cpu or cuda")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True)
-@click.option("--output", default=None, help="write the result to this file instead of stdout")
-def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, device, fmt, output):
+@output_options
+def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, device, out):
     """Rank candidate architectures by NTK and zero-cost proxies (higher is better), best first."""
+    from ntk import demo, proxies
+
     candidates = demo_space() if spec is None else load_object(spec, "candidates")
     if not isinstance(candidates, dict):
         raise UsageProblem(
@@ -87,7 +88,7 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
         x, y = d.x_train, d.y_train
     else:
         x, y = load_arrays(data)
-    metrics = list(metrics or proxies.DEFAULT_RANKING)
+    metrics = list(metrics or DEFAULT_RANKING)
     ranked = proxies.rank(
         candidates,
         x,
@@ -107,10 +108,23 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
         for position, (name, s) in enumerate(ranked, 1)
     ]
     label = " + ".join(metrics)
+    undefined = sorted({k for r in rows for k, v in r.items() if v is None and k in PROXY_METRICS})
+    notes = [
+        "↑ higher is better; the rank column orders the candidates, 1 = best",
+        *(
+            [f"vote ↑: the mean of each proxy's rank (1 = worst, {len(rows)} = best)"]
+            if len(metrics) > 1
+            else []
+        ),
+        *(
+            [f"– undefined ({', '.join(undefined)}: e.g. the log det of a singular matrix)"]
+            if undefined
+            else []
+        ),
+    ]
     emit(
         rows,
-        fmt,
-        output,
+        out,
         title=f"{label} ({repeats} × {batch_size} samples, higher is better)",
         meta={
             "metric": metrics if len(metrics) > 1 else metrics[0],
@@ -119,14 +133,24 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
             "batch_size": batch_size,
             "warmup_steps": warmup_steps,
         },
+        headers={
+            "mean_rank": "vote ↑",
+            "kappa": "κ (lower better)",
+            **{m: f"{m} ↑" for m in PROXY_METRICS},
+        },
+        notes=notes,
     )
 
 
-def _columns(s: proxies.ProxyScore) -> dict:
-    """A score's columns: value and spread (and κ), or the mean rank and each voter's value."""
+def _columns(s) -> dict:
+    """A score's columns: value and spread (and κ), or the mean rank and each voter's value;
+    -inf or NaN (an undefined score, e.g. naswot's log det of a singular kernel) as None."""
+    import numpy as np
+
     if s.parts is not None:
-        return {"mean_rank": s.value, **{m: p.value for m, p in s.parts.items()}}
-    row = {s.metric: s.value, "std": s.std}
-    if s.metric == "condition_number":
-        row["kappa"] = float(np.mean(s.raw))
-    return row
+        row = {"mean_rank": s.value, **{m: p.value for m, p in s.parts.items()}}
+    else:
+        row = {s.metric: s.value, "std": s.std}
+        if s.metric == "condition_number":
+            row["kappa"] = float(np.mean(s.raw))
+    return {k: None if v == float("-inf") or v != v else v for k, v in row.items()}

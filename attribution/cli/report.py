@@ -6,16 +6,18 @@ from pathlib import Path
 
 import click
 
-from .._report import report as build_report
-from ..surrogate import KINDS, MACHINES, KernelSurrogate
+from .choices import SURROGATE_KINDS, SURROGATE_MACHINES
 from .common import (
+    DEMO_SAMPLES,
     UsageProblem,
+    check_output_path,
     emit,
     interactive,
     load_output_fn,
     model_options,
     resolve_model_and_data,
     resolve_test_data,
+    untrained_note,
 )
 
 
@@ -38,6 +40,7 @@ from .common import (
 )
 @click.option(
     "--out",
+    "report_path",
     default="ntk-report.html",
     show_default=True,
     help="the HTML file; the JSON file takes the same name with .json",
@@ -49,13 +52,13 @@ from .common import (
 )
 @click.option(
     "--kind",
-    type=click.Choice(KINDS),
+    type=click.Choice(SURROGATE_KINDS),
     default=None,
     help="kernel of the surrogate (default: KernelSurrogate's)",
 )
 @click.option(
     "--machine",
-    type=click.Choice(MACHINES),
+    type=click.Choice(SURROGATE_MACHINES),
     default=None,
     help="kernel machine of the surrogate (default: KernelSurrogate's)",
 )
@@ -66,6 +69,13 @@ from .common import (
     help="surrogate regularisation (default: chosen by cross-validation)",
 )
 @click.option("--normalize", is_flag=True, help="cosine-normalise the kernel (trNTK)")
+@click.option(
+    "--kernel-samples",
+    type=click.IntRange(min=1),
+    default=None,
+    help=f"training samples of the spectrum and layer sections (default: all, at most "
+    f"{DEMO_SAMPLES}; an eigendecomposition costs O(N³))",
+)
 @click.option(
     "--examples",
     type=click.IntRange(min=1),
@@ -88,25 +98,32 @@ def report(
     device,
     output_fn,
     batch_size,
-    fmt,
-    output,
+    out,
     train_file,
     test_file,
     test_samples,
-    out,
+    report_path,
     image_shape,
     kind,
     machine,
     alpha,
     normalize,
+    kernel_samples,
     examples,
     top,
 ):
     """Build the surrogate-model report of a classifier (default: the built-in digits demo):
     faithfulness of the eNTK kernel surrogate, the kernel's spectrum, attributions to training
-    examples and layer importance. Prints the headline numbers."""
-    if Path(out).suffix.lower() not in (".html", ".htm"):
-        raise UsageProblem(f"--out must name an .html file, got {out}")
+    examples and layer importance. Prints the headline numbers, each with the samples it used."""
+    from ntk.core import inputs
+
+    from .._report import report as build_report
+    from ..surrogate import KernelSurrogate
+
+    html = report_path
+    if Path(html).suffix.lower() not in (".html", ".htm"):
+        raise UsageProblem(f"--out must name an .html file, got {html}")
+    check_output_path(html, "--out")
     shape = _shape(image_shape)
     if train_file is not None:
         data = train_file
@@ -115,7 +132,10 @@ def report(
     model, x_train, y_train = resolve_model_and_data(
         model_spec, weights, data, samples, device, default_samples=None
     )
-    x_test, y_test = resolve_test_data(test_file, data, test_samples)
+    n_train = inputs.count(x_train)
+    kernel_samples = kernel_samples or min(n_train, DEMO_SAMPLES)
+    x_test, y_test = resolve_test_data(test_file, data, test_samples, model)
+    untrained = untrained_note(model_spec, weights)
     output_fn = load_output_fn(output_fn)
     if shape is None and data == "digits":
         shape = (8, 8)
@@ -136,10 +156,11 @@ def report(
         y_train,
         x_test,
         y_test,
-        path=out,
+        path=html,
         surrogate=surrogate,
         examples=examples,
         top=top,
+        kernel_samples=kernel_samples,
         image_shape=shape,
         batch_size=batch_size,
         device=device,
@@ -151,27 +172,39 @@ def report(
             "model spec": model_spec or "built-in demo MLP",
         },
     )
-    faith, kernel = result["faithfulness"], result["kernel"]
+    faith, kernel, layers = result["faithfulness"], result["kernel"], result["layers"]
+    n_test, n_kernel = inputs.count(x_test), kernel["samples"]
     rows = [
-        {"measure": name, "value": value}
+        {"measure": name, "value": value, "samples": f"{n_test} test"}
         for name, value in faith["surrogate"].items()
         if isinstance(value, (int, float))
     ]
     rows += [
-        {"measure": name, "value": kernel[name]}
+        {"measure": name, "value": kernel[name], "samples": f"{n_kernel} train"}
         for name in ("condition_number", "effective_rank", "label_alignment")
         if kernel[name] is not None
     ]
     rows += [
-        {"measure": f"share of layer {row['layer']}", "value": row["share"]}
-        for row in result["layers"]["rows"]
+        {
+            "measure": f"share of layer {row['layer']}",
+            "value": row["share"],
+            "samples": f"{layers['samples']} train",
+        }
+        for row in layers["rows"]
     ]
+    json_path = str(Path(html).with_suffix(".json"))
+    notes = [f"written: {html} and {json_path}"]
+    if kernel["condition_number"] == float("inf"):
+        notes.append(
+            "condition_number = inf: the kernel is singular (numerical rank below its size); "
+            "`ntk kernel` gives its rank"
+        )
     emit(
         rows,
-        fmt,
-        output,
-        title=f"surrogate report: {out} (+ .json)",
-        meta={"html": out, "json": str(Path(out).with_suffix(".json"))},
+        out,
+        title=(f"surrogate report of {n_train} training and {n_test} test samples{untrained}"),
+        meta={"html": html, "json": json_path, "train_samples": n_train},
+        notes=notes,
     )
 
 

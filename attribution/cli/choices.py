@@ -1,0 +1,35 @@
+"""The names the subcommands offer as choices, kept here without torch so that `ntk --help`
+and `ntk <command> --help` start fast; tests/test_cli_fast.py checks them against the library's
+own tuples."""
+
+KERNEL_KINDS = ("full", "diagonal", "trace", "sum_logits")  # ntk.KINDS
+KERNEL_METHODS = ("auto", "jacobian", "ntk_vp", "structured")  # ntk.METHODS
+INFLUENCE_METHODS = ("auto", "gauss_newton", "trak", "surrogate", "grad_dot")
+LAYER_SCORES = (  # attribution.layers.SCORES
+    "sensitivity",
+    "share",
+    "alignment",
+    "top_eigenvalue",
+    "param_norm",
+    "grad_norm",
+    "fisher",
+    "block_influence",
+)
+DEFAULT_LAYER_SCORE = "sensitivity"
+PROXY_METRICS = (  # ntk.proxies.METRICS
+    "lga",
+    "condition_number",
+    "trace",
+    "frobenius",
+    "mean",
+    "naswot",
+    "synflow",
+    "grad_norm",
+    "snip",
+    "jacob_cov",
+    "params",
+)
+DEFAULT_RANKING = ("lga", "naswot")  # ntk.proxies.DEFAULT_RANKING
+PROJECTORS = ("rademacher", "gaussian", "sparse")  # projections.PROJECTORS
+SURROGATE_KINDS = ("full", "trace", "sum_logits")  # attribution.surrogate.KINDS
+SURROGATE_MACHINES = ("ridge", "svm", "logistic")  # attribution.surrogate.MACHINES

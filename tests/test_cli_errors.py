@@ -1,0 +1,136 @@
+"""Bad input to the CLI: exit 2 with one line that names the flag, before any computation; no
+traceback and no advice from numpy or torch."""
+
+import numpy as np
+import pytest
+import torch
+
+from attribution.cli import main
+
+FACTORY = """
+import pathlib
+import torch
+from torch import nn
+
+def build():
+    pathlib.Path(__file__).with_name("built").touch()  # shows that the model was made
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+
+def broken():
+    raise ZeroDivisionError("no luck")
+"""
+
+
+def run(capsys, *args):
+    with pytest.raises(SystemExit) as stop:
+        main(list(args))
+    captured = capsys.readouterr()
+    return stop.value.code, captured.out, captured.err
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "factory.py").write_text(FACTORY)
+    rng = np.random.default_rng(0)
+    np.savez(
+        tmp_path / "train.npz", x=rng.normal(size=(10, 4)).astype(np.float32), y=np.arange(10) % 3
+    )
+    np.savez(tmp_path / "wide.npz", x=np.zeros((3, 7), np.float32))
+    return tmp_path
+
+
+def usage_error(capsys, *args):
+    code, _, err = run(capsys, *args)
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_test_data_is_checked_like_training_data(files, capsys):
+    model = ["--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
+    err = usage_error(capsys, "attribute", *model, "--test", f"{files}/wide.npz")
+    assert "--test: the model cannot take samples of shape (7,)" in err
+    err = usage_error(capsys, "attribute", *model, "--test", f"{files}/missing.npz")
+    assert "--test: file" in err and "does not exist" in err
+
+
+def test_a_failing_model_factory_names_model(files, capsys):
+    err = usage_error(capsys, "kernel", "--model", f"{files}/factory.py:broken")
+    assert err.startswith("ntk: error: --model:") and "ZeroDivisionError: no luck" in err
+    (files / "typo.py").write_text("def build(:\n    pass\n")
+    err = usage_error(capsys, "layers", "--model", f"{files}/typo.py:build")
+    assert err.startswith("ntk: error: --model:") and "SyntaxError" in err
+
+
+def test_a_file_that_is_not_npz_gets_our_message(files, capsys):
+    (files / "garbage.npz").write_bytes(b"\x00not an archive at all" * 10)
+    model = ["--model", f"{files}/factory.py:build"]
+    err = usage_error(capsys, "kernel", *model, "--data", f"{files}/garbage.npz")
+    assert "--data:" in err and "not an .npz archive" in err and "trust" not in err
+    np.savez(files / "objects.npz", x=np.array([{"a": 1}], dtype=object))
+    err = usage_error(capsys, "kernel", *model, "--data", f"{files}/objects.npz")
+    assert "--data:" in err and "pickled" in err and "trust" not in err
+
+
+@pytest.mark.parametrize(
+    "command, flag",
+    [
+        ("kernel", "--output"),
+        ("kernel", "--save"),
+        ("layers", "--plot"),
+        ("report", "--out"),
+        ("nas", "--output"),
+    ],
+)
+def test_an_output_into_a_missing_directory_is_refused_before_computing(
+    files, capsys, command, flag
+):
+    target = f"{files}/no/such/dir/result.html"
+    args = [command, flag, target]
+    if command != "nas":
+        args += ["--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
+        args += ["--kind", "trace"] if command == "kernel" else []
+    else:
+        args += ["--candidates", f"{files}/factory.py:nothing"]
+    err = usage_error(capsys, *args)
+    assert flag in err and "does not exist" in err and f"{files}/no/such/dir" in err
+    assert ".part" not in err
+    assert not (files / "built").exists()  # refused before the model was even made
+
+
+def test_weights_that_do_not_fit_name_the_tensor_and_shapes(files, capsys):
+    torch.save(
+        torch.nn.Sequential(
+            torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)
+        ).state_dict(),
+        files / "w.pt",
+    )
+    err = usage_error(
+        capsys,
+        "kernel",
+        "--model",
+        f"{files}/factory.py:build",
+        "--data",
+        f"{files}/train.npz",
+        "--weights",
+        f"{files}/w.pt",
+    )
+    assert "tensor '0.weight' is [5, 4] in the file but [6, 4] in the model" in err
+    assert "(and 2 more)" in err  # 0.bias and 2.weight
+
+
+def test_kernel_of_two_samples(files, capsys):
+    code, out, err = run(
+        capsys,
+        "kernel",
+        "--model",
+        f"{files}/factory.py:build",
+        "--data",
+        f"{files}/train.npz",
+        "--samples",
+        "2",
+        "--all",
+    )
+    assert code == 0, err
+    assert "2x2x3x3" in out and "trace" in out

@@ -1,0 +1,222 @@
+"""What the subcommands print on the built-in demo: tables that fit 80 and 120 columns with every
+value whole (rich's console width set through COLUMNS), folded rather than cut when even the
+chosen columns do not fit; and the numbers' meaning where it could mislead (κ = inf, undefined
+scores, untrained weights)."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import ntk
+from attribution.cli import main
+from attribution.cli.common import cell
+
+# Small budgets: the rendering is under test, not the numbers.
+DEMO_RUNS = {
+    "layers": (["--samples", "64"], ["layer", "type", "params", "sensitivity", "share", "rank"]),
+    "kernel": (
+        ["--samples", "12"],
+        ["kind", "shape", "lambda_1", "condition_number", "rank", "seconds"],
+    ),
+    "attribute": (["--samples", "80", "--test-samples", "2", "--top", "2"], None),
+    "nas": (["--repeats", "1", "--batch-size", "16"], None),
+    "report": (
+        ["--samples", "80", "--test-samples", "40", "--examples", "2", "--kernel-samples", "40"],
+        ["measure", "value", "samples"],
+    ),
+    "featurize": (
+        ["--samples", "40", "--dim", "16"],
+        ["store", "samples", "shape", "blocks", "ranks", "seconds"],
+    ),
+}
+
+
+def run(capsys, *args):
+    with pytest.raises(SystemExit) as stop:
+        main(list(args))
+    captured = capsys.readouterr()
+    return stop.value.code, captured.out, captured.err
+
+
+def split(line):
+    return re.split(r" {2,}", line.strip())
+
+
+def tables(text):
+    """(header cells, rows of cells) of every table printed as a table."""
+    lines = text.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        if line.strip() and set(line.strip()) == {"─"}:
+            rows = []
+            for row in lines[i + 1 :]:
+                if not row.strip():
+                    break
+                rows.append(split(row))
+            found.append((split(lines[i - 1]), rows))
+    return found
+
+
+def folded(text, count):
+    """The values of `count` rows folded into blocks (after the title, each block a paragraph of
+    `label  value` lines; a value longer than its column goes on over the next lines)."""
+    paragraphs = [p for p in re.split(r"\n\s*\n", text) if p.strip()][1 : 1 + count]
+    blocks = []
+    for paragraph in paragraphs:
+        values = []
+        for line in paragraph.splitlines():
+            if line.startswith(" "):  # a value folded onto the next line
+                values[-1] += line.strip()
+            else:
+                values.append((split(line) + [""])[1])
+        blocks.append(values)
+    return blocks
+
+
+def expected(rows, columns):
+    """The cells of `rows`; timings (which differ from run to run) as the pattern of a number."""
+    return [[NUMBER if c == "seconds" else cell(r[c]) for c in columns] for r in rows]
+
+
+class _Number(str):
+    def __eq__(self, other):
+        return re.fullmatch(r"\d+(\.\d+)?(e-?\d+)?", other) is not None
+
+    __hash__ = str.__hash__
+
+
+NUMBER = _Number("<a number>")
+
+
+def args_for(command, tmp_path):
+    extra, _ = DEMO_RUNS[command]
+    if command == "featurize":
+        return [command, str(tmp_path / "store"), *extra]
+    if command == "report":
+        return [command, *extra, "--out", str(tmp_path / "r.html")]
+    return [command, *extra]
+
+
+@pytest.mark.parametrize("command", sorted(DEMO_RUNS))
+def test_demo_tables_fit_80_and_120_columns_with_no_value_cut(
+    command, tmp_path, monkeypatch, capsys
+):
+    args = args_for(command, tmp_path)
+    code, out, err = run(capsys, *args, "--format", "json")
+    assert code == 0, err
+    result = json.loads(out)
+    rows = result["rows"]
+    columns = DEMO_RUNS[command][1] or list(rows[0])
+    if command == "report":  # every section says the samples it used: the run's one budget
+        samples = {r["measure"]: r["samples"] for r in rows}
+        assert (
+            samples["condition_number"] == "40 train" and samples["share of layer 0"] == "40 train"
+        )
+        assert samples["label_agreement"] == "40 test"
+    for width in (80, 120):
+        monkeypatch.setenv("COLUMNS", str(width))
+        code, out, err = run(capsys, *args)
+        assert code == 0, err
+        assert "…" not in out and max(map(len, out.splitlines())) <= width, out
+        if tables(out):
+            header, shown = tables(out)[0]
+            assert len(header) == len(columns)
+        else:  # folded: one block per row
+            shown = folded(out, len(rows))
+        assert shown == expected(rows, columns), out
+        if command == "kernel":  # the per-layer shares, a second table
+            layer_columns = ["layer", "type", "trace", "share"]
+            assert tables(out)[1][1] == expected(result["layers"], layer_columns)
+
+        code, out, err = run(capsys, *args, "--all")
+        assert code == 0, err
+        assert "…" not in out and max(map(len, out.splitlines())) <= width, out
+        every = list(rows[0])
+        as_table = [cells for header, cells in tables(out) if len(header) == len(every)]
+        shown = as_table[0] if as_table else folded(out, len(rows))
+        assert shown == expected(rows, every), out
+
+
+def test_numbers_take_at_most_nine_characters():
+    for value in (
+        0.0,
+        1.0,
+        -0.0012345,
+        3.2391e5,
+        -3.2391e5,
+        1.234e-12,
+        -9.87e300,
+        12345.678,
+        9999.7,
+    ):
+        text = cell(value)
+        assert len(text) <= 9 and abs(float(text) - value) <= 1e-3 * abs(value), (value, text)
+    assert cell(float("inf")) == "inf" and cell(None) == "–" and cell(123456789) == "123456789"
+
+
+FACTORY = """
+import torch
+from torch import nn
+
+def build():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 2))
+"""
+
+
+def write_model(tmp_path, samples=12):
+    (tmp_path / "factory.py").write_text(FACTORY)
+    x = np.random.default_rng(0).normal(size=(samples, 4)).astype(np.float32)
+    np.savez(tmp_path / "data.npz", x=x, y=np.arange(samples) % 2)
+    return ["--model", str(tmp_path / "factory.py:build"), "--data", str(tmp_path / "data.npz")]
+
+
+def test_an_infinite_condition_number_is_explained(tmp_path, capsys):
+    # 12 samples × 2 outputs are 24 rows of J but P = 4·2 + 2 = 10 parameters: rank 10, κ = inf;
+    # the trace kernel of a linear layer is O·[x, 1][x, 1]ᵀ: rank 4 + 1 = 5 < 12
+    common = write_model(tmp_path)
+    code, out, err = run(capsys, "kernel", *common, "--kind", "full", "--kind", "trace")
+    assert code == 0, err
+    assert "κ = inf for full: rank-deficient: N·O = 12·2 = 24 > rank 10" in out
+    assert "κ = inf for trace: rank-deficient: N = 12 > rank 5" in out
+
+    code, out, _ = run(capsys, "kernel", *common, "--kind", "full", "--format", "json")
+    row = json.loads(out)["rows"][0]
+    namespace = {}
+    exec(FACTORY, namespace)
+    x = torch.from_numpy(np.load(tmp_path / "data.npz")["x"])
+    k = ntk.empirical_ntk(namespace["build"]().eval(), x, kind="full")
+    assert row["condition_number"] == float("inf")
+    assert row["rank"] == np.linalg.matrix_rank(k.permute(0, 2, 1, 3).reshape(24, 24).numpy())
+
+    np.savez(tmp_path / "few.npz", x=np.eye(4, dtype=np.float32)[:3])  # 3 samples: full rank
+    code, out, _ = run(capsys, "kernel", *common[:2], "--data", str(tmp_path / "few.npz"))
+    assert code == 0 and "κ = inf" not in out
+
+
+def test_random_weights_are_warned_about(tmp_path, capsys):
+    common = write_model(tmp_path)
+    code, out, err = run(capsys, "layers", *common)
+    assert code == 0
+    assert "warning: --model" in err and "without --weights" in err
+    title = " ".join(out.split("─")[0].split())  # the title, however it wraps
+    assert title.startswith("layer importance") and "[untrained: no --weights]" in title
+
+    namespace = {}
+    exec(FACTORY, namespace)
+    torch.save(namespace["build"]().state_dict(), tmp_path / "w.pt")
+    code, out, err = run(capsys, "layers", *common, "--weights", str(tmp_path / "w.pt"))
+    assert code == 0 and "warning" not in err and "untrained" not in out
+
+
+def test_undefined_scores_are_named(capsys):
+    # naswot's log det is -inf on the 8-wide MLP of the demo space (a singular activation kernel)
+    code, out, err = run(capsys, "nas", "--metric", "naswot", "--repeats", "1", "--format", "json")
+    assert code == 0, err
+    rows = {r["candidate"]: r for r in json.loads(out)["rows"]}
+    assert rows["mlp-8x1"]["naswot"] is None and rows["mlp-8x1"]["rank"] == 6
+    code, out, err = run(capsys, "nas", "--metric", "naswot", "--repeats", "1")
+    assert "-inf" not in out and "– undefined (naswot" in out and "naswot ↑" in out
