@@ -204,6 +204,12 @@ def test_numpy_arrays_are_accepted_wherever_tensors_are(tmp_path):
     )
     rows = attribution.layer_importance(model, a, y.numpy())
     assert rows == attribution.layer_importance(model, x, y)
+    surrogate = attribution.KernelSurrogate(model, alpha=1.0).fit(a)
+    assert surrogate.n_features_in_ == 5
+    assert isinstance(surrogate.predict(a), np.ndarray)
+    assert np.array_equal(surrogate.predict(a), surrogate.predict(x))
+    with pytest.raises(ValueError, match="X has 3 features, but KernelSurrogate is expecting 5"):
+        surrogate.predict(a[:, :3])
     with pytest.raises(TypeError, match="dtype <U1, not numbers"):
         ntk.empirical_ntk(model, np.array([["a"] * 5]))
 
