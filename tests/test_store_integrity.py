@@ -250,7 +250,33 @@ def test_distributed_without_a_process_group_is_refused(tmp_path, monkeypatch):
 
 # -- the property test ---------------------------------------------------------------------------
 
-STEPS = ("featurize", "kill", "edit", "truncate", "other data", "other model")
+STEPS = {  # step: weight (kills run a subprocess and are the slow ones)
+    "featurize": 3,
+    "kill": 1,
+    "interrupt": 2,
+    "edit": 1,
+    "truncate": 1,
+    "other data": 2,
+    "other model": 1,
+}
+
+
+def _interrupt(path, data_seed, count):
+    """featurize in this process, interrupted (KeyboardInterrupt, as Ctrl-C) when the model
+    starts its `count`-th forward pass; a refusal is fine too."""
+    net = dying.model()
+    calls = [0]
+
+    def hook(module, args):
+        calls[0] += 1
+        if calls[0] >= count:
+            raise KeyboardInterrupt
+
+    net.register_forward_pre_hook(hook)
+    try:
+        dying.featurize(path, data_seed, net=net)
+    except (KeyboardInterrupt, projections.StoreError):
+        pass
 
 
 def _edit_randomly(path, rng):
@@ -279,7 +305,8 @@ def _edit_randomly(path, rng):
 
 @pytest.mark.slow
 def test_random_store_histories_are_fresh_featurisations_or_refused(tmp_path):
-    """Random sequences of featurize / kill (after a random block, or mid-block) / edit a random
+    """Random sequences of featurize / kill (after a random block, or mid-block) / interrupt
+    (KeyboardInterrupt at a random forward pass) / edit a random
     manifest field / truncate the array / resume with other data or another model: every result
     of featurize and open_store equals, bit for bit, a fresh single-process featurisation of the
     data and model it was asked for (or last completed with), or is a StoreError."""
@@ -299,7 +326,7 @@ def test_random_store_histories_are_fresh_featurisations_or_refused(tmp_path):
         path = tmp_path / f"h{histories}"
         done = None  # (data, model) of the last featurize that returned
         for _ in range(rng.randint(3, 7)):
-            step = rng.choice(STEPS)
+            step = rng.choices(list(STEPS), weights=list(STEPS.values()))[0]
             data_seed, model_seed = 7, 0
             if step == "other data":
                 data_seed = rng.choice([8, 9])
@@ -311,6 +338,9 @@ def test_random_store_histories_are_fresh_featurisations_or_refused(tmp_path):
                 run = run_dying(path, rng.choice([7, 8]), 0, how, count)
                 assert run.returncode in (0, 3) or run.stderr.startswith("StoreError: "), run.stderr
                 done = None  # it may have completed the store, with either data
+            elif step == "interrupt":
+                _interrupt(path, rng.choice([7, 8]), rng.randint(1, 45))
+                done = None
             elif step == "edit" and (path / "manifest.json").exists():
                 _edit_randomly(path, rng)
             elif step == "truncate" and (path / "features.npy").exists():
