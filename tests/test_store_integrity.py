@@ -248,6 +248,20 @@ def test_distributed_without_a_process_group_is_refused(tmp_path, monkeypatch):
     assert not (tmp_path / "s").exists()
 
 
+def test_distributed_with_a_group_of_one_process_is_refused(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="more than one process \\(this one has 1\\)"):
+            projections.featurize(
+                dying.model(), dying.data(), tmp_path / "s", dim=4, distributed=True
+            )
+    finally:
+        dist.destroy_process_group()
+    assert not (tmp_path / "s").exists()
+
+
 # -- the property test ---------------------------------------------------------------------------
 
 STEPS = {  # step: weight (kills run a subprocess and are the slow ones)
