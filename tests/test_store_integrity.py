@@ -78,26 +78,29 @@ def edit(path, key, change):
     file.write_text(json.dumps(manifest))
 
 
-@pytest.mark.parametrize(
-    "key, change, message",
-    [
-        ("dim", lambda v: v // 2, "shape is"),
-        ("samples", lambda v: v - 3, "shape is"),
-        ("seed", lambda v: v + 1, "checksum"),
-        ("num_blocks", lambda v: v - 1, "num_blocks is 4"),
-        ("batch", lambda v: v + 1, "checksum"),
-        ("block", lambda v: v + 1, "num_blocks is 5"),
-        ("kind", lambda v: "sum_logits", "shape is"),
-        ("shape", lambda v: [v[0], v[1], v[2] // 2], "shape is"),
-        ("store_dtype", lambda v: "float64", "checksum"),
-        ("projector", lambda v: "gaussian", "checksum"),
-        ("model", lambda v: "0" * 64, "checksum"),
-        ("dim", lambda v: True, "not a JSON int"),
-        ("blocks", lambda v: {**v, "7": v["0"]}, "block '7'"),
-        ("blocks", lambda v: {**v, "0": {"features": "x"}}, "block 0 is"),
-        ("format", lambda v: "ntk-feature-store/1", "another version"),
-    ],
-)
+EDITS = [  # (manifest field, its edit, the refusal)
+    ("dim", lambda v: v // 2, "shape is"),
+    ("samples", lambda v: v - 3, "shape is"),
+    ("seed", lambda v: v + 1, "checksum"),
+    ("num_blocks", lambda v: v - 1, "num_blocks is 4"),
+    ("batch", lambda v: v + 1, "checksum"),
+    ("block", lambda v: v + 1, "num_blocks is 5"),
+    ("kind", lambda v: "sum_logits", "shape is"),
+    ("shape", lambda v: [v[0], v[1], v[2] // 2], "shape is"),
+    ("store_dtype", lambda v: "float64", "checksum"),
+    ("projector", lambda v: "gaussian", "checksum"),
+    ("model", lambda v: "0" * 64, "checksum"),
+    ("dim", lambda v: True, "not a JSON int"),
+    ("blocks", lambda v: {**v, "7": v["0"]}, "block '7'"),
+    ("blocks", lambda v: {**v, "0": {"features": "x"}}, "block 0 is"),
+    ("format", lambda v: "ntk-feature-store/1", "another version"),
+    ("num_outputs", lambda v: v + 1, "shape is"),
+    ("compute_dtype", lambda v: "float64", "checksum"),
+    ("settings_sha256", lambda v: "0" * 64, "checksum"),
+]
+
+
+@pytest.mark.parametrize("key, change, message", EDITS)
 def test_edited_manifest_is_refused(tmp_path, key, change, message):
     path = tmp_path / "s"
     dying.featurize(path)
@@ -106,6 +109,11 @@ def test_edited_manifest_is_refused(tmp_path, key, change, message):
         projections.open_store(path)
     with pytest.raises(projections.StoreError, match=message):
         dying.featurize(path)
+
+
+def test_every_manifest_field_is_edited_above(tmp_path):
+    dying.featurize(tmp_path / "s")
+    assert {key for key, _, _ in EDITS} == set(projections.store_info(tmp_path / "s"))
 
 
 def test_manifest_shape_must_match_the_array_header(tmp_path):
