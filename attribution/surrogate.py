@@ -121,6 +121,12 @@ class KernelSurrogate(BaseEstimator):
 
     def _test_kernel(self, x) -> np.ndarray:
         check_is_fitted(self, "dual_")
+        expected = getattr(self, "n_features_in_", None)
+        if expected is not None and getattr(x, "ndim", None) == 2 and x.shape[1] != expected:
+            raise ValueError(  # scikit-learn's wording, which its estimator checks expect
+                f"X has {x.shape[1]} features, but KernelSurrogate is expecting {expected} "
+                "features as input"
+            )
         k = _kernels.compute(self.model, x, self.x_train_, **self._opts())
         if self.normalize:
             k = _kernels.cosine(
@@ -149,6 +155,8 @@ class KernelSurrogate(BaseEstimator):
         if not self.scale_ > 0:
             raise ValueError("the training kernel has a non-positive diagonal")
         self.x_train_, self.num_outputs_ = x_train, o
+        if getattr(x_train, "ndim", None) == 2:  # scikit-learn's convention: X is [N, features]
+            self.n_features_in_ = x_train.shape[1]
         self._fit_machine(self._as_matrix(k), targets, o)
         return self
 

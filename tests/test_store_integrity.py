@@ -78,26 +78,29 @@ def edit(path, key, change):
     file.write_text(json.dumps(manifest))
 
 
-@pytest.mark.parametrize(
-    "key, change, message",
-    [
-        ("dim", lambda v: v // 2, "shape is"),
-        ("samples", lambda v: v - 3, "shape is"),
-        ("seed", lambda v: v + 1, "checksum"),
-        ("num_blocks", lambda v: v - 1, "num_blocks is 4"),
-        ("batch", lambda v: v + 1, "checksum"),
-        ("block", lambda v: v + 1, "num_blocks is 5"),
-        ("kind", lambda v: "sum_logits", "shape is"),
-        ("shape", lambda v: [v[0], v[1], v[2] // 2], "shape is"),
-        ("store_dtype", lambda v: "float64", "checksum"),
-        ("projector", lambda v: "gaussian", "checksum"),
-        ("model", lambda v: "0" * 64, "checksum"),
-        ("dim", lambda v: True, "not a JSON int"),
-        ("blocks", lambda v: {**v, "7": v["0"]}, "block '7'"),
-        ("blocks", lambda v: {**v, "0": {"features": "x"}}, "block 0 is"),
-        ("format", lambda v: "ntk-feature-store/1", "another version"),
-    ],
-)
+EDITS = [  # (manifest field, its edit, the refusal)
+    ("dim", lambda v: v // 2, "shape is"),
+    ("samples", lambda v: v - 3, "shape is"),
+    ("seed", lambda v: v + 1, "checksum"),
+    ("num_blocks", lambda v: v - 1, "num_blocks is 4"),
+    ("batch", lambda v: v + 1, "checksum"),
+    ("block", lambda v: v + 1, "num_blocks is 5"),
+    ("kind", lambda v: "sum_logits", "shape is"),
+    ("shape", lambda v: [v[0], v[1], v[2] // 2], "shape is"),
+    ("store_dtype", lambda v: "float64", "checksum"),
+    ("projector", lambda v: "gaussian", "checksum"),
+    ("model", lambda v: "0" * 64, "checksum"),
+    ("dim", lambda v: True, "not a JSON int"),
+    ("blocks", lambda v: {**v, "7": v["0"]}, "block '7'"),
+    ("blocks", lambda v: {**v, "0": {"features": "x"}}, "block 0 is"),
+    ("format", lambda v: "ntk-feature-store/1", "another version"),
+    ("num_outputs", lambda v: v + 1, "shape is"),
+    ("compute_dtype", lambda v: "float64", "checksum"),
+    ("settings_sha256", lambda v: "0" * 64, "checksum"),
+]
+
+
+@pytest.mark.parametrize("key, change, message", EDITS)
 def test_edited_manifest_is_refused(tmp_path, key, change, message):
     path = tmp_path / "s"
     dying.featurize(path)
@@ -108,11 +111,21 @@ def test_edited_manifest_is_refused(tmp_path, key, change, message):
         dying.featurize(path)
 
 
+def test_every_manifest_field_is_edited_above(tmp_path):
+    dying.featurize(tmp_path / "s")
+    assert {key for key, _, _ in EDITS} == set(projections.store_info(tmp_path / "s"))
+
+
 def test_manifest_shape_must_match_the_array_header(tmp_path):
     path = tmp_path / "s"
     dying.featurize(path)
     np.save(path / "features.npy", np.zeros((N, 3, dying.DIM), dtype="float64"))
     with pytest.raises(projections.StoreError, match="holds float64"):
+        projections.open_store(path)
+    np.save(path / "features.npy", np.zeros((N - 3, 3, dying.DIM), dtype="float32"))
+    with pytest.raises(
+        projections.StoreError, match=rf"holds float32 \[{N - 3}, 3, {dying.DIM}\], the manifest"
+    ):
         projections.open_store(path)
 
 
@@ -243,9 +256,49 @@ def test_distributed_without_a_process_group_is_refused(tmp_path, monkeypatch):
     assert not (tmp_path / "s").exists()
 
 
+def test_distributed_with_a_group_of_one_process_is_refused(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="more than one process \\(this one has 1\\)"):
+            projections.featurize(
+                dying.model(), dying.data(), tmp_path / "s", dim=4, distributed=True
+            )
+    finally:
+        dist.destroy_process_group()
+    assert not (tmp_path / "s").exists()
+
+
 # -- the property test ---------------------------------------------------------------------------
 
-STEPS = ("featurize", "kill", "edit", "truncate", "other data", "other model")
+STEPS = {  # step: weight (kills run a subprocess and are the slow ones)
+    "featurize": 3,
+    "kill": 1,
+    "interrupt": 2,
+    "edit": 1,
+    "truncate": 1,
+    "other data": 2,
+    "other model": 1,
+}
+
+
+def _interrupt(path, data_seed, count):
+    """featurize in this process, interrupted (KeyboardInterrupt, as Ctrl-C) when the model
+    starts its `count`-th forward pass; a refusal is fine too."""
+    net = dying.model()
+    calls = [0]
+
+    def hook(module, args):
+        calls[0] += 1
+        if calls[0] >= count:
+            raise KeyboardInterrupt
+
+    net.register_forward_pre_hook(hook)
+    try:
+        dying.featurize(path, data_seed, net=net)
+    except (KeyboardInterrupt, projections.StoreError):
+        pass
 
 
 def _edit_randomly(path, rng):
@@ -274,7 +327,8 @@ def _edit_randomly(path, rng):
 
 @pytest.mark.slow
 def test_random_store_histories_are_fresh_featurisations_or_refused(tmp_path):
-    """Random sequences of featurize / kill (after a random block, or mid-block) / edit a random
+    """Random sequences of featurize / kill (after a random block, or mid-block) / interrupt
+    (KeyboardInterrupt at a random forward pass) / edit a random
     manifest field / truncate the array / resume with other data or another model: every result
     of featurize and open_store equals, bit for bit, a fresh single-process featurisation of the
     data and model it was asked for (or last completed with), or is a StoreError."""
@@ -289,12 +343,12 @@ def test_random_store_histories_are_fresh_featurisations_or_refused(tmp_path):
 
     started = time.perf_counter()
     histories = 0
-    while histories < 12 and time.perf_counter() - started < 240:
+    while histories < 12 and time.perf_counter() - started < 30:  # < 60 s in all
         histories += 1
         path = tmp_path / f"h{histories}"
         done = None  # (data, model) of the last featurize that returned
         for _ in range(rng.randint(3, 7)):
-            step = rng.choice(STEPS)
+            step = rng.choices(list(STEPS), weights=list(STEPS.values()))[0]
             data_seed, model_seed = 7, 0
             if step == "other data":
                 data_seed = rng.choice([8, 9])
@@ -306,6 +360,9 @@ def test_random_store_histories_are_fresh_featurisations_or_refused(tmp_path):
                 run = run_dying(path, rng.choice([7, 8]), 0, how, count)
                 assert run.returncode in (0, 3) or run.stderr.startswith("StoreError: "), run.stderr
                 done = None  # it may have completed the store, with either data
+            elif step == "interrupt":
+                _interrupt(path, rng.choice([7, 8]), rng.randint(1, 45))
+                done = None
             elif step == "edit" and (path / "manifest.json").exists():
                 _edit_randomly(path, rng)
             elif step == "truncate" and (path / "features.npy").exists():
