@@ -41,14 +41,6 @@ def timed(fn):
     return out, time.perf_counter() - start
 
 
-def median_time(fn, repeats: int) -> tuple[object, float]:
-    times, out = [], None
-    for _ in range(repeats):
-        out, t = timed(fn)
-        times.append(t)
-    return out, statistics.median(times)
-
-
 def digits(args) -> None:
     n_train, n_test = (200, 100) if args.quick else (1000, 500)
     data = demo.digits(n_train=n_train)
@@ -112,22 +104,27 @@ def resnet_times(args) -> None:
     both = torch.cat([x, xt])
     print(
         f"\n## ResNet ({params:,} parameters, BatchNorm eval): {n_train} train × {n_test} test, "
-        f"median of {args.repeats}\n"
+        f"median of {args.repeats} after a warm-up, computations in turn\n"
     )
     print("| computation | float32 s | float64 s | float64/float32 |")
     print("|---|---|---|---|")
-    times = {}
-    for name, fn in (
-        (f"trace eNTK of the {n_train + n_test} samples", lambda dt: ntk.empirical_ntk(
+    computations = {
+        f"trace eNTK of the {n_train + n_test} samples": lambda dt: ntk.empirical_ntk(
             model, both, kind="trace", dtype=dt
-        )),
-        ("influence (auto)", lambda dt: influence(model, x, y, xt, dtype=dt)),
-    ):  # fmt: skip
-        (_, t32), (_, t64) = (
-            median_time(lambda dt=dt, fn=fn: fn(dt), args.repeats) for dt in (None, torch.float64)
-        )
-        times[name] = t32
+        ),
+        "influence (auto)": lambda dt: influence(model, x, y, xt, dtype=dt),
+    }
+    runs = {(name, dt): [] for name in computations for dt in (None, torch.float64)}
+    for r in range(args.repeats + 1):  # a warm-up round, then in turn, so that load changes
+        for (name, dt), times in runs.items():  # hit every computation alike
+            t = timed(lambda name=name, dt=dt: computations[name](dt))[1]
+            if r:
+                times.append(t)
+    med = {key: statistics.median(t) for key, t in runs.items()}
+    for name in computations:
+        t32, t64 = med[name, None], med[name, torch.float64]
         print(f"| {name} | {t32:.2f} | {t64:.2f} | {t64 / t32:.2f} |", flush=True)
+    times = {name: med[name, None] for name in computations}
     s32 = influence(model, x, y, xt)
     s64 = influence(model, x, y, xt, dtype=torch.float64)
     rel = float((s32 - s64).abs().max() / s64.abs().max())
