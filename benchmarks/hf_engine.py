@@ -8,6 +8,7 @@ overhead  the time of one `empirical_ntk` call at N = 16 (MLP and CNN of entk_sp
           2-sample linear model (the fixed cost of a call: checks, planning, tiling).
 
 Run: python benchmarks/hf_engine.py [--repeats 5] [--sections auto,overhead]
+                                    [--models cnn,mlp,resnet]
      python benchmarks/hf_engine.py --quick      # seconds-long smoke run
 """
 
@@ -48,25 +49,43 @@ def kernel_time(model, x, repeats: int, **options) -> float:
 METHODS = ("structured", "jacobian", "auto")
 
 
+def interleaved_times(model, x, kind: str, repeats: int) -> dict[str, float]:
+    """Median time of each method, the methods taking turns (one warm-up round first) so that
+    load changes on a shared machine hit them alike."""
+    times = {m: [] for m in METHODS}
+    for r in range(repeats + 1):
+        for m in METHODS:
+            start = time.perf_counter()
+            ntk.empirical_ntk(model, x, kind=kind, method=m)
+            if r:
+                times[m].append(time.perf_counter() - start)
+    return {m: statistics.median(t) for m, t in times.items()}
+
+
 def auto(args) -> None:
     n = {"mlp": 16, "cnn": 8, "resnet": 8} if args.quick else {"mlp": 64, "cnn": 64, "resnet": 32}
     cases = {
-        f"CNN (entk_speed), N = {n['cnn']}": (build("cnn"), inputs("cnn", n["cnn"])),
-        f"MLP 784-512-512-10 (entk_speed), N = {n['mlp']}": (build("mlp"), inputs("mlp", n["mlp"])),
-        f"ResNet (_resnet.py), N = {n['resnet']}": (
+        f"CNN (entk_speed), N = {n['cnn']}": lambda: (build("cnn"), inputs("cnn", n["cnn"])),
+        f"MLP 784-512-512-10 (entk_speed), N = {n['mlp']}": lambda: (
+            build("mlp"),
+            inputs("mlp", n["mlp"]),
+        ),
+        f"ResNet (_resnet.py), N = {n['resnet']}": lambda: (
             resnet(),
             torch.randn(n["resnet"], 3, 32, 32, generator=torch.Generator().manual_seed(0)),
         ),
     }
-    print(f"\n## method='auto' from the cost model (median of {args.repeats})\n")
+    cases = {name: case for name, case in cases.items() if name.split()[0].lower() in args.models}
+    print(f"\n## method='auto' from the cost model (median of {args.repeats}, methods in turn)\n")
     print(
         "| model | kind | structured s (auto before) | jacobian s | auto s (after) | auto picks | "
         "before/after |"
     )
     print("|---|---|---|---|---|---|---|")
-    for name, (model, x) in cases.items():
+    for name, case in cases.items():
+        model, x = case()
         for kind in ("full", "trace"):
-            t = {m: kernel_time(model, x, args.repeats, kind=kind, method=m) for m in METHODS}
+            t = interleaved_times(model, x, kind, args.repeats)
             plan = structured.plan(ModelView(model), x, kind, 10, len(x))
             autodiff = structured.prefers_autodiff(plan, kind, 10, len(x))
             picked = "jacobian" if autodiff else "structured"
@@ -96,6 +115,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sections", default="auto,overhead")
+    parser.add_argument("--models", default="cnn,mlp,resnet", help="auto section: which models")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     args = parser.parse_args()
     if args.quick:
