@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from ntk.core import inputs
 from ntk.core.memory import available_bytes
 from ntk.core.model import ModelView
 
@@ -193,18 +194,31 @@ def _one_model(
         output_fn=output_fn,
         dtype=dtype,
     )
-    left = torch.einsum("mo,mioq->miq", u, _kernels.output_kernel(model, x_test, x_train, **opts))
     if method == "grad_dot":
-        return (left * r).sum(-1)
-    return gauss_newton(
-        left, _kernels.output_kernel(model, x_train, **opts), g_train, y_train, damping
-    )
+        cross = _kernels.output_kernel(model, x_test, x_train, **opts)
+        return (torch.einsum("mo,mioq->miq", u, cross) * r).sum(-1)
+    if dim is None and u.shape[0] <= n:
+        # one symmetric kernel of train + test: each sample's Jacobian is formed once (the
+        # test × test block it adds is at most the size of the test × train one)
+        joint = _kernels.output_kernel(model, _joined(x_train, x_test), **opts)
+        theta, cross = joint[:n, :n], joint[n:, :n]
+    else:
+        theta = _kernels.output_kernel(model, x_train, **opts)
+        cross = _kernels.output_kernel(model, x_test, x_train, **opts)
+    left = torch.einsum("mo,mioq->miq", u, cross)
+    return gauss_newton(left, theta, g_train, y_train, damping)
+
+
+def _joined(x_train, x_test):
+    return inputs.cat(inputs.from_numpy(x_train, "x_train"), inputs.from_numpy(x_test, "x_test"))
 
 
 def _exact_fits(n_train: int, n_test: int, o: int, device: torch.device) -> bool:
-    """Whether the exact kernels and the (N·O)² system (float64, with working copies) fit in half
-    the free memory of `device`, where they are computed and solved."""
-    return 8 * o * o * n_train * (3 * n_train + n_test) < 0.5 * available_bytes(device)
+    """Whether the exact kernels (at most one of train + test) and the (N·O)² system (float64,
+    with working copies) fit in half the free memory of `device`, where they are computed and
+    solved."""
+    kernels = (n_train + n_test) ** 2 + 2 * n_train * n_train
+    return 8 * o * o * kernels < 0.5 * available_bytes(device)
 
 
 def default_dim(model: nn.Module) -> int:

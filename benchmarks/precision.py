@@ -41,14 +41,6 @@ def timed(fn):
     return out, time.perf_counter() - start
 
 
-def median_time(fn, repeats: int) -> tuple[object, float]:
-    times, out = [], None
-    for _ in range(repeats):
-        out, t = timed(fn)
-        times.append(t)
-    return out, statistics.median(times)
-
-
 def digits(args) -> None:
     n_train, n_test = (200, 100) if args.quick else (1000, 500)
     data = demo.digits(n_train=n_train)
@@ -112,30 +104,36 @@ def resnet_times(args) -> None:
     both = torch.cat([x, xt])
     print(
         f"\n## ResNet ({params:,} parameters, BatchNorm eval): {n_train} train × {n_test} test, "
-        f"median of {args.repeats}\n"
+        f"median of {args.repeats} after a warm-up, computations in turn\n"
     )
     print("| computation | float32 s | float64 s | float64/float32 |")
     print("|---|---|---|---|")
-    times = {}
-    for name, fn in (
-        (f"trace eNTK of the {n_train + n_test} samples", lambda dt: ntk.empirical_ntk(
+    computations = {
+        f"trace eNTK of the {n_train + n_test} samples": lambda dt: ntk.empirical_ntk(
             model, both, kind="trace", dtype=dt
-        )),
-        ("influence (auto)", lambda dt: influence(model, x, y, xt, dtype=dt)),
-    ):  # fmt: skip
-        (_, t32), (_, t64) = (
-            median_time(lambda dt=dt, fn=fn: fn(dt), args.repeats) for dt in (None, torch.float64)
-        )
-        times[name] = t32
-        print(f"| {name} | {t32:.2f} | {t64:.2f} | {t64 / t32:.2f} |", flush=True)
-    s32 = influence(model, x, y, xt)
-    s64 = influence(model, x, y, xt, dtype=torch.float64)
-    rel = float((s32 - s64).abs().max() / s64.abs().max())
+        ),
+        "influence (auto)": lambda dt: influence(model, x, y, xt, dtype=dt),
+    }
+    dtypes = (None,) if args.float32_only else (None, torch.float64)
+    runs = {(name, dt): [] for name in computations for dt in dtypes}
+    for r in range(args.repeats + 1):  # a warm-up round, then in turn, so that load changes
+        for (name, dt), times in runs.items():  # hit every computation alike
+            t = timed(lambda name=name, dt=dt: computations[name](dt))[1]
+            if r:
+                times.append(t)
+    med = {key: statistics.median(t) for key, t in runs.items()}
+    for name in computations:
+        t32, t64 = med[name, None], med.get((name, torch.float64))
+        t64s = "— | —" if t64 is None else f"{t64:.2f} | {t64 / t32:.2f}"
+        print(f"| {name} | {t32:.2f} | {t64s} |", flush=True)
+    times = {name: med[name, None] for name in computations}
     kernel_time = next(t for n, t in times.items() if n.startswith("trace"))
-    print(
-        f"\ninfluence / float32 trace eNTK: {times['influence (auto)'] / kernel_time:.2f}; "
-        f"largest relative change of the ResNet's scores, float32 vs float64: {rel:.1e}"
-    )
+    print(f"\ninfluence / float32 trace eNTK: {times['influence (auto)'] / kernel_time:.2f}")
+    if not args.float32_only:
+        s32 = influence(model, x, y, xt)
+        s64 = influence(model, x, y, xt, dtype=torch.float64)
+        rel = float((s32 - s64).abs().max() / s64.abs().max())
+        print(f"largest relative change of the ResNet's scores, float32 vs float64: {rel:.1e}")
 
 
 def main():
@@ -145,6 +143,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sections", default="digits,resnet")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    parser.add_argument(
+        "--float32-only", action="store_true", help="ResNet section: time float32 only"
+    )
     args = parser.parse_args()
     if args.quick:
         args.subsets, args.seeds, args.repeats = 8, 1, 1

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .core import inputs, kinds, ntk_vp, structured
+from .core import inputs, kinds, ntk_vp, persample, structured
 from .core.memory import KernelTooLargeError, available_bytes, block_size, human
 from .core.model import ModelView, check_eval_mode
 from .core.tiles import Grid
@@ -202,7 +202,11 @@ class _Computation:
         method = self.method
         plan = structured.plan(view, x1, kind, c, planned_tile, only=only)
         if method == "auto":
-            method = "structured" if plan.covered else "jacobian"
+            autodiff = not plan.covered or (
+                persample.vmappable(view.model)
+                and structured.prefers_autodiff(plan, kind, c, planned_tile)
+            )
+            method = "jacobian" if autodiff else "structured"
         if method == "jacobian" or method == "ntk_vp":
             plan = structured.Plan.autodiff(plan)
 

@@ -14,9 +14,11 @@ with variance (‖g‖²‖g'‖² + (g·g')² + (κ − 3) Σ_i g_i² g'_i²)/k
 term is (‖g‖²‖g'‖² + (g·g')²)/k, Rademacher removes 2 Σ_i g_i² g'_i²/k of it, and the sparse
 projector adds (s − 3) Σ_i g_i² g'_i²/k, which is small when g is spread over many coordinates.
 
-Matrices are generated in float64 on the CPU, in chunks of rows whose boundaries depend only on
-the number of columns (so a chunk is the same whichever rows are needed), then cast. Chunks are
-cached up to a memory budget, so a projection used on many batches is generated once.
+Matrices are generated in float64 on the CPU (Rademacher signs as integers, scaled in the target
+dtype by the float64 scale rounded to it: the same values without float64 arithmetic on the
+whole chunk), in chunks of rows whose boundaries depend only on the number of columns (so a chunk
+is the same whichever rows are needed), then cast. Chunks are cached up to a memory budget, so a
+projection used on many batches is generated once.
 """
 
 from __future__ import annotations
@@ -49,10 +51,7 @@ def _sample(projector: str, rows: int, cols: int, total_rows: int, seed: int) ->
     if projector == "gaussian":
         return torch.randn(rows, cols, generator=gen, dtype=torch.float64)
     if projector == "rademacher":
-        return (
-            torch.randint(0, 2, (rows, cols), generator=gen, dtype=torch.int8).to(torch.float64) * 2
-            - 1
-        )
+        return torch.randint(0, 2, (rows, cols), generator=gen, dtype=torch.int8) * 2 - 1
     s = max(3.0, math.sqrt(total_rows))
     u = torch.rand(rows, cols, generator=gen, dtype=torch.float64)
     return math.sqrt(s) * ((u < 0.5 / s).to(torch.float64) - (u > 1 - 0.5 / s).to(torch.float64))
@@ -113,9 +112,12 @@ class MatrixBank:
             return hit
         rows = min(m.chunk, m.rows - i * m.chunk)
         seed = stable_seed(self.projector, self.seed, m.key, m.rows, m.cols, i)
-        value = (_sample(self.projector, rows, m.cols, m.rows, seed) * m.scale).to(
-            dtype=self.dtype, device=self.device
-        )
+        value = _sample(self.projector, rows, m.cols, m.rows, seed)
+        if value.dtype == torch.int8:  # ±1: exact in any dtype, so scale after the cast
+            scale = torch.tensor(m.scale, dtype=torch.float64).to(self.dtype)
+            value = value.to(dtype=self.dtype, device=self.device) * scale.to(self.device)
+        else:
+            value = (value * m.scale).to(dtype=self.dtype, device=self.device)
         size = value.numel() * value.element_size()
         if self._cached + size <= self.cache_bytes:
             self._cache[ident] = value

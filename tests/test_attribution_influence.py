@@ -62,6 +62,24 @@ def test_gauss_newton_matches_parameter_space(setup):
     torch.testing.assert_close(influence(model, x, y, xt, yt, damping=0.1), trace)  # auto
 
 
+@pytest.mark.parametrize("n_train", [14, 3])
+def test_gauss_newton_with_more_or_fewer_test_than_training_samples(setup, n_train):
+    """One joint train + test kernel (N_test <= N_train) or two kernels (N_test > N_train): the
+    same parameter-space scores, for tensor and tuple inputs."""
+    model, x, y, xt, yt = setup
+    x, y = x[:n_train], y[:n_train]
+    j, left, g, p, r = _reference(model, x, y, xt, yt)
+    curvature = torch.stack([torch.diag(q) - torch.outer(q, q) for q in p])
+    h = torch.einsum("iop,ioa,ipb->ab", curvature, j, j) + 0.1 * torch.eye(
+        j.shape[2], dtype=torch.float64
+    )
+    expected = left @ torch.linalg.solve(h, torch.einsum("io,ioa->ai", r, j))
+    got = influence(model, x, y, xt, yt, kind="full", damping=0.1)
+    torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-10)
+    tupled = influence(model, (x,), y, (xt,), yt, kind="full", damping=0.1)
+    torch.testing.assert_close(tupled, expected, rtol=1e-7, atol=1e-10)
+
+
 def test_projected_gauss_newton_is_the_formula_on_features(setup):
     model, x, y, xt, yt = setup
     f, ft = (projections.features(model, v, dim=32, kind="full", seed=1).double() for v in (x, xt))

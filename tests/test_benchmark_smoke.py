@@ -1,9 +1,11 @@
-"""Smoke test of benchmarks/entk_speed.py: a quick run of our own methods prints its table."""
+"""Smoke tests of the benchmarks: quick runs print their tables."""
 
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "entk_speed.py"
 
@@ -46,3 +48,30 @@ def test_quick_run_prints_a_table_of_our_methods():
     assert rows[("mlp, N=16, full", "ours, jacobian")][10].startswith("skipped")
     assert rows[("mlp, N=64, trace", "ours, auto, tile 32")][7] == "32"
     assert re.search(r"\| mlp, N=64, trace \| ours, auto, tile auto \| [0-9.]+ \|", proc.stdout)
+
+
+def _run(script: str, *args: str) -> list[str]:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT.parent / script), "--quick", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()
+
+
+@pytest.mark.slow  # tens of seconds on 2 shared cores
+def test_quick_engine_leftovers_print_auto_picks_and_overhead():
+    lines = _run("hf_engine.py", "--models", "cnn")
+    auto = [_cells(line) for line in lines if line.startswith("| CNN")][:2]
+    assert [row[1] for row in auto] == ["full", "trace"]
+    assert all(row[5] in ("jacobian", "structured") and float(row[6]) > 0 for row in auto)
+    overhead = [_cells(line) for line in lines if line.startswith("| Linear 2→2")]
+    assert len(overhead) == 1 and float(overhead[0][1]) > 0
+
+
+def test_quick_precision_run_prints_the_resnet_ratio():
+    lines = _run("precision.py", "--sections", "resnet")
+    ratio = next(line for line in lines if line.startswith("influence / float32 trace eNTK"))
+    assert float(re.search(r"eNTK: ([0-9.]+)", ratio).group(1)) > 0

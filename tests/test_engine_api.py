@@ -10,6 +10,7 @@ from reference import kernels, of_kind
 from torch import nn
 
 import ntk
+from ntk.core.model import ModelView
 
 
 def snapshot(model):
@@ -216,3 +217,76 @@ def test_auto_picks_structured_when_layers_are_known(monkeypatch):
     assert not calls
     ntk.empirical_ntk(model, torch.randn(4, 5), method="jacobian")
     assert calls
+
+
+def test_auto_follows_the_cost_model(monkeypatch):
+    """A CNN whose convolutions all form explicit per-sample gradients goes to autodiff (the
+    structured path would only add copies); an MLP, whose linear layers are factored, does not;
+    the kernel is the same either way."""
+    import ntk.core.structured as structured
+
+    chosen = []
+    original = structured.Plan.autodiff.__func__
+
+    def spy(cls, other):
+        chosen.append(True)
+        return original(cls, other)
+
+    monkeypatch.setattr(structured.Plan, "autodiff", classmethod(spy))
+    cnn = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3, padding=1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 16 * 16, 3),
+    ).eval()
+    x = torch.randn(4, 3, 16, 16)
+    plan = structured.plan(ModelView(cnn), x, "full", 3, 4)
+    assert {"0", "2"} <= set(plan.positions) and not {"0", "2"} & plan.factored
+    auto = ntk.empirical_ntk(cnn, x, method="auto")
+    assert chosen
+    torch.testing.assert_close(auto, ntk.empirical_ntk(cnn, x, method="structured"))
+    chosen.clear()
+    ntk.empirical_ntk(MLP().eval(), torch.randn(4, 5), method="auto")
+    assert not chosen
+    # the factored contraction's saving outweighs the copies: structured stays
+    assert not structured.prefers_autodiff(
+        structured.plan(ModelView(MLP().eval()), torch.randn(4, 5), "full", 2, 4), "full", 2, 4
+    )
+
+
+class _Branching(nn.Module):
+    """A CNN with data-dependent control flow, which vmap cannot run."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        y = self.conv(x).flatten(1)
+        return y if bool((x > -100).all()) else -y
+
+
+def test_auto_keeps_structured_for_models_that_cannot_be_vmapped(monkeypatch):
+    import warnings
+
+    import ntk.core.persample as persample
+    import ntk.core.structured as structured
+
+    model, x = _Branching().eval(), torch.randn(2, 3, 6, 6)
+    chosen = []
+    original = structured.Plan.autodiff.__func__
+    monkeypatch.setattr(
+        structured.Plan,
+        "autodiff",
+        classmethod(lambda cls, other: chosen.append(True) or original(cls, other)),
+    )
+    with pytest.warns(persample.PerSampleFallbackWarning):
+        first = ntk.empirical_ntk(model, x)
+    assert chosen  # the cost model's pick, until vmap is found to fail
+    chosen.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = ntk.empirical_ntk(model, x)
+    assert not chosen
+    torch.testing.assert_close(first, second)

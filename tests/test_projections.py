@@ -154,6 +154,18 @@ def test_projector_entries_have_zero_mean_and_unit_variance(projector):
         assert float((r != 0).double().mean()) == pytest.approx(1 / 20, rel=0.05)  # s = √400
 
 
+@pytest.mark.parametrize("projector", PROJECTORS)
+def test_projector_entries_are_the_float64_entries_rounded_to_the_dtype(projector):
+    """A float32 or bfloat16 bank holds its float64 twin's matrix rounded once to the dtype (the
+    same random matrix whatever the dtype), with the scale applied."""
+    scale = 1 / math.sqrt(3000)
+    ref = MatrixBank(projector, 1, dtype=torch.float64, device="cpu").matrix(("t",), 30, 50, scale)
+    for dtype in (torch.float32, torch.bfloat16):
+        r = MatrixBank(projector, 1, dtype=dtype, device="cpu").matrix(("t",), 30, 50, scale)
+        assert r.dense().dtype == dtype
+        assert torch.equal(r.dense(), ref.dense().to(dtype))
+
+
 @pytest.mark.parametrize("block", [1, 2])
 def test_kronecker_projection_of_factors(block):
     """Projected factors equal the stacked Kronecker projection of the gradient written out."""

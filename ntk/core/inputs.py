@@ -102,6 +102,17 @@ def take(x: Inputs, index: slice | torch.Tensor) -> Inputs:
     return tuple(v[index] for v in x)
 
 
+def cat(x1: Inputs, x2: Inputs) -> Inputs:
+    """The samples of x1 followed by those of x2 (same structure; x2 moved to x1's devices)."""
+    check_compatible(x1, x2)
+    joined = [torch.cat([a, b.to(a.device)]) for a, b in zip(_leaves(x1), _leaves(x2))]
+    if isinstance(x1, torch.Tensor):
+        return joined[0]
+    if isinstance(x1, dict):
+        return dict(zip(x1, joined))
+    return tuple(joined)
+
+
 def convert(x: Inputs, device: torch.device, dtype: torch.dtype | None) -> Inputs:
     """Move to `device`; cast floating tensors to `dtype` (integer tensors such as token ids
     stay)."""

@@ -28,6 +28,11 @@ class PerSampleFallbackWarning(UserWarning):
 _NOT_VMAPPABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> reason
 
 
+def vmappable(model) -> bool:
+    """False once `map_samples` has found that `model` cannot be vmapped over samples."""
+    return model not in _NOT_VMAPPABLE
+
+
 def map_samples(view: ModelView, fn: Callable, params, x, *per_sample) -> object:
     """fn(params, x_b, *(a[b] for a in per_sample)) for every sample b of `x` (without its sample
     axis), stacked along a new first axis (tensors, or dicts/tuples of tensors)."""

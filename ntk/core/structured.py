@@ -353,9 +353,23 @@ def _positions(module: nn.Module, out_numel: int) -> int:
 
 
 def _prefer_factors(module: nn.Module, s: int, kind: str | Kind, c: int, tile_size: int) -> bool:
-    """Compare multiply-adds of the factored contraction and of explicit per-sample gradients
-    for one tile of `tile_size` × `tile_size` samples."""
-    kf = get(kind).pair_factor(c)
+    """Whether the factored contraction is cheaper than explicit per-sample gradients for one
+    tile of `tile_size` × `tile_size` samples (see `_layer_costs`)."""
+    explicit, factors, _ = _layer_costs(module, s, get(kind).pair_factor(c), c, tile_size)
+    return factors <= explicit
+
+
+COPY_COST = 8  # multiply-adds one copied (memory-bound) element costs, roughly, on CPU
+
+
+def _layer_costs(module: nn.Module, s: int, kf: int, c: int, b: int) -> tuple[float, float, float]:
+    """Multiply-adds of one b × b tile for a weight with S positions: (explicit, factored, copies).
+
+    explicit: per-sample gradients of both blocks, 2·B·C·S·|W|, then their contraction
+    kf·B²·|W| (kf cotangent pairs); factored: B²·S²·(F_in + kf·F_out + kf); copies: elements the
+    structured path materialises to form the explicit gradients (the inputs seen at each position
+    and the rearranged output signals, 2·B·S·(F_in + C·F_out)), weighted by COPY_COST; autodiff
+    forms the same gradients inside the backward pass without them."""
     if isinstance(module, nn.Embedding):
         f_in, f_out, build = 1, module.embedding_dim, c * s * module.embedding_dim
         dense = module.num_embeddings * module.embedding_dim
@@ -366,10 +380,29 @@ def _prefer_factors(module: nn.Module, s: int, kind: str | Kind, c: int, tile_si
             f_in, f_out = w.shape
         dense = w.numel()
         build = c * s * dense
-    b = tile_size
     explicit = 2 * b * build + kf * b * b * dense
     factors = b * b * s * s * (f_in + kf * f_out + kf)
-    return factors <= explicit
+    copies = COPY_COST * 2 * b * s * (f_in + c * f_out)
+    return float(explicit), float(factors), float(copies)
+
+
+def prefers_autodiff(plan_: Plan, kind: str | Kind, c: int, tile_size: int) -> bool:
+    """The `auto` method's cost model: whether differentiating every parameter by autodiff
+    (`jacobian`) is estimated cheaper than this structured plan.
+
+    Both share the forward and backward passes and the parameters the plan leaves to autodiff;
+    they differ on the weights of covered layers, where the structured path pays either the
+    factored contraction or the explicit gradients plus the copies that form them (see
+    `_layer_costs`), and autodiff pays the explicit gradients. Measured by
+    `python benchmarks/hf_engine.py --sections auto`.
+    """
+    kf = get(kind).pair_factor(c)
+    structured_cost = autodiff_cost = 0.0
+    for layer, s in plan_.positions.items():
+        explicit, factors, copies = _layer_costs(plan_.modules[layer], s, kf, c, tile_size)
+        autodiff_cost += explicit
+        structured_cost += factors if layer in plan_.factored else explicit + copies
+    return autodiff_cost < structured_cost
 
 
 # --------------------------------------------------------------------------------------------
