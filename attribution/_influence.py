@@ -13,6 +13,9 @@ r_i = e_{y_i} − p_i the descent direction of example i's cross-entropy in logi
 - `surrogate`: the exact contributions of a kernel-ridge `KernelSurrogate` fitted to the network's
   outputs, projected on u_z.
 - `trak`: TRAK as published (`attribution.trak`).
+- `ekfac` / `kfac`: the Gauss–Newton influence in parameter space with the curvature
+  Σ_j J_jᵀ Λ_j J_j replaced by its layer-wise Kronecker factorisation (`attribution.curvature`);
+  time and memory grow linearly with N.
 
 Scalar kinds (`trace`, `sum_logits`) stand in for Θ as k(x, x') ⊗ I_O. Several models
 (`checkpoints`) average their scores.
@@ -27,12 +30,12 @@ from torch import nn
 
 from ntk.core.memory import available_bytes
 
-from . import _kernels
+from . import _kernels, curvature
 from ._outputs import labels, logits, margin_gradient, models, softmax_curvature, test_labels
 from ._trak import trak
 from .surrogate import KernelSurrogate
 
-METHODS = ("auto", "gauss_newton", "trak", "surrogate", "grad_dot")
+METHODS = ("auto", "gauss_newton", "trak", "surrogate", "grad_dot", "ekfac", "kfac")
 AUTO = "gauss_newton"
 DEFAULT_DAMPING = 3.0
 MAX_DIM = 16384
@@ -58,19 +61,22 @@ def influence(
 
     method: "auto" (= "gauss_newton" with the trace kernel, the best in
     benchmarks/attribution_digits.py: LDS 0.671 against 0.658 for the full kernel), "trak",
-    "surrogate" or "grad_dot" (module docstring). kind: the kernel, "trace" (default; "full"
-    for grad_dot), "full" or "sum_logits". dim: None for exact kernels, or the
+    "surrogate", "grad_dot", "ekfac" or "kfac" (module docstring). kind: the kernel, "trace"
+    (default; "full" for grad_dot), "full" or "sum_logits". dim: None for exact kernels, or the
     dimension of a random projection (`projections`; with kind="full" the Gauss–Newton system is
     then solved in the k-dimensional projected parameter space, so N is limited only by the
-    features' memory); when exact kernels would not fit in memory, the full kernel projected
-    to `default_dim(model)` is used. y_test=None uses the network's predicted labels. checkpoints: models or state dicts of `model`'s architecture (e.g. independently
-    trained copies) whose scores are averaged; None uses `model` alone. damping (gauss_newton):
-    λ, or "auto" for 3 × tr(ΛΘ)/(N·O) (the mean eigenvalue of the curvature-weighted kernel;
-    3 was the best in the benchmark's sweep 10⁻⁴…10).
+    features' memory); when exact kernels would not fit in memory, method="auto" uses "ekfac"
+    (the Kronecker-factored curvature, linear in N; `attribution.curvature`) and the other
+    kernel methods the full kernel projected to `default_dim(model)`. y_test=None uses the
+    network's predicted labels. checkpoints: models or state dicts of `model`'s architecture
+    (e.g. independently trained copies) whose scores are averaged; None uses `model` alone.
+    damping (gauss_newton, ekfac, kfac): λ, or "auto" for 3 × tr(ΛΘ)/(N·O) (the mean eigenvalue
+    of the curvature-weighted kernel; 3 was the best in the benchmark's sweep 10⁻⁴…10; for
+    ekfac/kfac, tr(ΛΘ) = tr(G) of the factored curvature).
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid methods are {', '.join(METHODS)}")
-    method = AUTO if method == "auto" else method
+    auto, method = method == "auto", AUTO if method == "auto" else method
     if method == "trak":
         if kind not in (None, "full"):
             raise ValueError("method='trak' uses the margin's exact gradients; kind does not apply")
@@ -86,6 +92,10 @@ def influence(
             device=device,
             **({} if dim is None else {"dim": dim}),
         )
+    if method in curvature.STRATEGIES and (kind not in (None, "full") or dim is not None):
+        raise ValueError(
+            f"method={method!r} factors the full Gauss–Newton curvature: kind and dim do not apply"
+        )
     kind = kind or ("full" if method == "grad_dot" else "trace")
     if damping != "auto" and not (isinstance(damping, (int, float)) and damping > 0):
         raise ValueError(
@@ -99,6 +109,7 @@ def influence(
             x_test,
             y_test,
             method=method,
+            auto=auto,
             kind=kind,
             dim=dim,
             damping=damping,
@@ -112,7 +123,20 @@ def influence(
 
 
 def _one_model(
-    model, x_train, y_train, x_test, y_test, *, method, kind, dim, damping, seed, batch_size, device
+    model,
+    x_train,
+    y_train,
+    x_test,
+    y_test,
+    *,
+    method,
+    auto,
+    kind,
+    dim,
+    damping,
+    seed,
+    batch_size,
+    device,
 ) -> torch.Tensor:
     g_train, g_test = logits(model, x_train), logits(model, x_test)
     y_train = labels(y_train, g_train.shape[0], g_train.shape[1], "y_train")
@@ -124,6 +148,14 @@ def _one_model(
         return torch.einsum("mio,mo->mi", torch.as_tensor(surrogate.attribute(x_test)), u)
     n, o = g_train.shape
     r = nn.functional.one_hot(y_train, o).double() - g_train.softmax(1)  # [N, O]
+    if auto and dim is None and not _exact_fits(n, u.shape[0], o):
+        method = "ekfac"
+    if method in curvature.STRATEGIES:
+        curv = curvature.KroneckerCurvature(
+            model, strategy=method, batch_size=batch_size, device=device
+        ).fit(x_train, g_train)
+        lam = DEFAULT_DAMPING * curv.trace / (n * o) if damping == "auto" else float(damping)
+        return curv.influence(x_test, u, x_train, r, lam)
     if dim is None and not _exact_fits(n, u.shape[0], o):
         kind, dim = "full", default_dim(model)
     if kind == "full" and dim is not None:  # parameter space on projected Jacobians

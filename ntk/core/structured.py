@@ -300,7 +300,8 @@ def _prefer_factors(module: nn.Module, s: int, kind: str, c: int, block: int) ->
 
 
 def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor) -> list:
-    """Explicit and factored Jacobian terms of every trainable parameter for a block `x`."""
+    """Explicit and factored Jacobian terms of every trainable parameter for a block `x`, for
+    cotangents `cot` [C, O] shared by the samples or [C, B, O], one set per sample."""
     layer_inputs: dict[str, torch.Tensor] = {}
     perturbations: dict[str, torch.Tensor] = {}
 
@@ -329,7 +330,8 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor) -> list:
             for h in handles:
                 h.remove()
         b, o = out.shape
-        grad_out = cot[:, None, :].expand(cot.shape[0], b, o).contiguous()
+        grad_out = cot if cot.dim() == 3 else cot[:, None, :].expand(cot.shape[0], b, o)
+        grad_out = grad_out.contiguous()
         names = list(perturbations)
         signals = torch.autograd.grad(
             out,
