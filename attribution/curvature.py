@@ -49,6 +49,7 @@ class _Kronecker:
     qa: torch.Tensor | None = None
     qg: torch.Tensor | None = None
     eigenvalues: torch.Tensor | None = None  # [F_out, F_in]
+    rotated: bool = False  # scores are computed in the eigenbasis (`choose_basis`)
 
     def decompose(self, corrected: bool) -> None:
         ea, self.qa = torch.linalg.eigh(self.a)
@@ -56,9 +57,37 @@ class _Kronecker:
         self.eigenvalues = None if corrected else torch.outer(eg, ea).clamp_min(0) / self.count
 
     def precondition(self, grads: torch.Tensor, damping: float) -> torch.Tensor:
-        """(G_W + λI)⁻¹ applied to gradients [M, F_out, F_in]."""
-        rotated = self.qg.T @ grads @ self.qa
-        return self.qg @ (rotated / (self.eigenvalues + damping)) @ self.qa.T
+        """(G_W + λI)⁻¹ applied to gradients [M, F_out, F_in] (each product one GEMM)."""
+        rotated = (grads @ self.qa).transpose(1, 2) @ self.qg  # [M, F_in, F_out]
+        rotated = rotated / (self.eigenvalues.T + damping)
+        return (rotated @ self.qg.T).transpose(1, 2) @ self.qa.T
+
+    def choose_basis(self, n_train: int, n_test: int, dtype: torch.dtype) -> None:
+        """Score in the eigenbasis (rotate every example's factors: N·S·(F_out² + F_in²)) or in
+        the parameter basis (rotate the test gradients twice: M·F_out·F_in·(F_out + F_in)),
+        whichever costs fewer multiply-adds."""
+        f_out, f_in = self.eigenvalues.shape
+        positions = self.count / n_train
+        self.rotated = n_train * positions * (f_out**2 + f_in**2) < n_test * f_out * f_in * (
+            f_out + f_in
+        )
+        self._rotations = (self.qa.to(dtype), self.qg.to(dtype))
+
+    def gradients(self, a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """Per-example gradients Σ_s δ_s a_sᵀ [B, F_out·F_in] for one cotangent (d [1, B, S,
+        F_out]), in the scoring basis."""
+        if self.rotated:
+            qa, qg = self._rotations
+            a, d = a @ qa, d @ qg
+        return torch.einsum("bso,bsi->boi", d[0], a).flatten(1)
+
+    def preconditioned(self, a: torch.Tensor, d: torch.Tensor, damping: float) -> torch.Tensor:
+        """(G_W + λI)⁻¹ applied to the gradients of a batch, in the scoring basis."""
+        if self.rotated:
+            g = self.gradients(a, d).double().reshape(-1, *self.eigenvalues.shape)
+            return (g / (self.eigenvalues + damping)).flatten(1)
+        g = torch.einsum("bso,bsi->boi", d[0], a).double()
+        return self.precondition(g, damping).flatten(1)
 
 
 @dataclass
@@ -73,8 +102,11 @@ class _Dense:
         self.eigenvalues, self.q = torch.linalg.eigh(self.cov)
         self.eigenvalues.clamp_(min=0)
 
-    def precondition(self, grads: torch.Tensor, damping: float) -> torch.Tensor:
-        return ((grads @ self.q) / (self.eigenvalues + damping)) @ self.q.T
+    def gradients(self, g: torch.Tensor) -> torch.Tensor:
+        return g[0]
+
+    def preconditioned(self, g: torch.Tensor, damping: float) -> torch.Tensor:
+        return ((g[0].double() @ self.q) / (self.eigenvalues + damping)) @ self.q.T
 
 
 class KroneckerCurvature:
@@ -134,18 +166,6 @@ class KroneckerCurvature:
                 )
             out[("dense", layer)] = (g,)
         return out
-
-    @staticmethod
-    def _gradients(terms: dict) -> list[torch.Tensor]:
-        """Per-example gradients of each block for one cotangent, [B, P_block] each."""
-        grads = []
-        for key, value in terms.items():
-            if key[0] == "kron":
-                a, d = value
-                grads.append(torch.einsum("bso,bsi->boi", d[0], a).flatten(1))
-            else:
-                grads.append(value[0][0])
-        return grads
 
     def _batches(self, x, per_sample: int):
         n = inputs.count(x)
@@ -246,14 +266,14 @@ class KroneckerCurvature:
             raise RuntimeError("call fit(x_train, logits) first")
 
     def _stream(self, x, cot: torch.Tensor):
-        """Per-example gradients J_bᵀ cot_b, one list of per-block [B, P_block] per batch."""
+        """Per-block derivatives (`_terms`) of batches of `x` for one cotangent per sample."""
         n = inputs.validate(x, "x")
         if cot.shape[0] != n:
             raise ValueError(f"{cot.shape[0]} cotangents for {n} inputs")
         x = inputs.convert(x, self.view.device, None)
         cot = cot.to(self.view.device, self._dtype)
         for sl in self._batches(x, self._per_sample_bytes(1)):
-            yield sl, self._gradients(self._terms(inputs.take(x, sl), cot[sl].unsqueeze(0)))
+            yield sl, self._terms(inputs.take(x, sl), cot[sl].unsqueeze(0))
 
     def influence(
         self, x_test, u_test: torch.Tensor, x_train, r_train: torch.Tensor, damping: float
@@ -263,25 +283,19 @@ class KroneckerCurvature:
         self._check_fitted()
         if not (isinstance(damping, (int, float)) and damping > 0):
             raise ValueError(f"damping must be a positive number, got {damping!r}")
-        shapes = [
-            (b.qg.shape[0], b.qa.shape[0]) if isinstance(b, _Kronecker) else (b.q.shape[0],)
-            for b in self.blocks.values()
-        ]
+        n_train, n_test = inputs.count(x_train), inputs.count(x_test)
+        for block in self.blocks.values():
+            if isinstance(block, _Kronecker):
+                block.choose_basis(n_train, n_test, self._dtype)
         left = []
-        for _, grads in self._stream(x_test, torch.as_tensor(u_test)):
-            left.append(
-                torch.cat(
-                    [
-                        block.precondition(g.double().reshape(-1, *shape), damping).flatten(1)
-                        for block, g, shape in zip(self.blocks.values(), grads, shapes)
-                    ],
-                    dim=1,
-                ).to(self._dtype)
-            )
+        for _, terms in self._stream(x_test, torch.as_tensor(u_test)):
+            parts = [b.preconditioned(*terms[k], damping) for k, b in self.blocks.items()]
+            left.append(torch.cat(parts, dim=1).to(self._dtype))
         left = torch.cat(left)
-        scores = torch.empty(left.shape[0], inputs.count(x_train), dtype=torch.float64)
-        for sl, grads in self._stream(x_train, torch.as_tensor(r_train)):
-            scores[:, sl] = (left @ torch.cat(grads, dim=1).T).double()
+        scores = torch.empty(n_test, n_train, dtype=torch.float64)
+        for sl, terms in self._stream(x_train, torch.as_tensor(r_train)):
+            grads = torch.cat([b.gradients(*terms[k]) for k, b in self.blocks.items()], dim=1)
+            scores[:, sl] = (left @ grads.T).double()
         return scores
 
 

@@ -81,13 +81,20 @@ def _dense_factored_scores(model, x, y, xt, yt, strategy):
 
 
 @pytest.mark.parametrize("strategy", ["kfac", "ekfac"])
-def test_matches_dense_factored_curvature(mlp, strategy):
-    model, x, y, xt, yt = mlp
+@pytest.mark.parametrize("n_test", [4, 60])  # scored in the parameter basis / the eigenbasis
+def test_matches_dense_factored_curvature(mlp, strategy, n_test):
+    model, x, y, _, _ = mlp
+    xt = torch.randn(n_test, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    yt = torch.randint(0, O, (n_test,), generator=torch.Generator().manual_seed(4))
     expected = _dense_factored_scores(model, x, y, xt, yt, strategy)
     got = influence(model, x, y, xt, yt, method=strategy, damping=DAMPING)
     torch.testing.assert_close(got, expected, rtol=1e-8, atol=1e-12)
-    streamed = influence(model, x, y, xt, yt, method=strategy, damping=DAMPING, batch_size=7)
+    curvature = KroneckerCurvature(model, strategy=strategy, batch_size=7).fit(x, model(x).detach())
+    g, gt = model(x).detach(), model(xt).detach()
+    r = torch.eye(O, dtype=torch.float64)[y] - g.softmax(1)
+    streamed = curvature.influence(xt, _margin_grad(gt, yt), x, r, DAMPING)
     torch.testing.assert_close(streamed, expected, rtol=1e-8, atol=1e-12)
+    assert {b.rotated for b in curvature.blocks.values()} == {n_test > 30}
 
 
 @pytest.mark.parametrize("strategy", ["kfac", "ekfac"])
