@@ -79,6 +79,8 @@ class _Kronecker:
         if self.rotated:
             qa, qg = self._rotations
             a, d = a @ qa, d @ qg
+        if a.shape[1] == 1:  # one position: an outer product
+            return (d[0, :, 0, :, None] * a[:, 0, None, :]).flatten(1)
         return torch.einsum("bso,bsi->boi", d[0], a).flatten(1)
 
     def preconditioned(self, a: torch.Tensor, d: torch.Tensor, damping: float) -> torch.Tensor:
@@ -287,15 +289,16 @@ class KroneckerCurvature:
         for block in self.blocks.values():
             if isinstance(block, _Kronecker):
                 block.choose_basis(n_train, n_test, self._dtype)
-        left = []
+        left = {k: [] for k in self.blocks}
         for _, terms in self._stream(x_test, torch.as_tensor(u_test)):
-            parts = [b.preconditioned(*terms[k], damping) for k, b in self.blocks.items()]
-            left.append(torch.cat(parts, dim=1).to(self._dtype))
-        left = torch.cat(left)
-        scores = torch.empty(n_test, n_train, dtype=torch.float64)
+            for k, block in self.blocks.items():
+                left[k].append(block.preconditioned(*terms[k], damping).to(self._dtype))
+        left = {k: torch.cat(v) for k, v in left.items()}
+        scores = torch.zeros(n_test, n_train, dtype=torch.float64)
         for sl, terms in self._stream(x_train, torch.as_tensor(r_train)):
-            grads = torch.cat([b.gradients(*terms[k]) for k, b in self.blocks.items()], dim=1)
-            scores[:, sl] = (left @ grads.T).double()
+            batch = scores[:, sl]
+            for k, block in self.blocks.items():
+                batch += left[k] @ block.gradients(*terms[k]).T
         return scores
 
 

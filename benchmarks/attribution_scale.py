@@ -16,6 +16,11 @@ Gauss–Newton influence (`influence`'s default, trace kernel, and kind="full") 
 
     python benchmarks/attribution_scale.py --kronfluence-python PATH   # or KRONFLUENCE_PYTHON
     python benchmarks/attribution_scale.py --quick --no-peers           # seconds-long smoke run
+    python benchmarks/attribution_scale.py --digits [--seeds 2] [--kronfluence-python PATH]
+
+--digits: the LDS of the scalable path on the digits benchmark's model and retraining truth
+(benchmarks/attribution_digits.py: MLP 64-64-10, 1,000 train / 500 test, 100 half-subsets ×
+--seeds retrainings, margin target), next to the exact path and Kronfluence on the same model.
 
 Without a Kronfluence interpreter (flag, env var) its rows are skipped. Prints a markdown table.
 """
@@ -40,6 +45,7 @@ from scipy.stats import spearmanr
 from torch import nn
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # attribution_digits (the --digits harness)
 N_TEST = 500
 
 
@@ -152,6 +158,58 @@ def agreement(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.mean([spearmanr(a[z], b[z]).statistic for z in range(len(a))]))
 
 
+def digits_lds(args, peer) -> None:
+    """LDS of ours (exact kernel form, EK-FAC, K-FAC, each damping) and Kronfluence on the
+    digits benchmark's network and truth."""
+    import attribution_digits as bench
+
+    from attribution import influence, lds, random_subsets, train_on_subsets
+    from ntk import demo
+
+    torch.manual_seed(0)
+    data = demo.digits(n_train=bench.N_TRAIN)
+    x, y = data.x_train, data.y_train
+    xt, yt = data.x_test[: bench.N_TEST], data.y_test[: bench.N_TEST]
+    everything = torch.ones(1, bench.N_TRAIN, dtype=torch.bool)
+    model = bench.models_of(
+        train_on_subsets(demo.mlp, x, y, everything, seeds=1, **bench.RECIPE), 1
+    )[0]
+    subsets = random_subsets(bench.N_TRAIN, args.subsets, 0.5, seed=0)
+    target = train_on_subsets(demo.mlp, x, y, subsets, seeds=args.seeds, **bench.RECIPE).margins(
+        xt, yt
+    )
+    print(f"\n## LDS on digits ({args.subsets} half-subsets × {args.seeds} seeds)\n")
+    print("| method | damping | LDS | seconds |\n|---|---|---|---|")
+    rows = [
+        ("ours, exact gauss_newton (trace) = influence default", "auto", dict(method="auto")),
+        ("ours, exact gauss_newton (full)", "auto", dict(method="gauss_newton", kind="full")),
+    ]
+    rows += [
+        (f"ours, {m}", d, dict(method=m, damping=d))
+        for m in ("ekfac", "kfac")
+        for d in ("auto", *args.digits_damping)
+    ]
+    for name, damping, kwargs in rows:
+        start = time.perf_counter()
+        scores = influence(model, x, y, xt, yt, **kwargs)
+        seconds = time.perf_counter() - start
+        print(f"| {name} | {damping} | {lds(scores, subsets, target):.3f} | {seconds:.1f} |")
+    if peer:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = f"{tmp}/digits.pt"
+            torch.save(dict(model=model, x_train=x, y_train=y, x_test=xt, y_test=yt), path)
+            for damping in ("heuristic", "default"):
+                command = [
+                    peer,
+                    str(HERE / "peers" / "kronfluence_scores.py"),
+                    path,
+                    f"{tmp}/k.npy",
+                ]
+                stats = run([*command, "--damping", damping, "--threads", str(args.threads)])
+                score = lds(np.load(f"{tmp}/k.npy"), subsets, target)
+                print(f"| Kronfluence, ekfac | {damping} | {score:.3f} | {stats['seconds']:.1f} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", nargs=2, metavar=("CASE", "OUT"), help=argparse.SUPPRESS)
@@ -169,6 +227,15 @@ def main():
         help="interpreter of a venv with kronfluence (default: $KRONFLUENCE_PYTHON)",
     )
     parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--digits", action="store_true", help="LDS on the digits benchmark")
+    parser.add_argument("--seeds", type=int, default=2, help="--digits: retraining seeds")
+    parser.add_argument("--subsets", type=int, default=100, help="--digits: half-subsets")
+    parser.add_argument(
+        "--digits-damping",
+        type=lambda s: [float(v) for v in s.split(",")] if s else [],
+        default=[],
+        help="--digits: extra damping values λ for ekfac/kfac (comma-separated)",
+    )
     parser.add_argument("--quick", action="store_true", help="N=2000, 1 repeat, mlp only")
     args = parser.parse_args()
     if args.worker:
@@ -176,6 +243,9 @@ def main():
     if args.quick:
         args.cases, args.sizes, args.repeats, args.exact_n = "mlp", "2000", 1, 200
     peer = None if args.no_peers else args.kronfluence_python
+    if args.digits:
+        torch.set_num_threads(args.threads)
+        return digits_lds(args, peer)
     sizes = [int(s) for s in args.sizes.split(",")]
     print(
         f"# attribution at scale — {platform.processor() or platform.machine()}, "

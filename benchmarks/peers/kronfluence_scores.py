@@ -2,17 +2,18 @@
 that has kronfluence: its interpreter is passed to the driver by flag or environment variable).
 
     $KRONFLUENCE_PYTHON benchmarks/peers/kronfluence_scores.py CASE.pt OUT.npy \
-        [--strategy ekfac] [--batch-size 512]
+        [--strategy ekfac] [--batch-size 512] [--damping heuristic]
 
-CASE.pt (written by benchmarks/attribution_scale.py or attribution_digits.py) holds the whole
-`model` (a torch.nn.Sequential of standard modules, eval mode), x_train, y_train, x_test and
-y_test. The task is the one ours attributes: the training loss is the summed cross-entropy (with
-labels sampled from the model for the true Fisher, Kronfluence's default) and the measurement the
-margin f = g_y − logsumexp_{j≠y} g_j. Kronfluence scores g_fᵀ (G + λI)⁻¹ g_ℓ with the gradient
-of the training *loss*, so OUT.npy holds their negation [N_test, N_train] (the effect of
-up-weighting a training example on the margin, our sign). Default damping (Kronfluence's
-ScoreArguments). Prints one JSON object: seconds (factors + scores, in this process), the peak
-resident memory increase during them and the process's peak resident memory.
+CASE.pt (written by benchmarks/attribution_scale.py) holds the whole `model` (a torch.nn.Sequential
+of standard modules, eval mode), x_train, y_train, x_test and y_test. The task is the one ours
+attributes: the training loss is the summed cross-entropy (labels sampled from the model for the
+true Fisher, Kronfluence's default) and the measurement the margin f = g_y − logsumexp_{j≠y} g_j.
+--damping: Kronfluence's heuristic (0.1 × the mean eigenvalue of each module's factored
+curvature; default), its ScoreArguments default, or a number. Kronfluence scores
+g_fᵀ (G + λI)⁻¹ g_ℓ with the gradient of the training *loss*, so OUT.npy holds their negation
+[N_test, N_train] (the effect of up-weighting a training example on the margin, our sign). Prints
+one JSON object: seconds (factors and scores, in this process), the peak resident-memory increase
+during them and the process's peak resident memory.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from kronfluence.analyzer import Analyzer, prepare_model
-from kronfluence.arguments import FactorArguments
+from kronfluence.arguments import FactorArguments, ScoreArguments
 from kronfluence.task import Task
 from measure import PeakRSS
 
@@ -56,12 +57,24 @@ def main():
     parser.add_argument("--strategy", default="ekfac", choices=["ekfac", "kfac"])
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--damping",
+        default="heuristic",
+        help="'heuristic' (Kronfluence's 0.1 × mean eigenvalue), 'default' (ScoreArguments' "
+        "default) or a number",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     case = torch.load(args.case, weights_only=False)
     model = case["model"].eval()
     train = torch.utils.data.TensorDataset(case["x_train"], case["y_train"])
     test = torch.utils.data.TensorDataset(case["x_test"], case["y_test"])
+    if args.damping == "default":
+        score_args = ScoreArguments()
+    else:
+        score_args = ScoreArguments(
+            damping_factor=None if args.damping == "heuristic" else float(args.damping)
+        )
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp, PeakRSS() as mem:
         start = time.perf_counter()
@@ -81,6 +94,7 @@ def main():
             train,
             per_device_query_batch_size=len(test),
             per_device_train_batch_size=args.batch_size,
+            score_args=score_args,
         )
         scores = analyzer.load_pairwise_scores("scores")["all_modules"]
         seconds = time.perf_counter() - start
