@@ -15,7 +15,8 @@ Kronfluence) and on the first --exact-n training points, where the exact kernel-
 Gauss–Newton influence (`influence`'s default, trace kernel, and kind="full") fits.
 
     python benchmarks/attribution_scale.py --kronfluence-python PATH   # or KRONFLUENCE_PYTHON
-    python benchmarks/attribution_scale.py --quick --no-peers           # seconds-long smoke run
+    python benchmarks/attribution_scale.py --quick --no-peers           # N = 2,000, one repeat
+    python benchmarks/attribution_scale.py --smoke --no-peers           # seconds-long smoke run
     python benchmarks/attribution_scale.py --digits [--seeds 2] [--kronfluence-python PATH]
 
 --digits: the LDS of the scalable path on the digits benchmark's model and retraining truth
@@ -237,11 +238,15 @@ def main():
         help="--digits: extra damping values λ for ekfac/kfac (comma-separated)",
     )
     parser.add_argument("--quick", action="store_true", help="N=2000, 1 repeat, mlp only")
+    parser.add_argument("--smoke", action="store_true", help="N=400, 1 repeat, mlp, ekfac only")
     args = parser.parse_args()
     if args.worker:
         return worker(*args.worker, args.method, args.kind, args.threads)
     if args.quick:
         args.cases, args.sizes, args.repeats, args.exact_n = "mlp", "2000", 1, 200
+    if args.smoke:
+        args.cases, args.sizes, args.repeats, args.exact_n = "mlp", "400", 1, 100
+        args.methods = "ekfac"
     peer = None if args.no_peers else args.kronfluence_python
     if args.digits:
         torch.set_num_threads(args.threads)

@@ -1,9 +1,11 @@
-"""Smoke test of benchmarks/entk_speed.py: a quick run of our own methods prints its table."""
+"""Smoke tests of the benchmarks: quick runs of our own methods print their tables."""
 
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "entk_speed.py"
 
@@ -46,3 +48,25 @@ def test_quick_run_prints_a_table_of_our_methods():
     assert rows[("mlp, N=16, full", "ours, jacobian")][10].startswith("skipped")
     assert rows[("mlp, N=64, trace", "ours, auto, tile 32")][7] == "32"
     assert re.search(r"\| mlp, N=64, trace \| ours, auto, tile auto \| [0-9.]+ \|", proc.stdout)
+
+
+SCALE = SCRIPT.parent / "attribution_scale.py"
+
+
+@pytest.mark.slow
+def test_attribution_scale_smoke_run_prints_its_table():
+    """The smoke run of benchmarks/attribution_scale.py: exact rows and EK-FAC at two N, with
+    time, memory and a positive rank agreement of EK-FAC with the exact kind="full" scores."""
+    proc = subprocess.run(
+        [sys.executable, str(SCALE), "--smoke", "--no-peers"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = {(c[1], c[2]): c for c in map(_cells, proc.stdout.splitlines()) if len(c) == 9}
+    assert {("100", "exact (trace)"), ("100", "exact (full)"), ("400", "ours, ekfac")} <= set(rows)
+    for row in rows.values():
+        if row[0] == "mlp":
+            assert float(row[3]) > 0 and float(row[4]) > 0  # seconds, peak memory
+    assert float(rows[("100", "ours, ekfac")][8]) > 0.3  # ρ vs exact (full)
