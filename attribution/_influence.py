@@ -13,6 +13,9 @@ r_i = e_{y_i} − p_i the descent direction of example i's cross-entropy in logi
 - `surrogate`: the exact contributions of a kernel-ridge `KernelSurrogate` fitted to the network's
   outputs, projected on u_z.
 - `trak`: TRAK as published (`attribution.trak`).
+- `ekfac` / `kfac`: the Gauss–Newton influence in parameter space with the curvature
+  Σ_j J_jᵀ Λ_j J_j replaced by its layer-wise Kronecker factorisation (`attribution.curvature`);
+  time and memory grow linearly with N.
 
 Scalar kinds (`trace`, `sum_logits`) stand in for Θ as k(x, x') ⊗ I_O. Several models
 (`checkpoints`) average their scores.
@@ -29,12 +32,12 @@ from ntk.core import inputs
 from ntk.core.memory import available_bytes
 from ntk.core.model import ModelView
 
-from . import _kernels
+from . import _kernels, curvature
 from ._outputs import labels, logits, margin_gradient, models, softmax_curvature, test_labels
 from ._trak import trak
 from .surrogate import KernelSurrogate
 
-METHODS = ("auto", "gauss_newton", "trak", "surrogate", "grad_dot")
+METHODS = ("auto", "gauss_newton", "trak", "surrogate", "grad_dot", "ekfac", "kfac")
 AUTO = "gauss_newton"
 DEFAULT_DAMPING = 3.0
 MAX_DIM = 16384
@@ -61,28 +64,29 @@ def influence(
     """Scores [N_test, N_train]: influence of each training example on each test margin.
 
     method: "auto" (= "gauss_newton" with the trace kernel, the best LDS in
-    `python benchmarks/attribution_digits.py --sections lds`), "trak",
-    "surrogate" or "grad_dot" (module docstring). kind: the kernel, "trace" (default; "full"
-    for grad_dot), "full" or "sum_logits". dim: None for exact kernels, or the
-    dimension of a random projection (`projections`; with kind="full" the Gauss–Newton system is
-    then solved in the k-dimensional projected parameter space, so N is limited only by the
-    features' memory); when exact kernels would not fit in memory, the full kernel projected
-    to `default_dim(model)` is used (sized by the free memory of the device the kernels are
-    computed on). y_test=None uses the network's predicted labels. checkpoints: models or state
-    dicts of `model`'s architecture (e.g. independently trained copies) whose scores are
-    averaged; None uses `model` alone. damping (gauss_newton): λ, or "auto" for
+    `python benchmarks/attribution_digits.py --sections lds`), "trak", "surrogate", "grad_dot",
+    "ekfac" or "kfac" (module docstring). kind: the kernel, "trace" (default; "full" for
+    grad_dot), "full" or "sum_logits". dim: None for exact kernels, or the dimension of a random
+    projection (`projections`; with kind="full" the Gauss–Newton system is then solved in the
+    k-dimensional projected parameter space, so N is limited only by the features' memory); when
+    exact kernels would not fit in memory (sized by the free memory of the device the kernels are
+    computed on), method="auto" uses "ekfac" (the Kronecker-factored curvature, linear in N;
+    `attribution.curvature`) and the other kernel methods the full kernel projected to
+    `default_dim(model)`. y_test=None uses the network's predicted labels. checkpoints: models or
+    state dicts of `model`'s architecture (e.g. independently trained copies) whose scores are
+    averaged; None uses `model` alone. damping (gauss_newton, ekfac, kfac): λ, or "auto" for
     3 × tr(ΛΘ)/(N·O) (the mean eigenvalue of the curvature-weighted kernel; 3 was the best in
-    the benchmark's sweep 10⁻⁴…10). batch_size: the kernels' tile size and the projections'
-    featurisation batch (None: from the free memory). output_fn: maps the model's output to the
-    logits [B, O] (e.g. `lambda out: out.logits` for a HuggingFace model); inputs may be tensors,
-    tuples or dicts of tensors (e.g. input_ids and attention_mask). dtype: the dtype of kernels
-    and projected features (None: the model's); the solves, the curvature and the
-    parameter-space Gram are float64 either way; torch.float64 computes the kernels in float64
-    too.
+    the benchmark's sweep 10⁻⁴…10; for ekfac/kfac, tr(ΛΘ) = tr(G) of the factored curvature).
+    batch_size: the kernels' tile size and the projections' featurisation batch (None: from the
+    free memory). output_fn: maps the model's output to the logits [B, O] (e.g.
+    `lambda out: out.logits` for a HuggingFace model); inputs may be tensors, tuples or dicts of
+    tensors (e.g. input_ids and attention_mask). dtype: the dtype of kernels and projected
+    features (None: the model's); the solves, the curvature and the parameter-space Gram are
+    float64 either way; torch.float64 computes the kernels in float64 too.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid methods are {', '.join(METHODS)}")
-    method = AUTO if method == "auto" else method
+    auto, method = method == "auto", AUTO if method == "auto" else method
     if method == "trak":
         if kind not in (None, "full"):
             raise ValueError("method='trak' uses the margin's exact gradients; kind does not apply")
@@ -100,6 +104,10 @@ def influence(
             dtype=dtype,
             **({} if dim is None else {"dim": dim}),
         )
+    if method in curvature.STRATEGIES and (kind not in (None, "full") or dim is not None):
+        raise ValueError(
+            f"method={method!r} factors the full Gauss–Newton curvature: kind and dim do not apply"
+        )
     kind = kind or ("full" if method == "grad_dot" else "trace")
     if damping != "auto" and not (isinstance(damping, (int, float)) and damping > 0):
         raise ValueError(
@@ -113,6 +121,7 @@ def influence(
             x_test,
             y_test,
             method=method,
+            auto=auto,
             kind=kind,
             dim=dim,
             damping=damping,
@@ -135,6 +144,7 @@ def _one_model(
     y_test,
     *,
     method,
+    auto,
     kind,
     dim,
     damping,
@@ -162,7 +172,16 @@ def _one_model(
         return torch.einsum("mio,mo->mi", torch.as_tensor(surrogate.attribute(x_test)), u)
     n, o = g_train.shape
     r = nn.functional.one_hot(y_train, o).double() - g_train.softmax(1)  # [N, O]
-    if dim is None and not _exact_fits(n, u.shape[0], o, ModelView(model, device=device).device):
+    fits = dim is not None or _exact_fits(n, u.shape[0], o, ModelView(model, device=device).device)
+    if auto and not fits:
+        method = "ekfac"
+    if method in curvature.STRATEGIES:
+        curv = curvature.KroneckerCurvature(
+            model, strategy=method, batch_size=batch_size, device=device
+        ).fit(x_train, g_train)
+        lam = DEFAULT_DAMPING * curv.trace / (n * o) if damping == "auto" else float(damping)
+        return curv.influence(x_test, u, x_train, r, lam)
+    if not fits:
         kind, dim = "full", default_dim(model)
     if kind == "full" and dim is not None:  # parameter space on projected Jacobians
         import projections

@@ -75,3 +75,25 @@ def test_quick_precision_run_prints_the_resnet_ratio():
     lines = _run("precision.py", "--sections", "resnet")
     ratio = next(line for line in lines if line.startswith("influence / float32 trace eNTK"))
     assert float(re.search(r"eNTK: ([0-9.]+)", ratio).group(1)) > 0
+
+
+SCALE = SCRIPT.parent / "attribution_scale.py"
+
+
+@pytest.mark.slow
+def test_attribution_scale_smoke_run_prints_its_table():
+    """The smoke run of benchmarks/attribution_scale.py: exact rows and EK-FAC at two N, with
+    time, memory and a positive rank agreement of EK-FAC with the exact kind="full" scores."""
+    proc = subprocess.run(
+        [sys.executable, str(SCALE), "--smoke", "--no-peers"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = {(c[1], c[2]): c for c in map(_cells, proc.stdout.splitlines()) if len(c) == 9}
+    assert {("100", "exact (trace)"), ("100", "exact (full)"), ("400", "ours, ekfac")} <= set(rows)
+    for row in rows.values():
+        if row[0] == "mlp":
+            assert float(row[3]) > 0 and float(row[4]) > 0  # seconds, peak memory
+    assert float(rows[("100", "ours, ekfac")][8]) > 0.3  # ρ vs exact (full)

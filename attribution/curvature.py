@@ -1,0 +1,310 @@
+"""Kronecker-factored Gauss–Newton curvature (K-FAC, EK-FAC): influence whose cost grows linearly
+with the number of training examples N.
+
+The Gauss–Newton curvature of the summed cross-entropy, G = Σ_i J_iᵀ Λ_i J_i, is approximated
+block-diagonally over layers. Λ_i = diag(p_i) − p_i p_iᵀ = L_i L_iᵀ with the closed-form factor
+L_i = diag(√p_i) − p_i √p_iᵀ (column c: √p_ic (e_c − p_i); Σ_c p_ic = 1), so with δ_ics the
+backward signal of cotangent c at position s of a weight used as y_s = W a_s (one position for a
+Linear, the output pixels of a convolution; a bias is one more input feature), the weight's block
+is G_W = Σ_i Σ_c vec(g_ic) vec(g_ic)ᵀ with g_ic = Σ_s δ_ics a_isᵀ. K-FAC (Martens & Grosse,
+ICML 2015; Grosse & Martens, ICML 2016 for convolutions) approximates it by
+
+    G_W ≈ (Σ_{i,c,s} δ δᵀ) ⊗ (Σ_{i,s} a aᵀ) / (N·S) = (Q_G ⊗ Q_A) diag(e_G e_Aᵀ/(N·S)) (Q_G ⊗ Q_A)ᵀ,
+
+and EK-FAC (George et al., NeurIPS 2018) keeps the eigenbasis Q_G ⊗ Q_A and refits the
+eigenvalues to the exact diagonal of G_W in it, Λ_W = Σ_i Σ_c (Q_Gᵀ g_ic Q_A)² (one more pass over
+the data; the trace of G_W becomes exact). Parameters without this structure (the affine maps of
+normalisation layers, parameters of modules the engine does not factor) get their exact dense
+block. Memory: Σ_W (d_in² + d_out² + d_in·d_out) for the factors; per-example gradients are
+formed one batch at a time, never for all N at once.
+
+`KroneckerCurvature.influence` gives τ(z, i) = u_zᵀ J_z (G + λI)⁻¹ J_iᵀ r_i, the Gauss–Newton
+influence of `attribution.influence` with the block-diagonal factored G, with
+(G_W + λI)⁻¹ g = Q_G [(Q_Gᵀ g Q_A) / (Λ_W + λ)] Q_Aᵀ. Per-sample derivatives are computed in the
+model's dtype; factors, eigendecompositions and preconditioning in float64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ntk.core import inputs, structured
+from ntk.core.memory import available_bytes
+from ntk.core.model import ModelView, check_eval_mode
+
+STRATEGIES = ("kfac", "ekfac")
+MAX_DENSE = 8192  # most parameters of a block without Kronecker structure (kept dense)
+
+
+@dataclass
+class _Kronecker:
+    """A weight's factors: input and output-signal second moments (sums) over N·S positions."""
+
+    a: torch.Tensor  # [F_in, F_in]
+    g: torch.Tensor  # [F_out, F_out]
+    count: int = 0
+    qa: torch.Tensor | None = None
+    qg: torch.Tensor | None = None
+    eigenvalues: torch.Tensor | None = None  # [F_out, F_in]
+    rotated: bool = False  # scores are computed in the eigenbasis (`choose_basis`)
+
+    def decompose(self, corrected: bool) -> None:
+        ea, self.qa = torch.linalg.eigh(self.a)
+        eg, self.qg = torch.linalg.eigh(self.g)
+        self.eigenvalues = None if corrected else torch.outer(eg, ea).clamp_min(0) / self.count
+
+    def precondition(self, grads: torch.Tensor, damping: float) -> torch.Tensor:
+        """(G_W + λI)⁻¹ applied to gradients [M, F_out, F_in] (each product one GEMM)."""
+        rotated = (grads @ self.qa).transpose(1, 2) @ self.qg  # [M, F_in, F_out]
+        rotated = rotated / (self.eigenvalues.T + damping)
+        return (rotated @ self.qg.T).transpose(1, 2) @ self.qa.T
+
+    def choose_basis(self, n_train: int, n_test: int, dtype: torch.dtype) -> None:
+        """Score in the eigenbasis (rotate every example's factors: N·S·(F_out² + F_in²)) or in
+        the parameter basis (rotate the test gradients twice: M·F_out·F_in·(F_out + F_in)),
+        whichever costs fewer multiply-adds."""
+        f_out, f_in = self.eigenvalues.shape
+        positions = self.count / n_train
+        self.rotated = n_train * positions * (f_out**2 + f_in**2) < n_test * f_out * f_in * (
+            f_out + f_in
+        )
+        self._rotations = (self.qa.to(dtype), self.qg.to(dtype))
+
+    def gradients(self, a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """Per-example gradients Σ_s δ_s a_sᵀ [B, F_out·F_in] for one cotangent (d [1, B, S,
+        F_out]), in the scoring basis."""
+        if self.rotated:
+            qa, qg = self._rotations
+            a, d = a @ qa, d @ qg
+        if a.shape[1] == 1:  # one position: an outer product
+            return (d[0, :, 0, :, None] * a[:, 0, None, :]).flatten(1)
+        return torch.einsum("bso,bsi->boi", d[0], a).flatten(1)
+
+    def preconditioned(self, a: torch.Tensor, d: torch.Tensor, damping: float) -> torch.Tensor:
+        """(G_W + λI)⁻¹ applied to the gradients of a batch, in the scoring basis."""
+        if self.rotated:
+            g = self.gradients(a, d).double().reshape(-1, *self.eigenvalues.shape)
+            return (g / (self.eigenvalues + damping)).flatten(1)
+        g = torch.einsum("bso,bsi->boi", d[0], a).double()
+        return self.precondition(g, damping).flatten(1)
+
+
+@dataclass
+class _Dense:
+    """An exact Gauss–Newton block Σ_i Σ_c g_ic g_icᵀ of P parameters."""
+
+    cov: torch.Tensor  # [P, P]
+    q: torch.Tensor | None = None
+    eigenvalues: torch.Tensor | None = None
+
+    def decompose(self, corrected: bool) -> None:
+        self.eigenvalues, self.q = torch.linalg.eigh(self.cov)
+        self.eigenvalues.clamp_(min=0)
+
+    def gradients(self, g: torch.Tensor) -> torch.Tensor:
+        return g[0]
+
+    def preconditioned(self, g: torch.Tensor, damping: float) -> torch.Tensor:
+        return ((g[0].double() @ self.q) / (self.eigenvalues + damping)) @ self.q.T
+
+
+class KroneckerCurvature:
+    """The block-diagonal Kronecker-factored Gauss–Newton curvature of a classifier's
+    cross-entropy (module docstring).
+
+    strategy: "ekfac" (eigenvalue-corrected) or "kfac". batch_size: samples per pass (None: from
+    free memory). The model is used read-only through a functional view (eval mode required).
+    """
+
+    def __init__(
+        self, model, *, strategy: str = "ekfac", batch_size: int | None = None, device=None
+    ):
+        if strategy not in STRATEGIES:
+            raise ValueError(
+                f"unknown strategy {strategy!r}; valid strategies are {', '.join(STRATEGIES)}"
+            )
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"batch_size must be None or a positive integer, got {batch_size!r}")
+        check_eval_mode(model)
+        self.view = ModelView(model, device=device)
+        self.strategy = strategy
+        self.batch_size = batch_size
+        self.blocks: dict[tuple[str, str], _Kronecker | _Dense] = {}
+        self.num_train = 0
+
+    # -- per-batch gradients -----------------------------------------------------------------
+
+    def _terms(self, x, cot: torch.Tensor) -> dict[tuple[str, str], tuple]:
+        """Per-block derivatives of a batch for cotangents cot [C, B, O]: ("kron", layer) →
+        (a [B, S, F_in], δ [C, B, S, F_out]) and ("dense", layer) → g [C, B, P]."""
+        out: dict[tuple[str, str], tuple] = {}
+        dense: dict[str, list[torch.Tensor]] = {}
+        for t in structured.features(self.view, self.plan, x, cot):
+            if isinstance(t, structured.Factored):
+                a = t.a
+                if t.index:  # an embedding: one-hot inputs
+                    size = self.plan.modules[t.layer].num_embeddings
+                    if size > MAX_DENSE:
+                        raise ValueError(
+                            f"embedding '{t.layer}' has {size} rows; the Kronecker curvature "
+                            f"handles at most {MAX_DENSE} (its input factor is dense)"
+                        )
+                    a = F.one_hot(t.a, size).to(t.d.dtype)
+                    if t.padding_idx is not None:
+                        a = a * (t.a != t.padding_idx).unsqueeze(-1).to(a.dtype)
+                out[("kron", t.layer)] = (a, t.d)
+            else:
+                dense.setdefault(t.layer, []).append(t.g)
+        for layer, parts in dense.items():
+            g = torch.cat(parts, dim=-1)
+            if g.shape[-1] > MAX_DENSE:
+                raise ValueError(
+                    f"module '{layer}' has {g.shape[-1]} parameters without Kronecker structure "
+                    f"(not a Linear, Conv1d/2d or Embedding weight); at most {MAX_DENSE} are kept "
+                    "as an exact dense block"
+                )
+            out[("dense", layer)] = (g,)
+        return out
+
+    def _batches(self, x, per_sample: int):
+        n = inputs.count(x)
+        if self.batch_size is not None:
+            b = self.batch_size
+        else:
+            budget = min(1 << 30, available_bytes(self.view.device) // 8)
+            b = max(1, min(n, 4096, budget // max(per_sample, 1)))
+        for s in range(0, n, b):
+            yield slice(s, min(s + b, n))
+
+    def _per_sample_bytes(self, c: int) -> int:
+        """Rough working memory per sample of a pass with c cotangents (activations, signals and
+        the per-example gradients of the widest weight)."""
+        item = torch.finfo(self._dtype).bits // 8
+        widest = max((self.view.layer_size(n) for n in self.plan.modules), default=1)
+        return item * c * (3 * self.plan.activations + 2 * widest)
+
+    # -- fitting ---------------------------------------------------------------------------
+
+    def fit(self, x, logits: torch.Tensor) -> KroneckerCurvature:
+        """Fit the factors (and, for EK-FAC, the corrected eigenvalues) on training inputs `x`
+        and the network's logits on them [N, O]."""
+        n = inputs.validate(x, "x_train")
+        logits = torch.as_tensor(logits)
+        if logits.dim() != 2 or logits.shape[0] != n:
+            raise ValueError(
+                f"logits must be [N, O] for the {n} training inputs, got {tuple(logits.shape)}"
+            )
+        x = inputs.convert(x, self.view.device, None)
+        o = logits.shape[1]
+        self._dtype = next(iter(self.view.params.values())).dtype
+        self.plan = structured.plan(self.view, x, "full", o, 1, factor_all=True)
+        p = logits.to(self.view.device, torch.float64).softmax(1)
+        self.num_train = n
+        self.blocks = {}
+        batches = list(self._batches(x, self._per_sample_bytes(o)))
+        for sl in batches:
+            terms = self._terms(inputs.take(x, sl), _curvature_cotangents(p[sl], self._dtype))
+            for key, value in terms.items():
+                self._accumulate(key, value)
+        corrected = self.strategy == "ekfac"
+        for block in self.blocks.values():
+            block.decompose(corrected)
+        if corrected:
+            self._correct_eigenvalues(x, p, batches)
+        return self
+
+    def _accumulate(self, key, value) -> None:
+        if key[0] == "dense":
+            g = value[0].flatten(0, 1).double()
+            if key not in self.blocks:
+                self.blocks[key] = _Dense(torch.zeros(g.shape[1], g.shape[1], dtype=g.dtype))
+            self.blocks[key].cov += g.T @ g
+            return
+        a, d = value
+        a2, d2 = a.flatten(0, 1), d.flatten(0, 2)
+        if key not in self.blocks:
+            self.blocks[key] = _Kronecker(
+                torch.zeros(a2.shape[1], a2.shape[1], dtype=torch.float64),
+                torch.zeros(d2.shape[1], d2.shape[1], dtype=torch.float64),
+            )
+        block = self.blocks[key]
+        block.a += (a2.T @ a2).double()
+        block.g += (d2.T @ d2).double()
+        block.count += a2.shape[0]
+
+    def _correct_eigenvalues(self, x, p: torch.Tensor, batches) -> None:
+        """Λ_W = Σ_i Σ_c (Q_Gᵀ g_ic Q_A)²: the exact diagonal of each block in its eigenbasis."""
+        kron = {k: b for k, b in self.blocks.items() if k[0] == "kron"}
+        for block in kron.values():
+            block.eigenvalues = torch.zeros(
+                block.qg.shape[0], block.qa.shape[0], dtype=torch.float64
+            )
+        rotations = {k: (b.qa.to(self._dtype), b.qg.to(self._dtype)) for k, b in kron.items()}
+        for sl in batches:
+            terms = self._terms(inputs.take(x, sl), _curvature_cotangents(p[sl], self._dtype))
+            for key, block in kron.items():
+                a, d = terms[key]
+                qa, qg = rotations[key]
+                a_rot, d_rot = a @ qa, d @ qg
+                if a.shape[1] == 1:  # one position: g_ic is the outer product δ_ic a_iᵀ
+                    sq = (d_rot[:, :, 0] ** 2).sum(0).T @ (a_rot[:, 0] ** 2)
+                else:
+                    sq = (torch.einsum("cbso,bsi->cboi", d_rot, a_rot) ** 2).sum((0, 1))
+                block.eigenvalues += sq.double()
+
+    # -- influence -------------------------------------------------------------------------
+
+    @property
+    def trace(self) -> float:
+        """tr(G) of the factored curvature (exact for EK-FAC and the dense blocks)."""
+        self._check_fitted()
+        return float(sum(b.eigenvalues.sum() for b in self.blocks.values()))
+
+    def _check_fitted(self) -> None:
+        if not self.blocks:
+            raise RuntimeError("call fit(x_train, logits) first")
+
+    def _stream(self, x, cot: torch.Tensor):
+        """Per-block derivatives (`_terms`) of batches of `x` for one cotangent per sample."""
+        n = inputs.validate(x, "x")
+        if cot.shape[0] != n:
+            raise ValueError(f"{cot.shape[0]} cotangents for {n} inputs")
+        x = inputs.convert(x, self.view.device, None)
+        cot = cot.to(self.view.device, self._dtype)
+        for sl in self._batches(x, self._per_sample_bytes(1)):
+            yield sl, self._terms(inputs.take(x, sl), cot[sl].unsqueeze(0))
+
+    def influence(
+        self, x_test, u_test: torch.Tensor, x_train, r_train: torch.Tensor, damping: float
+    ) -> torch.Tensor:
+        """τ(z, i) = u_zᵀ J_z (G + λI)⁻¹ J_iᵀ r_i [N_test, N_train] for output cotangents u_test
+        [N_test, O] (the margin's gradient) and r_train [N_train, O] (e_y − p)."""
+        self._check_fitted()
+        if not (isinstance(damping, (int, float)) and damping > 0):
+            raise ValueError(f"damping must be a positive number, got {damping!r}")
+        n_train, n_test = inputs.count(x_train), inputs.count(x_test)
+        for block in self.blocks.values():
+            if isinstance(block, _Kronecker):
+                block.choose_basis(n_train, n_test, self._dtype)
+        left = {k: [] for k in self.blocks}
+        for _, terms in self._stream(x_test, torch.as_tensor(u_test)):
+            for k, block in self.blocks.items():
+                left[k].append(block.preconditioned(*terms[k], damping).to(self._dtype))
+        left = {k: torch.cat(v) for k, v in left.items()}
+        scores = torch.zeros(n_test, n_train, dtype=torch.float64)
+        for sl, terms in self._stream(x_train, torch.as_tensor(r_train)):
+            batch = scores[:, sl]
+            for k, block in self.blocks.items():
+                batch += left[k] @ block.gradients(*terms[k]).T
+        return scores
+
+
+def _curvature_cotangents(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Columns of L_i = diag(√p_i) − p_i √p_iᵀ (L_i L_iᵀ = Λ_i) as cotangents [O, B, O]:
+    entry [c, i, o] = √p_ic (δ_co − p_io)."""
+    eye = torch.eye(p.shape[1], dtype=p.dtype, device=p.device)
+    cot = p.sqrt().T[:, :, None] * (eye[:, None, :] - p[None])
+    return cot.to(dtype)

@@ -1,0 +1,208 @@
+"""attribution.curvature (K-FAC / EK-FAC influence): against a dense float64 computation of the same
+factored curvature; exact Gauss–Newton where the Kronecker factorisation is exact; the exact trace
+and per-example gradients of convolutions, normalisation layers and embeddings; error paths."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, jacrev, vmap
+
+import attribution._influence as influence_module
+from attribution import influence
+from attribution.curvature import MAX_DENSE, KroneckerCurvature
+
+O = 3
+DAMPING = 0.3
+
+
+def _jacobian(model, x):
+    """Per-example Jacobians [N, O, P] in named_parameters() order."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    j = vmap(jacrev(lambda p, xi: functional_call(model, p, (xi[None],))[0]), (None, 0))(params, x)
+    return torch.cat([j[k].reshape(len(x), O, -1) for k in params], 2)
+
+
+def _margin_grad(g, y):
+    others = g.scatter(1, y[:, None], float("-inf")).softmax(1)
+    return (-others).scatter(1, y[:, None], 1.0)
+
+
+def _softmax_hessians(g):
+    p = g.softmax(1)
+    return torch.stack([torch.diag(q) - torch.outer(q, q) for q in p])
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, O)).double().eval()
+    x, xt = torch.randn(30, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    return model, x, torch.randint(0, O, (30,)), xt, torch.randint(0, O, (4,))
+
+
+def _layer_jacobians(model, x):
+    """Per layer: inputs with a trailing 1 [N, F_in + 1] and per-example Jacobians of [W b] laid
+    out row-major [N, O, F_out·(F_in + 1)] (the bias is the last input column)."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    j = vmap(jacrev(lambda p, xi: functional_call(model, p, (xi[None],))[0]), (None, 0))(params, x)
+    hidden = torch.tanh(model[0](x)).detach()
+    out = []
+    for idx, a in ((0, x), (2, hidden)):
+        jw, jb = j[f"{idx}.weight"], j[f"{idx}.bias"]  # [N, O, F_out, F_in], [N, O, F_out]
+        a1 = torch.cat([a, torch.ones(len(a), 1, dtype=a.dtype)], 1)
+        out.append((a1, jb, torch.cat([jw, jb[..., None]], -1).flatten(2)))
+    return out
+
+
+def _dense_factored_scores(model, x, y, xt, yt, strategy):
+    """The factored curvature built densely (Kronecker products, explicit eigenbasis) and solved
+    with torch.linalg.solve."""
+    g, gt = model(x).detach(), model(xt).detach()
+    lam = _softmax_hessians(g)
+    r = torch.eye(O, dtype=torch.float64)[y] - g.softmax(1)
+    u = _margin_grad(gt, yt)
+    blocks, left, right = [], [], []
+    for (a, jb, j), (_, _, jt) in zip(_layer_jacobians(model, x), _layer_jacobians(model, xt)):
+        a_cov = a.T @ a
+        g_cov = torch.einsum("iop,ioa,ipb->ab", lam, jb, jb)  # Σ_i Σ_c δ_ic δ_icᵀ
+        if strategy == "kfac":
+            block = torch.kron(g_cov, a_cov) / len(x)
+        else:
+            q = torch.kron(torch.linalg.eigh(g_cov)[1], torch.linalg.eigh(a_cov)[1])
+            exact = torch.einsum("iop,ioa,ipb->ab", lam, j, j)
+            block = q @ torch.diag(torch.diagonal(q.T @ exact @ q)) @ q.T
+        blocks.append(block)
+        left.append(torch.einsum("mo,moa->ma", u, jt))
+        right.append(torch.einsum("io,ioa->ia", r, j))
+    h = torch.block_diag(*blocks) + DAMPING * torch.eye(sum(b.shape[0] for b in blocks)).double()
+    return torch.cat(left, 1) @ torch.linalg.solve(h, torch.cat(right, 1).T)
+
+
+@pytest.mark.parametrize("strategy", ["kfac", "ekfac"])
+@pytest.mark.parametrize("n_test", [4, 60])  # scored in the parameter basis / the eigenbasis
+def test_matches_dense_factored_curvature(mlp, strategy, n_test):
+    model, x, y, _, _ = mlp
+    xt = torch.randn(n_test, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    yt = torch.randint(0, O, (n_test,), generator=torch.Generator().manual_seed(4))
+    expected = _dense_factored_scores(model, x, y, xt, yt, strategy)
+    got = influence(model, x, y, xt, yt, method=strategy, damping=DAMPING)
+    torch.testing.assert_close(got, expected, rtol=1e-8, atol=1e-12)
+    curvature = KroneckerCurvature(model, strategy=strategy, batch_size=7).fit(x, model(x).detach())
+    g, gt = model(x).detach(), model(xt).detach()
+    r = torch.eye(O, dtype=torch.float64)[y] - g.softmax(1)
+    streamed = curvature.influence(xt, _margin_grad(gt, yt), x, r, DAMPING)
+    torch.testing.assert_close(streamed, expected, rtol=1e-8, atol=1e-12)
+    assert {b.rotated for b in curvature.blocks.values()} == {n_test > 30}
+
+
+@pytest.mark.parametrize("strategy", ["kfac", "ekfac"])
+def test_exact_gauss_newton_where_the_factorisation_is_exact(mlp, strategy):
+    """A linear classifier at zero weights: every p_i is uniform, so Λ_i = Λ and the Gauss–Newton
+    curvature Σ_i Λ ⊗ a_i a_iᵀ is one Kronecker product; with the same ("auto") damping both
+    strategies give the exact kernel-form influence."""
+    _, x, y, xt, yt = mlp
+    model = nn.Linear(5, O).double()
+    nn.init.zeros_(model.weight)
+    nn.init.zeros_(model.bias)
+    exact = influence(model, x, y, xt, yt, method="gauss_newton", kind="full")
+    got = influence(model, x, y, xt, yt, method=strategy)
+    torch.testing.assert_close(got, exact, rtol=1e-8, atol=1e-12)
+
+
+def _cnn():
+    torch.manual_seed(1)
+    model = nn.Sequential(
+        nn.Conv2d(1, 3, 3, padding=1),
+        nn.BatchNorm2d(3),
+        nn.ReLU(),
+        nn.Conv2d(3, 2, 2, stride=2),
+        nn.Flatten(),
+        nn.Linear(8, O),
+    ).double()
+    bn = model[1]
+    bn.running_mean.uniform_(-0.5, 0.5)
+    bn.running_var.uniform_(0.5, 2.0)
+    bn.weight.data.uniform_(0.5, 1.5)
+    bn.bias.data.uniform_(-0.5, 0.5)
+    return model.eval(), torch.randn(12, 1, 4, 4, dtype=torch.float64)
+
+
+def _embedding():
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Embedding(6, 4, padding_idx=0), nn.Flatten(), nn.Linear(12, O))
+    return model.double().eval(), torch.randint(0, 6, (12, 3))
+
+
+@pytest.mark.parametrize("build", [_cnn, _embedding], ids=["cnn_batchnorm", "embedding"])
+def test_trace_and_per_example_gradients_are_exact(build):
+    """EK-FAC's trace is the exact Gauss–Newton trace Σ_i tr(Λ_i J_i J_iᵀ), and with a huge
+    damping λ, λ·τ tends to the gradient dot product u_zᵀ J_z J_iᵀ r_i (the per-example gradients
+    of convolutions, BatchNorm's dense block and embeddings)."""
+    model, x = build()
+    g = model(x).detach()
+    y = torch.randint(0, O, (len(x),), generator=torch.Generator().manual_seed(0))
+    j = _jacobian(model, x)
+    curvature = KroneckerCurvature(model, batch_size=5).fit(x, g)
+    exact_trace = torch.einsum("iop,iop->", _softmax_hessians(g), j @ j.transpose(1, 2))
+    assert curvature.trace == pytest.approx(float(exact_trace), rel=1e-10)
+    u = _margin_grad(g, g.argmax(1))
+    r = torch.eye(O, dtype=torch.float64)[y] - g.softmax(1)
+    lam = 1e10
+    got = lam * curvature.influence(x, u, x, r, lam)
+    expected = torch.einsum("mo,moa->ma", u, j) @ torch.einsum("io,ioa->ia", r, j).T
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-8)
+
+
+def test_auto_uses_ekfac_when_exact_kernels_do_not_fit(mlp, monkeypatch):
+    model, x, y, xt, yt = mlp
+    monkeypatch.setattr(influence_module, "_exact_fits", lambda *args: False)
+    torch.testing.assert_close(
+        influence(model, x, y, xt, yt), influence(model, x, y, xt, yt, method="ekfac")
+    )
+
+
+def test_float32_model_close_to_float64(mlp):
+    model, x, y, xt, yt = mlp
+    expected = influence(model, x, y, xt, yt, method="ekfac")
+    got = influence(copy.deepcopy(model).float(), x.float(), y, xt.float(), yt, method="ekfac")
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_model_is_not_modified(mlp):
+    model, x, y, xt, yt = mlp
+    before = copy.deepcopy(model.state_dict())
+    influence(model, x, y, xt, yt, method="ekfac")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_bad_inputs(mlp):
+    model, x, y, xt, yt = mlp
+    with pytest.raises(ValueError, match="kind and dim do not apply"):
+        influence(model, x, y, xt, yt, method="ekfac", kind="trace")
+    with pytest.raises(ValueError, match="kind and dim do not apply"):
+        influence(model, x, y, xt, yt, method="kfac", dim=64)
+    with pytest.raises(ValueError, match="damping"):
+        influence(model, x, y, xt, yt, method="ekfac", damping=-1.0)
+    with pytest.raises(ValueError, match="unknown strategy"):
+        KroneckerCurvature(model, strategy="shampoo")
+    with pytest.raises(ValueError, match="batch_size"):
+        KroneckerCurvature(model, batch_size=0)
+    with pytest.raises(ValueError, match="logits must be"):
+        KroneckerCurvature(model).fit(x, torch.zeros(len(x) - 1, O))
+    with pytest.raises(RuntimeError, match="fit"):
+        KroneckerCurvature(model).influence(xt, torch.zeros(4, O), x, torch.zeros(30, O), 1.0)
+    fitted = KroneckerCurvature(model).fit(x, model(x).detach())
+    with pytest.raises(ValueError, match="damping"):
+        fitted.influence(xt, torch.zeros(4, O), x, torch.zeros(30, O), 0.0)
+    with pytest.raises(ValueError, match="cotangents for"):
+        fitted.influence(xt, torch.zeros(3, O), x, torch.zeros(30, O), 1.0)
+    training_bn = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Linear(4, O)).double()
+    with pytest.raises(ValueError, match="eval"):
+        influence(training_bn, x, y, xt, yt, method="ekfac")
+    wide = nn.Sequential(nn.Linear(5, MAX_DENSE), nn.LayerNorm(MAX_DENSE), nn.Linear(MAX_DENSE, O))
+    with pytest.raises(ValueError, match="without Kronecker structure"):
+        influence(wide.double().eval(), x[:4], y[:4], xt, yt, method="ekfac")
