@@ -54,19 +54,19 @@ def ours(setting: settings.Setting, smoke: bool) -> dict:
     }
 
 
-def peers(setting: settings.Setting, python: str, methods: str | None, smoke: bool) -> dict:
-    """Run benchmarks/peers/attr_peers.py in the peers' interpreter; name -> (scores, seconds)."""
+def run_peers(model, checkpoints, x, y, xt, yt, python: str, methods: str | None = None) -> dict:
+    """Run benchmarks/peers/attr_peers.py in the peers' interpreter `python` on `model` (and
+    `checkpoints`, a list of models for the ensemble methods); name -> (scores, seconds)."""
     with tempfile.TemporaryDirectory() as tmp:
         inp, out = Path(tmp) / "in.pt", Path(tmp) / "out.pt"
-        nets = setting.models(2 if smoke else ENSEMBLE)
         torch.save(
             dict(
-                model=setting.model,
-                checkpoints=[m.state_dict() for m in nets],
-                x=setting.x,
-                y=setting.y,
-                xt=setting.xt,
-                yt=setting.yt,
+                model=model,
+                checkpoints=[m.state_dict() for m in checkpoints],
+                x=x,
+                y=y,
+                xt=xt,
+                yt=yt,
             ),
             inp,
         )
@@ -77,6 +77,13 @@ def peers(setting: settings.Setting, python: str, methods: str | None, smoke: bo
         if proc.returncode != 0:
             print(f"peers failed:\n{proc.stderr[-3000:]}", flush=True)
         return torch.load(out, weights_only=False) if out.exists() else {}
+
+
+def peers(setting: settings.Setting, python: str, methods: str | None, smoke: bool) -> dict:
+    """The peers on a setting's network (ensembles: its first ENSEMBLE seeds)."""
+    nets = setting.models(2 if smoke else ENSEMBLE)
+    s = setting
+    return run_peers(s.model, nets, s.x, s.y, s.xt, s.yt, python, methods)
 
 
 def main():

@@ -1,5 +1,7 @@
 """The attribution benchmarks' settings (benchmarks/settings.py) in smoke mode."""
 
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,3 +28,26 @@ def test_smoke_setting_has_model_data_and_truth(name, tmp_path):
 def test_unknown_setting_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown setting"):
         settings.load("mnist")
+
+
+def test_benchmark_smoke_run_prints_lds_of_our_methods():
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "attribution_settings.py"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--smoke",
+            "--no-peers",
+            "--settings",
+            "breast_cancer",
+            "--skip",
+            "×,full,trak",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    row = re.search(r"\| influence auto \(gauss_newton, trace\) \| (-?[0-9.]+) \|", proc.stdout)
+    assert row and -1 <= float(row.group(1)) <= 1
+    assert "| breast_cancer |" in proc.stdout  # the summary table
