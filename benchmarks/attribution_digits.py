@@ -8,25 +8,33 @@ Network: the demo MLP 64-64-10 (Adam, 60 epochs), 1000 training / 500 test image
    `influence` method with 1 and 10 models, of TRAK as published (ours) and of the `traker`
    package's TRAKer on the same models (1, 10, 20), plus the harness's trust check: multinomial
    logistic regression with its exact influence function (Gauss–Newton = Hessian for a linear
-   model; damping = n · weight decay);
+   model; damping = n · weight decay); and the peers kronfluence (EK-FAC, K-FAC) and dattri
+   (explicit IF, TRAK with 1 and 10 models, Grad-Dot) on the same models and subsets, run by
+   benchmarks/peers/attr_peers.py in their own interpreter (--peer-python or $NTK_PEER_PYTHON);
 3. mislabel-detection ROC AUC (10 % of labels flipped, self-influence of a model trained on them);
 4. the time of each (one run each on the shared machine).
 
-Run: python benchmarks/attribution_digits.py [--seeds 2] [--quick]. traker (a peer, `peers` extra).
+Run: python benchmarks/attribution_digits.py [--seeds 2] [--quick] [--peer-python PY].
+traker (a peer, `peers` extra).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import platform
+import sys
 import tempfile
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
 from scipy.stats import spearmanr
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attribution import (
     KernelSurrogate,
@@ -40,6 +48,7 @@ from attribution import (
 )
 from attribution._outputs import margins
 from attribution.evaluation import SubsetModels
+from benchmarks.attribution_settings import run_peers
 from ntk import demo
 
 N_TRAIN, N_TEST, CLASSES = 1000, 500, 10
@@ -117,6 +126,12 @@ def main():
         default="faithfulness,lds,mislabel",
         help="comma-separated subset of faithfulness,lds,mislabel",
     )
+    parser.add_argument(
+        "--peer-python",
+        default=os.environ.get("NTK_PEER_PYTHON"),
+        help="interpreter with kronfluence and dattri (peers skipped when not given)",
+    )
+    parser.add_argument("--peer-methods", default=None, help="comma-separated subset")
     args = parser.parse_args()
     torch.manual_seed(0)
     data = demo.digits(n_train=N_TRAIN)
@@ -250,6 +265,15 @@ def attribution_lds(args, model, nets, x, y, xt, yt, subsets, target, everything
     for name, count, run in rows:
         scores, t = timed(run)
         print(f"{name:<44} {count:>6} {lds(scores, subsets, target):6.3f} {t:7.1f}", flush=True)
+    if args.peer_python:
+        auto = lds(influence(model, x, y, xt, yt), subsets, target)
+        found = run_peers(model, ten, x, y, xt, yt, args.peer_python, args.peer_methods)
+        for name, (scores, t) in found.items():
+            count = 10 if name.endswith("_10") else 1
+            value = lds(scores, subsets, target)
+            print(f"{name + ' (peer)':<44} {count:>6} {value:6.3f} {t:7.1f}", flush=True)
+            if name.startswith("kronfluence"):
+                print(f"{'  ratio LDS influence auto / ' + name:<44} {'':>6} {auto / value:6.2f}")
 
     # trust check: logistic regression, whose exact influence is the Gauss–Newton one
     wd = 1e-3

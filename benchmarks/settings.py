@@ -1,0 +1,183 @@
+"""Three small attribution settings with their LDS ground truth, shared by the attribution
+benchmarks (benchmarks/attribution_settings.py and the surrogate benchmarks).
+
+- `digits_mlp`: scikit-learn digits, MLP 64-64-10 (the demo network), 1000 train / 797 test;
+- `digits_cnn`: the same images as 1×8×8, a small CNN (two 3×3 convolutions, max-pool, linear);
+- `breast_cancer`: scikit-learn's breast_cancer (30 features standardised on the training split),
+  MLP 30-32-2, 400 train / 169 test.
+
+Each setting trains its network with one recipe (Adam, `attribution.train_on_subsets`, seed r for
+model r), and its ground truth retrains the same recipe on random half-subsets
+(`attribution.random_subsets`, vmapped) and records the test margins, averaged over seeds. The
+truth is cached in `cache_dir` (keyed by every choice that changes it) when one is given.
+
+Usage: `setting = load("digits_mlp", subsets=100, seeds=2, cache_dir=...)`, then
+`setting.model`, `setting.models(10)`, `setting.subsets`, `setting.truth` and
+`attribution.lds(scores, setting.subsets, setting.truth)`.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from attribution import random_subsets, train_on_subsets
+from attribution.evaluation import SubsetModels
+from ntk import demo
+
+NAMES = ("digits_mlp", "digits_cnn", "breast_cancer")
+RECIPES = {
+    "digits_mlp": dict(epochs=60, batch_size=64, lr=3e-3, weight_decay=1e-4),
+    "digits_cnn": dict(epochs=40, batch_size=64, lr=3e-3, weight_decay=1e-4),
+    "breast_cancer": dict(epochs=60, batch_size=32, lr=3e-3, weight_decay=1e-4),
+}
+SMOKE = dict(n_train=120, n_test=40, subsets=8, seeds=1, epochs=3)
+
+
+def cnn(classes: int = 10) -> nn.Sequential:
+    """A small CNN on 8×8 digits given as 64 features: conv 3×3 (8) → ReLU → conv 3×3 (16) → ReLU
+    → max-pool 2 → linear (3,834 parameters)."""
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 8, 8)),
+        nn.Conv2d(1, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16 * 4 * 4, classes),
+    )
+
+
+def _digits(n_train):
+    d = demo.digits(n_train=n_train)
+    return d.x_train, d.y_train, d.x_test, d.y_test
+
+
+def _breast_cancer(n_train):
+    from sklearn.datasets import load_breast_cancer
+    from sklearn.preprocessing import StandardScaler
+
+    data = load_breast_cancer()
+    order = np.random.default_rng(0).permutation(len(data.target))
+    x, y = data.data[order], data.target[order]
+    scaler = StandardScaler().fit(x[:n_train])
+    x = torch.tensor(scaler.transform(x), dtype=torch.float32)
+    y = torch.tensor(y, dtype=torch.long)
+    return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
+
+
+_SPECS = {
+    # name: (data loader, training-set size, architecture factory)
+    "digits_mlp": (_digits, 1000, demo.mlp),
+    "digits_cnn": (_digits, 1000, cnn),
+    "breast_cancer": (_breast_cancer, 400, lambda: demo.mlp(hidden=32, inputs=30, classes=2)),
+}
+
+
+@dataclass
+class Setting:
+    """A trained network, its data and the LDS ground truth on random half-subsets."""
+
+    name: str
+    factory: object  # () -> nn.Module, the architecture
+    recipe: dict
+    x: torch.Tensor
+    y: torch.Tensor
+    xt: torch.Tensor
+    yt: torch.Tensor
+    subsets: torch.Tensor  # bool [S, N_train]
+    truth: torch.Tensor  # margins [S, N_test], averaged over seeds
+    noise: float  # Spearman between two seeds' margins over subsets (nan with one seed)
+    seconds: float  # time to retrain the truth (0 when read from the cache)
+    _copies: SubsetModels | None = field(default=None, repr=False)
+
+    @property
+    def model(self) -> nn.Module:
+        """The network: the recipe on the whole training set, seed 0."""
+        return self.models(1)[0]
+
+    def models(self, count: int) -> list[nn.Module]:
+        """`count` independently seeded networks on the whole training set (seeds 0..count−1)."""
+        if self._copies is None or self._copies.seeds < count:
+            everything = torch.ones(1, len(self.x), dtype=torch.bool)
+            self._copies = train_on_subsets(
+                self.factory, self.x, self.y, everything, seeds=count, **self.recipe
+            )
+        return _modules(self._copies, count)
+
+    def accuracy(self, model: nn.Module) -> float:
+        return demo.accuracy(model, self.xt, self.yt)
+
+
+def _modules(stack: SubsetModels, count: int) -> list[nn.Module]:
+    out = []
+    for j in range(count):
+        m = copy.deepcopy(stack.base)
+        m.load_state_dict({k: v[j] for k, v in stack.params.items()})
+        out.append(m.eval())
+    return out
+
+
+def load(
+    name: str,
+    *,
+    subsets: int = 100,
+    seeds: int = 2,
+    cache_dir: str | Path | None = None,
+    smoke: bool = False,
+) -> Setting:
+    """The setting `name` (one of NAMES) with its ground truth over `subsets` half-subsets ×
+    `seeds` retrainings. smoke: a seconds-long miniature (SMOKE sizes) for tests."""
+    if name not in NAMES:
+        raise ValueError(f"unknown setting {name!r}; valid settings are {', '.join(NAMES)}")
+    loader, n_train, factory = _SPECS[name]
+    recipe = dict(RECIPES[name])
+    if smoke:
+        n_train, subsets, seeds = SMOKE["n_train"], SMOKE["subsets"], SMOKE["seeds"]
+        recipe["epochs"] = SMOKE["epochs"]
+    x, y, xt, yt = loader(n_train)
+    if smoke:
+        xt, yt = xt[: SMOKE["n_test"]], yt[: SMOKE["n_test"]]
+    mask = random_subsets(len(x), subsets, 0.5, seed=0)
+    key = dict(name=name, n_train=len(x), n_test=len(xt), subsets=subsets, seeds=seeds, **recipe)
+    path = None
+    if cache_dir is not None:
+        digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
+        path = Path(cache_dir) / f"truth_{name}_{digest}.pt"
+        if path.exists():
+            cached = torch.load(path)
+            if bool((cached["subsets"] == mask).all()):
+                return Setting(
+                    name, factory, recipe, x, y, xt, yt, mask, cached["truth"], cached["noise"], 0.0
+                )
+    start = time.perf_counter()
+    stack = train_on_subsets(factory, x, y, mask, seeds=seeds, **recipe)
+    seconds = time.perf_counter() - start
+    truth = stack.margins(xt, yt)
+    noise = _seed_noise(stack, xt, yt) if seeds >= 2 else float("nan")
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(dict(key=key, subsets=mask, truth=truth, noise=noise), path)
+    return Setting(name, factory, recipe, x, y, xt, yt, mask, truth, noise, seconds)
+
+
+def _seed_noise(stack: SubsetModels, xt, yt) -> float:
+    """Mean over test examples of the Spearman correlation, over subsets, of two seeds' margins
+    (the training noise an LDS against the seed mean is measured through)."""
+    from scipy.stats import spearmanr
+
+    from attribution._outputs import margins
+
+    out = stack.outputs(xt).double()
+    a, b = (margins(out[:, r], yt) for r in (0, 1))
+    rhos = [spearmanr(a[:, z], b[:, z]).statistic for z in range(len(yt))]
+    return float(np.nanmean(rhos))
