@@ -6,7 +6,24 @@ contribution of training example i to test example x is K(x, x_i) A_i (Θ(x, x_i
 full kernel), and the contributions plus the intercept b sum to d(x) exactly. This is the
 surrogate-model view of Engel et al. (ICLR 2024, "Faithful and efficient explanations for neural
 networks via neural tangent kernel surrogate models"), with scikit-learn's machines on
-precomputed kernels and the regularisation chosen by cross-validation.
+precomputed kernels.
+
+Default (`center=True`, ridge): kernel ridge with an unpenalised intercept in feature space,
+min_{w,b} Σ_i ‖t_i − ⟨w, φ(x_i)⟩ − b‖² + α‖w‖², fitted to the per-sample centred logits
+t_i = g(x_i) − mean_o g_o(x_i) (softmax is unchanged by the shift). Its dual solves the bordered
+system [[K + αI, 1], [1ᵀ, 0]] [A; b] = [T; 0], so Σ_i A_i = 0 and, with the centred kernel
+K_c(x, x_i) = K(x, x_i) − mean_j K(x, x_j) − mean_j K(x_j, x_i) + mean K,
+d(x) = Σ_i K_c(x, x_i) A_i + mean_i t_i exactly: the common component every pair of inputs shares
+(large for the eNTK) is moved into the intercept instead of being added and cancelled by every
+training example. alpha=None takes the largest α of GRID whose cross-validated R² is within
+`COHERENT_TOLERANCE` of the best (the least interpolating machine that still fits the network;
+the CV optimum alone interpolates and cancels, benchmarks/surrogate_settings.py).
+
+Contributions answer "where does d(x) come from"; `influence` answers the counterfactual "how
+does d(x) change when these training points are removed and the machine refitted", in closed
+form: with H = [[K + αI, 1], [1ᵀ, 0]]⁻¹ and z = [A; b], removing a set S leaves
+z' = z_R − H_RS H_SS⁻¹ z_S (block inverse of H), so d(x) − d_{−S}(x) = w_S(x) H_SS⁻¹ z_S with
+w(x) = [K(x, X), 1] H; for one point, w_i(x) A_i / H_ii.
 """
 
 from __future__ import annotations
@@ -31,7 +48,9 @@ from ._outputs import labels, logits
 
 MACHINES = ("ridge", "svm", "logistic")
 KINDS = _kernels.OUTPUT_KINDS
-GRID = np.logspace(-6, 2, 5)
+GRID = np.logspace(-6, 2, 9)
+COHERENT_TOLERANCE = 0.01  # alpha=None: largest α whose CV R² is within this of the best
+ALPHA_CHOICES = ("coherent", "cv")
 
 
 class KernelSurrogate(BaseEstimator):
@@ -45,8 +64,11 @@ class KernelSurrogate(BaseEstimator):
     rows, d(x) = W K(X, x) + b). projection_dim: None for the exact kernel, else the dimension
     of a random projection (`projections.projected_ntk`, seeded by `seed`). alpha: the
     regularisation (ridge α, 1/C for svm and logistic) on the kernel scaled to unit mean
-    diagonal; None chooses it from GRID by `cv`-fold cross-validation on the training set.
-    The model is never modified. Defaults: in benchmarks/attribution_digits.py (fitted to the
+    diagonal; None or "coherent" takes the largest α of GRID whose `cv`-fold cross-validated
+    score is within COHERENT_TOLERANCE of the best (for ridge; the best otherwise), "cv" the
+    best. center: kernel ridge with an unpenalised feature-space intercept on per-sample centred
+    logits (module docstring; None: True for ridge on a scalar kind). The model is never
+    modified. Defaults: in benchmarks/attribution_digits.py (fitted to the
     network's outputs, 500 test digits) ridge reaches Kendall τ 0.996 with `trace`, 0.998 with
     `sum_logits`, 1.000 with `full` (~10× the time), and 0.995 / 0.990 / 0.911 with a k = 1024
     projection; `trace` + ridge is the default: within 0.002 of the best exact scalar kind and
@@ -61,7 +83,8 @@ class KernelSurrogate(BaseEstimator):
         machine: str = "ridge",
         normalize: bool = False,
         projection_dim: int | None = None,
-        alpha: float | None = None,
+        alpha: float | str | None = None,
+        center: bool | None = None,
         cv: int = 3,
         seed: int = 0,
         batch_size: int | None = None,
@@ -73,6 +96,7 @@ class KernelSurrogate(BaseEstimator):
         self.normalize = normalize
         self.projection_dim = projection_dim
         self.alpha = alpha
+        self.center = center
         self.cv = cv
         self.seed = seed
         self.batch_size = batch_size
@@ -91,8 +115,24 @@ class KernelSurrogate(BaseEstimator):
                 "kind='full' (a multi-output kernel) works with machine='ridge' and "
                 "normalize=False only"
             )
-        if self.alpha is not None and not self.alpha > 0:
+        if isinstance(self.alpha, str):
+            if self.alpha not in ALPHA_CHOICES:
+                raise ValueError(
+                    f"alpha must be positive, None or one of {', '.join(ALPHA_CHOICES)}, "
+                    f"got {self.alpha!r}"
+                )
+        elif self.alpha is not None and not self.alpha > 0:
             raise ValueError(f"alpha must be positive or None, got {self.alpha!r}")
+        if self.center and (self.machine != "ridge" or self.kind == "full"):
+            raise ValueError("center=True needs machine='ridge' and a scalar kind")
+        if self.alpha is None or isinstance(self.alpha, str):
+            if isinstance(self.cv, bool) or not isinstance(self.cv, int) or self.cv < 2:
+                raise ValueError(f"cv must be an integer >= 2 folds, got {self.cv!r}")
+
+    def _centred(self) -> bool:
+        if self.center is None:
+            return self.machine == "ridge" and self.kind != "full"
+        return bool(self.center)
 
     def _opts(self) -> dict:
         return dict(
@@ -111,14 +151,18 @@ class KernelSurrogate(BaseEstimator):
             k = k.permute(0, 2, 1, 3).reshape(n1 * o, n2 * o)
         return (k / self.scale_).numpy()
 
-    def _test_kernel(self, x) -> np.ndarray:
+    def _test_kernel(self, x, centred: bool = True) -> np.ndarray:
+        """K(x, X) as the machine sees it (centred when `center_`), or uncentred."""
         check_is_fitted(self, "dual_")
         k = _kernels.compute(self.model, x, self.x_train_, **self._opts())
         if self.normalize:
             k = _kernels.cosine(
                 k, _kernels.self_similarity(self.model, x, **self._opts()), self.diag_
             )
-        return self._as_matrix(k)
+        k = self._as_matrix(k)
+        if self.center_ and centred:
+            k = k - k.mean(1, keepdims=True) - self.row_means_ + self.row_means_.mean()
+        return k
 
     # -- fitting ---------------------------------------------------------------------------------
     def fit(self, x_train, y=None) -> KernelSurrogate:
@@ -127,8 +171,16 @@ class KernelSurrogate(BaseEstimator):
         self._check_params()
         g = logits(self.model, x_train)
         n, o = g.shape
+        if (self.alpha is None or isinstance(self.alpha, str)) and self.cv > n:
+            raise ValueError(f"cv={self.cv} folds need at least as many training examples, got {n}")
+        self.center_ = self._centred()
         if y is None:
-            targets = g.numpy() if self.machine == "ridge" else g.argmax(1).numpy()
+            if self.machine != "ridge":
+                targets = g.argmax(1).numpy()
+            elif self.center_:
+                targets = (g - g.mean(1, keepdim=True)).numpy()
+            else:
+                targets = g.numpy()
         else:
             targets = labels(y, n, o).numpy()
             if self.machine == "ridge":
@@ -141,7 +193,12 @@ class KernelSurrogate(BaseEstimator):
         if not self.scale_ > 0:
             raise ValueError("the training kernel has a non-positive diagonal")
         self.x_train_, self.num_outputs_ = x_train, o
-        self._fit_machine(self._as_matrix(k), targets, o)
+        k = self._as_matrix(k)
+        if self.center_:
+            self.kernel_ = k  # the uncentred training kernel, for `influence`
+            self.row_means_ = k.mean(0)
+            k = k - self.row_means_[None] - self.row_means_[:, None] + self.row_means_.mean()
+        self._fit_machine(k, targets, o)
         return self
 
     def _fit_machine(self, k: np.ndarray, targets: np.ndarray, o: int) -> None:
@@ -168,13 +225,17 @@ class KernelSurrogate(BaseEstimator):
             estimator, grid = LogisticRegression(max_iter=2000), {"C": 1 / GRID}
             cv = self.cv
         ((name, _),) = grid.items()
-        if self.alpha is None:
+        if self.alpha is None or isinstance(self.alpha, str):
             with warnings.catch_warnings():  # regularisations too weak for a fold score badly
                 warnings.simplefilter("ignore")
                 search = GridSearchCV(estimator, grid, cv=cv, refit=False).fit(
                     k, targets, groups=groups
                 )
             value = search.best_params_[name]
+            if self.machine == "ridge" and self.alpha != "cv":
+                scores = search.cv_results_["mean_test_score"]
+                good = scores >= np.nanmax(scores) - COHERENT_TOLERANCE
+                value = float(GRID[np.flatnonzero(good).max()])
         else:
             value = self.alpha if self.machine == "ridge" else 1 / self.alpha
         self.alpha_ = value if self.machine == "ridge" else 1 / value
@@ -260,6 +321,53 @@ class KernelSurrogate(BaseEstimator):
         idx = np.argsort(-chosen, axis=1, kind="stable")[:, :k]
         return idx, np.take_along_axis(chosen, idx, 1) * sign
 
+    def influence(self, x_test, remove=None) -> np.ndarray:
+        """Counterfactual (not the contribution): d(x) − d_{−S}(x), how much `decision_function`
+        drops when the training points S are removed and the machine (same kernel, scale and α)
+        is refitted, in closed form (module docstring). remove=None: every single point, [N_test,
+        N_train, C]; else a boolean mask [N_train] or indices of one set S, [N_test, C]. Needs the
+        default ridge machine with `center=True` (an unpenalised intercept keeps the refit a
+        bordered solve)."""
+        check_is_fitted(self, "dual_")
+        if not self.center_:
+            raise ValueError("influence needs machine='ridge' with center=True (the default)")
+        n = self.dual_.shape[0]
+        h = np.linalg.inv(
+            np.block(
+                [
+                    [self.kernel_ + self.alpha_ * np.eye(n), np.ones((n, 1))],
+                    [np.ones((1, n)), np.zeros((1, 1))],
+                ]
+            )
+        )
+        k = self._test_kernel(x_test, centred=False)
+        w = np.hstack([k, np.ones((len(k), 1))]) @ h  # [M, N + 1]
+        if remove is None:
+            return w[:, :n, None] * (self.dual_ / h.diagonal()[:n, None])[None]
+        gone = _removal_indices(remove, n)
+        return w[:, gone] @ np.linalg.solve(h[np.ix_(gone, gone)], self.dual_[gone])
+
+    def coherence(self, x_test, y_train=None, k: int = 5) -> dict:
+        """Whether the decomposition of each test example's predicted column reads as an
+        explanation: `cancellation` [N_test] = Σ_i |c_i| / |Σ_i c_i| (1: no cancellation) and
+        `label_share` [N_test], the share of the top-k proponents whose label (y_train, default
+        the network's predicted labels) is the predicted class; with their medians / means."""
+        c = self.attribute(x_test)
+        column = (c.sum(1) + self.intercept_).argmax(1)
+        own = self.classes_[column]
+        if y_train is None:
+            y_train = logits(self.model, self.x_train_).argmax(1)
+        y_train = labels(y_train, c.shape[1], self.num_outputs_, "y_train").numpy()
+        chosen = c[np.arange(len(c)), :, column]
+        ratio = cancellation(chosen)
+        share = label_share(chosen, y_train, own, k)
+        return {
+            "cancellation": ratio,
+            "label_share": share,
+            "median_cancellation": float(np.median(ratio)),
+            "mean_label_share": float(np.mean(share)),
+        }
+
     def faithfulness(self, x_test, y_test=None) -> dict:
         """How closely the surrogate follows the network on x_test.
 
@@ -301,6 +409,40 @@ class KernelSurrogate(BaseEstimator):
                 ),
             )
         return result
+
+
+def cancellation(c: np.ndarray) -> np.ndarray:
+    """Σ_i |c_i| / |Σ_i c_i| per row of contributions c [M, N] (inf when they sum to 0)."""
+    with np.errstate(divide="ignore"):
+        return np.abs(c).sum(1) / np.abs(c.sum(1))
+
+
+def label_share(c: np.ndarray, y_train: np.ndarray, predicted: np.ndarray, k: int) -> np.ndarray:
+    """Share of each row's k largest contributions c [M, N] whose y_train is `predicted` [M]."""
+    if not 0 < k <= c.shape[1]:
+        raise ValueError(f"k must be in 1..{c.shape[1]}, got {k}")
+    top = np.argsort(-c, axis=1, kind="stable")[:, :k]
+    return np.mean(y_train[top] == np.asarray(predicted)[:, None], axis=1)
+
+
+def _removal_indices(remove, n: int) -> np.ndarray:
+    """Indices of a removal set given as a boolean mask [n] or as indices; never all n."""
+    remove = np.asarray(remove)
+    if remove.dtype == bool:
+        if remove.shape != (n,):
+            raise ValueError(f"the removal mask must have shape ({n},), got {remove.shape}")
+        gone = np.flatnonzero(remove)
+    else:
+        if remove.ndim != 1 or not np.issubdtype(remove.dtype, np.integer):
+            raise ValueError("remove must be a boolean mask or a 1-D array of indices")
+        if remove.size and (remove.min() < 0 or remove.max() >= n):
+            raise ValueError(f"removal indices must be in 0..{n - 1}")
+        gone = np.unique(remove)
+    if gone.size == 0:
+        raise ValueError("remove selects no training point")
+    if gone.size == n:
+        raise ValueError("cannot remove every training point: the machine would have no data")
+    return gone
 
 
 def _svm_pairs(svc: SVC) -> tuple[np.ndarray, np.ndarray]:
