@@ -10,8 +10,9 @@ r_i = e_{y_i} − p_i the descent direction of example i's cross-entropy in logi
   with the Gauss–Newton Hessian). It is evaluated in kernel form,
   τ(z, ·) = u_zᵀ Θ(z, X) (Λ Θ(X, X) + λI)⁻¹ R, an (N·O)-dimensional solve.
 - `grad_dot`: u_zᵀ Θ(z, x_i) r_i, the change of f(z) after a gradient step on example i.
-- `surrogate`: the exact contributions of a kernel-ridge `KernelSurrogate` fitted to the network's
-  outputs, projected on u_z.
+- `surrogate`: the counterfactual of the default `KernelSurrogate` fitted to the network's
+  outputs, u_zᵀ (d(z) − d_{−i}(z)), the exact change of its decision when example i is removed
+  and the kernel machine refitted (`KernelSurrogate.influence`, closed form).
 - `trak`: TRAK as published (`attribution.trak`).
 
 Scalar kinds (`trace`, `sum_logits`) stand in for Θ as k(x, x') ⊗ I_O. Several models
@@ -63,7 +64,8 @@ def influence(
     dimension of a random projection (`projections`; with kind="full" the Gauss–Newton system is
     then solved in the k-dimensional projected parameter space, so N is limited only by the
     features' memory); when exact kernels would not fit in memory, the full kernel projected
-    to `default_dim(model)` is used. y_test=None uses the network's predicted labels. checkpoints: models or state dicts of `model`'s architecture (e.g. independently
+    to `default_dim(model)` is used. y_test=None uses the network's predicted labels.
+    checkpoints: models or state dicts of `model`'s architecture (e.g. independently
     trained copies) whose scores are averaged; None uses `model` alone. damping (gauss_newton):
     λ, or "auto" for 3 × tr(ΛΘ)/(N·O) (the mean eigenvalue of the curvature-weighted kernel;
     3 was the best in the benchmark's sweep 10⁻⁴…10).
@@ -121,7 +123,7 @@ def _one_model(
         surrogate = KernelSurrogate(
             model, kind=kind, projection_dim=dim, seed=seed, batch_size=batch_size, device=device
         ).fit(x_train)
-        return torch.einsum("mio,mo->mi", torch.as_tensor(surrogate.attribute(x_test)), u)
+        return torch.einsum("mio,mo->mi", torch.as_tensor(surrogate.influence(x_test)), u)
     n, o = g_train.shape
     r = nn.functional.one_hot(y_train, o).double() - g_train.softmax(1)  # [N, O]
     if dim is None and not _exact_fits(n, u.shape[0], o):

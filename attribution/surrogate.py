@@ -13,11 +13,15 @@ min_{w,b} Σ_i ‖t_i − ⟨w, φ(x_i)⟩ − b‖² + α‖w‖², fitted to t
 t_i = g(x_i) − mean_o g_o(x_i) (softmax is unchanged by the shift). Its dual solves the bordered
 system [[K + αI, 1], [1ᵀ, 0]] [A; b] = [T; 0], so Σ_i A_i = 0 and, with the centred kernel
 K_c(x, x_i) = K(x, x_i) − mean_j K(x, x_j) − mean_j K(x_j, x_i) + mean K,
-d(x) = Σ_i K_c(x, x_i) A_i + mean_i t_i exactly: the common component every pair of inputs shares
-(large for the eNTK) is moved into the intercept instead of being added and cancelled by every
-training example. alpha=None takes the largest α of GRID whose cross-validated R² is within
-`COHERENT_TOLERANCE` of the best (the least interpolating machine that still fits the network;
-the CV optimum alone interpolates and cancels, benchmarks/surrogate_settings.py).
+d(x) = Σ_i K_c(x, x_i) A_i + mean_i t_i. Because Σ_i A_i = 0, any per-test level κ(x) can be
+subtracted from every K(x, x_i) without changing the sum: the contributions
+c_i(x) = (K(x, x_i) − κ(x) − mean_j K(x_j, x_i) + mean K) A_i, with κ(x) the `reference` quantile
+of the row K(x, X), add up to d(x) − mean_i t_i exactly. The common component every pair of
+inputs shares (large for the eNTK) then no longer appears as large terms that cancel; a low
+quantile makes dissimilar examples contribute ≈ 0, so the largest contributions come from similar
+examples with coefficients of the class's sign. alpha=None uses DEFAULT_ALPHA on the kernel
+scaled to unit mean diagonal: the CV optimum interpolates and cancels (benchmarks/
+surrogate_settings.py compares the variants and chooses these defaults leave-one-setting-out).
 
 Contributions answer "where does d(x) come from"; `influence` answers the counterfactual "how
 does d(x) change when these training points are removed and the machine refitted", in closed
@@ -49,8 +53,8 @@ from ._outputs import labels, logits
 MACHINES = ("ridge", "svm", "logistic")
 KINDS = _kernels.OUTPUT_KINDS
 GRID = np.logspace(-6, 2, 9)
-COHERENT_TOLERANCE = 0.01  # alpha=None: largest α whose CV R² is within this of the best
-ALPHA_CHOICES = ("coherent", "cv")
+DEFAULT_ALPHA = 0.05  # centred ridge, alpha=None
+DEFAULT_REFERENCE = 0.25
 
 
 class KernelSurrogate(BaseEstimator):
@@ -64,10 +68,11 @@ class KernelSurrogate(BaseEstimator):
     rows, d(x) = W K(X, x) + b). projection_dim: None for the exact kernel, else the dimension
     of a random projection (`projections.projected_ntk`, seeded by `seed`). alpha: the
     regularisation (ridge α, 1/C for svm and logistic) on the kernel scaled to unit mean
-    diagonal; None or "coherent" takes the largest α of GRID whose `cv`-fold cross-validated
-    score is within COHERENT_TOLERANCE of the best (for ridge; the best otherwise), "cv" the
-    best. center: kernel ridge with an unpenalised feature-space intercept on per-sample centred
-    logits (module docstring; None: True for ridge on a scalar kind). The model is never
+    diagonal; "cv" chooses it from GRID by `cv`-fold cross-validation on the training set;
+    None: DEFAULT_ALPHA for the centred ridge, "cv" otherwise. center: kernel ridge with an
+    unpenalised feature-space intercept on per-sample centred logits (module docstring; None:
+    True for ridge on a scalar kind). reference: the quantile of K(x, X) the centred machine's
+    contributions are measured from (any level gives the same decision). The model is never
     modified. Defaults: in benchmarks/attribution_digits.py (fitted to the
     network's outputs, 500 test digits) ridge reaches Kendall τ 0.996 with `trace`, 0.998 with
     `sum_logits`, 1.000 with `full` (~10× the time), and 0.995 / 0.990 / 0.911 with a k = 1024
@@ -85,6 +90,7 @@ class KernelSurrogate(BaseEstimator):
         projection_dim: int | None = None,
         alpha: float | str | None = None,
         center: bool | None = None,
+        reference: float = DEFAULT_REFERENCE,
         cv: int = 3,
         seed: int = 0,
         batch_size: int | None = None,
@@ -97,6 +103,7 @@ class KernelSurrogate(BaseEstimator):
         self.projection_dim = projection_dim
         self.alpha = alpha
         self.center = center
+        self.reference = reference
         self.cv = cv
         self.seed = seed
         self.batch_size = batch_size
@@ -116,18 +123,21 @@ class KernelSurrogate(BaseEstimator):
                 "normalize=False only"
             )
         if isinstance(self.alpha, str):
-            if self.alpha not in ALPHA_CHOICES:
-                raise ValueError(
-                    f"alpha must be positive, None or one of {', '.join(ALPHA_CHOICES)}, "
-                    f"got {self.alpha!r}"
-                )
+            if self.alpha != "cv":
+                raise ValueError(f"alpha must be positive, None or 'cv', got {self.alpha!r}")
         elif self.alpha is not None and not self.alpha > 0:
             raise ValueError(f"alpha must be positive or None, got {self.alpha!r}")
         if self.center and (self.machine != "ridge" or self.kind == "full"):
             raise ValueError("center=True needs machine='ridge' and a scalar kind")
-        if self.alpha is None or isinstance(self.alpha, str):
+        if not 0 <= self.reference <= 1:
+            raise ValueError(f"reference must be a quantile level in [0, 1], got {self.reference}")
+        if self._searched():
             if isinstance(self.cv, bool) or not isinstance(self.cv, int) or self.cv < 2:
                 raise ValueError(f"cv must be an integer >= 2 folds, got {self.cv!r}")
+
+    def _searched(self) -> bool:
+        """Whether alpha is chosen by cross-validation."""
+        return self.alpha == "cv" or (self.alpha is None and not self._centred())
 
     def _centred(self) -> bool:
         if self.center is None:
@@ -152,7 +162,8 @@ class KernelSurrogate(BaseEstimator):
         return (k / self.scale_).numpy()
 
     def _test_kernel(self, x, centred: bool = True) -> np.ndarray:
-        """K(x, X) as the machine sees it (centred when `center_`), or uncentred."""
+        """K(x, X) as the machine sees it (centred when `center_`: K(x, x_i) − κ(x) −
+        mean_j K(x_j, x_i) + mean K, κ(x) the `reference` quantile of the row), or uncentred."""
         check_is_fitted(self, "dual_")
         k = _kernels.compute(self.model, x, self.x_train_, **self._opts())
         if self.normalize:
@@ -161,7 +172,8 @@ class KernelSurrogate(BaseEstimator):
             )
         k = self._as_matrix(k)
         if self.center_ and centred:
-            k = k - k.mean(1, keepdims=True) - self.row_means_ + self.row_means_.mean()
+            level = np.quantile(k, self.reference, axis=1, keepdims=True)
+            k = k - level - self.row_means_ + self.row_means_.mean()
         return k
 
     # -- fitting ---------------------------------------------------------------------------------
@@ -171,7 +183,7 @@ class KernelSurrogate(BaseEstimator):
         self._check_params()
         g = logits(self.model, x_train)
         n, o = g.shape
-        if (self.alpha is None or isinstance(self.alpha, str)) and self.cv > n:
+        if self._searched() and self.cv > n:
             raise ValueError(f"cv={self.cv} folds need at least as many training examples, got {n}")
         self.center_ = self._centred()
         if y is None:
@@ -225,17 +237,15 @@ class KernelSurrogate(BaseEstimator):
             estimator, grid = LogisticRegression(max_iter=2000), {"C": 1 / GRID}
             cv = self.cv
         ((name, _),) = grid.items()
-        if self.alpha is None or isinstance(self.alpha, str):
+        if self.alpha is None and self.center_:
+            value = DEFAULT_ALPHA
+        elif self._searched():
             with warnings.catch_warnings():  # regularisations too weak for a fold score badly
                 warnings.simplefilter("ignore")
                 search = GridSearchCV(estimator, grid, cv=cv, refit=False).fit(
                     k, targets, groups=groups
                 )
             value = search.best_params_[name]
-            if self.machine == "ridge" and self.alpha != "cv":
-                scores = search.cv_results_["mean_test_score"]
-                good = scores >= np.nanmax(scores) - COHERENT_TOLERANCE
-                value = float(GRID[np.flatnonzero(good).max()])
         else:
             value = self.alpha if self.machine == "ridge" else 1 / self.alpha
         self.alpha_ = value if self.machine == "ridge" else 1 / value
