@@ -33,18 +33,20 @@ w(x) = [K(x, X), 1] H; for one point, w_i(x) A_i / H_ii.
 from __future__ import annotations
 
 import warnings
+from numbers import Integral, Real
 
 import numpy as np
 import scipy.linalg
 import torch
 from scipy.stats import kendalltau, spearmanr
-from sklearn.base import BaseEstimator
+from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.kernel_ridge import KernelRidge
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import jaccard_score, r2_score
 from sklearn.model_selection import GridSearchCV, GroupKFold, KFold
 from sklearn.svm import SVC
-from sklearn.utils.validation import check_is_fitted
+from sklearn.utils._param_validation import Interval, StrOptions
+from sklearn.utils.validation import check_is_fitted, validate_data
 from torch import nn
 
 from . import _kernels
@@ -57,7 +59,7 @@ DEFAULT_ALPHA = 0.05  # centred ridge, alpha=None
 DEFAULT_REFERENCE = 0.25
 
 
-class KernelSurrogate(BaseEstimator):
+class KernelSurrogate(ClassifierMixin, BaseEstimator):
     """A scikit-learn kernel machine on the eNTK of `model`.
 
     kind: "trace" (default), "sum_logits" or "full" (ridge only: the multi-output kernel as an
@@ -78,7 +80,27 @@ class KernelSurrogate(BaseEstimator):
     `sum_logits`, 1.000 with `full` (~10× the time), and 0.995 / 0.990 / 0.911 with a k = 1024
     projection; `trace` + ridge is the default: within 0.002 of the best exact scalar kind and
     the best projected one (svm and logistic fit labels, not outputs, and follow it less).
+
+    scikit-learn: a classifier (`score` is the accuracy of `predict`; `cross_val_score` and
+    `GridSearchCV` fit it to the given labels); inputs are whatever `model` takes (tensors, tuples
+    or dicts of tensors) or 2-D numpy arrays, converted to the model's dtype
+    (`n_features_in_` is set for 2-D inputs).
     """
+
+    _parameter_constraints: dict = {
+        "model": "no_validation",  # checked in fit: a torch.nn.Module
+        "kind": [StrOptions(set(KINDS))],
+        "machine": [StrOptions(set(MACHINES))],
+        "normalize": ["boolean"],
+        "projection_dim": [None, Interval(Integral, 1, None, closed="left")],
+        "alpha": [None, StrOptions({"cv"}), Interval(Real, 0, None, closed="neither")],
+        "center": [None, "boolean"],
+        "reference": [Interval(Real, 0, 1, closed="both")],
+        "cv": [Interval(Integral, 2, None, closed="left")],
+        "seed": [Integral],
+        "batch_size": [None, Interval(Integral, 1, None, closed="left")],
+        "device": "no_validation",
+    }
 
     def __init__(
         self,
@@ -113,27 +135,14 @@ class KernelSurrogate(BaseEstimator):
     def _check_params(self) -> None:
         if not isinstance(self.model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(self.model).__name__}")
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        if self.machine not in MACHINES:
-            raise ValueError(f"machine must be one of {', '.join(MACHINES)}, got {self.machine!r}")
+        self._validate_params()
         if self.kind == "full" and (self.machine != "ridge" or self.normalize):
             raise ValueError(
                 "kind='full' (a multi-output kernel) works with machine='ridge' and "
                 "normalize=False only"
             )
-        if isinstance(self.alpha, str):
-            if self.alpha != "cv":
-                raise ValueError(f"alpha must be positive, None or 'cv', got {self.alpha!r}")
-        elif self.alpha is not None and not self.alpha > 0:
-            raise ValueError(f"alpha must be positive or None, got {self.alpha!r}")
         if self.center and (self.machine != "ridge" or self.kind == "full"):
             raise ValueError("center=True needs machine='ridge' and a scalar kind")
-        if not 0 <= self.reference <= 1:
-            raise ValueError(f"reference must be a quantile level in [0, 1], got {self.reference}")
-        if self._searched():
-            if isinstance(self.cv, bool) or not isinstance(self.cv, int) or self.cv < 2:
-                raise ValueError(f"cv must be an integer >= 2 folds, got {self.cv!r}")
 
     def _searched(self) -> bool:
         """Whether alpha is chosen by cross-validation."""
@@ -161,10 +170,29 @@ class KernelSurrogate(BaseEstimator):
             k = k.permute(0, 2, 1, 3).reshape(n1 * o, n2 * o)
         return (k / self.scale_).numpy()
 
+    def _inputs(self, x, reset: bool):
+        """The model's inputs: tensors, tuples or dicts of tensors as they are; anything else
+        (numpy arrays, lists) is validated by scikit-learn as a dense 2-D array and becomes a tensor
+        of the model's dtype; `n_features_in_` is set (reset) or checked for 2-D inputs."""
+        if not isinstance(x, (torch.Tensor, tuple, dict)):
+            x = validate_data(self, x, reset=reset, dtype=np.float64)
+            dtype = next(self.model.parameters(), torch.empty(0)).dtype
+            return torch.tensor(x, dtype=dtype)
+        if isinstance(x, torch.Tensor) and x.dim() == 2:
+            if reset:
+                self.n_features_in_ = x.shape[1]
+            elif hasattr(self, "n_features_in_") and x.shape[1] != self.n_features_in_:
+                raise ValueError(
+                    f"X has {x.shape[1]} features, but KernelSurrogate is expecting "
+                    f"{self.n_features_in_} features as input"
+                )
+        return x
+
     def _test_kernel(self, x, centred: bool = True) -> np.ndarray:
         """K(x, X) as the machine sees it (centred when `center_`: K(x, x_i) − κ(x) −
         mean_j K(x_j, x_i) + mean K, κ(x) the `reference` quantile of the row), or uncentred."""
         check_is_fitted(self, "dual_")
+        x = self._inputs(x, reset=False)
         k = _kernels.compute(self.model, x, self.x_train_, **self._opts())
         if self.normalize:
             k = _kernels.cosine(
@@ -181,6 +209,9 @@ class KernelSurrogate(BaseEstimator):
         """Fit the machine to the network's outputs (y=None: its logits for ridge, its predicted
         labels for svm and logistic) or to class labels y."""
         self._check_params()
+        x_train = self._inputs(x_train, reset=True)
+        if y is not None and not isinstance(y, torch.Tensor):
+            y = np.asarray(y)
         g = logits(self.model, x_train)
         n, o = g.shape
         if self._searched() and self.cv > n:
@@ -387,6 +418,7 @@ class KernelSurrogate(BaseEstimator):
         (when the decision has one column per output); label_agreement; with y_test also the
         accuracies, their gap and the Jaccard overlap of the misclassified sets.
         """
+        x_test = self._inputs(x_test, reset=False)
         g = logits(self.model, x_test).numpy()
         k = self._test_kernel(x_test)
         d = self._decision(k)
