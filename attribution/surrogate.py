@@ -13,15 +13,16 @@ min_{w,b} Σ_i ‖t_i − ⟨w, φ(x_i)⟩ − b‖² + α‖w‖², fitted to t
 t_i = g(x_i) − mean_o g_o(x_i) (softmax is unchanged by the shift). Its dual solves the bordered
 system [[K + αI, 1], [1ᵀ, 0]] [A; b] = [T; 0], so Σ_i A_i = 0 and, with the centred kernel
 K_c(x, x_i) = K(x, x_i) − mean_j K(x, x_j) − mean_j K(x_j, x_i) + mean K,
-d(x) = Σ_i K_c(x, x_i) A_i + mean_i t_i. Because Σ_i A_i = 0, any per-test level κ(x) can be
-subtracted from every K(x, x_i) without changing the sum: the contributions
-c_i(x) = (K(x, x_i) − κ(x) − mean_j K(x_j, x_i) + mean K) A_i, with κ(x) the `reference` quantile
-of the row K(x, X), add up to d(x) − mean_i t_i exactly. The common component every pair of
-inputs shares (large for the eNTK) then no longer appears as large terms that cancel; a low
-quantile makes dissimilar examples contribute ≈ 0, so the largest contributions come from similar
-examples with coefficients of the class's sign. alpha=None uses DEFAULT_ALPHA on the kernel
-scaled to unit mean diagonal: the CV optimum interpolates and cancels (benchmarks/
-surrogate_settings.py compares the variants and chooses these defaults leave-one-setting-out).
+d(x) = Σ_i K_c(x, x_i) A_i + mean_i t_i = Σ_i K(x, x_i) A_i + b with b = mean_i t_i −
+Σ_i mean_j K(x_j, x_i) A_i. Because Σ_i A_i = 0, any per-test level κ(x) can be subtracted from
+every K(x, x_i) without changing the sum: the contributions c_i(x) = (K(x, x_i) − κ(x)) A_i, with
+κ(x) the `reference` quantile of the row K(x, X), add up to d(x) − b exactly (b = `intercept_`).
+The common component every pair of inputs shares (large for the eNTK) then no longer appears as
+large terms that cancel; a low quantile makes dissimilar examples contribute ≈ 0, so the largest
+contributions come from similar examples with coefficients of the class's sign. alpha=None uses
+DEFAULT_ALPHA on the kernel scaled to unit mean diagonal: the CV optimum interpolates and cancels
+(benchmarks/surrogate_settings.py compares the variants and chooses these defaults
+leave-one-setting-out).
 
 Contributions answer "where does d(x) come from"; `influence` answers the counterfactual "how
 does d(x) change when these training points are removed and the machine refitted", in closed
@@ -189,8 +190,8 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         return x
 
     def _test_kernel(self, x, centred: bool = True) -> np.ndarray:
-        """K(x, X) as the machine sees it (centred when `center_`: K(x, x_i) − κ(x) −
-        mean_j K(x_j, x_i) + mean K, κ(x) the `reference` quantile of the row), or uncentred."""
+        """K(x, X) as the machine sees it (when `center_`, K(x, x_i) − κ(x) with κ(x) the
+        `reference` quantile of the row), or uncentred."""
         check_is_fitted(self, "dual_")
         x = self._inputs(x, reset=False)
         k = _kernels.compute(self.model, x, self.x_train_, **self._opts())
@@ -200,8 +201,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             )
         k = self._as_matrix(k)
         if self.center_ and centred:
-            level = np.quantile(k, self.reference, axis=1, keepdims=True)
-            k = k - level - self.row_means_ + self.row_means_.mean()
+            k = k - np.quantile(k, self.reference, axis=1, keepdims=True)
         return k
 
     # -- fitting ---------------------------------------------------------------------------------
@@ -242,6 +242,8 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             self.row_means_ = k.mean(0)
             k = k - self.row_means_[None] - self.row_means_[:, None] + self.row_means_.mean()
         self._fit_machine(k, targets, o)
+        if self.center_:  # d(x) = Σ_i (K(x, x_i) − κ(x)) A_i + mean t − Σ_i mean_j K(x_j, x_i) A_i
+            self.intercept_ = self.intercept_ - self.row_means_ @ self.dual_
         return self
 
     def _fit_machine(self, k: np.ndarray, targets: np.ndarray, o: int) -> None:

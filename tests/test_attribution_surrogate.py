@@ -89,7 +89,8 @@ def test_attribution_is_exact(trained, kind, machine, normalize):
         r = (kx / s.scale_).numpy().mean(0)
         k = k - k.mean(1, keepdims=True) - r + r.mean()
     if machine == "ridge":
-        expected = s.machine_.predict(k).reshape(len(xt), -1) + s.intercept_
+        offset = r @ s.dual_ if s.center_ else 0.0  # intercept_ is that of K(x, X), uncentred
+        expected = s.machine_.predict(k).reshape(len(xt), -1) + s.intercept_ + offset
     elif machine == "svm":
         pairs = s.machine_.decision_function(k)
         np.testing.assert_array_equal(s.predict(xt), s.machine_.predict(k))
