@@ -53,7 +53,8 @@ from torch import nn
 from . import _kernels
 from ._outputs import labels, logits
 
-MACHINES = ("ridge", "svm", "logistic")
+MACHINES = ("ridge", "svm", "logistic", "representer")
+ARGMAX_MACHINES = ("ridge", "representer")  # predict = argmax of the decision
 KINDS = _kernels.OUTPUT_KINDS
 GRID = np.logspace(-6, 2, 9)
 DEFAULT_ALPHA = 0.05  # centred ridge, alpha=None
@@ -66,21 +67,19 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
     kind: "trace" (default), "sum_logits" or "full" (ridge only: the multi-output kernel as an
     [N·O, N·O] matrix). normalize: cosine-normalise the kernel, K(x, x')/√(K(x, x) K(x', x'))
     (the trNTK of Engel et al. for kind="trace"). machine: "ridge" (KernelRidge on all outputs,
-    the targets' mean as intercept), "svm" (SVC; one decision column per class, the sum of its
-    signed one-vs-one decision values) or "logistic" (multinomial LogisticRegression on kernel
-    rows, d(x) = W K(X, x) + b). projection_dim: None for the exact kernel, else the dimension
-    of a random projection (`projections.projected_ntk`, seeded by `seed`). alpha: the
-    regularisation (ridge α, 1/C for svm and logistic) on the kernel scaled to unit mean
-    diagonal; "cv" chooses it from GRID by `cv`-fold cross-validation on the training set;
-    None: DEFAULT_ALPHA for the centred ridge, "cv" otherwise. center: kernel ridge with an
-    unpenalised feature-space intercept on per-sample centred logits (module docstring; None:
-    True for ridge on a scalar kind). reference: the quantile of K(x, X) the centred machine's
-    contributions are measured from (any level gives the same decision). The model is never
-    modified. Defaults: in benchmarks/attribution_digits.py (fitted to the
-    network's outputs, 500 test digits) ridge reaches Kendall τ 0.996 with `trace`, 0.998 with
-    `sum_logits`, 1.000 with `full` (~10× the time), and 0.995 / 0.990 / 0.911 with a k = 1024
-    projection; `trace` + ridge is the default: within 0.002 of the best exact scalar kind and
-    the best projected one (svm and logistic fit labels, not outputs, and follow it less).
+    the targets' mean as intercept; centred by default, see `center`), "svm" (SVC; one decision
+    column per class, the sum of its signed one-vs-one decision values), "logistic" (multinomial
+    LogisticRegression on kernel rows, d(x) = W K(X, x) + b) or "representer" (the network's own
+    training-loss residuals e_y − p as coefficients, one fitted scale; `_fit_representer`).
+    projection_dim: None for the exact kernel, else the dimension of a random projection
+    (`projections.projected_ntk`, seeded by `seed`). alpha: the regularisation (ridge α, 1/C for
+    svm and logistic) on the kernel scaled to unit mean diagonal; "cv" chooses it from GRID by
+    `cv`-fold cross-validation on the training set; None: DEFAULT_ALPHA for the centred ridge,
+    "cv" otherwise. center: kernel ridge with an unpenalised feature-space intercept on
+    per-sample centred logits (module docstring; None: True for ridge on a scalar kind).
+    reference: the quantile of K(x, X) the centred machine's contributions are measured from (any
+    level gives the same decision). The model is never modified. Kinds, machines and defaults are
+    compared in benchmarks/attribution_digits.py and benchmarks/surrogate_settings.py.
 
     scikit-learn: a classifier (`score` is the accuracy of `predict`; `cross_val_score` and
     `GridSearchCV` fit it to the given labels); inputs are whatever `model` takes (tensors, tuples
@@ -147,6 +146,8 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
 
     def _searched(self) -> bool:
         """Whether alpha is chosen by cross-validation."""
+        if self.machine == "representer":
+            return False
         return self.alpha == "cv" or (self.alpha is None and not self._centred())
 
     def _centred(self) -> bool:
@@ -241,10 +242,30 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             self.kernel_ = k  # the uncentred training kernel, for `influence`
             self.row_means_ = k.mean(0)
             k = k - self.row_means_[None] - self.row_means_[:, None] + self.row_means_.mean()
+        if self.machine == "representer":
+            self._fit_representer(k, g, None if y is None else targets)
+            return self
         self._fit_machine(k, targets, o)
         if self.center_:  # d(x) = Σ_i (K(x, x_i) − κ(x)) A_i + mean t − Σ_i mean_j K(x_j, x_i) A_i
             self.intercept_ = self.intercept_ - self.row_means_ @ self.dual_
         return self
+
+    def _fit_representer(self, k: np.ndarray, g: torch.Tensor, y: np.ndarray | None) -> None:
+        """Representer coefficients from the network's own training-loss gradients (Yeh et al.,
+        NeurIPS 2018, on the whole eNTK): at a stationary point of (1/N) Σ_i ℓ_i + (λ/2)‖θ‖²,
+        θ* = (1/λN) Σ_i J_iᵀ (e_{y_i} − p_i), so the network's linear part J(x) θ* is the kernel
+        machine Σ_i Θ(x, x_i)(e_{y_i} − p_i)/(λN). The unknown 1/(λN) (and the trace kernel's
+        stand-in for Θ) is one scale s, fitted with a per-output intercept by least squares to
+        the per-sample centred logits: A_i = s (e_{y_i} − p_i), exact as any affine machine.
+        y: labels (None: the network's predictions)."""
+        o = g.shape[1]
+        residual = np.eye(o)[g.argmax(1).numpy() if y is None else y] - g.softmax(1).numpy()
+        t = (g - g.mean(1, keepdim=True)).numpy()
+        kr = k @ residual
+        kc, tc = kr - kr.mean(0), t - t.mean(0)
+        scale = float((kc * tc).sum() / (kc * kc).sum())
+        self.dual_, self.intercept_ = scale * residual, (t - scale * kr).mean(0)
+        self.classes_, self.alpha_, self.machine_ = np.arange(o), None, None
 
     def _fit_machine(self, k: np.ndarray, targets: np.ndarray, o: int) -> None:
         n = k.shape[0] // (o if self.kind == "full" else 1)
@@ -327,7 +348,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
 
     def predict(self, x) -> np.ndarray:
         k = self._test_kernel(x)
-        if self.machine == "ridge":
+        if self.machine in ARGMAX_MACHINES:
             return self.classes_[self._decision(k).argmax(1)]
         return self.machine_.predict(k)
 
@@ -426,7 +447,9 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         d = self._decision(k)
         pred_net = g.argmax(1)
         pred_sur = (
-            self.classes_[d.argmax(1)] if self.machine == "ridge" else self.machine_.predict(k)
+            self.classes_[d.argmax(1)]
+            if self.machine in ARGMAX_MACHINES
+            else self.machine_.predict(k)
         )
         result = {"label_agreement": float(np.mean(pred_net == pred_sur))}
         rows = np.arange(len(g))

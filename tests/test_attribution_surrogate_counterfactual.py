@@ -99,6 +99,27 @@ def test_removal_errors(small):
         KernelSurrogate(model, center=True, machine="svm").fit(x)
 
 
+def test_representer_coefficients_are_the_scaled_loss_residuals(small):
+    model, x, xt = small
+    y = torch.arange(len(x)) % 3
+    s = KernelSurrogate(model, machine="representer").fit(x, y)
+    g = model(x).detach()
+    residual = torch.nn.functional.one_hot(y, 3).double() - g.softmax(1)
+    ratio = s.dual_ / residual.numpy()
+    np.testing.assert_allclose(ratio, ratio[0, 0], rtol=1e-10)  # one scale for all
+    c, d = s.attribute(xt), s.decision_function(xt)
+    np.testing.assert_allclose(c.sum(1) + s.intercept_, d, rtol=1e-10, atol=1e-10)
+    # the scale and intercept are the least-squares fit to the centred logits
+    k = ntk.empirical_ntk(model, x, kind="trace", dtype=torch.float64).numpy() / s.scale_
+    t = (g - g.mean(1, keepdim=True)).numpy()
+    design = np.stack(
+        [(k @ residual.numpy()).ravel()] + [np.tile(np.eye(3)[o], len(x)) for o in range(3)], 1
+    )
+    coef = np.linalg.lstsq(design, t.ravel(), rcond=None)[0]
+    np.testing.assert_allclose([ratio[0, 0], *s.intercept_], coef, rtol=1e-8)
+    assert (s.predict(xt) == d.argmax(1)).all()
+
+
 def test_nan_kernel_is_refused():
     class Sqrt(nn.Module):  # finite output, NaN gradient at Wx = 0
         def __init__(self):
