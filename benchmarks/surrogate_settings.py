@@ -54,7 +54,7 @@ def measure(s, options: dict) -> dict:
     g = logits(model, s.xt)
     u = margin_gradient(g, s.yt).numpy()
     row = dict(
-        alpha=sur.alpha_,
+        alpha="–" if sur.alpha_ is None else f"{sur.alpha_:.0e}",
         tau=faith["tau_prob"],
         cancellation=coh["median_cancellation"],
         share=coh["mean_label_share"],
@@ -109,7 +109,7 @@ def main():
         for variant in chosen:
             r = results[name][variant] = measure(s, VARIANTS[variant])
             print(
-                f"| {variant} | {r['alpha']:.0e} | {r['tau']:.3f} | {r['cancellation']:.1f} "
+                f"| {variant} | {r['alpha']} | {r['tau']:.3f} | {r['cancellation']:.1f} "
                 f"| {r['share']:.2f} | {r['tau_labels']:.3f} | {r['lds_contribution']:.3f} "
                 f"| {r['lds_counterfactual']:.3f} | {r['lds_counterfactual_labels']:.3f} |",
                 flush=True,
