@@ -91,7 +91,7 @@ def test_surrogate_method_is_its_counterfactual_on_the_margin(setup):
     from attribution import KernelSurrogate
 
     model, x, y, xt, yt = setup
-    c = torch.as_tensor(KernelSurrogate(model).fit(x).influence(xt))
+    c = torch.as_tensor(KernelSurrogate(model, alpha=1.0).fit(x, y).influence(xt))
     expected = torch.einsum("mio,mo->mi", c, _margin_grad(model(xt).detach(), yt))
     torch.testing.assert_close(influence(model, x, y, xt, yt, method="surrogate"), expected)
 
