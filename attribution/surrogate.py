@@ -215,7 +215,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             y = np.asarray(y)
         g = logits(self.model, x_train)
         n, o = g.shape
-        if self._searched() and self.cv > n:
+        if self.cv > n:
             raise ValueError(f"cv={self.cv} folds need at least as many training examples, got {n}")
         self.center_ = self._centred()
         if y is None:

@@ -139,6 +139,10 @@ def test_cv_settings_are_checked(small):
         KernelSurrogate(model, alpha="cv", cv=1).fit(x)
     with pytest.raises(ValueError, match="cv=40 folds"):
         KernelSurrogate(model, alpha="cv", cv=40).fit(x)
+    with pytest.raises(ValueError, match="'cv' parameter"):
+        KernelSurrogate(model, cv=1).fit(x)
+    with pytest.raises(ValueError, match="cv=26 folds"):
+        KernelSurrogate(model, cv=26).fit(x)
     with pytest.raises(ValueError, match="'alpha' parameter"):
         KernelSurrogate(model, alpha="best").fit(x)
     with pytest.raises(ValueError, match="'reference' parameter"):
