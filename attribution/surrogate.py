@@ -216,7 +216,9 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         g = logits(self.model, x_train)
         n, o = g.shape
         if self.cv > n:
-            raise ValueError(f"cv={self.cv} folds need at least as many training examples, got {n}")
+            raise ValueError(
+                f"cv={self.cv} folds need at least {self.cv} training samples; got {n} sample(s)"
+            )
         self.center_ = self._centred()
         if y is None:
             if self.machine != "ridge":
