@@ -57,7 +57,7 @@ MACHINES = ("ridge", "svm", "logistic", "representer")
 ARGMAX_MACHINES = ("ridge", "representer")  # predict = argmax of the decision
 KINDS = _kernels.OUTPUT_KINDS
 GRID = np.logspace(-6, 2, 9)
-DEFAULT_ALPHA = 0.05  # centred ridge, alpha=None
+DEFAULT_ALPHA = 0.1  # centred ridge, alpha=None
 DEFAULT_REFERENCE = 0.25
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import ntk
 from attribution import KernelSurrogate
-from attribution.surrogate import cancellation, label_share
+from attribution.surrogate import DEFAULT_ALPHA, cancellation, label_share
 from ntk import demo
 
 
@@ -54,7 +54,7 @@ def test_centred_decomposition_is_exact_for_every_reference(small):
 def test_default_is_refit_of_all_points(small):
     model, x, xt = small
     s = KernelSurrogate(model).fit(x)
-    assert s.center_ and s.alpha_ == 0.05
+    assert s.center_ and s.alpha_ == DEFAULT_ALPHA
     np.testing.assert_allclose(
         s.decision_function(xt), _refit(s, model, x, xt, np.arange(len(x))), atol=1e-10
     )
