@@ -41,7 +41,6 @@ VARIANTS = {
     "centred, α 0.05, q 0": dict(center=True, alpha=0.05, reference=0.0),
     "centred, α 0.05, q 0.5": dict(center=True, alpha=0.05, reference=0.5),
     "representer (loss residuals)": dict(machine="representer"),
-    "logistic on kernel rows, α by CV": dict(machine="logistic"),
 }
 TARGETS = dict(tau=0.98, cancellation=10.0, share=0.90)
 
