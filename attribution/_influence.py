@@ -10,8 +10,11 @@ r_i = e_{y_i} − p_i the descent direction of example i's cross-entropy in logi
   with the Gauss–Newton Hessian). It is evaluated in kernel form,
   τ(z, ·) = u_zᵀ Θ(z, X) (Λ Θ(X, X) + λI)⁻¹ R, an (N·O)-dimensional solve.
 - `grad_dot`: u_zᵀ Θ(z, x_i) r_i, the change of f(z) after a gradient step on example i.
-- `surrogate`: the exact contributions of a kernel-ridge `KernelSurrogate` fitted to the network's
-  outputs, projected on u_z.
+- `surrogate`: the counterfactual of the centred kernel-ridge `KernelSurrogate` fitted to the
+  training labels (α = SURROGATE_ALPHA), u_zᵀ (d(z) − d_{−i}(z)), the exact change of its
+  decision when example i is removed and the kernel machine refitted
+  (`KernelSurrogate.influence`, closed form). Fitted to labels, the machine models training
+  rather than the trained network (benchmarks/surrogate_settings.py, label-fitted column).
 - `trak`: TRAK as published (`attribution.trak`).
 - `ekfac` / `kfac`: the Gauss–Newton influence in parameter space with the curvature
   Σ_j J_jᵀ Λ_j J_j replaced by its layer-wise Kronecker factorisation (`attribution.curvature`);
@@ -40,6 +43,7 @@ from .surrogate import KernelSurrogate
 METHODS = ("auto", "gauss_newton", "trak", "surrogate", "grad_dot", "ekfac", "kfac")
 AUTO = "gauss_newton"
 DEFAULT_DAMPING = 3.0
+SURROGATE_ALPHA = 1.0
 MAX_DIM = 16384
 
 
@@ -163,13 +167,14 @@ def _one_model(
             model,
             kind=kind,
             projection_dim=dim,
+            alpha=SURROGATE_ALPHA,
             seed=seed,
             batch_size=batch_size,
             device=device,
             output_fn=output_fn,
             dtype=dtype,
-        ).fit(x_train)
-        return torch.einsum("mio,mo->mi", torch.as_tensor(surrogate.attribute(x_test)), u)
+        ).fit(x_train, y_train)
+        return torch.einsum("mio,mo->mi", torch.as_tensor(surrogate.influence(x_test)), u)
     n, o = g_train.shape
     r = nn.functional.one_hot(y_train, o).double() - g_train.softmax(1)  # [N, O]
     fits = dim is not None or _exact_fits(n, u.shape[0], o, ModelView(model, device=device).device)

@@ -41,7 +41,7 @@ from ntk.core import inputs
 from . import _figures
 from ._outputs import labels, logits
 from .layers import DEFAULT_SCORE, layer_importance
-from .surrogate import KernelSurrogate
+from .surrogate import KernelSurrogate, cancellation
 
 STAGES = (
     "network outputs",
@@ -87,6 +87,7 @@ def report(
     device=None,
     output_fn: Callable | None = None,
     progress: bool = False,
+    retrain=None,
 ) -> dict:
     """Build the report of a classifier `model` (O ≥ 2 outputs) on training data (x_train,
     y_train) and test data (x_test, y_test); labels are optional (without them the network's
@@ -102,7 +103,10 @@ def report(
     others are shown as tables. settings: extra rows for the settings table (e.g. data files).
     output_fn: maps the model's output to the logits [B, O] (e.g. `lambda out: out.logits` for a
     HuggingFace model, whose inputs can be dicts of tensors); the default surrogate uses it too (a
-    surrogate passed in keeps its own). The model is never modified.
+    surrogate passed in keeps its own).
+    retrain: optional callable (x, y) -> trained network, for each card's sanity strip (`_sanity`):
+    the network is retrained once on all of x_train and once per card without its top
+    proponents (cheap only on small demos). The model is never modified.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -197,9 +201,11 @@ def report(
     with clock("attribution"):
         c_test = _predicted_class_contributions(surrogate, x_test, net_test)  # [M, N]
         explained = []
+        baseline = None if retrain is None else retrain(x_train, own)
         for i, category in choose_examples(p_test, y_test, examples):
             cls = int(net_test[i])
             one = inputs.take(x_test, slice(i, i + 1))
+            sides = _neighbours(surrogate, one, cls, min(top, n_train), own)
             explained.append(
                 {
                     "index": i,
@@ -211,7 +217,10 @@ def report(
                     "surrogate_probability": float(q_test[i, cls]),
                     "sum_of_contributions": float(c_test[i].sum()),
                     "intercept": float(np.asarray(surrogate.intercept_)[cls]),
-                    **_neighbours(surrogate, one, cls, min(top, n_train), own),
+                    **sides,
+                    "sanity": _sanity(
+                        surrogate, x_train, own, one, cls, c_test[i], sides, retrain, baseline
+                    ),
                 }
             )
         total_influence = c_test.abs().sum(0).numpy()
@@ -336,6 +345,35 @@ def _neighbours(surrogate, x_one, cls: int, top: int, own: torch.Tensor) -> dict
             for j, v in zip(idx[0], values[0])
         ]
     return sides
+
+
+def _sanity(surrogate, x_train, own, x_one, cls, c_row, sides, retrain, baseline) -> dict:
+    """A card's sanity strip: cancellation Σ|c_i|/|Σc_i| of its contributions, the share of its
+    proponents whose label is the predicted class, and the counterfactual of removing those
+    proponents: the drop of the surrogate's output for the class (`KernelSurrogate.influence`,
+    exact refit of the kernel machine; None for machines without it) next to the drop of the
+    network's per-sample centred logit after `retrain` without them (None without `retrain`)."""
+    gone = np.array([p["index"] for p in sides["proponents"]])
+    card = {
+        "cancellation": float(cancellation(c_row.numpy()[None])[0]),
+        "proponent_label_share": float(np.mean([p["label"] == cls for p in sides["proponents"]])),
+        "removed": len(gone),
+        "surrogate_change": None,
+        "network_change": None,
+    }
+    if surrogate.center_ and len(gone) < len(own):
+        card["surrogate_change"] = -float(surrogate.influence(x_one, gone)[0, cls])
+    if retrain is not None:
+        keep = torch.ones(len(own), dtype=torch.bool)
+        keep[torch.as_tensor(gone)] = False
+        without = retrain(inputs.take(x_train, keep.nonzero().squeeze(1)), own[keep])
+
+        def centred(net):
+            g = logits(net, x_one)[0]
+            return float(g[cls] - g.mean())
+
+        card["network_change"] = centred(without) - centred(baseline)
+    return card
 
 
 def _ranked(values: np.ndarray, n: int, own: torch.Tensor, net_train: torch.Tensor) -> list[dict]:

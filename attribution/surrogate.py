@@ -6,54 +6,106 @@ contribution of training example i to test example x is K(x, x_i) A_i (Θ(x, x_i
 full kernel), and the contributions plus the intercept b sum to d(x) exactly. This is the
 surrogate-model view of Engel et al. (ICLR 2024, "Faithful and efficient explanations for neural
 networks via neural tangent kernel surrogate models"), with scikit-learn's machines on
-precomputed kernels and the regularisation chosen by cross-validation.
+precomputed kernels.
+
+Default (`center=True`, ridge): kernel ridge with an unpenalised intercept in feature space,
+min_{w,b} Σ_i ‖t_i − ⟨w, φ(x_i)⟩ − b‖² + α‖w‖², fitted to the per-sample centred logits
+t_i = g(x_i) − mean_o g_o(x_i) (softmax is unchanged by the shift). Its dual solves the bordered
+system [[K + αI, 1], [1ᵀ, 0]] [A; b] = [T; 0], so Σ_i A_i = 0 and, with the centred kernel
+K_c(x, x_i) = K(x, x_i) − mean_j K(x, x_j) − mean_j K(x_j, x_i) + mean K,
+d(x) = Σ_i K_c(x, x_i) A_i + mean_i t_i = Σ_i K(x, x_i) A_i + b with b = mean_i t_i −
+Σ_i mean_j K(x_j, x_i) A_i. Because Σ_i A_i = 0, any per-test level κ(x) can be subtracted from
+every K(x, x_i) without changing the sum: the contributions c_i(x) = (K(x, x_i) − κ(x)) A_i, with
+κ(x) the `reference` quantile of the row K(x, X), add up to d(x) − b exactly (b = `intercept_`).
+The common component every pair of inputs shares (large for the eNTK) then no longer appears as
+large terms that cancel; a low quantile makes dissimilar examples contribute ≈ 0, so the largest
+contributions come from similar examples with coefficients of the class's sign. alpha=None uses
+DEFAULT_ALPHA on the kernel scaled to unit mean diagonal: the CV optimum interpolates and cancels
+(benchmarks/surrogate_settings.py compares the variants and chooses these defaults
+leave-one-setting-out).
+
+Contributions answer "where does d(x) come from"; `influence` answers the counterfactual "how
+does d(x) change when these training points are removed and the machine refitted", in closed
+form: with H = [[K + αI, 1], [1ᵀ, 0]]⁻¹ and z = [A; b], removing a set S leaves
+z' = z_R − H_RS H_SS⁻¹ z_S (block inverse of H), so d(x) − d_{−S}(x) = w_S(x) H_SS⁻¹ z_S with
+w(x) = [K(x, X), 1] H; for one point, w_i(x) A_i / H_ii.
 """
 
 from __future__ import annotations
 
 import warnings
+from numbers import Integral, Real
 
 import numpy as np
 import scipy.linalg
 import torch
 from scipy.stats import kendalltau, spearmanr
-from sklearn.base import BaseEstimator
+from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.kernel_ridge import KernelRidge
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import jaccard_score, r2_score
 from sklearn.model_selection import GridSearchCV, GroupKFold, KFold
 from sklearn.svm import SVC
-from sklearn.utils.validation import check_is_fitted
+from sklearn.utils._param_validation import Interval, StrOptions
+from sklearn.utils.validation import check_is_fitted, validate_data
 from torch import nn
 
 from . import _kernels
 from ._outputs import labels, logits
 
-MACHINES = ("ridge", "svm", "logistic")
+MACHINES = ("ridge", "svm", "logistic", "representer")
+ARGMAX_MACHINES = ("ridge", "representer")  # predict = argmax of the decision
 KINDS = _kernels.OUTPUT_KINDS
-GRID = np.logspace(-6, 2, 5)
+GRID = np.logspace(-6, 2, 9)
+DEFAULT_ALPHA = 0.1  # centred ridge, alpha=None
+DEFAULT_REFERENCE = 0.25
 
 
-class KernelSurrogate(BaseEstimator):
+class KernelSurrogate(ClassifierMixin, BaseEstimator):
     """A scikit-learn kernel machine on the eNTK of `model`.
 
     kind: "trace" (default), "sum_logits" or "full" (ridge only: the multi-output kernel as an
     [N·O, N·O] matrix). normalize: cosine-normalise the kernel, K(x, x')/√(K(x, x) K(x', x'))
     (the trNTK of Engel et al. for kind="trace"). machine: "ridge" (KernelRidge on all outputs,
-    the targets' mean as intercept), "svm" (SVC; one decision column per class, the sum of its
-    signed one-vs-one decision values) or "logistic" (multinomial LogisticRegression on kernel
-    rows, d(x) = W K(X, x) + b). projection_dim: None for the exact kernel, else the dimension
-    of a random projection (`projections.projected_ntk`, seeded by `seed`). alpha: the
-    regularisation (ridge α, 1/C for svm and logistic) on the kernel scaled to unit mean
-    diagonal; None chooses it from GRID by `cv`-fold cross-validation on the training set.
-    output_fn maps the model's output to a [B, O] tensor (e.g. `lambda out: out.logits` for a
-    HuggingFace model); dtype: the dtype kernels are computed in (None: the model's; the machines
-    are fitted in float64 either way). The model is never modified. Defaults: `python
-    benchmarks/attribution_digits.py --sections faithfulness` measures every kind and machine;
-    `trace` + ridge is the default, as faithful to the network's outputs as the best exact scalar
-    kind and the best projected one at a fraction of `full`'s time (svm and logistic fit labels,
-    not outputs, and follow it less).
+    the targets' mean as intercept; centred by default, see `center`), "svm" (SVC; one decision
+    column per class, the sum of its signed one-vs-one decision values), "logistic" (multinomial
+    LogisticRegression on kernel rows, d(x) = W K(X, x) + b) or "representer" (the network's own
+    training-loss residuals e_y − p as coefficients, one fitted scale; `_fit_representer`).
+    projection_dim: None for the exact kernel, else the dimension of a random projection
+    (`projections.projected_ntk`, seeded by `seed`). alpha: the regularisation (ridge α, 1/C for
+    svm and logistic) on the kernel scaled to unit mean diagonal; "cv" chooses it from GRID by
+    `cv`-fold cross-validation on the training set; None: DEFAULT_ALPHA for the centred ridge,
+    "cv" otherwise. center: kernel ridge with an unpenalised feature-space intercept on
+    per-sample centred logits (module docstring; None: True for ridge on a scalar kind).
+    reference: the quantile of K(x, X) the centred machine's contributions are measured from (any
+    level gives the same decision). output_fn maps the model's output to a [B, O] tensor (e.g.
+    `lambda out: out.logits` for a HuggingFace model); dtype: the dtype kernels are computed in
+    (None: the model's; the machines are fitted in float64 either way). The model is never
+    modified. Kinds, machines and defaults are
+    compared in benchmarks/attribution_digits.py and benchmarks/surrogate_settings.py.
+
+    scikit-learn: a classifier (`score` is the accuracy of `predict`; `cross_val_score` and
+    `GridSearchCV` fit it to the given labels); inputs are whatever `model` takes (tensors, tuples
+    or dicts of tensors) or 2-D numpy arrays, converted to the model's dtype
+    (`n_features_in_` is set for 2-D inputs).
     """
+
+    _parameter_constraints: dict = {
+        "model": "no_validation",  # checked in fit: a torch.nn.Module
+        "kind": [StrOptions(set(KINDS))],
+        "machine": [StrOptions(set(MACHINES))],
+        "normalize": ["boolean"],
+        "projection_dim": [None, Interval(Integral, 1, None, closed="left")],
+        "alpha": [None, StrOptions({"cv"}), Interval(Real, 0, None, closed="neither")],
+        "center": [None, "boolean"],
+        "reference": [Interval(Real, 0, 1, closed="both")],
+        "cv": [Interval(Integral, 2, None, closed="left")],
+        "seed": [Integral],
+        "batch_size": [None, Interval(Integral, 1, None, closed="left")],
+        "device": "no_validation",
+        "output_fn": [None, callable],
+        "dtype": "no_validation",
+    }
 
     def __init__(
         self,
@@ -63,7 +115,9 @@ class KernelSurrogate(BaseEstimator):
         machine: str = "ridge",
         normalize: bool = False,
         projection_dim: int | None = None,
-        alpha: float | None = None,
+        alpha: float | str | None = None,
+        center: bool | None = None,
+        reference: float = DEFAULT_REFERENCE,
         cv: int = 3,
         seed: int = 0,
         batch_size: int | None = None,
@@ -77,6 +131,8 @@ class KernelSurrogate(BaseEstimator):
         self.normalize = normalize
         self.projection_dim = projection_dim
         self.alpha = alpha
+        self.center = center
+        self.reference = reference
         self.cv = cv
         self.seed = seed
         self.batch_size = batch_size
@@ -88,17 +144,25 @@ class KernelSurrogate(BaseEstimator):
     def _check_params(self) -> None:
         if not isinstance(self.model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(self.model).__name__}")
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        if self.machine not in MACHINES:
-            raise ValueError(f"machine must be one of {', '.join(MACHINES)}, got {self.machine!r}")
+        self._validate_params()
         if self.kind == "full" and (self.machine != "ridge" or self.normalize):
             raise ValueError(
                 "kind='full' (a multi-output kernel) works with machine='ridge' and "
                 "normalize=False only"
             )
-        if self.alpha is not None and not self.alpha > 0:
-            raise ValueError(f"alpha must be positive or None, got {self.alpha!r}")
+        if self.center and (self.machine != "ridge" or self.kind == "full"):
+            raise ValueError("center=True needs machine='ridge' and a scalar kind")
+
+    def _searched(self) -> bool:
+        """Whether alpha is chosen by cross-validation."""
+        if self.machine == "representer":
+            return False
+        return self.alpha == "cv" or (self.alpha is None and not self._centred())
+
+    def _centred(self) -> bool:
+        if self.center is None:
+            return self.machine == "ridge" and self.kind != "full"
+        return bool(self.center)
 
     def _opts(self) -> dict:
         return dict(
@@ -119,30 +183,61 @@ class KernelSurrogate(BaseEstimator):
             k = k.permute(0, 2, 1, 3).reshape(n1 * o, n2 * o)
         return (k / self.scale_).numpy()
 
-    def _test_kernel(self, x) -> np.ndarray:
+    def _inputs(self, x, reset: bool):
+        """The model's inputs: tensors, tuples or dicts of tensors as they are; anything else
+        (numpy arrays, lists) is validated by scikit-learn as a dense 2-D array and becomes a tensor
+        of the model's dtype; `n_features_in_` is set (reset) or checked for 2-D inputs."""
+        if not isinstance(x, (torch.Tensor, tuple, dict)):
+            x = validate_data(self, x, reset=reset, dtype=np.float64)
+            dtype = next(self.model.parameters(), torch.empty(0)).dtype
+            return torch.tensor(x, dtype=dtype)
+        if isinstance(x, torch.Tensor) and x.dim() == 2:
+            if reset:
+                self.n_features_in_ = x.shape[1]
+            elif hasattr(self, "n_features_in_") and x.shape[1] != self.n_features_in_:
+                raise ValueError(
+                    f"X has {x.shape[1]} features, but KernelSurrogate is expecting "
+                    f"{self.n_features_in_} features as input"
+                )
+        return x
+
+    def _test_kernel(self, x, centred: bool = True) -> np.ndarray:
+        """K(x, X) as the machine sees it (when `center_`, K(x, x_i) − κ(x) with κ(x) the
+        `reference` quantile of the row), or uncentred."""
         check_is_fitted(self, "dual_")
-        expected = getattr(self, "n_features_in_", None)
-        if expected is not None and getattr(x, "ndim", None) == 2 and x.shape[1] != expected:
-            raise ValueError(  # scikit-learn's wording, which its estimator checks expect
-                f"X has {x.shape[1]} features, but KernelSurrogate is expecting {expected} "
-                "features as input"
-            )
+        x = self._inputs(x, reset=False)
         k = _kernels.compute(self.model, x, self.x_train_, **self._opts())
         if self.normalize:
             k = _kernels.cosine(
                 k, _kernels.self_similarity(self.model, x, **self._opts()), self.diag_
             )
-        return self._as_matrix(k)
+        k = self._as_matrix(k)
+        if self.center_ and centred:
+            k = k - np.quantile(k, self.reference, axis=1, keepdims=True)
+        return k
 
     # -- fitting ---------------------------------------------------------------------------------
     def fit(self, x_train, y=None) -> KernelSurrogate:
         """Fit the machine to the network's outputs (y=None: its logits for ridge, its predicted
         labels for svm and logistic) or to class labels y."""
         self._check_params()
+        x_train = self._inputs(x_train, reset=True)
+        if y is not None and not isinstance(y, torch.Tensor):
+            y = np.asarray(y)
         g = logits(self.model, x_train, output_fn=self.output_fn, name="x_train")
         n, o = g.shape
+        if self.cv > n:
+            raise ValueError(
+                f"cv={self.cv} folds need at least {self.cv} training samples; got {n} sample(s)"
+            )
+        self.center_ = self._centred()
         if y is None:
-            targets = g.numpy() if self.machine == "ridge" else g.argmax(1).numpy()
+            if self.machine != "ridge":
+                targets = g.argmax(1).numpy()
+            elif self.center_:
+                targets = (g - g.mean(1, keepdim=True)).numpy()
+            else:
+                targets = g.numpy()
         else:
             targets = labels(y, n, o).numpy()
             if self.machine == "ridge":
@@ -155,10 +250,35 @@ class KernelSurrogate(BaseEstimator):
         if not self.scale_ > 0:
             raise ValueError("the training kernel has a non-positive diagonal")
         self.x_train_, self.num_outputs_ = x_train, o
-        if getattr(x_train, "ndim", None) == 2:  # scikit-learn's convention: X is [N, features]
-            self.n_features_in_ = x_train.shape[1]
-        self._fit_machine(self._as_matrix(k), targets, o)
+        k = self._as_matrix(k)
+        if self.center_:
+            self.kernel_ = k  # the uncentred training kernel, for `influence`
+            self.row_means_ = k.mean(0)
+            k = k - self.row_means_[None] - self.row_means_[:, None] + self.row_means_.mean()
+        if self.machine == "representer":
+            self._fit_representer(k, g, None if y is None else targets)
+            return self
+        self._fit_machine(k, targets, o)
+        if self.center_:  # d(x) = Σ_i (K(x, x_i) − κ(x)) A_i + mean t − Σ_i mean_j K(x_j, x_i) A_i
+            self.intercept_ = self.intercept_ - self.row_means_ @ self.dual_
         return self
+
+    def _fit_representer(self, k: np.ndarray, g: torch.Tensor, y: np.ndarray | None) -> None:
+        """Representer coefficients from the network's own training-loss gradients (Yeh et al.,
+        NeurIPS 2018, on the whole eNTK): at a stationary point of (1/N) Σ_i ℓ_i + (λ/2)‖θ‖²,
+        θ* = (1/λN) Σ_i J_iᵀ (e_{y_i} − p_i), so the network's linear part J(x) θ* is the kernel
+        machine Σ_i Θ(x, x_i)(e_{y_i} − p_i)/(λN). The unknown 1/(λN) (and the trace kernel's
+        stand-in for Θ) is one scale s, fitted with a per-output intercept by least squares to
+        the per-sample centred logits: A_i = s (e_{y_i} − p_i), exact as any affine machine.
+        y: labels (None: the network's predictions)."""
+        o = g.shape[1]
+        residual = np.eye(o)[g.argmax(1).numpy() if y is None else y] - g.softmax(1).numpy()
+        t = (g - g.mean(1, keepdim=True)).numpy()
+        kr = k @ residual
+        kc, tc = kr - kr.mean(0), t - t.mean(0)
+        scale = float((kc * tc).sum() / (kc * kc).sum())
+        self.dual_, self.intercept_ = scale * residual, (t - scale * kr).mean(0)
+        self.classes_, self.alpha_, self.machine_ = np.arange(o), None, None
 
     def _fit_machine(self, k: np.ndarray, targets: np.ndarray, o: int) -> None:
         n = k.shape[0] // (o if self.kind == "full" else 1)
@@ -184,7 +304,9 @@ class KernelSurrogate(BaseEstimator):
             estimator, grid = LogisticRegression(max_iter=2000), {"C": 1 / GRID}
             cv = self.cv
         ((name, _),) = grid.items()
-        if self.alpha is None:
+        if self.alpha is None and self.center_:
+            value = DEFAULT_ALPHA
+        elif self._searched():
             with warnings.catch_warnings():  # regularisations too weak for a fold score badly
                 warnings.simplefilter("ignore")
                 search = GridSearchCV(estimator, grid, cv=cv, refit=False).fit(
@@ -239,7 +361,7 @@ class KernelSurrogate(BaseEstimator):
 
     def predict(self, x) -> np.ndarray:
         k = self._test_kernel(x)
-        if self.machine == "ridge":
+        if self.machine in ARGMAX_MACHINES:
             return self.classes_[self._decision(k).argmax(1)]
         return self.machine_.predict(k)
 
@@ -276,6 +398,53 @@ class KernelSurrogate(BaseEstimator):
         idx = np.argsort(-chosen, axis=1, kind="stable")[:, :k]
         return idx, np.take_along_axis(chosen, idx, 1) * sign
 
+    def influence(self, x_test, remove=None) -> np.ndarray:
+        """Counterfactual (not the contribution): d(x) − d_{−S}(x), how much `decision_function`
+        drops when the training points S are removed and the machine (same kernel, scale and α)
+        is refitted, in closed form (module docstring). remove=None: every single point, [N_test,
+        N_train, C]; else a boolean mask [N_train] or indices of one set S, [N_test, C]. Needs the
+        default ridge machine with `center=True` (an unpenalised intercept keeps the refit a
+        bordered solve)."""
+        check_is_fitted(self, "dual_")
+        if not self.center_:
+            raise ValueError("influence needs machine='ridge' with center=True (the default)")
+        n = self.dual_.shape[0]
+        h = np.linalg.inv(
+            np.block(
+                [
+                    [self.kernel_ + self.alpha_ * np.eye(n), np.ones((n, 1))],
+                    [np.ones((1, n)), np.zeros((1, 1))],
+                ]
+            )
+        )
+        k = self._test_kernel(x_test, centred=False)
+        w = np.hstack([k, np.ones((len(k), 1))]) @ h  # [M, N + 1]
+        if remove is None:
+            return w[:, :n, None] * (self.dual_ / h.diagonal()[:n, None])[None]
+        gone = _removal_indices(remove, n)
+        return w[:, gone] @ np.linalg.solve(h[np.ix_(gone, gone)], self.dual_[gone])
+
+    def coherence(self, x_test, y_train=None, k: int = 5) -> dict:
+        """Whether the decomposition of each test example's predicted column reads as an
+        explanation: `cancellation` [N_test] = Σ_i |c_i| / |Σ_i c_i| (1: no cancellation) and
+        `label_share` [N_test], the share of the top-k proponents whose label (y_train, default
+        the network's predicted labels) is the predicted class; with their medians / means."""
+        c = self.attribute(x_test)
+        column = (c.sum(1) + self.intercept_).argmax(1)
+        own = self.classes_[column]
+        if y_train is None:
+            y_train = logits(self.model, self.x_train_, output_fn=self.output_fn).argmax(1)
+        y_train = labels(y_train, c.shape[1], self.num_outputs_, "y_train").numpy()
+        chosen = c[np.arange(len(c)), :, column]
+        ratio = cancellation(chosen)
+        share = label_share(chosen, y_train, own, k)
+        return {
+            "cancellation": ratio,
+            "label_share": share,
+            "median_cancellation": float(np.median(ratio)),
+            "mean_label_share": float(np.mean(share)),
+        }
+
     def faithfulness(self, x_test, y_test=None) -> dict:
         """How closely the surrogate follows the network on x_test.
 
@@ -285,12 +454,15 @@ class KernelSurrogate(BaseEstimator):
         (when the decision has one column per output); label_agreement; with y_test also the
         accuracies, their gap and the Jaccard overlap of the misclassified sets.
         """
+        x_test = self._inputs(x_test, reset=False)
         g = logits(self.model, x_test, output_fn=self.output_fn, name="x_test").numpy()
         k = self._test_kernel(x_test)
         d = self._decision(k)
         pred_net = g.argmax(1)
         pred_sur = (
-            self.classes_[d.argmax(1)] if self.machine == "ridge" else self.machine_.predict(k)
+            self.classes_[d.argmax(1)]
+            if self.machine in ARGMAX_MACHINES
+            else self.machine_.predict(k)
         )
         result = {"label_agreement": float(np.mean(pred_net == pred_sur))}
         rows = np.arange(len(g))
@@ -317,6 +489,40 @@ class KernelSurrogate(BaseEstimator):
                 ),
             )
         return result
+
+
+def cancellation(c: np.ndarray) -> np.ndarray:
+    """Σ_i |c_i| / |Σ_i c_i| per row of contributions c [M, N] (inf when they sum to 0)."""
+    with np.errstate(divide="ignore"):
+        return np.abs(c).sum(1) / np.abs(c.sum(1))
+
+
+def label_share(c: np.ndarray, y_train: np.ndarray, predicted: np.ndarray, k: int) -> np.ndarray:
+    """Share of each row's k largest contributions c [M, N] whose y_train is `predicted` [M]."""
+    if not 0 < k <= c.shape[1]:
+        raise ValueError(f"k must be in 1..{c.shape[1]}, got {k}")
+    top = np.argsort(-c, axis=1, kind="stable")[:, :k]
+    return np.mean(y_train[top] == np.asarray(predicted)[:, None], axis=1)
+
+
+def _removal_indices(remove, n: int) -> np.ndarray:
+    """Indices of a removal set given as a boolean mask [n] or as indices; never all n."""
+    remove = np.asarray(remove)
+    if remove.dtype == bool:
+        if remove.shape != (n,):
+            raise ValueError(f"the removal mask must have shape ({n},), got {remove.shape}")
+        gone = np.flatnonzero(remove)
+    else:
+        if remove.ndim != 1 or not np.issubdtype(remove.dtype, np.integer):
+            raise ValueError("remove must be a boolean mask or a 1-D array of indices")
+        if remove.size and (remove.min() < 0 or remove.max() >= n):
+            raise ValueError(f"removal indices must be in 0..{n - 1}")
+        gone = np.unique(remove)
+    if gone.size == 0:
+        raise ValueError("remove selects no training point")
+    if gone.size == n:
+        raise ValueError("cannot remove every training point: the machine would have no data")
+    return gone
 
 
 def _svm_pairs(svc: SVC) -> tuple[np.ndarray, np.ndarray]:

@@ -105,11 +105,11 @@ def test_projection_when_exact_kernels_do_not_fit(setup, monkeypatch):
     )
 
 
-def test_surrogate_method_is_its_exact_contributions_on_the_margin(setup):
+def test_surrogate_method_is_its_counterfactual_on_the_margin(setup):
     from attribution import KernelSurrogate
 
     model, x, y, xt, yt = setup
-    c = torch.as_tensor(KernelSurrogate(model).fit(x).attribute(xt))
+    c = torch.as_tensor(KernelSurrogate(model, alpha=1.0).fit(x, y).influence(xt))
     expected = torch.einsum("mio,mo->mi", c, _margin_grad(model(xt).detach(), yt))
     torch.testing.assert_close(influence(model, x, y, xt, yt, method="surrogate"), expected)
 

@@ -83,8 +83,15 @@ def test_attribution_is_exact(trained, kind, machine, normalize):
     if kind == "full":
         k = k.permute(0, 2, 1, 3).reshape(len(xt) * 10, len(x) * 10)
     k = (k / s.scale_).numpy()
+    if s.center_:  # feature-space centring, from the independently computed training kernel
+        kx = ntk.empirical_ntk(model, x, kind=kind, dtype=torch.float64)
+        if normalize:
+            kx = kx / torch.sqrt(kx.diagonal()[:, None] * kx.diagonal()[None, :])
+        r = (kx / s.scale_).numpy().mean(0)
+        k = k - k.mean(1, keepdims=True) - r + r.mean()
     if machine == "ridge":
-        expected = s.machine_.predict(k).reshape(len(xt), -1) + s.intercept_
+        offset = r @ s.dual_ if s.center_ else 0.0  # intercept_ is that of K(x, X), uncentred
+        expected = s.machine_.predict(k).reshape(len(xt), -1) + s.intercept_ + offset
     elif machine == "svm":
         pairs = s.machine_.decision_function(k)
         np.testing.assert_array_equal(s.predict(xt), s.machine_.predict(k))
@@ -103,7 +110,7 @@ def test_attribution_is_exact(trained, kind, machine, normalize):
 
 def test_ridge_matches_kernel_ridge_on_outputs(trained):
     model, x, _, xt, _ = trained
-    s = KernelSurrogate(model, alpha=1e-3, dtype=torch.float64).fit(x)  # kernels in float64
+    s = KernelSurrogate(model, alpha=1e-3, center=False, dtype=torch.float64).fit(x)
     k = ntk.empirical_ntk(model, x, kind="trace", dtype=torch.float64)
     kt = ntk.empirical_ntk(model, xt, x, kind="trace", dtype=torch.float64)
     scale = float(k.diagonal().mean())

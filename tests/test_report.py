@@ -95,7 +95,8 @@ def test_numbers_match_independent_computations(setup, built):
             :3
         ].tolist()
         assert [q["contribution"] for q in e["opponents"]] == pytest.approx(
-            torch.sort(c).values[:3].tolist()
+            torch.sort(c).values[:3].tolist(),
+            rel=1e-5,  # float32 kernels, other tiles
         )
         decision = decisions[e["index"], e["network_prediction"]]
         assert e["sum_of_contributions"] + e["intercept"] == pytest.approx(

@@ -4,7 +4,7 @@ own tuples."""
 
 KERNEL_KINDS = ("full", "diagonal", "trace", "sum_logits")  # ntk.KINDS
 KERNEL_METHODS = ("auto", "jacobian", "ntk_vp", "structured")  # ntk.METHODS
-INFLUENCE_METHODS = ("auto", "gauss_newton", "trak", "surrogate", "grad_dot")
+INFLUENCE_METHODS = ("auto", "gauss_newton", "trak", "surrogate", "grad_dot", "ekfac", "kfac")
 LAYER_SCORES = (  # attribution.layers.SCORES
     "sensitivity",
     "share",
@@ -32,4 +32,4 @@ PROXY_METRICS = (  # ntk.proxies.METRICS
 DEFAULT_RANKING = ("lga", "naswot")  # ntk.proxies.DEFAULT_RANKING
 PROJECTORS = ("rademacher", "gaussian", "sparse")  # projections.PROJECTORS
 SURROGATE_KINDS = ("full", "trace", "sum_logits")  # attribution.surrogate.KINDS
-SURROGATE_MACHINES = ("ridge", "svm", "logistic")  # attribution.surrogate.MACHINES
+SURROGATE_MACHINES = ("ridge", "svm", "logistic", "representer")  # attribution.surrogate.MACHINES

@@ -166,6 +166,7 @@ def report(
         device=device,
         output_fn=output_fn,
         progress=interactive(),
+        retrain=_demo_retrain if model_spec is None and data == "digits" else None,
         settings={
             "data": "digits (scikit-learn, built-in)" if data == "digits" else data,
             "test data": test_file or "digits test split",
@@ -218,3 +219,14 @@ def _shape(text):
     if len(shape) not in (2, 3) or min(shape) < 1:
         raise UsageProblem(f"--image-shape must have 2 or 3 positive sizes, got {text!r}")
     return shape
+
+
+def _demo_retrain(x, y):
+    """The demo network's recipe (`ntk.demo.demo_model`) on other training data: each card's
+    sanity strip compares the surrogate's counterfactual with this retraining."""
+    import torch
+
+    from ntk import demo
+
+    torch.manual_seed(0)
+    return demo.train(demo.mlp(), x, y)
