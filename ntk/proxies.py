@@ -8,6 +8,11 @@ pseudo-NTK of Mohamadi et al., ICML 2023):
 - `condition_number`  TE-NAS (Chen et al., ICLR 2021): κ = λmax/λmin, reported as −log κ so that
   higher is better; the raw κ is kept in `ProxyScore.raw`.
 - `trace` tr Θ, `frobenius` ‖Θ‖_F, `mean` the mean entry of Θ (KNAS, Xu et al., KDD 2021).
+- normalised and per-layer variants: `lga_cosine` LGA of the cosine kernel
+  Θ_ij / √(Θ_ii Θ_jj) (each sample's gradient scale divided out); `lga_centred` the centred
+  alignment ⟨HΘH, HLH⟩_F / (‖HΘH‖ ‖HLH‖), H = I − 11ᵀ/n (Cortes et al., JMLR 2012);
+  `layer_condition` the mean over layers l of −log κ(Θ_l), Θ_l the layer's own kernel
+  (layer kernels with λmin ≤ 1e-10 λmax, numerically singular, left out; NaN when all are).
 
 Zero-cost baselines (Abdelfattah et al., ICLR 2021) on the same batch, with the cross-entropy
 loss L: `grad_norm` Σ_p ‖∂L/∂θ_p‖ over parameter tensors; `snip` Σ |θ ⊙ ∂L/∂θ|; `synflow`
@@ -44,9 +49,18 @@ from tqdm.auto import tqdm
 
 from .core.kinds import check_kind
 from .empirical import empirical_ntk
-from .spectrum import condition_number, kernel_alignment
+from .spectrum import condition_number, eigenvalues, kernel_alignment
 
-KERNEL_METRICS = ("lga", "condition_number", "trace", "frobenius", "mean")
+KERNEL_METRICS = (
+    "lga",
+    "condition_number",
+    "trace",
+    "frobenius",
+    "mean",
+    "lga_cosine",
+    "lga_centred",
+    "layer_condition",
+)
 BASELINE_METRICS = ("naswot", "synflow", "grad_norm", "snip", "jacob_cov", "params")
 METRICS = KERNEL_METRICS + BASELINE_METRICS
 # Earned on benchmarks/nas (120 architectures on digits, see benchmarks/README.md): the best
@@ -54,7 +68,8 @@ METRICS = KERNEL_METRICS + BASELINE_METRICS
 # vote of LGA and NASWOT (τ 0.79, and 0.78 when the pair is chosen on held-out architectures).
 DEFAULT = "jacob_cov"
 DEFAULT_RANKING = ("lga", "naswot")
-_NEEDS_LABELS = ("lga", "grad_norm", "snip")
+SINGULAR = 1e-10  # layer_condition: relative λmin below which a layer kernel counts as singular
+_NEEDS_LABELS = ("lga", "lga_cosine", "lga_centred", "grad_norm", "snip")
 _ACTIVATIONS = (
     nn.ReLU,
     nn.ReLU6,
@@ -386,6 +401,29 @@ def _mean(net, x, y, *, kind, layers):
     return value, value
 
 
+def _lga_cosine(net, x, y, *, kind, layers):
+    k = _square(_kernel(net, x, kind, layers))
+    d = k.diagonal().clamp_min(torch.finfo(k.dtype).tiny).sqrt()
+    value = kernel_alignment(k / d[:, None] / d[None, :], y, centering="mean")
+    return value, value
+
+
+def _lga_centred(net, x, y, *, kind, layers):
+    value = kernel_alignment(_square(_kernel(net, x, kind, layers)), y, centering="kernel")
+    return value, value
+
+
+def _layer_condition(net, x, y, *, kind, layers):
+    parts = empirical_ntk(net, x, kind=kind, layers="all" if layers is None else list(layers))
+    logs = []
+    for k in parts.values():
+        ev = eigenvalues(_square(k))
+        if float(ev[-1]) > SINGULAR * float(ev[0]):
+            logs.append(math.log(float(ev[0]) / float(ev[-1])))
+    value = -float(np.mean(logs)) if logs else float("nan")
+    return value, value
+
+
 def _loss_grads(net, x, y):
     params = [p for p in net.parameters() if p.requires_grad]
     out = net(x)
@@ -458,6 +496,9 @@ _MEASURES = {
     "trace": _trace,
     "frobenius": _frobenius,
     "mean": _mean,
+    "lga_cosine": _lga_cosine,
+    "lga_centred": _lga_centred,
+    "layer_condition": _layer_condition,
     "naswot": _naswot,
     "synflow": _synflow,
     "grad_norm": _grad_norm,
