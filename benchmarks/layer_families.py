@@ -54,8 +54,10 @@ class CNNBN(nn.Sequential):
 class ResBlock(nn.Module):
     def __init__(self, width):
         super().__init__()
-        self.norm, self.fc1, self.fc2 = nn.LayerNorm(width), nn.Linear(width, width), nn.Linear(
-            width, width
+        self.norm, self.fc1, self.fc2 = (
+            nn.LayerNorm(width),
+            nn.Linear(width, width),
+            nn.Linear(width, width),
         )
 
     def forward(self, x):
@@ -83,7 +85,13 @@ def setups(smoke=False):
         yield "cnn-bn", f"cnn-bn-{'x'.join(map(str, ch))}", lambda c=ch: CNNBN(c), 10, digits
     yield "cnn-bn", "cnn-pool", DigitsCNN, 20, digits
     for width, blocks in ((32, 2), (64, 4), (128, 3)):
-        yield "resnet", f"res-w{width}-b{blocks}", lambda w=width, b=blocks: ResMLP(w, b), 20, digits
+        yield (
+            "resnet",
+            f"res-w{width}-b{blocks}",
+            lambda w=width, b=blocks: ResMLP(w, b),
+            20,
+            digits,
+        )
     x_tr, y_tr = pointer_task(2000, 0)
     x_te, y_te = pointer_task(1000, 1)
     seq = (x_tr, y_tr, x_te, y_te)
@@ -129,7 +137,9 @@ def run(smoke=False):
         x_s, y_s, x_ev, y_ev = x_te[:N_SCORE], y_te[:N_SCORE], x_te[N_SCORE:], y_te[N_SCORE:]
         rows = layer_importance(model, x_s, y_s)
         truths = reinit_damage(model, x_ev, y_ev)
-        for row, v in prune_finetune(model, x_tr, y_tr, x_ev, y_ev, 5 if smoke else FT_STEPS).items():
+        for row, v in prune_finetune(
+            model, x_tr, y_tr, x_ev, y_ev, 5 if smoke else FT_STEPS
+        ).items():
             truths[row].update(v)
         table = {}
         for score in SCORES:
@@ -139,8 +149,12 @@ def run(smoke=False):
                 ok = len(pairs) >= 3 and len({a for a, _ in pairs}) > 1
                 table[score][t] = float(spearmanr(*zip(*pairs))[0]) if ok else None
         out[name] = (family, table)
-        print(f"# {name}: {len(rows)} layers, accuracy {demo.accuracy(model, x_te, y_te):.3f}, "
-              f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+        print(
+            f"# {name}: {len(rows)} layers, accuracy {demo.accuracy(model, x_te, y_te):.3f}, "
+            f"{time.perf_counter() - start:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     return out
 
 
@@ -188,12 +202,17 @@ def report(results):
         m = family_means(results, s, families)
         if None in m.values():
             continue
-        print(f"| {s} | " + " | ".join(f"{m[f]:+.2f}" for f in families)
-              + f" | {np.mean(list(m.values())):+.2f} | {min(m.values()):+.2f} |")
+        print(
+            f"| {s} | "
+            + " | ".join(f"{m[f]:+.2f}" for f in families)
+            + f" | {np.mean(list(m.values())):+.2f} | {min(m.values()):+.2f} |"
+        )
     if len(families) < 2:
         return
     print("\nLeave-one-family-out (chosen by best worst-family mean ρ on the other families)")
-    print("| held-out family | chosen | ρ held-out (both truths) | loss_increase | prune_finetune |")
+    print(
+        "| held-out family | chosen | ρ held-out (both truths) | loss_increase | prune_finetune |"
+    )
     print("|---|---|---|---|---|")
     held = []
     for f in families:
@@ -202,8 +221,10 @@ def report(results):
         r = [float(np.mean([t[pick][x] for t in fam])) for x in TRUTH_NAMES]
         held.append(np.mean(r))
         print(f"| {f} | {pick} | {np.mean(r):+.2f} | {r[0]:+.2f} | {r[1]:+.2f} |")
-    print(f"held-out mean ρ {np.mean(held):+.3f}, worst family {min(held):+.3f}; chosen on all "
-          f"families: {choose(results, families)}; code default: {DEFAULT_SCORE}")
+    print(
+        f"held-out mean ρ {np.mean(held):+.3f}, worst family {min(held):+.3f}; chosen on all "
+        f"families: {choose(results, families)}; code default: {DEFAULT_SCORE}"
+    )
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ by leave-one-space-out.
 Spaces: `digits_mlp` (space.py, ground_truth.json) and the three of spaces.py (truth_<space>.json,
 made by ground_truth_spaces.py). Each proxy scores every architecture on `--repeats` random
 batches of 64 training samples and fresh initialisations; the scores are cached in
-scores_<space>.json (proxies missing from it are scored and added; `--rescore` recomputes all). Per space it prints Kendall τ, Spearman ρ and
-the top-10 % overlap (k = max(3, n/10) best architectures by accuracy among the proxy's k best).
+scores_<space>.json (missing proxies are scored and added; `--rescore` recomputes all).
+Per space it prints Kendall τ, Spearman ρ and the top-10 % overlap (how many of the
+k = max(3, n/10) best architectures by accuracy are among the proxy's k best).
 
 Leave-one-space-out: for each space, the candidate with the best worst-space τ on the other
 spaces (ties: best mean) is chosen and its τ on the held-out space reported. `score`'s candidates
@@ -38,8 +39,10 @@ VARIANTS = {  # NTK proxies beyond the plain metrics, reported but not default c
     "lga (trace kernel)": {"metric": "lga", "kind": "trace"},
     "condition_number (trace kernel)": {"metric": "condition_number", "kind": "trace"},
     f"lga after {WARMUP} steps": {"metric": "lga", "warmup_steps": WARMUP},
-    f"condition_number after {WARMUP} steps": {"metric": "condition_number",
-                                               "warmup_steps": WARMUP},
+    f"condition_number after {WARMUP} steps": {
+        "metric": "condition_number",
+        "warmup_steps": WARMUP,
+    },
 }
 PROXIES = {**{m: {"metric": m} for m in proxies.METRICS}, **VARIANTS}
 SPACE_NAMES = ("digits_mlp", *SPACES)
@@ -96,8 +99,9 @@ def candidates(scores, votes):
 
 def choose(taus, spaces):
     """The candidate with the best worst τ over `spaces` (ties: best mean)."""
-    return max(taus, key=lambda c: (min(taus[c][s] for s in spaces),
-                                    np.mean([taus[c][s] for s in spaces])))
+    return max(
+        taus, key=lambda c: (min(taus[c][s] for s in spaces), np.mean([taus[c][s] for s in spaces]))
+    )
 
 
 def leave_one_out(scores, accs, votes):
@@ -135,8 +139,16 @@ def main() -> None:
             if missing:
                 print(f"scoring {name}: {len(cands)} architectures", flush=True)
                 scores[name].update(score_space(cands, x, y, missing, args.repeats))
-                cache.write_text(json.dumps({"repeats": args.repeats, "architectures": list(cands),
-                                             "scores": scores[name]}) + "\n")
+                cache.write_text(
+                    json.dumps(
+                        {
+                            "repeats": args.repeats,
+                            "architectures": list(cands),
+                            "scores": scores[name],
+                        }
+                    )
+                    + "\n"
+                )
         accs[name] = acc
     report(scores, accs, ceilings)
 
@@ -144,12 +156,16 @@ def main() -> None:
 def report(scores, accs, ceilings):
     spaces = list(scores)
     labels = [p for p in PROXIES if all(p in scores[s] for s in spaces)]
-    folds_score, score_default, _ = leave_one_out(
-        {s: {m: scores[s][m] for m in labels} for s in spaces}, accs, votes=False
-    ) if all(m in labels for m in proxies.METRICS) else ({}, None, None)
-    folds_rank, rank_default, rank_taus = leave_one_out(
-        {s: {m: scores[s][m] for m in labels} for s in spaces}, accs, votes=True
-    ) if all(m in labels for m in proxies.METRICS) else ({}, None, None)
+    folds_score, score_default, _ = (
+        leave_one_out({s: {m: scores[s][m] for m in labels} for s in spaces}, accs, votes=False)
+        if all(m in labels for m in proxies.METRICS)
+        else ({}, None, None)
+    )
+    folds_rank, rank_default, rank_taus = (
+        leave_one_out({s: {m: scores[s][m] for m in labels} for s in spaces}, accs, votes=True)
+        if all(m in labels for m in proxies.METRICS)
+        else ({}, None, None)
+    )
     rows = {p: {s: scores[s][p] for s in spaces} for p in labels}
     code_vote = " + ".join(proxies.DEFAULT_RANKING)
     if all(m in labels for m in proxies.DEFAULT_RANKING):
@@ -158,8 +174,7 @@ def report(scores, accs, ceilings):
         }
     if rank_default and " + " in rank_default:
         rows[f"vote: {rank_default} (chosen)"] = {
-            s: proxies.mean_rank([scores[s][m] for m in rank_default.split(" + ")])
-            for s in spaces
+            s: proxies.mean_rank([scores[s][m] for m in rank_default.split(" + ")]) for s in spaces
         }
     print("\nKendall τ with trained accuracy, per space (n architectures; seed-to-seed ceiling)")
     head = " | ".join(f"{s} ({len(accs[s])}; {ceilings[s]:.2f})" for s in spaces)
@@ -167,8 +182,11 @@ def report(scores, accs, ceilings):
     print("|---|" + "---|" * (len(spaces) + 2))
     for label, cols in rows.items():
         t = [metrics(cols[s], accs[s])[0] for s in spaces]
-        print(f"| {label} | " + " | ".join(f"{v:+.3f}" for v in t)
-              + f" | {min(t):+.3f} | {np.mean(t):+.3f} |")
+        print(
+            f"| {label} | "
+            + " | ".join(f"{v:+.3f}" for v in t)
+            + f" | {min(t):+.3f} | {np.mean(t):+.3f} |"
+        )
     for s in spaces:
         print(f"\n{s}: {len(accs[s])} architectures, ceiling τ {ceilings[s]:.3f}")
         print("| proxy | Kendall τ | Spearman ρ | top-k overlap |")
@@ -187,10 +205,13 @@ def report(scores, accs, ceilings):
     for what, default in (("score", score_default), ("rank", rank_default)):
         t = rank_taus[default]
         worst = min(t, key=t.get)
-        print(f"{what} default chosen on all spaces: {default}; worst space {worst} "
-              f"τ {t[worst]:+.3f}; held-out τ: "
-              + ", ".join(f"{s} {(folds_score if what == 'score' else folds_rank)[s][1]:+.3f}"
-                          for s in spaces))
+        print(
+            f"{what} default chosen on all spaces: {default}; worst space {worst} "
+            f"τ {t[worst]:+.3f}; held-out τ: "
+            + ", ".join(
+                f"{s} {(folds_score if what == 'score' else folds_rank)[s][1]:+.3f}" for s in spaces
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -62,8 +62,11 @@ def main() -> None:
         truth = ground_truth(name)
         truth_path(name).write_text(json.dumps(truth, indent=1) + "\n")
         c = truth["ceiling"]
-        print(f"{name}: ceiling τ {c['kendall_tau']:.3f} ρ {c['spearman_rho']:.3f}; "
-              f"{truth['seconds']:.0f} s; wrote {truth_path(name)}", flush=True)
+        print(
+            f"{name}: ceiling τ {c['kendall_tau']:.3f} ρ {c['spearman_rho']:.3f}; "
+            f"{truth['seconds']:.0f} s; wrote {truth_path(name)}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

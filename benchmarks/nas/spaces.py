@@ -96,8 +96,9 @@ def cancer_mlp(n=30) -> Space:
     from sklearn.preprocessing import StandardScaler
 
     grid = list(
-        itertools.product((1, 2, 3, 4, 6), (4, 8, 16, 32, 128), ("relu", "tanh", "sigmoid"),
-                          (False, True))
+        itertools.product(
+            (1, 2, 3, 4, 6), (4, 8, 16, 32, 128), ("relu", "tanh", "sigmoid"), (False, True)
+        )
     )
     out = {}
     for depth, width, act, norm in _pick(grid, n, 2):
@@ -130,7 +131,9 @@ class Block(nn.Module):
             self.qkv = nn.Linear(width, 3 * width)
             self.proj = nn.Linear(width, width)
         self.norm2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU(), nn.Linear(2 * width, width))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 2 * width), nn.ReLU(), nn.Linear(2 * width, width)
+        )
 
     def forward(self, x):
         if self.heads:
