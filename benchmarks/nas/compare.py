@@ -85,12 +85,13 @@ def metrics(values, acc):
 
 
 def candidates(scores, votes):
-    """name → per-space score columns for singles (plain metrics) and, if votes, mean-rank
-    votes of 2 or 3 of them."""
-    out = {m: {s: scores[s][m] for s in scores} for m in proxies.METRICS}
+    """name → per-space score columns for the plain metrics scored on every space and, if votes,
+    mean-rank votes of 2 or 3 of them."""
+    singles = [m for m in proxies.METRICS if all(m in scores[s] for s in scores)]
+    out = {m: {s: scores[s][m] for s in scores} for m in singles}
     if votes:
         for r in (2, 3):
-            for combo in itertools.combinations(proxies.METRICS, r):
+            for combo in itertools.combinations(singles, r):
                 out[" + ".join(combo)] = {
                     s: proxies.mean_rank([scores[s][m] for m in combo]) for s in scores
                 }
@@ -156,16 +157,8 @@ def main() -> None:
 def report(scores, accs, ceilings):
     spaces = list(scores)
     labels = [p for p in PROXIES if all(p in scores[s] for s in spaces)]
-    folds_score, score_default, _ = (
-        leave_one_out({s: {m: scores[s][m] for m in labels} for s in spaces}, accs, votes=False)
-        if all(m in labels for m in proxies.METRICS)
-        else ({}, None, None)
-    )
-    folds_rank, rank_default, rank_taus = (
-        leave_one_out({s: {m: scores[s][m] for m in labels} for s in spaces}, accs, votes=True)
-        if all(m in labels for m in proxies.METRICS)
-        else ({}, None, None)
-    )
+    folds_score, score_default, _ = leave_one_out(scores, accs, votes=False)
+    folds_rank, rank_default, rank_taus = leave_one_out(scores, accs, votes=True)
     rows = {p: {s: scores[s][p] for s in spaces} for p in labels}
     code_vote = " + ".join(proxies.DEFAULT_RANKING)
     if all(m in labels for m in proxies.DEFAULT_RANKING):
@@ -194,8 +187,6 @@ def report(scores, accs, ceilings):
         for label, cols in rows.items():
             tau, rho, top, k = metrics(cols[s], accs[s])
             print(f"| {label} | {tau:+.3f} | {rho:+.3f} | {top}/{k} |")
-    if not folds_score:
-        return
     print("\nLeave-one-space-out (chosen on the other spaces by best worst-space τ)")
     print("| held-out space | score: chosen | τ held-out | rank: chosen | τ held-out |")
     print("|---|---|---|---|---|")
