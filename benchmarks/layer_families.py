@@ -12,10 +12,12 @@ on the rest of the held-out data:
   training data, against the model fine-tuned the same way with nothing pruned.
 
 Prints each score's Spearman ρ per model and truth, its mean and worst model, and the
-leave-one-family-out choice: for each family, the score with the best worst-family mean ρ (both
-truths averaged) on the other families, and its ρ on the held-out family.
+leave-one-family-out choice for each truth (and for both averaged): for each family, the score
+with the best worst-family mean ρ on the other families, and its ρ on the held-out family. The
+per-model ρ are saved to results/layer_families.json; `--cached` re-prints the tables from it.
 
     python benchmarks/layer_families.py            # ≈ 10 min on the shared 2-core machine
+    python benchmarks/layer_families.py --cached   # the tables of the last full run
     python benchmarks/layer_families.py --smoke    # two tiny models, seconds
 """
 
@@ -23,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -40,6 +44,8 @@ from ntk import demo
 N_SCORE = 256
 FT_STEPS = 50
 TRUTH_NAMES = ("loss_increase", "prune_finetune")
+CRITERIA = (("loss_increase",), ("prune_finetune",), TRUTH_NAMES)
+CACHE = Path(__file__).parent / "results" / "layer_families.json"
 
 
 class CNNBN(nn.Sequential):
@@ -158,25 +164,26 @@ def run(smoke=False):
     return out
 
 
-def both(table, score):
-    """Mean ρ over the two truths (None if either is undefined)."""
-    v = [table[score][t] for t in TRUTH_NAMES]
+def value(table, score, truths):
+    """Mean ρ over `truths` (None if any is undefined)."""
+    v = [table[score][t] for t in truths]
     return None if None in v else float(np.mean(v))
 
 
-def family_means(results, score, families):
-    """{family: mean over its models of the two-truth ρ} (None if undefined anywhere)."""
+def family_means(results, score, families, truths):
+    """{family: mean over its models of ρ on `truths`} (None if undefined anywhere)."""
     out = {}
     for f in families:
-        vals = [both(t, score) for fam, t in results.values() if fam == f]
+        vals = [value(t, score, truths) for fam, t in results.values() if fam == f]
         out[f] = None if None in vals or not vals else float(np.mean(vals))
     return out
 
 
-def choose(results, families):
+def choose(results, families, truths):
+    """The score with the best worst-family mean ρ over `families` (ties: best mean)."""
     ok = {}
     for s in SCORES:
-        m = family_means(results, s, families)
+        m = family_means(results, s, families, truths)
         if None not in m.values():
             ok[s] = (min(m.values()), float(np.mean(list(m.values()))))
     return max(ok, key=ok.get)
@@ -195,43 +202,48 @@ def report(results):
             cells = " | ".join("–" if x is None else f"{x:+.2f}" for x in v)
             tail = f"{np.mean(got):+.2f} | {min(got):+.2f}" if got else "– | –"
             print(f"| {s} | {cells} | {tail} |")
-    print("\nPer family, mean over models of ρ averaged over both truths")
-    print("| score | " + " | ".join(families) + " | mean | worst family |")
-    print("|---|" + "---|" * (len(families) + 2))
-    for s in SCORES:
-        m = family_means(results, s, families)
-        if None in m.values():
+    for truths in CRITERIA:
+        label = " and ".join(truths)
+        print(f"\nPer family, mean over models of ρ on {label}")
+        print("| score | " + " | ".join(families) + " | mean | worst family |")
+        print("|---|" + "---|" * (len(families) + 2))
+        for s in SCORES:
+            m = family_means(results, s, families, truths)
+            if None not in m.values():
+                print(
+                    f"| {s} | "
+                    + " | ".join(f"{m[f]:+.2f}" for f in families)
+                    + f" | {np.mean(list(m.values())):+.2f} | {min(m.values()):+.2f} |"
+                )
+        if len(families) < 2:
             continue
+        print(f"\nLeave-one-family-out on {label} (chosen by best worst-family mean ρ)")
+        print("| held-out family | chosen | ρ held-out |")
+        print("|---|---|---|")
+        held = []
+        for f in families:
+            pick = choose(results, [g for g in families if g != f], truths)
+            held.append(family_means(results, pick, [f], truths)[f])
+            print(f"| {f} | {pick} | {held[-1]:+.2f} |")
         print(
-            f"| {s} | "
-            + " | ".join(f"{m[f]:+.2f}" for f in families)
-            + f" | {np.mean(list(m.values())):+.2f} | {min(m.values()):+.2f} |"
+            f"{label}: held-out mean ρ {np.mean(held):+.3f}, worst family {min(held):+.3f}; "
+            f"chosen on all families: {choose(results, families, truths)}; "
+            f"code default: {DEFAULT_SCORE}"
         )
-    if len(families) < 2:
-        return
-    print("\nLeave-one-family-out (chosen by best worst-family mean ρ on the other families)")
-    print(
-        "| held-out family | chosen | ρ held-out (both truths) | loss_increase | prune_finetune |"
-    )
-    print("|---|---|---|---|---|")
-    held = []
-    for f in families:
-        pick = choose(results, [g for g in families if g != f])
-        fam = [t for fam, t in results.values() if fam == f]
-        r = [float(np.mean([t[pick][x] for t in fam])) for x in TRUTH_NAMES]
-        held.append(np.mean(r))
-        print(f"| {f} | {pick} | {np.mean(r):+.2f} | {r[0]:+.2f} | {r[1]:+.2f} |")
-    print(
-        f"held-out mean ρ {np.mean(held):+.3f}, worst family {min(held):+.3f}; chosen on all "
-        f"families: {choose(results, families)}; code default: {DEFAULT_SCORE}"
-    )
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--cached", action="store_true", help=f"re-print {CACHE.name}")
     args = parser.parse_args()
     torch.set_num_threads(1)
     start = time.perf_counter()
-    report(run(args.smoke))
+    if args.cached:
+        results = json.loads(CACHE.read_text())
+    else:
+        results = run(args.smoke)
+        if not args.smoke:
+            CACHE.write_text(json.dumps(results, indent=1) + "\n")
+    report(results)
     print(f"\n# total {time.perf_counter() - start:.0f} s")

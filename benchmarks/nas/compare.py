@@ -109,7 +109,7 @@ def leave_one_out(scores, accs, votes):
     cols = candidates(scores, votes)
     taus = {c: {s: metrics(cols[c][s], accs[s])[0] for s in scores} for c in cols}
     folds = {}
-    for held in scores:
+    for held in scores if len(scores) > 1 else ():
         train = [s for s in scores if s != held]
         pick = choose(taus, train)
         folds[held] = (pick, taus[pick][held])
@@ -187,6 +187,8 @@ def report(scores, accs, ceilings):
         for label, cols in rows.items():
             tau, rho, top, k = metrics(cols[s], accs[s])
             print(f"| {label} | {tau:+.3f} | {rho:+.3f} | {top}/{k} |")
+    if len(spaces) < 2:
+        return
     print("\nLeave-one-space-out (chosen on the other spaces by best worst-space τ)")
     print("| held-out space | score: chosen | τ held-out | rank: chosen | τ held-out |")
     print("|---|---|---|---|---|")
