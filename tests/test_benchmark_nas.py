@@ -58,6 +58,7 @@ def test_leave_one_out_reports_the_held_out_tau_of_a_choice_made_without_it(nas_
     assert taus["params"]["c"] < 1.0 == pytest.approx(taus["naswot"]["c"])
 
 
+@pytest.mark.slow  # 25–35 s on the loaded 2-core machine
 def test_ground_truth_of_each_new_space_trains_every_seed(nas_modules):
     _, gt = nas_modules
     for name in ("digits_cnn", "cancer_mlp", "seq_attention"):
@@ -70,6 +71,7 @@ def test_ground_truth_of_each_new_space_trains_every_seed(nas_modules):
         assert set(truth["ceiling"]) == {"kendall_tau", "spearman_rho"}
 
 
+@pytest.mark.slow  # 25–35 s on the loaded 2-core machine
 def test_compare_smoke_prints_tau_per_space_and_the_held_out_choice():
     proc = subprocess.run(
         [sys.executable, "compare.py", "--smoke"],
@@ -88,6 +90,7 @@ def test_compare_smoke_prints_tau_per_space_and_the_held_out_choice():
     assert "rank default chosen on all spaces" in proc.stdout
 
 
+@pytest.mark.slow  # 25–35 s on the loaded 2-core machine
 def test_layer_families_smoke_prints_both_truths_and_the_held_out_choice():
     proc = subprocess.run(
         [sys.executable, "layer_families.py", "--smoke"],
