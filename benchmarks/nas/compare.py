@@ -165,7 +165,7 @@ def report(scores, accs, ceilings):
         rows[f"vote: {code_vote} (code default)"] = {
             s: proxies.mean_rank([scores[s][m] for m in proxies.DEFAULT_RANKING]) for s in spaces
         }
-    if rank_default and " + " in rank_default:
+    if rank_default and " + " in rank_default and rank_default != code_vote:
         rows[f"vote: {rank_default} (chosen)"] = {
             s: proxies.mean_rank([scores[s][m] for m in rank_default.split(" + ")]) for s in spaces
         }
