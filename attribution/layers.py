@@ -25,8 +25,9 @@ and cheap baselines to compare them with:
                       grouped rows (``group`` given) whose module's output has its input's shape,
                       i.e. residual blocks.
 
-The default score ``sensitivity`` is the one ``benchmarks/layer_importance.py`` shows to predict
-best the loss increase when a layer is re-initialised (see benchmarks/README.md): the plain trace
+The default score ``sensitivity`` is the one ``benchmarks/layer_importance.py`` and, across
+four model families, ``benchmarks/layer_families.py`` show to predict best the loss increase
+when a layer is re-initialised (see benchmarks/README.md): the plain trace
 ``share`` ignores how far the layer's weights sit from where a re-draw would put them, so it misses
 embeddings (large weights, sparse gradients) and overrates LayerNorms (weights ≈ their init).
 """
