@@ -264,3 +264,10 @@ def test_normalised_and_per_layer_kernel_metrics_match_a_direct_computation(data
     assert np.linalg.matrix_rank(g[:, first:]) < N
     ev = np.linalg.eigvalsh(g[:, :first] @ g[:, :first].T)
     assert run(model, x, y, "layer_condition") == pytest.approx(-math.log(ev[-1] / ev[0]), rel=1e-3)
+
+
+def test_layer_condition_is_nan_when_every_layer_kernel_is_singular(data):
+    x, y = data
+    torch.manual_seed(0)
+    linear = nn.Linear(D, O)  # sum-of-logits kernel rank ≤ D + 1 < N
+    assert math.isnan(run(linear, x, y, "layer_condition"))
