@@ -241,3 +241,33 @@ def test_a_vote_orders_by_the_mean_rank_over_metrics(data):
         }
     with pytest.raises(ValueError, match="unknown metric"):
         proxies.rank(candidates, x, y, metric=("lga", "accuracy"))
+
+
+def test_normalised_and_per_layer_kernel_metrics_match_a_direct_computation(data):
+    x, y = data
+    model = tiny().eval()
+    g = sum_logit_grads(model, x)
+    k = g @ g.T
+    labels = np.where(y.numpy()[:, None] == y.numpy()[None, :], 1.0, -1.0)
+    d = np.sqrt(np.diag(k))
+    cosine = k / d[:, None] / d[None, :]
+    assert run(model, x, y, "lga_cosine") == pytest.approx(
+        np.corrcoef(cosine.ravel(), labels.ravel())[0, 1], abs=1e-5
+    )
+    h = np.eye(N) - 1.0 / N
+    kc, lc = h @ k @ h, h @ labels @ h
+    assert run(model, x, y, "lga_centred") == pytest.approx(
+        (kc * lc).sum() / np.linalg.norm(kc) / np.linalg.norm(lc), abs=1e-5
+    )
+    first = sum(p.numel() for p in model[0].parameters())
+    # Linear 2's sum-of-logits kernel has rank ≤ 7 < N: singular, so only Linear 1 counts
+    assert np.linalg.matrix_rank(g[:, first:]) < N
+    ev = np.linalg.eigvalsh(g[:, :first] @ g[:, :first].T)
+    assert run(model, x, y, "layer_condition") == pytest.approx(-math.log(ev[-1] / ev[0]), rel=1e-3)
+
+
+def test_layer_condition_is_nan_when_every_layer_kernel_is_singular(data):
+    x, y = data
+    torch.manual_seed(0)
+    linear = nn.Linear(D, O)  # sum-of-logits kernel rank ≤ D + 1 < N
+    assert math.isnan(run(linear, x, y, "layer_condition"))

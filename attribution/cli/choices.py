@@ -22,6 +22,9 @@ PROXY_METRICS = (  # ntk.proxies.METRICS
     "trace",
     "frobenius",
     "mean",
+    "lga_cosine",
+    "lga_centred",
+    "layer_condition",
     "naswot",
     "synflow",
     "grad_norm",
@@ -29,7 +32,7 @@ PROXY_METRICS = (  # ntk.proxies.METRICS
     "jacob_cov",
     "params",
 )
-DEFAULT_RANKING = ("lga", "naswot")  # ntk.proxies.DEFAULT_RANKING
+DEFAULT_RANKING = ("condition_number", "layer_condition", "naswot")  # ntk.proxies.DEFAULT_RANKING
 PROJECTORS = ("rademacher", "gaussian", "sparse")  # projections.PROJECTORS
 SURROGATE_KINDS = ("full", "trace", "sum_logits")  # attribution.surrogate.KINDS
 SURROGATE_MACHINES = ("ridge", "svm", "logistic", "representer")  # attribution.surrogate.MACHINES

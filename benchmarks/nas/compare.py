@@ -1,0 +1,211 @@
+"""Every proxy on every NAS space, and the defaults of `proxies.score` / `proxies.rank` chosen
+by leave-one-space-out.
+
+Spaces: `digits_mlp` (space.py, ground_truth.json) and the three of spaces.py (truth_<space>.json,
+made by ground_truth_spaces.py). Each proxy scores every architecture on `--repeats` random
+batches of 64 training samples and fresh initialisations; the scores are cached in
+scores_<space>.json (missing proxies are scored and added; `--rescore` recomputes all).
+Per space it prints Kendall τ, Spearman ρ and the top-10 % overlap (how many of the
+k = max(3, n/10) best architectures by accuracy are among the proxy's k best).
+
+Leave-one-space-out: for each space, the candidate with the best worst-space τ on the other
+spaces (ties: best mean) is chosen and its τ on the held-out space reported. `score`'s candidates
+are the single metrics of `proxies.METRICS`; `rank`'s add every vote (`proxies.mean_rank`) of
+two or three of them. The default is the candidate chosen on all spaces.
+
+    python benchmarks/nas/compare.py [--rescore] [--repeats 2]        # cached: seconds
+    python benchmarks/nas/compare.py --smoke                           # tiny, for the tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from scipy.stats import kendalltau, spearmanr
+from space import space as digits_mlp_space
+from spaces import SPACES
+
+from ntk import demo, proxies
+
+HERE = Path(__file__).parent
+WARMUP = 16
+VARIANTS = {  # NTK proxies beyond the plain metrics, reported but not default candidates
+    "lga (trace kernel)": {"metric": "lga", "kind": "trace"},
+    "condition_number (trace kernel)": {"metric": "condition_number", "kind": "trace"},
+    f"lga after {WARMUP} steps": {"metric": "lga", "warmup_steps": WARMUP},
+    f"condition_number after {WARMUP} steps": {
+        "metric": "condition_number",
+        "warmup_steps": WARMUP,
+    },
+}
+PROXIES = {**{m: {"metric": m} for m in proxies.METRICS}, **VARIANTS}
+SPACE_NAMES = ("digits_mlp", *SPACES)
+
+
+def load(name):
+    """(candidates, x_train, y_train, mean accuracy per candidate, ceiling τ)."""
+    if name == "digits_mlp":
+        truth = json.loads((HERE / "ground_truth.json").read_text())
+        cands, data = digits_mlp_space(), demo.digits(n_train=truth["budget"]["n_train"])
+        x, y = data.x_train, data.y_train
+    else:
+        truth = json.loads((HERE / f"truth_{name}.json").read_text())
+        s = SPACES[name]()
+        cands, x, y = s.candidates, s.x_train, s.y_train
+    acc = np.array([truth["architectures"][n]["mean"] for n in cands])
+    return cands, x, y, acc, truth["ceiling"]["kendall_tau"]
+
+
+def score_space(cands, x, y, labels, repeats):
+    out = {}
+    for label in labels:
+        start, values = time.perf_counter(), []
+        for factory in cands.values():
+            try:
+                values.append(proxies.score(factory, x, y, repeats=repeats, **PROXIES[label]))
+            except (ValueError, RuntimeError):  # e.g. a singular kernel: ranks last
+                values.append(float("nan"))
+        out[label] = values
+        print(f"  scored {label} in {time.perf_counter() - start:.0f} s", flush=True)
+    return out
+
+
+def metrics(values, acc):
+    """(Kendall τ, Spearman ρ, top-k overlap, k); NaN scores rank last."""
+    v = np.nan_to_num(np.asarray(values, dtype=float), nan=-np.inf, posinf=1e300, neginf=-1e300)
+    k = max(3, len(acc) // 10)
+    top = len(set(np.argsort(-acc)[:k]) & set(np.argsort(-v, kind="stable")[:k]))
+    return kendalltau(v, acc)[0], spearmanr(v, acc)[0], top, k
+
+
+def candidates(scores, votes):
+    """name → per-space score columns for the plain metrics scored on every space and, if votes,
+    mean-rank votes of 2 or 3 of them."""
+    singles = [m for m in proxies.METRICS if all(m in scores[s] for s in scores)]
+    out = {m: {s: scores[s][m] for s in scores} for m in singles}
+    if votes:
+        for r in (2, 3):
+            for combo in itertools.combinations(singles, r):
+                out[" + ".join(combo)] = {
+                    s: proxies.mean_rank([scores[s][m] for m in combo]) for s in scores
+                }
+    return out
+
+
+def choose(taus, spaces):
+    """The candidate with the best worst τ over `spaces` (ties: best mean)."""
+    return max(
+        taus, key=lambda c: (min(taus[c][s] for s in spaces), np.mean([taus[c][s] for s in spaces]))
+    )
+
+
+def leave_one_out(scores, accs, votes):
+    cols = candidates(scores, votes)
+    taus = {c: {s: metrics(cols[c][s], accs[s])[0] for s in scores} for c in cols}
+    folds = {}
+    for held in scores if len(scores) > 1 else ():
+        train = [s for s in scores if s != held]
+        pick = choose(taus, train)
+        folds[held] = (pick, taus[pick][held])
+    return folds, choose(taus, list(scores)), taus
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--rescore", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="6 architectures, 3 proxies, no cache")
+    parser.add_argument("--spaces", default=",".join(SPACE_NAMES), help="comma-separated")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    scores, accs, ceilings = {}, {}, {}
+    for name in args.spaces.split(","):
+        cands, x, y, acc, ceilings[name] = load(name)
+        cache = HERE / f"scores_{name}.json"
+        if args.smoke:
+            keep = list(cands)[:: max(1, len(cands) // 6)][:6]
+            idx = [list(cands).index(n) for n in keep]
+            cands, acc = {n: cands[n] for n in keep}, acc[idx]
+            scores[name] = score_space(cands, x, y, ["lga", "naswot", "params"], 1)
+        else:
+            cached = {} if args.rescore or not cache.exists() else json.loads(cache.read_text())
+            scores[name] = cached.get("scores", {})
+            missing = [p for p in PROXIES if p not in scores[name]]
+            if missing:
+                print(f"scoring {name}: {len(cands)} architectures", flush=True)
+                scores[name].update(score_space(cands, x, y, missing, args.repeats))
+                cache.write_text(
+                    json.dumps(
+                        {
+                            "repeats": args.repeats,
+                            "architectures": list(cands),
+                            "scores": scores[name],
+                        }
+                    )
+                    + "\n"
+                )
+        accs[name] = acc
+    report(scores, accs, ceilings)
+
+
+def report(scores, accs, ceilings):
+    spaces = list(scores)
+    labels = [p for p in PROXIES if all(p in scores[s] for s in spaces)]
+    folds_score, score_default, _ = leave_one_out(scores, accs, votes=False)
+    folds_rank, rank_default, rank_taus = leave_one_out(scores, accs, votes=True)
+    rows = {p: {s: scores[s][p] for s in spaces} for p in labels}
+    code_vote = " + ".join(proxies.DEFAULT_RANKING)
+    if all(m in labels for m in proxies.DEFAULT_RANKING):
+        rows[f"vote: {code_vote} (code default)"] = {
+            s: proxies.mean_rank([scores[s][m] for m in proxies.DEFAULT_RANKING]) for s in spaces
+        }
+    if rank_default and " + " in rank_default and rank_default != code_vote:
+        rows[f"vote: {rank_default} (chosen)"] = {
+            s: proxies.mean_rank([scores[s][m] for m in rank_default.split(" + ")]) for s in spaces
+        }
+    print("\nKendall τ with trained accuracy, per space (n architectures; seed-to-seed ceiling)")
+    head = " | ".join(f"{s} ({len(accs[s])}; {ceilings[s]:.2f})" for s in spaces)
+    print(f"| proxy | {head} | worst | mean |")
+    print("|---|" + "---|" * (len(spaces) + 2))
+    for label, cols in rows.items():
+        t = [metrics(cols[s], accs[s])[0] for s in spaces]
+        print(
+            f"| {label} | "
+            + " | ".join(f"{v:+.3f}" for v in t)
+            + f" | {min(t):+.3f} | {np.mean(t):+.3f} |"
+        )
+    for s in spaces:
+        print(f"\n{s}: {len(accs[s])} architectures, ceiling τ {ceilings[s]:.3f}")
+        print("| proxy | Kendall τ | Spearman ρ | top-k overlap |")
+        print("|---|---|---|---|")
+        for label, cols in rows.items():
+            tau, rho, top, k = metrics(cols[s], accs[s])
+            print(f"| {label} | {tau:+.3f} | {rho:+.3f} | {top}/{k} |")
+    if len(spaces) < 2:
+        return
+    print("\nLeave-one-space-out (chosen on the other spaces by best worst-space τ)")
+    print("| held-out space | score: chosen | τ held-out | rank: chosen | τ held-out |")
+    print("|---|---|---|---|---|")
+    for s in spaces:
+        (ps, ts), (pr, tr) = folds_score[s], folds_rank[s]
+        print(f"| {s} | {ps} | {ts:+.3f} | {pr} | {tr:+.3f} |")
+    for what, default in (("score", score_default), ("rank", rank_default)):
+        t = rank_taus[default]
+        worst = min(t, key=t.get)
+        print(
+            f"{what} default chosen on all spaces: {default}; worst space {worst} "
+            f"τ {t[worst]:+.3f}; held-out τ: "
+            + ", ".join(
+                f"{s} {(folds_score if what == 'score' else folds_rank)[s][1]:+.3f}" for s in spaces
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Smoke runs of the cross-space NAS benchmark (benchmarks/nas/compare.py,
+ground_truth_spaces.py) and the layer-importance families benchmark, and the leave-one-out
+choice they rely on."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture
+def nas_modules(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH / "nas"))
+    import compare
+    import ground_truth_spaces
+
+    return compare, ground_truth_spaces
+
+
+def _table(stdout: str, header: str) -> dict:
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = {}
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_choose_takes_the_best_worst_space_not_the_best_mean(nas_modules):
+    compare, _ = nas_modules
+    taus = {"spiky": {"a": 0.95, "b": 0.9, "c": 0.1}, "steady": {"a": 0.6, "b": 0.6, "c": 0.5}}
+    assert compare.choose(taus, ["a", "b", "c"]) == "steady"
+    assert compare.choose(taus, ["a", "b"]) == "spiky"
+
+
+def test_leave_one_out_reports_the_held_out_tau_of_a_choice_made_without_it(nas_modules):
+    compare, _ = nas_modules
+    acc = {s: np.arange(6.0) for s in "abc"}
+    good, bad = list(range(6)), [0, 1, 2, 3, 5, 4]
+    scores = {
+        "a": {"params": good, "naswot": bad},
+        "b": {"params": good, "naswot": bad},
+        "c": {"params": bad, "naswot": good},
+    }
+    folds, default, taus = compare.leave_one_out(scores, acc, votes=False)
+    assert default == "params"
+    assert folds["c"] == ("params", pytest.approx(taus["params"]["c"]))
+    assert taus["params"]["c"] < 1.0 == pytest.approx(taus["naswot"]["c"])
+
+
+@pytest.mark.slow  # 25–35 s on the loaded 2-core machine
+def test_ground_truth_of_each_new_space_trains_every_seed(nas_modules):
+    _, gt = nas_modules
+    for name in ("digits_cnn", "cancer_mlp", "seq_attention"):
+        truth = gt.ground_truth(name, seeds=(0, 1), n=2)
+        archs = truth["architectures"]
+        assert len(archs) == 2
+        for a in archs.values():
+            assert len(a["accuracy"]) == 2 and all(0 <= v <= 1 for v in a["accuracy"])
+            assert a["mean"] == pytest.approx(np.mean(a["accuracy"]), abs=1e-4)
+        assert set(truth["ceiling"]) == {"kendall_tau", "spearman_rho"}
+
+
+@pytest.mark.slow  # 25–35 s on the loaded 2-core machine
+def test_compare_smoke_prints_tau_per_space_and_the_held_out_choice():
+    proc = subprocess.run(
+        [sys.executable, "compare.py", "--smoke"],
+        cwd=BENCH / "nas",
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    taus = _table(proc.stdout, "| proxy |")
+    assert {"lga", "naswot", "params"} <= set(taus)
+    assert all(-1 <= float(v) <= 1 for row in taus.values() for v in row)
+    folds = _table(proc.stdout, "| held-out space |")
+    assert set(folds) == {"digits_mlp", "digits_cnn", "cancer_mlp", "seq_attention"}
+    assert "rank default chosen on all spaces" in proc.stdout
+
+
+@pytest.mark.slow  # 25–35 s on the loaded 2-core machine
+def test_layer_families_smoke_prints_both_truths_and_the_held_out_choice():
+    proc = subprocess.run(
+        [sys.executable, "layer_families.py", "--smoke"],
+        cwd=BENCH,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    for truth in ("loss_increase", "prune_finetune"):
+        rows = _table(proc.stdout.split(f"score vs {truth}")[1], "| score |")
+        assert "sensitivity" in rows
+    held = _table(proc.stdout, "| held-out family |")
+    assert set(held) == {"mlp", "resnet"}
