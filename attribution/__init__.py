@@ -1,6 +1,7 @@
 """Kernel-machine surrogates, data attribution, layer importance, reports and the `ntk` CLI."""
 
 from ._influence import influence
+from ._posterior import NTKPosterior
 from ._report import report
 from ._trak import trak
 from .evaluation import flip_labels, lds, mislabel_auc, random_subsets, train_on_subsets
@@ -9,6 +10,7 @@ from .surrogate import KernelSurrogate
 
 __all__ = [
     "KernelSurrogate",
+    "NTKPosterior",
     "flip_labels",
     "influence",
     "layer_importance",
