@@ -7,6 +7,7 @@ import importlib
 
 _PUBLIC = {
     "KernelSurrogate": ".surrogate",
+    "NTKPosterior": "._posterior",
     "flip_labels": ".evaluation",
     "influence": "._influence",
     "layer_importance": ".layers",

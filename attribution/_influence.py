@@ -36,7 +36,15 @@ from ntk.core.memory import available_bytes
 from ntk.core.model import ModelView
 
 from . import _kernels, curvature
-from ._outputs import labels, logits, margin_gradient, models, softmax_curvature, test_labels
+from ._outputs import (
+    labels,
+    logits,
+    margin_gradient,
+    models,
+    psd_root,
+    softmax_curvature,
+    test_labels,
+)
 from ._trak import trak
 from .surrogate import KernelSurrogate
 
@@ -268,8 +276,7 @@ def gauss_newton(
     """
     n, o = g_train.shape
     p = g_train.softmax(1)
-    evals, evecs = torch.linalg.eigh(softmax_curvature(g_train))
-    s = evecs @ torch.diag_embed(evals.clamp_min(0).sqrt()) @ evecs.transpose(1, 2)  # [N, O, O]
+    s = psd_root(softmax_curvature(g_train))  # [N, O, O]
     v = s[torch.arange(n), :, y_train] / p[torch.arange(n), y_train][:, None]  # S_i w_i
     a = torch.einsum("iop,ijpr,jrq->iojq", s, theta, s).reshape(n * o, n * o)
     factor = _damped_cholesky(a, n * o, damping)

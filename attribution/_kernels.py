@@ -117,5 +117,38 @@ def output_kernel(
     )
     if kind == "full":
         return k
+    return k[:, :, None, None] * _output_identity(kind, num_outputs)
+
+
+def _output_identity(kind: str, num_outputs: int) -> torch.Tensor:
+    """The O × O factor of a scalar kind's stand-in k ⊗ I_O (trace / O; sum_logits as is)."""
     scale = 1.0 / num_outputs if kind == "trace" else 1.0
-    return k[:, :, None, None] * (scale * torch.eye(num_outputs, dtype=k.dtype))
+    return scale * torch.eye(num_outputs, dtype=torch.float64)
+
+
+def output_self_blocks(
+    model,
+    x,
+    *,
+    kind: str,
+    num_outputs: int,
+    dim: int | None = None,
+    seed: int = 0,
+    batch_size: int | None = None,
+    device=None,
+    block: int = 64,
+) -> torch.Tensor:
+    """Θ(x, x) [N, O, O] for every sample: the diagonal blocks of `output_kernel`, computed in
+    blocks of `block` samples (never the whole N × N kernel)."""
+    if kind not in OUTPUT_KINDS:
+        raise ValueError(f"kind must be one of {', '.join(OUTPUT_KINDS)}, got {kind!r}")
+    opts = dict(kind=kind, dim=dim, seed=seed, batch_size=batch_size, device=device)
+    if kind != "full":
+        k = self_similarity(model, x, block=block, **opts)
+        return k[:, None, None] * _output_identity(kind, num_outputs)
+    n = inputs.count(x)
+    blocks = []
+    for s in range(0, n, block):
+        k = compute(model, inputs.take(x, slice(s, s + block)), **opts)
+        blocks.append(k.diagonal(dim1=0, dim2=1).permute(2, 0, 1))
+    return torch.cat(blocks)

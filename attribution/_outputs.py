@@ -69,6 +69,13 @@ def softmax_curvature(g: torch.Tensor) -> torch.Tensor:
     return torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
 
 
+def psd_root(a: torch.Tensor) -> torch.Tensor:
+    """The symmetric square root A^½ [..., O, O] of positive semi-definite matrices (eigenvalues
+    clamped at 0), e.g. S = Λ^½ of the softmax curvature."""
+    evals, evecs = torch.linalg.eigh(a)
+    return evecs @ torch.diag_embed(evals.clamp_min(0).sqrt()) @ evecs.transpose(-1, -2)
+
+
 def models(model: nn.Module, checkpoints: Sequence | None) -> list[nn.Module]:
     """The models to average over: `model`, or copies of it holding each checkpoint's weights."""
     if not isinstance(model, nn.Module):

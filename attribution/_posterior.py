@@ -1,0 +1,339 @@
+"""`NTKPosterior`: the network linearised around its trained weights θ* as a Gaussian process
+whose covariance is the eNTK — the function-space form of the linearised Laplace approximation
+(Immer, Korzepa & Bauer, AISTATS 2021; laplace-torch's GLM predictive).
+
+With the prior θ ~ N(0, δ⁻¹I), the Gauss–Newton curvature Λ_i of the loss with respect to the
+outputs of training sample i (softmax: diag(p_i) − p_i p_iᵀ; Gaussian: I/σ²) and the eNTK Θ, the
+outputs of the linearised network f(x) = f_θ*(x) + J(x)(θ − θ*) have the posterior
+f(x) ~ N(f_θ*(x), Σ(x)),
+
+    Σ(x) = J(x)(JᵀΛJ + δI)⁻¹J(x)ᵀ = [Θ(x, x) − Θ(x, X) S (δI + SΘS)⁻¹ S Θ(X, x)] / δ
+
+(Woodbury's identity; S = Λ^½ block-diagonal, so the singular softmax curvature needs no
+inverse), an (N·O)-dimensional Cholesky solve. The Laplace evidence of the prior precision is
+
+    log Z(δ) = log p(y | f_θ*(X)) − ½ δ ‖θ*‖² − ½ log det(I + SΘS/δ).
+
+It is the same damped system that `influence`'s Gauss–Newton path solves with damping δ.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Integral, Real
+
+import numpy as np
+import scipy.optimize
+import torch
+from sklearn.base import BaseEstimator, ClassifierMixin
+from sklearn.utils import RegressorTags
+from sklearn.utils.validation import check_is_fitted
+from torch import nn
+
+from ntk.core import inputs
+
+from . import _kernels
+from ._outputs import labels, logits, psd_root, softmax_curvature
+
+LIKELIHOODS = ("classification", "regression")
+LINKS = ("probit", "mc")
+KINDS = _kernels.OUTPUT_KINDS
+EVIDENCE_DECADES = 10.0  # the evidence is maximised over δ in [δ_max·10⁻¹⁰, δ_max]
+EVIDENCE_TOL = 0.01  # in log10 δ
+PREDICT_BLOCK = 128  # test samples per block of the predictive covariance
+
+
+class NTKPosterior(ClassifierMixin, BaseEstimator):
+    """Calibrated probabilities and uncertainty from the eNTK of a trained `model`.
+
+    likelihood: "classification" (softmax over the model's O ≥ 2 outputs, integer labels) or
+    "regression" (Gaussian with variance `noise`: a float, or "auto" for the mean squared
+    training residual). kind: the covariance, "full" (exact, [N, N, O, O]) or a scalar kind
+    ("trace", "sum_logits": the cheaper stand-in k(x, x') ⊗ I_O of `_kernels.output_kernel`).
+    projection_dim: None for exact kernels, else a random projection of that dimension
+    (`projections`, seeded by `seed`). prior_precision: δ > 0, or "auto" to maximise the
+    Laplace evidence `log_marginal_likelihood` over δ (bounded Brent search on log δ).
+    link (classification):
+    "probit" — p ≈ softmax(μ_o / √(1 + π/8 · s_o)) with s the diagonal of the covariance after
+    removing its component along (1, …, 1), which no softmax can see — or "mc", the mean softmax of
+    `mc_samples` draws of the logits. The model is never modified.
+    Benchmarks: python benchmarks/uncertainty.py.
+    """
+
+    _parameter_constraints: dict = {
+        "model": [nn.Module],
+        "kind": [str],
+        "likelihood": [str],
+        "prior_precision": [Real, str],
+        "noise": [Real, str],
+        "link": [str],
+        "mc_samples": [Integral],
+        "projection_dim": [Integral, None],
+        "seed": [Integral],
+        "batch_size": [Integral, None],
+        "device": [str, torch.device, None],
+    }
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        *,
+        kind: str = "full",
+        likelihood: str = "classification",
+        prior_precision: float | str = "auto",
+        noise: float | str = "auto",
+        link: str = "probit",
+        mc_samples: int = 1000,
+        projection_dim: int | None = None,
+        seed: int = 0,
+        batch_size: int | None = None,
+        device=None,
+    ):
+        self.model = model
+        self.kind = kind
+        self.likelihood = likelihood
+        self.prior_precision = prior_precision
+        self.noise = noise
+        self.link = link
+        self.mc_samples = mc_samples
+        self.projection_dim = projection_dim
+        self.seed = seed
+        self.batch_size = batch_size
+        self.device = device
+
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        if self.likelihood == "regression":
+            tags.estimator_type, tags.classifier_tags = "regressor", None
+            tags.regressor_tags = RegressorTags()
+        return tags
+
+    # -- checks ----------------------------------------------------------------------------------
+    def _check_params(self) -> None:
+        self._validate_params()  # types, from _parameter_constraints
+        for name, valid in (("kind", KINDS), ("likelihood", LIKELIHOODS), ("link", LINKS)):
+            if getattr(self, name) not in valid:
+                raise ValueError(
+                    f"{name} must be one of {', '.join(valid)}, got {getattr(self, name)!r}"
+                )
+        for name in ("prior_precision", "noise"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value != "auto":
+                raise ValueError(f"{name} must be 'auto' or a positive number, got {value!r}")
+            if not isinstance(value, str) and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+        if self.mc_samples < 1:
+            raise ValueError(f"mc_samples must be at least 1, got {self.mc_samples}")
+
+    def _inputs(self, x):
+        """numpy arrays as tensors (floating ones in the model's parameter dtype)."""
+        if not isinstance(x, np.ndarray):
+            return x
+        dtype = next(self.model.parameters()).dtype
+        return torch.as_tensor(x, dtype=dtype if np.issubdtype(x.dtype, np.floating) else None)
+
+    def _opts(self) -> dict:
+        return dict(
+            kind=self.kind,
+            num_outputs=self.n_outputs_,
+            dim=self.projection_dim,
+            seed=self.seed,
+            batch_size=self.batch_size,
+            device=self.device,
+        )
+
+    # -- fitting ---------------------------------------------------------------------------------
+    def fit(self, x_train, y_train) -> NTKPosterior:
+        """Condition the linearised network on (x_train, y_train): class labels [N]
+        (classification) or targets [N, O] / [N] for a single output (regression)."""
+        self._check_params()
+        x_train = self._inputs(x_train)
+        g = logits(self.model, x_train)
+        n, o = g.shape
+        if self.likelihood == "classification":
+            if o < 2:
+                raise ValueError(
+                    f"classification needs a model with at least two outputs (classes), got {o}"
+                )
+            y = labels(y_train, n, o, "y_train")
+            root = psd_root(softmax_curvature(g))
+            self.log_likelihood_ = -float(nn.functional.cross_entropy(g, y, reduction="sum"))
+            self.classes_ = np.arange(o)
+        else:
+            y = _targets(y_train, n, o)
+            residual = ((y - g) ** 2).mean()
+            noise = float(residual) if self.noise == "auto" else float(self.noise)
+            if not noise > 0:
+                raise ValueError("the model fits the targets exactly; pass noise > 0")
+            root = torch.eye(o, dtype=torch.float64).expand(n, o, o) / math.sqrt(noise)
+            self.noise_ = noise
+            self.log_likelihood_ = -0.5 * float(((y - g) ** 2).sum() / noise) - 0.5 * n * o * (
+                math.log(2 * math.pi * noise)
+            )
+        self.n_outputs_, self.x_train_, self.root_ = o, x_train, root
+        theta = _kernels.output_kernel(self.model, x_train, **self._opts())
+        a = torch.einsum("iop,ijpr,jrq->iojq", root, theta, root).reshape(n * o, n * o)
+        del theta
+        self.sq_norm_ = sum(
+            float(p.detach().double().pow(2).sum())
+            for p in self.model.parameters()
+            if p.requires_grad
+        )
+        if self.prior_precision == "auto":
+            self.prior_precision_ = self._maximise_evidence(a)
+        else:
+            self.prior_precision_ = float(self.prior_precision)
+        self.factor_, logdet = _factor(a, self.prior_precision_, copy=False)
+        self.evidence_ = self._evidence(self.prior_precision_, logdet)
+        return self
+
+    def _evidence(self, delta: float, logdet: float) -> float:
+        """log Z(δ) from log det(SΘS + δI)."""
+        count = self.root_.shape[0] * self.n_outputs_
+        return (
+            self.log_likelihood_
+            - 0.5 * delta * self.sq_norm_
+            - 0.5 * (logdet - count * math.log(delta))
+        )
+
+    def _maximise_evidence(self, a: torch.Tensor) -> float:
+        """argmax_δ log Z(δ). At the optimum δ = γ/‖θ*‖² with γ = tr(SΘS (SΘS + δI)⁻¹) ≤ N·O the
+        effective number of parameters, so the search runs over 10 decades below N·O/‖θ*‖²."""
+        if not self.sq_norm_ > 0:
+            raise ValueError("prior_precision='auto' needs trainable parameters with nonzero norm")
+        top = math.log10(a.shape[0] / self.sq_norm_)
+
+        def negative(log_delta: float) -> float:
+            delta = 10.0**log_delta
+            return -self._evidence(delta, _factor(a, delta, copy=True)[1])
+
+        best = scipy.optimize.minimize_scalar(
+            negative,
+            bounds=(top - EVIDENCE_DECADES, top),
+            method="bounded",
+            options={"xatol": EVIDENCE_TOL},
+        )
+        return float(10.0**best.x)
+
+    def log_marginal_likelihood(self) -> float:
+        """The Laplace evidence log Z(δ) at the fitted prior precision δ (module docstring)."""
+        check_is_fitted(self, "factor_")
+        return self.evidence_
+
+    # -- prediction ------------------------------------------------------------------------------
+    def predict_variance(self, x, diagonal: bool = False) -> np.ndarray:
+        """Posterior covariance of the outputs Σ(x) [N, O, O], or its diagonal [N, O]."""
+        check_is_fitted(self, "factor_")
+        cov = self._covariance(x)
+        return (cov.diagonal(dim1=1, dim2=2) if diagonal else cov).numpy()
+
+    def _covariance(self, x) -> torch.Tensor:
+        """Σ(x) [N, O, O], in blocks of PREDICT_BLOCK samples: with L the Cholesky factor of
+        SΘS + δI and W = L⁻¹ S Θ(X, x), Σ(x) = (Θ(x, x) − WᵀW) / δ."""
+        x = self._inputs(x)
+        n = inputs.validate(x, "x")
+        o = self.n_outputs_
+        out = []
+        for s in range(0, n, PREDICT_BLOCK):
+            part = inputs.take(x, slice(s, s + PREDICT_BLOCK))
+            cross = _kernels.output_kernel(self.model, part, self.x_train_, **self._opts())
+            m = cross.shape[0]
+            b = torch.einsum("mipq,iqr->irmp", cross, self.root_).reshape(-1, m * o)
+            del cross
+            w = torch.linalg.solve_triangular(self.factor_, b, upper=False).reshape(-1, m, o)
+            explained = torch.einsum("kmp,kmq->mpq", w, w)
+            prior = _kernels.output_self_blocks(self.model, part, **self._opts())
+            out.append((prior - explained) / self.prior_precision_)
+        return torch.cat(out)
+
+    def _mean(self, x) -> torch.Tensor:
+        return logits(self.model, self._inputs(x))
+
+    def predict_proba(self, x) -> np.ndarray:
+        """Predictive class probabilities [N, O] through `link`."""
+        self._check_classification("predict_proba")
+        return self._proba(self._mean(x), self._covariance(x)).numpy()
+
+    def _proba(self, mean: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
+        if self.link == "mc":
+            return self._samples(mean, cov).softmax(-1).mean(0)
+        o = self.n_outputs_
+        centre = torch.eye(o, dtype=torch.float64) - 1.0 / o
+        s = (centre @ cov @ centre).diagonal(dim1=1, dim2=2).clamp_min(0)
+        return (mean / torch.sqrt(1 + math.pi / 8 * s)).softmax(-1)
+
+    def _samples(self, mean: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
+        """`mc_samples` draws of the outputs [S, N, O] (seeded by `seed`)."""
+        gen = torch.Generator().manual_seed(self.seed)
+        eps = torch.randn(self.mc_samples, *mean.shape, generator=gen, dtype=torch.float64)
+        return mean + torch.einsum("npq,snq->snp", psd_root(cov), eps)
+
+    def predict(self, x) -> np.ndarray:
+        """The most probable class (classification) or the posterior mean f_θ*(x) (regression)."""
+        check_is_fitted(self, "factor_")
+        if self.likelihood == "regression":
+            return self._mean(x).numpy()
+        return self.classes_[self.predict_proba(x).argmax(1)]
+
+    def uncertainty(self, x) -> dict[str, np.ndarray]:
+        """Per sample [N]: "entropy", the entropy of `predict_proba` (total uncertainty), and
+        "mutual_information" between the label and the outputs, H[E p] − E[H[p]] over
+        `mc_samples` draws (the epistemic part)."""
+        self._check_classification("uncertainty")
+        mean, cov = self._mean(x), self._covariance(x)
+        p = self._proba(mean, cov)
+        draws = self._samples(mean, cov).log_softmax(-1)
+        expected = -(draws.exp() * draws).sum(-1).mean(0)
+        entropy = _entropy(p)
+        mutual = _entropy(draws.exp().mean(0)) - expected
+        return {"entropy": entropy.numpy(), "mutual_information": mutual.clamp_min(0).numpy()}
+
+    def score(self, x, y, sample_weight=None) -> float:
+        """Mean log predictive density of y (higher is better): log p(y | x) through `link`
+        (classification), or log N(y; f_θ*(x), Σ(x) + σ²I) (regression)."""
+        check_is_fitted(self, "factor_")
+        mean, cov = self._mean(x), self._covariance(x)
+        n, o = mean.shape
+        if self.likelihood == "classification":
+            y = labels(y, n, o, "y")
+            logp = self._proba(mean, cov)[torch.arange(n), y].clamp_min(1e-300).log()
+        else:
+            total = cov + self.noise_ * torch.eye(o, dtype=torch.float64)
+            dist = torch.distributions.MultivariateNormal(mean, covariance_matrix=total)
+            logp = dist.log_prob(_targets(y, n, o))
+        w = None if sample_weight is None else np.asarray(sample_weight, dtype=float)
+        return float(np.average(logp.numpy(), weights=w))
+
+    def _check_classification(self, what: str) -> None:
+        check_is_fitted(self, "factor_")
+        if self.likelihood != "classification":
+            raise ValueError(f"{what} needs likelihood='classification'")
+
+
+def _factor(a: torch.Tensor, delta: float, *, copy: bool) -> tuple[torch.Tensor, float]:
+    """The Cholesky factor of SΘS + δI (in place on `a` unless copy) and its log-determinant."""
+    m = a.clone() if copy else a
+    m.diagonal().add_(delta)
+    factor, info = torch.linalg.cholesky_ex(m)
+    if int(info) != 0:
+        raise ValueError(
+            f"SΘS + δI is not positive definite at prior_precision δ={delta:.3g} (the kernel is "
+            "not positive semi-definite in float64); use a larger prior_precision"
+        )
+    return factor, 2.0 * float(factor.diagonal().log().sum())
+
+
+def _targets(y, n: int, o: int) -> torch.Tensor:
+    """Regression targets as float64 [n, o] ([n] allowed for a single output)."""
+    y = torch.as_tensor(np.asarray(y), dtype=torch.float64)
+    if y.dim() == 1 and o == 1:
+        y = y[:, None]
+    if tuple(y.shape) != (n, o):
+        raise ValueError(f"regression targets must have shape [{n}, {o}], got {tuple(y.shape)}")
+    if not bool(torch.isfinite(y).all()):
+        raise ValueError("regression targets must be finite")
+    return y
+
+
+def _entropy(p: torch.Tensor) -> torch.Tensor:
+    return -(p * p.clamp_min(1e-300).log()).sum(-1)

@@ -1,0 +1,204 @@
+"""NTKPosterior: the kernel form equals the parameter-space linearised Laplace posterior, the
+evidence-maximising prior precision against a brute-force grid, the links, the estimator contract
+and the error paths."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from sklearn.base import clone, is_classifier, is_regressor
+from sklearn.exceptions import NotFittedError
+from torch import nn
+from torch.func import functional_call, jacrev
+
+from attribution import NTKPosterior
+from ntk import demo
+
+
+@pytest.fixture(scope="module")
+def small():
+    """A 3-class MLP (P = 8·6 + 6 + 6·3 + 3 = 75 < N·O) trained on 20 points."""
+    torch.manual_seed(0)
+    x = torch.randn(28, 8, dtype=torch.float64)
+    y = torch.arange(28) % 3
+    model = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    model = demo.train(model, x[:20], y[:20], epochs=40, batch_size=10, lr=1e-2)
+    return model, x[:20], y[:20], x[20:], y[20:]
+
+
+def _jacobian(model, x):
+    """J [N, O, P] of the outputs with respect to all parameters (float64)."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    jac = jacrev(lambda p: functional_call(model, p, (x,)))(params)
+    return torch.cat(
+        [j.reshape(x.shape[0], -1, v.numel()) for j, v in zip(jac.values(), params.values())], dim=2
+    )
+
+
+def _parameter_space(model, x, xt, lam, delta):
+    """J* (Σ_i J_iᵀ Λ_i J_i + δI)⁻¹ J*ᵀ and log det(GGN + δI) − P log δ."""
+    j, jt = _jacobian(model, x), _jacobian(model, xt)
+    p = j.shape[2]
+    h = torch.einsum("iop,ioq,iqr->pr", j, lam, j) + delta * torch.eye(p, dtype=torch.float64)
+    cov = torch.einsum("mop,pq,mrq->mor", jt, torch.linalg.inv(h), jt)
+    return cov, float(torch.logdet(h)) - p * math.log(delta)
+
+
+def _sq_norm(model):
+    return sum(float(p.detach().pow(2).sum()) for p in model.parameters())
+
+
+@pytest.mark.parametrize("delta", [0.05, 2.0])
+def test_classification_equals_parameter_space_laplace(small, delta):
+    model, x, y, xt, _ = small
+    post = NTKPosterior(model, prior_precision=delta).fit(x, y)
+    g = model(x).detach()
+    p = g.softmax(1)
+    lam = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+    cov, logdet = _parameter_space(model, x, xt, lam, delta)
+    assert np.allclose(post.predict_variance(xt), cov.numpy(), atol=1e-9, rtol=1e-8)
+    assert np.allclose(post.predict_variance(xt, diagonal=True), cov.diagonal(0, 1, 2).numpy())
+    loglik = -float(nn.functional.cross_entropy(g, y, reduction="sum"))
+    evidence = loglik - 0.5 * delta * _sq_norm(model) - 0.5 * logdet
+    assert post.log_marginal_likelihood() == pytest.approx(evidence, rel=1e-9, abs=1e-9)
+
+
+def test_regression_equals_parameter_space_laplace(small):
+    model, x, _, xt, _ = small
+    targets = torch.randn(
+        len(x), 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1)
+    )
+    post = NTKPosterior(model, likelihood="regression", prior_precision=0.3).fit(x, targets)
+    assert is_regressor(post) and not is_classifier(post)
+    noise = float(((targets - model(x).detach()) ** 2).mean())
+    assert post.noise_ == pytest.approx(noise)
+    lam = torch.eye(3, dtype=torch.float64).expand(len(x), 3, 3) / noise
+    cov, logdet = _parameter_space(model, x, xt, lam, 0.3)
+    assert np.allclose(post.predict_variance(xt), cov.numpy(), atol=1e-9, rtol=1e-8)
+    residual = ((targets - model(x).detach()) ** 2).sum()
+    loglik = -0.5 * float(residual) / noise - 0.5 * targets.numel() * math.log(2 * math.pi * noise)
+    evidence = loglik - 0.5 * 0.3 * _sq_norm(model) - 0.5 * logdet
+    assert post.log_marginal_likelihood() == pytest.approx(evidence, rel=1e-9)
+    assert np.allclose(post.predict(xt), model(xt).detach().numpy())
+    total = post.predict_variance(xt) + noise * np.eye(3)
+    mean = model(xt).detach().numpy()
+    yt = mean + 0.5
+    expected = np.mean(
+        [
+            -0.5 * (d @ np.linalg.solve(c, d)) - 0.5 * np.linalg.slogdet(2 * np.pi * c)[1]
+            for d, c in zip(yt - mean, total)
+        ]
+    )
+    assert post.score(xt, yt) == pytest.approx(expected)
+
+
+def test_auto_prior_precision_maximises_the_evidence(small):
+    model, x, y, _, _ = small
+    auto = NTKPosterior(model).fit(x, y)
+    grid = 10.0 ** np.arange(-4.0, 3.01, 0.1)
+    evidence = [
+        NTKPosterior(model, prior_precision=d).fit(x, y).log_marginal_likelihood() for d in grid
+    ]
+    best = int(np.argmax(evidence))
+    assert 0 < best < len(grid) - 1  # an interior maximum, so the test checks the search
+    assert abs(math.log10(auto.prior_precision_) - math.log10(grid[best])) <= 0.1
+    assert auto.log_marginal_likelihood() >= max(evidence) - 1e-6
+
+
+def test_links_and_uncertainty(small):
+    model, x, y, xt, yt = small
+    probit = NTKPosterior(model, prior_precision=1.0).fit(x, y)
+    p = probit.predict_proba(xt)
+    errors = []
+    for delta in (1.0, 10.0, 100.0):  # the probit approximates the MC average, the closer the
+        mc = NTKPosterior(model, prior_precision=delta, link="mc", mc_samples=20000).fit(x, y)
+        q = mc.predict_proba(xt)  # smaller the variance
+        near = NTKPosterior(model, prior_precision=delta).fit(x, y).predict_proba(xt)
+        assert np.allclose(q.sum(1), 1)
+        errors.append(np.abs(near - q).max())
+    assert errors[0] > errors[1] > errors[2] and errors[2] < 0.02
+    assert np.allclose(p.sum(1), 1)
+    assert np.array_equal(probit.predict(xt), p.argmax(1))
+    softmax = model(xt).detach().softmax(1).numpy()
+    ent = lambda r: -(r * np.log(r)).sum(1)  # noqa: E731
+    assert np.all(ent(p) >= ent(softmax) - 1e-12)  # the posterior only widens the logits
+    u = probit.uncertainty(xt)
+    assert np.allclose(u["entropy"], ent(p))
+    assert np.all(u["mutual_information"] >= 0) and np.all(u["mutual_information"] <= ent(p))
+    # a sharper prior leaves less epistemic uncertainty and less change from the softmax
+    sharp = NTKPosterior(model, prior_precision=1e4).fit(x, y)
+    assert sharp.uncertainty(xt)["mutual_information"].mean() < u["mutual_information"].mean()
+    assert np.abs(sharp.predict_proba(xt) - softmax).max() < 1e-2
+    logp = np.log(p[np.arange(len(yt)), yt.numpy()]).mean()
+    assert probit.score(xt, yt) == pytest.approx(logp)
+
+
+def test_common_mode_covariance_does_not_change_probit(small):
+    """A covariance along (1, …, 1) shifts all logits together, which no softmax sees."""
+    model, x, y, xt, _ = small
+    post = NTKPosterior(model, prior_precision=1.0).fit(x, y)
+    mean = torch.as_tensor(model(xt).detach())
+    cov = torch.as_tensor(post.predict_variance(xt))
+    ones = torch.ones(3, 3, dtype=torch.float64)
+    assert torch.allclose(post._proba(mean, cov), post._proba(mean, cov + 7.0 * ones))
+
+
+@pytest.mark.parametrize("kind", ["trace", "sum_logits"])
+def test_scalar_kinds(small, kind):
+    model, x, y, xt, _ = small
+    post = NTKPosterior(model, kind=kind, prior_precision=1.0).fit(x, y)
+    cov = post.predict_variance(xt)
+    assert cov.shape == (len(xt), 3, 3)
+    assert np.all(np.linalg.eigvalsh(cov) > -1e-10)
+    full = NTKPosterior(model, prior_precision=1.0).fit(x, y).predict_variance(xt)
+    assert not np.allclose(cov, full)
+
+
+def test_estimator_contract_and_model_untouched(small):
+    model, x, y, xt, _ = small
+    before = [p.detach().clone() for p in model.parameters()]
+    post = NTKPosterior(model, kind="trace", prior_precision=0.5, link="mc")
+    assert is_classifier(post)
+    c = clone(post)
+    assert c.get_params()["kind"] == "trace" and c.get_params()["prior_precision"] == 0.5
+    for call in (post.predict_proba, post.predict_variance, post.uncertainty):
+        with pytest.raises(NotFittedError):
+            call(xt)
+    with pytest.raises(NotFittedError):
+        post.log_marginal_likelihood()
+    post.fit(x.numpy(), y.numpy())  # numpy inputs
+    assert post.predict_proba(xt.numpy()).shape == (len(xt), 3)
+    assert model.training is False
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_bad_input(small):
+    model, x, y, _, _ = small
+    with pytest.raises(ValueError, match="outside 0..2"):
+        NTKPosterior(model).fit(x, y + 1)
+    with pytest.raises(ValueError, match="integer class labels"):
+        NTKPosterior(model).fit(x, torch.rand(len(x)))
+    with pytest.raises(ValueError, match="1-d tensor"):
+        NTKPosterior(model).fit(x, torch.rand(len(x), 3))
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="prior_precision must be a positive"):
+            NTKPosterior(model, prior_precision=bad).fit(x, y)
+    with pytest.raises(ValueError, match="prior_precision must be 'auto'"):
+        NTKPosterior(model, prior_precision="evidence").fit(x, y)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        NTKPosterior(model, kind="diagonal").fit(x, y)
+    with pytest.raises(ValueError, match="link must be one of"):
+        NTKPosterior(model, link="bridge").fit(x, y)
+    with pytest.raises(ValueError, match="noise must be"):
+        NTKPosterior(model, likelihood="regression", noise=0).fit(x, torch.zeros(len(x), 3))
+    with pytest.raises(ValueError, match=r"shape \[20, 3\]"):
+        NTKPosterior(model, likelihood="regression").fit(x, torch.zeros(len(x)))
+    with pytest.raises(ValueError, match="at least two outputs"):
+        NTKPosterior(nn.Linear(8, 1).double()).fit(x, torch.zeros(len(x), dtype=torch.long))
+    regression = NTKPosterior(model, likelihood="regression", prior_precision=1.0)
+    regression.fit(x, torch.randn(len(x), 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="needs likelihood='classification'"):
+        regression.predict_proba(x)
+    with pytest.raises(TypeError):
+        NTKPosterior("not a model").fit(x, y)
