@@ -136,13 +136,23 @@ def output_self_blocks(
     seed: int = 0,
     batch_size: int | None = None,
     device=None,
+    output_fn: Callable | None = None,
+    dtype: torch.dtype | None = None,
     block: int = 64,
 ) -> torch.Tensor:
     """Θ(x, x) [N, O, O] for every sample: the diagonal blocks of `output_kernel`, computed in
     blocks of `block` samples (never the whole N × N kernel)."""
     if kind not in OUTPUT_KINDS:
         raise ValueError(f"kind must be one of {', '.join(OUTPUT_KINDS)}, got {kind!r}")
-    opts = dict(kind=kind, dim=dim, seed=seed, batch_size=batch_size, device=device)
+    opts = dict(
+        kind=kind,
+        dim=dim,
+        seed=seed,
+        batch_size=batch_size,
+        device=device,
+        output_fn=output_fn,
+        dtype=dtype,
+    )
     if kind != "full":
         k = self_similarity(model, x, block=block, **opts)
         return k[:, None, None] * _output_identity(kind, num_outputs)

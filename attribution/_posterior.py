@@ -56,7 +56,9 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
     link (classification):
     "probit" — p ≈ softmax(μ_o / √(1 + π/8 · s_o)) with s the diagonal of the covariance after
     removing its component along (1, …, 1), which no softmax can see — or "mc", the mean softmax of
-    `mc_samples` draws of the logits. The model is never modified.
+    `mc_samples` draws of the logits. output_fn maps the model's output to the logits [B, O]
+    (e.g. `lambda out: out.logits` for a HuggingFace model); dtype: the kernels' dtype (None: the
+    model's; the posterior algebra is float64 either way). The model is never modified.
     Benchmarks: python benchmarks/uncertainty.py.
     """
 
@@ -72,6 +74,8 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         "seed": [Integral],
         "batch_size": [Integral, None],
         "device": [str, torch.device, None],
+        "output_fn": [callable, None],
+        "dtype": [torch.dtype, None],
     }
 
     def __init__(
@@ -88,6 +92,8 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         seed: int = 0,
         batch_size: int | None = None,
         device=None,
+        output_fn=None,
+        dtype: torch.dtype | None = None,
     ):
         self.model = model
         self.kind = kind
@@ -100,6 +106,8 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         self.seed = seed
         self.batch_size = batch_size
         self.device = device
+        self.output_fn = output_fn
+        self.dtype = dtype
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
@@ -140,6 +148,8 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             seed=self.seed,
             batch_size=self.batch_size,
             device=self.device,
+            output_fn=self.output_fn,
+            dtype=self.dtype,
         )
 
     # -- fitting ---------------------------------------------------------------------------------
@@ -148,7 +158,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         (classification) or targets [N, O] / [N] for a single output (regression)."""
         self._check_params()
         x_train = self._inputs(x_train)
-        g = logits(self.model, x_train)
+        g = logits(self.model, x_train, output_fn=self.output_fn, name="x_train")
         n, o = g.shape
         if self.likelihood == "classification":
             if o < 2:
@@ -247,7 +257,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         return torch.cat(out)
 
     def _mean(self, x) -> torch.Tensor:
-        return logits(self.model, self._inputs(x))
+        return logits(self.model, self._inputs(x), output_fn=self.output_fn, name="x")
 
     def predict_proba(self, x) -> np.ndarray:
         """Predictive class probabilities [N, O] through `link`."""

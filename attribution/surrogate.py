@@ -57,7 +57,12 @@ MACHINES = ("ridge", "svm", "logistic", "representer")
 ARGMAX_MACHINES = ("ridge", "representer")  # predict = argmax of the decision
 KINDS = _kernels.OUTPUT_KINDS
 GRID = np.logspace(-6, 2, 9)
-DEFAULT_ALPHA = 0.1  # centred ridge, alpha=None
+# Centred ridge, alpha=None. Chosen leave-one-setting-out on digits MLP, digits CNN and
+# breast_cancer MLP (`python benchmarks/surrogate_settings.py`): the folds holding out
+# breast_cancer / digits MLP / CNN pick α 0.1 / 0.1 / 0.05, which meet 3 / 2 / 0 of the 3 coherence
+# targets on the held-out setting. At α 0.1: τ 0.990 / 0.977 / 0.952, median cancellation
+# 3.9 / 6.1 / 8.1, top-5 class share 0.98 / 0.95 / 0.93 (benchmarks/results/surrogate.md).
+DEFAULT_ALPHA = 0.1
 DEFAULT_REFERENCE = 0.25
 
 

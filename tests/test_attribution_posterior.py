@@ -202,3 +202,38 @@ def test_bad_input(small):
         regression.predict_proba(x)
     with pytest.raises(TypeError):
         NTKPosterior("not a model").fit(x, y)
+
+
+class _DictOutput(nn.Module):
+    """The same network returning its logits in a dict, as HuggingFace models do."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return {"logits": self.net(x)}
+
+
+def test_output_fn_maps_the_models_output_to_the_logits(small):
+    model, x, y, xt, _ = small
+    plain = NTKPosterior(model, prior_precision=1.0).fit(x, y)
+    mapped = NTKPosterior(
+        _DictOutput(model), prior_precision=1.0, output_fn=lambda out: out["logits"]
+    ).fit(x, y)
+    np.testing.assert_allclose(mapped.predict_proba(xt), plain.predict_proba(xt), rtol=1e-10)
+    np.testing.assert_allclose(
+        mapped.predict_variance(xt), plain.predict_variance(xt), rtol=1e-8, atol=1e-12
+    )
+    with pytest.raises(TypeError, match="output_fn"):
+        NTKPosterior(_DictOutput(model), prior_precision=1.0).fit(x, y)
+
+
+def test_cross_val_score_and_grid_search(small):
+    from sklearn.model_selection import GridSearchCV, cross_val_score
+
+    model, x, y, _, _ = small
+    scores = cross_val_score(NTKPosterior(model, prior_precision=1.0), x.numpy(), y.numpy(), cv=2)
+    assert scores.shape == (2,) and np.all(scores <= 0)  # mean log predictive density
+    search = GridSearchCV(NTKPosterior(model), {"prior_precision": [0.1, 10.0]}, cv=2).fit(x, y)
+    assert search.best_params_["prior_precision"] in (0.1, 10.0)
