@@ -290,3 +290,17 @@ def test_auto_keeps_structured_for_models_that_cannot_be_vmapped(monkeypatch):
         second = ntk.empirical_ntk(model, x)
     assert not chosen
     torch.testing.assert_close(first, second)
+
+
+def test_spectral_helpers_refuse_a_cross_kernel():
+    """eigenvalues / condition_number / effective_rank summarise K(x, x); a cross kernel
+    K(x1, x2) of equal batch sizes is square but not symmetric and is refused."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    x1, x2 = torch.randn(5, 4), torch.randn(5, 4)
+    cross = ntk.empirical_ntk(net, x1, x2, kind="trace")
+    for summary in (ntk.eigenvalues, ntk.condition_number):
+        with pytest.raises(ValueError, match="symmetric kernel"):
+            summary(cross)
+    own = ntk.empirical_ntk(net, x1, kind="trace")
+    assert ntk.condition_number(own) >= 1.0 and ntk.eigenvalues(own).shape == (5,)
