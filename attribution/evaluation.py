@@ -22,6 +22,8 @@ from sklearn.metrics import roc_auc_score
 from torch import nn
 from torch.func import functional_call, stack_module_state
 
+from ntk.core import inputs
+
 from ._outputs import margins
 
 
@@ -97,15 +99,19 @@ class SubsetModels:
     buffers: dict
     num_subsets: int
     seeds: int
+    output_fn: Callable | None = None
 
-    def outputs(self, x: torch.Tensor) -> torch.Tensor:
-        """Outputs of every model on x: [S, seeds, N, O]."""
-        call = lambda p, b: functional_call(self.base, (p, b), (x,))  # noqa: E731
+    def outputs(self, x) -> torch.Tensor:
+        """Outputs of every model on x (a tensor, or a tuple/dict of tensors sharing the sample
+        axis): [S, seeds, N, O]."""
+        x = inputs.from_numpy(x, "x")
+        inputs.validate(x, "x")
+        call = lambda p, b: _call(self.base, p, b, x, self.output_fn)  # noqa: E731
         with torch.no_grad():
             out = torch.vmap(call)(self.params, self.buffers)
         return out.reshape(self.num_subsets, self.seeds, *out.shape[1:])
 
-    def margins(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def margins(self, x, y: torch.Tensor) -> torch.Tensor:
         """Margins g_y − logsumexp_{j≠y} g_j on (x, y), averaged over seeds: [S, N]."""
         return margins(self.outputs(x).double(), y).mean(1)
 
@@ -123,6 +129,7 @@ def train_on_subsets(
     weight_decay: float = 1e-4,
     loss: str = "cross_entropy",
     chunk: int = 256,
+    output_fn: Callable | None = None,
 ) -> SubsetModels:
     """Train one model per (subset, seed) with Adam, all at once with `torch.func.vmap`.
 
@@ -131,9 +138,17 @@ def train_on_subsets(
     drawn from seed r, in minibatches of `batch_size`, for `epochs` epochs — the recipe of
     `ntk.demo.train`. Adam is elementwise, so one Adam over the stacked parameters is exactly an
     independent Adam per model. `loss`: "cross_entropy" (y class labels) or "mse" (y targets).
-    Models are trained `chunk` at a time to bound memory.
+    Models are trained `chunk` at a time to bound memory. x: a tensor, or a tuple/dict of tensors
+    sharing the sample axis (e.g. input_ids and attention_mask, passed as keyword arguments);
+    output_fn maps the model's output to the logits [B, O] (e.g. `lambda out: out.logits`). The
+    models are vmapped, so the model's forward must not branch on data (models that cannot be
+    vmapped are refused by torch.func).
     """
-    mask = _as_mask(subsets, len(x))
+    x = inputs.from_numpy(x, "x")
+    n = inputs.validate(x, "x")
+    if len(y) != n:
+        raise ValueError(f"x holds {n} samples but y holds {len(y)}")
+    mask = _as_mask(subsets, n)
     sizes = mask.sum(1)
     if not bool((sizes == sizes[0]).all()) or int(sizes[0]) == 0:
         raise ValueError("every subset must be non-empty and of the same size")
@@ -155,16 +170,26 @@ def train_on_subsets(
             lr=lr,
             weight_decay=weight_decay,
             loss=loss,
+            output_fn=output_fn,
         )
         for i in range(0, len(jobs), chunk)
     ]
     params = {k: torch.cat([t[0][k] for t in trained]) for k in trained[0][0]}
     buffers = {k: torch.cat([t[1][k] for t in trained]) for k in trained[0][1]}
     base = copy.deepcopy(trained[0][2])
-    return SubsetModels(base, params, buffers, len(members), seeds)
+    return SubsetModels(base, params, buffers, len(members), seeds, output_fn)
 
 
-def _train_chunk(factory, x, y, members, jobs, *, epochs, batch_size, lr, weight_decay, loss):
+def _call(base: nn.Module, params: dict, buffers: dict, x, output_fn: Callable | None):
+    """The functional forward of `base` with (params, buffers) on inputs x, through output_fn."""
+    args, kwargs = inputs.as_call(x)
+    out = functional_call(base, (params, buffers), args, kwargs)
+    return out if output_fn is None else output_fn(out)
+
+
+def _train_chunk(
+    factory, x, y, members, jobs, *, epochs, batch_size, lr, weight_decay, loss, output_fn
+):
     models = []
     for _, r in jobs:
         torch.manual_seed(r)
@@ -177,13 +202,13 @@ def _train_chunk(factory, x, y, members, jobs, *, epochs, batch_size, lr, weight
     gens = {r: torch.Generator().manual_seed(r) for r in {r for _, r in jobs}}
     rows = torch.tensor([s for s, _ in jobs])
     seed_of = [r for _, r in jobs]
-    call = lambda p, b, xb: functional_call(base, (p, b), (xb,))  # noqa: E731
+    call = lambda p, b, xb: _call(base, p, b, xb, output_fn)  # noqa: E731
     for _ in range(epochs):
         orders = {r: torch.randperm(m, generator=g) for r, g in gens.items()}
         order = torch.stack([orders[r] for r in seed_of])  # [K, m]
         for start in range(0, m, batch_size):
             idx = members[rows[:, None], order[:, start : start + batch_size]]  # [K, B]
-            out = torch.vmap(call, randomness="different")(params, buffers, x[idx])
+            out = torch.vmap(call, randomness="different")(params, buffers, inputs.take(x, idx))
             target = y[idx]
             if loss == "cross_entropy":
                 per_model = (

@@ -1,6 +1,8 @@
 """The LDS, the vmapped retraining harness (checked on linear regression, where the trained
 weights and the influence are known in closed form) and mislabel detection."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -84,6 +86,37 @@ def test_harness_classification_shapes_and_seeds():
         uneven = torch.zeros(2, 20, dtype=torch.bool)
         uneven[0, :3], uneven[1, :5] = True, True
         train_on_subsets(lambda: torch.nn.Linear(3, 3), x, y, uneven)
+
+
+class _TwoInputNet(torch.nn.Module):
+    """Called HuggingFace-style: keyword tensors in, an object with .logits out."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(5, 3)
+
+    def forward(self, features, extra):
+        return SimpleNamespace(logits=self.linear(torch.cat([features, extra], -1)))
+
+
+def test_harness_takes_dict_inputs_and_output_fn():
+    """A model called with keyword tensors whose output holds .logits trains to the same models
+    as the plain Linear on the joined tensor (same initialisation, same batches)."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(24, 5, generator=gen), torch.randint(0, 3, (24,), generator=gen)
+    subsets = random_subsets(24, 3, 0.5)
+    recipe = dict(seeds=2, epochs=4, batch_size=5)
+    plain = train_on_subsets(lambda: torch.nn.Linear(5, 3), x, y, subsets, **recipe)
+    split = {"features": x[:, :3], "extra": x[:, 3:]}
+    keyed = train_on_subsets(
+        _TwoInputNet, split, y, subsets, output_fn=lambda out: out.logits, **recipe
+    )
+    torch.testing.assert_close(keyed.outputs(split), plain.outputs(x))
+    torch.testing.assert_close(keyed.margins(split, y), plain.margins(x, y))
+    with pytest.raises(ValueError, match="24 samples but y holds 23"):
+        train_on_subsets(_TwoInputNet, split, y[:23], subsets, output_fn=lambda out: out.logits)
+    with pytest.raises(ValueError, match="same number of samples"):
+        train_on_subsets(_TwoInputNet, {"features": x[:, :3], "extra": x[:5, 3:]}, y, subsets)
 
 
 def test_flip_labels_and_auc():
