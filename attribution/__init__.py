@@ -8,6 +8,7 @@ import importlib
 _PUBLIC = {
     "KernelSurrogate": ".surrogate",
     "NTKPosterior": "._posterior",
+    "expected_calibration_error": ".evaluation",
     "flip_labels": ".evaluation",
     "influence": "._influence",
     "layer_importance": ".layers",

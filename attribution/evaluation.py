@@ -14,6 +14,7 @@ import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 
 import numpy as np
 import torch
@@ -244,3 +245,26 @@ def flip_labels(y: torch.Tensor, fraction: float, num_classes: int, *, seed: int
 def mislabel_auc(self_influence: Sequence[float], flipped: Sequence[bool]) -> float:
     """ROC AUC of detecting flipped labels by ranking training examples by self-influence."""
     return float(roc_auc_score(np.asarray(flipped, dtype=bool), np.asarray(self_influence)))
+
+
+def expected_calibration_error(probs, labels, n_bins: int = 15) -> float:
+    """ECE = Σ_b (|B_b|/N) |acc(B_b) − conf(B_b)| over `n_bins` equal-width bins of the confidence
+    max_c p_c (Guo et al., ICML 2017); bin b holds confidences in ((b−1)/n_bins, b/n_bins], the
+    first bin also 0. probs [N, C] rows of class probabilities, labels [N] class indices."""
+    p = np.asarray(probs, dtype=np.float64)
+    y = np.asarray(labels)
+    if p.ndim != 2 or y.shape != (p.shape[0],):
+        raise ValueError(
+            f"probs must be [N, C] and labels [N], got shapes {p.shape} and {y.shape}"
+        )
+    if not np.isfinite(p).all() or (p < 0).any():
+        raise ValueError("probs must be finite and non-negative")
+    if not (isinstance(n_bins, Integral) and n_bins >= 1):
+        raise ValueError(f"n_bins must be a positive integer, got {n_bins!r}")
+    confidence, correct = p.max(1), (p.argmax(1) == y)
+    bins = np.clip(np.ceil(confidence * n_bins).astype(int) - 1, 0, n_bins - 1)
+    total = 0.0
+    for b in np.unique(bins):
+        inside = bins == b
+        total += inside.sum() * abs(correct[inside].mean() - confidence[inside].mean())
+    return float(total / len(y))

@@ -8,7 +8,14 @@ import pytest
 import torch
 from scipy.stats import spearmanr
 
-from attribution import flip_labels, lds, mislabel_auc, random_subsets, train_on_subsets
+from attribution import (
+    expected_calibration_error,
+    flip_labels,
+    lds,
+    mislabel_auc,
+    random_subsets,
+    train_on_subsets,
+)
 
 
 def test_lds_is_the_mean_spearman_of_subset_sums():
@@ -126,3 +133,17 @@ def test_flip_labels_and_auc():
     assert bool((noisy[~flipped] == y[~flipped]).all())
     assert mislabel_auc(flipped.double(), flipped) == 1.0
     assert mislabel_auc(-flipped.double(), flipped) == 0.0
+
+
+def test_expected_calibration_error_on_a_hand_computed_case():
+    probs = [[0.95, 0.05], [0.75, 0.25], [0.35, 0.65], [0.55, 0.45]]
+    labels = [0, 1, 1, 0]
+    # 5 bins: {0.95} acc 1 → 0.05; {0.75 wrong, 0.65 right} acc 0.5, conf 0.7 → 2 × 0.2;
+    # {0.55 right} → 0.45; weighted by counts over 4 samples
+    assert expected_calibration_error(probs, labels, n_bins=5) == pytest.approx(0.9 / 4)
+    # one bin: |mean accuracy − mean confidence|
+    assert expected_calibration_error(probs, labels, n_bins=1) == pytest.approx(abs(0.75 - 0.725))
+    with pytest.raises(ValueError, match=r"\[N, C\]"):
+        expected_calibration_error([0.5, 0.5], [0, 1])
+    with pytest.raises(ValueError, match="n_bins"):
+        expected_calibration_error(probs, labels, n_bins=0)
