@@ -16,6 +16,7 @@ _PUBLIC = {
     "mislabel_auc": ".evaluation",
     "random_subsets": ".evaluation",
     "report": "._report",
+    "sample_interactions": ".interactions",
     "train_on_subsets": ".evaluation",
     "trak": "._trak",
 }

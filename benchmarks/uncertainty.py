@@ -1,0 +1,263 @@
+"""Calibration and out-of-distribution detection of `attribution.NTKPosterior` against the MAP
+softmax and laplace-torch, on the same trained networks in one run.
+
+    python benchmarks/uncertainty.py [--peer-python PATH] [--settings a,b] [--repeats 3]
+    python benchmarks/uncertainty.py --smoke            # seconds: tiny data, ours only
+
+Settings (trained here with `ntk.demo.train`, fixed seeds): `digits_mlp` (MLP 64-64-9) and
+`digits_cnn` (two 3×3 convolutions) on scikit-learn's digits without the 9s, `breast_cancer` (MLP
+30-32-2 on standardised features). Out-of-distribution sets, made offline from the test split:
+digits — one fixed pixel permutation, inverted intensities 1 − x, the held-out class 9;
+breast_cancer — one fixed feature permutation, negated rows, standard-normal noise rows.
+
+Metrics on the test split: accuracy, NLL, ECE (15 bins, `attribution.expected_calibration_error`),
+Brier (scikit-learn's); OOD AUROC of the predictive entropy (test = negative, shifted = positive);
+fit + predict seconds (median of --repeats, each in a fresh process with one thread) and the peak
+resident-memory increase of the first repeat. Methods: the MAP softmax (baseline), NTKPosterior
+(kind full / trace / sum_logits, probit link; full with the MC link), and laplace-torch (its
+interpreter from --peer-python or NTK_LAPLACE_PYTHON: all weights with a full and a Kronecker
+Hessian, last layer with a Kronecker Hessian; prior precision by its marginal likelihood; GLM
+predictive, probit link; benchmarks/peers/laplace_predictive.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from scipy.stats import entropy
+from sklearn.datasets import load_breast_cancer, load_digits
+from sklearn.metrics import brier_score_loss, log_loss, roc_auc_score
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+
+from measure import timed
+
+from attribution import NTKPosterior, expected_calibration_error
+from ntk import demo
+
+SETTINGS = ("digits_mlp", "digits_cnn", "breast_cancer")
+HELD_OUT_CLASS = 9  # digits: trained on 0–8, the 9s are one of the shifts
+RECIPE = dict(epochs=300, batch_size=64, lr=3e-3, weight_decay=0.0)  # trained to convergence
+OURS = {  # name: NTKPosterior settings
+    "NTKPosterior full": dict(kind="full"),
+    "NTKPosterior full (MC link)": dict(kind="full", link="mc"),
+    "NTKPosterior trace": dict(kind="trace"),
+    "NTKPosterior sum_logits": dict(kind="sum_logits"),
+}
+PEERS = {  # name: laplace_predictive.py arguments
+    "laplace-torch all/full": ["--subset", "all", "--structure", "full"],
+    "laplace-torch all/kron": ["--subset", "all", "--structure", "kron"],
+    "laplace-torch last-layer/kron": ["--subset", "last_layer", "--structure", "kron"],
+}
+REFERENCE = "laplace-torch all/full"  # the time ratios' denominator
+PEER_SCRIPT = Path(__file__).resolve().parent / "peers" / "laplace_predictive.py"
+
+
+def build(setting: str) -> nn.Module:
+    """The untrained architecture of a setting (seeded)."""
+    torch.manual_seed(0)
+    if setting == "digits_mlp":
+        return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 9))
+    if setting == "digits_cnn":
+        return nn.Sequential(
+            nn.Unflatten(1, (1, 8, 8)),
+            nn.Conv2d(1, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(16 * 2 * 2, 9),
+        )
+    if setting == "breast_cancer":
+        return nn.Sequential(nn.Linear(30, 32), nn.ReLU(), nn.Linear(32, 2))
+    raise ValueError(f"unknown setting {setting!r}; valid: {', '.join(SETTINGS)}")
+
+
+def data(setting: str, smoke: bool = False) -> dict[str, np.ndarray]:
+    """float32 inputs and int64 labels: train and test splits and the shifted sets ood_*."""
+    rng = np.random.default_rng(0)
+    if setting.startswith("digits"):
+        d = load_digits()
+        x, y = (d.data / 16.0).astype(np.float32), d.target.astype(np.int64)
+        held = x[y == HELD_OUT_CLASS]
+        x, y = x[y != HELD_OUT_CLASS], y[y != HELD_OUT_CLASS]
+        n_train = 600
+    else:
+        d = load_breast_cancer()
+        x, y = d.data.astype(np.float32), d.target.astype(np.int64)
+        n_train = 300
+    order = rng.permutation(len(y))
+    x, y = x[order], y[order]
+    cap = 60 if smoke else 300
+    n_train = 120 if smoke else n_train
+    out = dict(
+        x_train=x[:n_train], y_train=y[:n_train], x_test=x[n_train:][:cap], y_test=y[n_train:][:cap]
+    )
+    test = out["x_test"]
+    if setting.startswith("digits"):
+        out["ood_permuted"] = test[:, rng.permutation(x.shape[1])]
+        out["ood_inverted"] = 1.0 - test
+        out["ood_held_out_class"] = held[:cap]
+    else:
+        mu, sd = out["x_train"].mean(0), out["x_train"].std(0) + 1e-6
+        out["x_train"], test = (out["x_train"] - mu) / sd, (test - mu) / sd
+        out["x_test"] = test
+        out["ood_permuted"] = test[:, rng.permutation(x.shape[1])]
+        out["ood_negated"] = -test
+        out["ood_noise"] = rng.standard_normal(test.shape).astype(np.float32)
+    return {k: v.astype(np.float32) if v.dtype.kind == "f" else v for k, v in out.items()}
+
+
+def make_case(setting: str, path: Path, smoke: bool) -> dict:
+    """Train the setting's network and save the case file the workers read."""
+    d = data(setting, smoke)
+    x, y = torch.from_numpy(d["x_train"]), torch.from_numpy(d["y_train"])
+    recipe = dict(RECIPE, epochs=20) if smoke else RECIPE
+    model = demo.train(build(setting), x, y, **recipe)
+    sets = {"test": d["x_test"], **{k: v for k, v in d.items() if k.startswith("ood_")}}
+    case = dict(
+        model=model,
+        x_train=x,
+        y_train=y,
+        y_test=d["y_test"],
+        eval={k: torch.from_numpy(v) for k, v in sets.items()},
+    )
+    torch.save(case, path)
+    return case
+
+
+def ours_worker(case_path: str, out: str, method: str, repeats: int) -> None:
+    """One NTKPosterior variant on a case (run in a fresh process, one thread)."""
+    torch.set_num_threads(1)
+    case = torch.load(case_path, weights_only=False)
+
+    def run() -> dict[str, np.ndarray]:
+        post = NTKPosterior(case["model"], **OURS[method]).fit(case["x_train"], case["y_train"])
+        return {name: post.predict_proba(x) for name, x in case["eval"].items()}
+
+    probs, seconds, peak = timed(run, repeats, slow=float("inf"))
+    np.savez(out, seconds=np.array(seconds), peak_bytes=peak, **probs)
+
+
+def run_worker(command: list[str], out: Path) -> dict | None:
+    proc = subprocess.run(command, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"  failed: {' '.join(command[-4:])}: {proc.stderr.strip().splitlines()[-1:]}")
+        return None
+    with np.load(out) as f:
+        return {k: f[k] for k in f.files}
+
+
+def metrics(result: dict, y_test: np.ndarray, classes: int) -> dict:
+    """Test-split metrics and OOD AUROCs of one method's probabilities (each row renormalised
+    in float64: the peers return float32)."""
+    result = {k: v / v.sum(1, keepdims=True) if k == "test" or k.startswith("ood_") else v
+              for k, v in result.items()}
+    p = result["test"]
+    labels = list(range(classes))
+    row = dict(
+        accuracy=float((p.argmax(1) == y_test).mean()),
+        nll=float(log_loss(y_test, p, labels=labels)),
+        ece=expected_calibration_error(p, y_test),
+        brier=float(brier_score_loss(y_test, p, labels=labels)),
+    )
+    h_test = entropy(p, axis=1)
+    for name in sorted(k for k in result if k.startswith("ood_")):
+        h = entropy(result[name], axis=1)
+        truth = np.r_[np.zeros(len(h_test)), np.ones(len(h))]
+        row["auroc " + name[4:]] = float(roc_auc_score(truth, np.r_[h_test, h]))
+    if "seconds" in result:
+        row["seconds"] = float(np.median(result["seconds"]))
+        row["peak MiB"] = float(result["peak_bytes"]) / 2**20
+    return row
+
+
+def table(setting: str, rows: dict[str, dict]) -> str:
+    columns = [c for c in next(iter(rows.values())) if c not in ("seconds", "peak MiB")]
+    columns += ["seconds", "× " + REFERENCE, "peak MiB"]
+    ref = rows.get(REFERENCE, {}).get("seconds")
+    lines = [f"### {setting}", "", "| method | " + " | ".join(columns) + " |"]
+    lines.append("|---" * (len(columns) + 1) + "|")
+    for name, row in rows.items():
+        cells = []
+        for c in columns:
+            if c.startswith("×"):
+                value = row["seconds"] / ref if ref and "seconds" in row else None
+                cells.append("–" if value is None else f"{value:.2f}")
+            else:
+                value = row.get(c)
+                cells.append("–" if value is None else f"{value:.4g}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--methods", default=",".join(OURS), help="NTKPosterior variants")
+    parser.add_argument("--peer-python", default=os.environ.get("NTK_LAPLACE_PYTHON"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="tiny data, one repeat, no peers")
+    parser.add_argument("--json", help="also write every number to this file")
+    parser.add_argument("--worker", nargs=3, metavar=("CASE", "OUT", "METHOD"), help="internal")
+    args = parser.parse_args()
+    if args.worker:
+        ours_worker(*args.worker, repeats=args.repeats)
+        return
+    settings = args.settings.split(",")
+    methods = args.methods.split(",")
+    for name in settings:
+        if name not in SETTINGS:
+            parser.error(f"unknown setting {name!r}; valid: {', '.join(SETTINGS)}")
+    for name in methods:
+        if name not in OURS:
+            parser.error(f"unknown method {name!r}; valid: {', '.join(OURS)}")
+    repeats = 1 if args.smoke else args.repeats
+    peer = None if args.smoke else args.peer_python
+    if peer is None and not args.smoke:
+        print("no laplace-torch interpreter (--peer-python or NTK_LAPLACE_PYTHON): ours only")
+    report = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for setting in settings:
+            case_path = Path(tmp) / f"{setting}.pt"
+            case = make_case(setting, case_path, args.smoke)
+            with torch.no_grad():
+                softmax = {
+                    k: case["model"](x).double().softmax(-1).numpy()
+                    for k, x in case["eval"].items()
+                }
+            classes = softmax["test"].shape[1]
+            rows = {"MAP softmax": metrics(softmax, case["y_test"], classes)}
+            for method in methods:
+                out = Path(tmp) / f"{setting}-ours-{method}.npz"
+                cmd = [sys.executable, __file__, "--repeats", str(repeats), "--worker"]
+                result = run_worker(cmd + [str(case_path), str(out), method], out)
+                if result is not None:
+                    rows[method] = metrics(result, case["y_test"], classes)
+            for method, flags in PEERS.items() if peer else ():
+                out = Path(tmp) / f"{setting}-peer-{len(rows)}.npz"
+                cmd = [peer, str(PEER_SCRIPT), str(case_path), str(out), *flags]
+                result = run_worker(cmd + ["--repeats", str(repeats)], out)
+                if result is not None:
+                    rows[method] = metrics(result, case["y_test"], classes)
+            report[setting] = rows
+            print(table(setting, rows), flush=True)
+            print()
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
