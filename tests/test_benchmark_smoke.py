@@ -97,3 +97,46 @@ def test_attribution_scale_smoke_run_prints_its_table():
         if row[0] == "mlp":
             assert float(row[3]) > 0 and float(row[4]) > 0  # seconds, peak memory
     assert float(rows[("100", "ours, ekfac")][8]) > 0.3  # ρ vs exact (full)
+
+
+def _run_benchmark(name: str, *args: str) -> str:
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / name
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke", *args], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def _table_rows(out: str, title: str) -> dict[str, list[str]]:
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("### " + title))
+    rows = {}
+    for line in lines[start + 4 :]:
+        if not line.startswith("|"):
+            break
+        cells = _cells(line)
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_uncertainty_benchmark_smoke_run_scores_the_map_and_the_posterior():
+    out = _run_benchmark(
+        "uncertainty.py", "--settings", "breast_cancer", "--methods", "NTKPosterior full"
+    )
+    rows = _table_rows(out, "breast_cancer")
+    assert set(rows) == {"MAP softmax", "NTKPosterior full"}
+    for cells in rows.values():
+        accuracy, nll, ece, brier = (float(c) for c in cells[:4])
+        assert 0.5 < accuracy <= 1 and nll > 0 and 0 <= ece <= 1 and 0 <= brier <= 2
+    assert float(rows["NTKPosterior full"][-3]) > 0  # seconds measured
+
+
+def test_lpntk_uses_smoke_run_prints_aucs_and_pruning_curves():
+    out = _run_benchmark("lpntk_uses.py", "--settings", "breast_cancer")
+    aucs = _table_rows(out, "breast_cancer: mislabel AUC")
+    assert {"lpNTK contradiction", "loss", "self-influence (GN)"} <= set(aucs)
+    assert all(0 <= float(cells[0]) <= 1 for cells in aucs.values())
+    curves = _table_rows(out, "breast_cancer: test accuracy")
+    assert set(curves) == {"lpNTK (drop redundant)", "EL2N (keep hard)", "random"}
+    assert all(len(cells) == 5 for cells in curves.values())
