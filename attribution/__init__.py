@@ -8,6 +8,7 @@ import importlib
 _PUBLIC = {
     "KernelSurrogate": ".surrogate",
     "NTKPosterior": "._posterior",
+    "calibration_metrics": ".evaluation",
     "expected_calibration_error": ".evaluation",
     "flip_labels": ".evaluation",
     "influence": "._influence",
@@ -15,6 +16,7 @@ _PUBLIC = {
     "lds": ".evaluation",
     "mislabel_auc": ".evaluation",
     "random_subsets": ".evaluation",
+    "reliability": ".evaluation",
     "report": "._report",
     "sample_interactions": ".interactions",
     "train_on_subsets": ".evaluation",

@@ -19,7 +19,7 @@ from numbers import Integral
 import numpy as np
 import torch
 from scipy.stats import spearmanr
-from sklearn.metrics import roc_auc_score
+from sklearn.metrics import brier_score_loss, log_loss, roc_auc_score
 from torch import nn
 from torch.func import functional_call, stack_module_state
 
@@ -247,10 +247,11 @@ def mislabel_auc(self_influence: Sequence[float], flipped: Sequence[bool]) -> fl
     return float(roc_auc_score(np.asarray(flipped, dtype=bool), np.asarray(self_influence)))
 
 
-def expected_calibration_error(probs, labels, n_bins: int = 15) -> float:
-    """ECE = Σ_b (|B_b|/N) |acc(B_b) − conf(B_b)| over `n_bins` equal-width bins of the confidence
-    max_c p_c (Guo et al., ICML 2017); bin b holds confidences in ((b−1)/n_bins, b/n_bins], the
-    first bin also 0. probs [N, C] rows of class probabilities, labels [N] class indices."""
+def reliability(probs, labels, n_bins: int = 15) -> dict[str, np.ndarray]:
+    """The reliability diagram's bins: the confidence max_c p_c cut into `n_bins` equal-width
+    bins, bin b holding confidences in ((b−1)/n_bins, b/n_bins] (the first also 0). Returns, for
+    the non-empty bins in order, "confidence" (mean), "accuracy" (fraction correct) and "count".
+    probs [N, C] rows of class probabilities, labels [N] class indices."""
     p = np.asarray(probs, dtype=np.float64)
     y = np.asarray(labels)
     if p.ndim != 2 or y.shape != (p.shape[0],):
@@ -263,8 +264,34 @@ def expected_calibration_error(probs, labels, n_bins: int = 15) -> float:
         raise ValueError(f"n_bins must be a positive integer, got {n_bins!r}")
     confidence, correct = p.max(1), (p.argmax(1) == y)
     bins = np.clip(np.ceil(confidence * n_bins).astype(int) - 1, 0, n_bins - 1)
-    total = 0.0
-    for b in np.unique(bins):
-        inside = bins == b
-        total += inside.sum() * abs(correct[inside].mean() - confidence[inside].mean())
-    return float(total / len(y))
+    used = np.unique(bins)
+    return {
+        "confidence": np.array([confidence[bins == b].mean() for b in used]),
+        "accuracy": np.array([correct[bins == b].mean() for b in used]),
+        "count": np.array([(bins == b).sum() for b in used]),
+    }
+
+
+def expected_calibration_error(probs, labels, n_bins: int = 15) -> float:
+    """ECE = Σ_b (|B_b|/N) |acc(B_b) − conf(B_b)| over the bins of `reliability` (Guo et al.,
+    ICML 2017)."""
+    bins = reliability(probs, labels, n_bins)
+    gaps = np.abs(bins["accuracy"] - bins["confidence"])
+    return float((bins["count"] * gaps).sum() / bins["count"].sum())
+
+
+def calibration_metrics(probs, labels, n_bins: int = 15) -> dict[str, float]:
+    """Accuracy, negative log-likelihood, ECE (`n_bins` bins) and Brier score (scikit-learn's:
+    mean squared distance to the one-hot label) of class probabilities [N, C] (rows renormalised
+    in float64) against labels [N]."""
+    p = np.asarray(probs, dtype=np.float64)
+    if p.ndim == 2:
+        p = p / p.sum(1, keepdims=True)
+    y = np.asarray(labels)
+    classes = list(range(p.shape[-1]))
+    return {
+        "accuracy": float((p.argmax(-1) == y).mean()),
+        "nll": float(log_loss(y, p, labels=classes)),
+        "ece": expected_calibration_error(p, y, n_bins),
+        "brier": float(brier_score_loss(y, p, labels=classes)),
+    }

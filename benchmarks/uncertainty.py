@@ -10,7 +10,7 @@ Settings (trained here with `ntk.demo.train`, fixed seeds): `digits_mlp` (MLP 64
 digits — one fixed pixel permutation, inverted intensities 1 − x, the held-out class 9;
 breast_cancer — one fixed feature permutation, negated rows, standard-normal noise rows.
 
-Metrics on the test split: accuracy, NLL, ECE (15 bins, `attribution.expected_calibration_error`),
+Metrics on the test split (`attribution.calibration_metrics`): accuracy, NLL, ECE (15 bins),
 Brier (scikit-learn's); OOD AUROC of the predictive entropy (test = negative, shifted = positive);
 fit + predict seconds (median of --repeats, each in a fresh process with one thread) and the peak
 resident-memory increase of the first repeat. Methods: the MAP softmax (baseline), NTKPosterior
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from scipy.stats import entropy
 from sklearn.datasets import load_breast_cancer, load_digits
-from sklearn.metrics import brier_score_loss, log_loss, roc_auc_score
+from sklearn.metrics import roc_auc_score
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 
 from measure import timed
 
-from attribution import NTKPosterior, expected_calibration_error
+from attribution import NTKPosterior, calibration_metrics
 from ntk import demo
 
 SETTINGS = ("digits_mlp", "digits_cnn", "breast_cancer")
@@ -160,19 +160,15 @@ def run_worker(command: list[str], out: Path) -> dict | None:
         return {k: f[k] for k in f.files}
 
 
-def metrics(result: dict, y_test: np.ndarray, classes: int) -> dict:
-    """Test-split metrics and OOD AUROCs of one method's probabilities (each row renormalised
-    in float64: the peers return float32)."""
-    result = {k: v / v.sum(1, keepdims=True) if k == "test" or k.startswith("ood_") else v
-              for k, v in result.items()}
+def metrics(result: dict, y_test: np.ndarray) -> dict:
+    """Test-split calibration metrics and OOD AUROCs of one method's probabilities (each row
+    renormalised in float64: the peers return float32)."""
+    result = {
+        k: v / v.sum(1, keepdims=True) if k == "test" or k.startswith("ood_") else v
+        for k, v in result.items()
+    }
     p = result["test"]
-    labels = list(range(classes))
-    row = dict(
-        accuracy=float((p.argmax(1) == y_test).mean()),
-        nll=float(log_loss(y_test, p, labels=labels)),
-        ece=expected_calibration_error(p, y_test),
-        brier=float(brier_score_loss(y_test, p, labels=labels)),
-    )
+    row = calibration_metrics(p, y_test)
     h_test = entropy(p, axis=1)
     for name in sorted(k for k in result if k.startswith("ood_")):
         h = entropy(result[name], axis=1)
@@ -238,20 +234,19 @@ def main() -> None:
                     k: case["model"](x).double().softmax(-1).numpy()
                     for k, x in case["eval"].items()
                 }
-            classes = softmax["test"].shape[1]
-            rows = {"MAP softmax": metrics(softmax, case["y_test"], classes)}
+            rows = {"MAP softmax": metrics(softmax, case["y_test"])}
             for method in methods:
                 out = Path(tmp) / f"{setting}-ours-{method}.npz"
                 cmd = [sys.executable, __file__, "--repeats", str(repeats), "--worker"]
                 result = run_worker(cmd + [str(case_path), str(out), method], out)
                 if result is not None:
-                    rows[method] = metrics(result, case["y_test"], classes)
+                    rows[method] = metrics(result, case["y_test"])
             for method, flags in PEERS.items() if peer else ():
                 out = Path(tmp) / f"{setting}-peer-{len(rows)}.npz"
                 cmd = [peer, str(PEER_SCRIPT), str(case_path), str(out), *flags]
                 result = run_worker(cmd + ["--repeats", str(repeats)], out)
                 if result is not None:
-                    rows[method] = metrics(result, case["y_test"], classes)
+                    rows[method] = metrics(result, case["y_test"])
             report[setting] = rows
             print(table(setting, rows), flush=True)
             print()

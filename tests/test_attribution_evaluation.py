@@ -9,11 +9,13 @@ import torch
 from scipy.stats import spearmanr
 
 from attribution import (
+    calibration_metrics,
     expected_calibration_error,
     flip_labels,
     lds,
     mislabel_auc,
     random_subsets,
+    reliability,
     train_on_subsets,
 )
 
@@ -143,6 +145,15 @@ def test_expected_calibration_error_on_a_hand_computed_case():
     assert expected_calibration_error(probs, labels, n_bins=5) == pytest.approx(0.9 / 4)
     # one bin: |mean accuracy − mean confidence|
     assert expected_calibration_error(probs, labels, n_bins=1) == pytest.approx(abs(0.75 - 0.725))
+    bins = reliability(probs, labels, n_bins=5)
+    np.testing.assert_allclose(bins["confidence"], [0.55, 0.7, 0.95])
+    np.testing.assert_allclose(bins["accuracy"], [1.0, 0.5, 1.0])
+    np.testing.assert_array_equal(bins["count"], [1, 2, 1])
+    m = calibration_metrics(probs, labels, n_bins=5)
+    assert m["accuracy"] == 0.75 and m["ece"] == pytest.approx(0.9 / 4)
+    assert m["nll"] == pytest.approx(-np.mean(np.log([0.95, 0.25, 0.65, 0.55])))
+    # scikit-learn's binary Brier: mean (1 − p_label)²
+    assert m["brier"] == pytest.approx(np.mean(np.square([0.05, 0.75, 0.35, 0.45])))
     with pytest.raises(ValueError, match=r"\[N, C\]"):
         expected_calibration_error([0.5, 0.5], [0, 1])
     with pytest.raises(ValueError, match="n_bins"):
