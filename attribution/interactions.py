@@ -10,10 +10,14 @@ C_ij ≈ 0, unrelated; C_ij < 0, learning one unlearns the other (contradictory:
 sample pulls against the correctly labelled samples that look like it). Per sample i, over the
 other samples j ≠ i:
 
+- agreement_i = mean_{j: y_j = y_i} C_ij: how much the samples that share its label agree with
+  sample i (low: its label is at odds with its class, e.g. flipped; 0 when it is alone in its
+  class). With O classes s(y) = 2e_y − 1 shares its −1 entries across classes, so C is mostly
+  positive for O > 2 and the comparison within a label is what separates a flipped sample;
 - support_i = mean_j C_ij: how much the rest of the data agrees with sample i (low: hard to
   learn, likely forgotten);
-- contradiction_i = mean_j max(−C_ij, 0): the mass of contradicting pairs (high: suspicious
-  label);
+- contradiction_i = mean_j max(−C_ij, 0): the mass of contradicting pairs (the paper's negative
+  entries; rarely nonzero for many classes, see agreement);
 - redundancy_i = max_j C_ij and partner_i = argmax_j C_ij: its most interchangeable sample
   (pruning removes one of each highly redundant pair first).
 
@@ -47,7 +51,8 @@ def sample_interactions(
     return_kernel: bool = False,
 ) -> dict[str, np.ndarray]:
     """Per-sample interaction scores of (x, y) under the trained `model` (module docstring):
-    {"support", "contradiction", "redundancy": [N] float64, "partner": [N] int64} and, with
+    {"agreement", "support", "contradiction", "redundancy": [N] float64, "partner": [N] int64}
+    and, with
     return_kernel, "kernel": the lpNTK [N, N]. y: class labels [N]. projection_dim: None for the
     exact lpNTK, else the Gram matrix of `projections.features(kind="lpntk")` of that dimension
     (seeded by `seed`). output_fn and dtype as in `ntk.empirical_ntk`. The model is never
@@ -86,10 +91,14 @@ def sample_interactions(
     c = k / scale[:, None] / scale[None, :]
     c.fill_diagonal_(0.0)
     support = c.sum(1) / (n - 1)
+    same = (y[:, None] == y[None, :]).double().cpu()
+    same.fill_diagonal_(0.0)
+    agreement = (c * same).sum(1) / same.sum(1).clamp_min(1)
     contradiction = (-c).clamp_min(0).sum(1) / (n - 1)
     c.fill_diagonal_(-torch.inf)
     redundancy, partner = c.max(1)
     out = {
+        "agreement": agreement.numpy(),
         "support": support.numpy(),
         "contradiction": contradiction.numpy(),
         "redundancy": redundancy.numpy(),

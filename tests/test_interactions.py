@@ -36,6 +36,9 @@ def test_scores_match_a_direct_computation():
     c = k / np.sqrt(np.outer(np.diag(k), np.diag(k)))
     off = c[~np.eye(12, dtype=bool)].reshape(12, 11)
     np.testing.assert_allclose(out["support"], off.mean(1), rtol=1e-9)
+    same = (y[:, None] == y[None, :]).numpy() & ~np.eye(12, dtype=bool)
+    agreement = [c[i, same[i]].mean() if same[i].any() else 0.0 for i in range(12)]
+    np.testing.assert_allclose(out["agreement"], agreement, rtol=1e-9)
     np.testing.assert_allclose(out["contradiction"], np.maximum(-off, 0).mean(1), rtol=1e-9)
     np.testing.assert_allclose(out["redundancy"], off.max(1), rtol=1e-9)
     masked = np.where(np.eye(12, dtype=bool), -np.inf, c)
