@@ -55,6 +55,23 @@ def spectrum(eigenvalues: np.ndarray) -> str:
     return png(fig)
 
 
+def reliability_diagram(curves: dict[str, dict]) -> str:
+    """Accuracy against mean confidence per confidence bin, one line per model ({name: the bins
+    of `attribution.reliability`}), marker area ∝ the samples in the bin; the diagonal is
+    perfect calibration."""
+    fig = Figure(figsize=(4.6, 4.2))
+    ax = fig.add_subplot()
+    ax.plot([0, 1], [0, 1], color="0.6", lw=1, ls="--", label="calibrated")
+    for name, bins in curves.items():
+        count = np.asarray(bins["count"], dtype=float)
+        ax.plot(bins["confidence"], bins["accuracy"], marker=".", lw=1, label=name)
+        ax.scatter(bins["confidence"], bins["accuracy"], s=200 * count / count.sum(), alpha=0.3)
+    ax.set(xlabel="confidence (probability of the predicted class)", ylabel="accuracy")
+    ax.set(xlim=(-0.02, 1.02), ylim=(-0.02, 1.02))
+    ax.legend(loc="upper left", fontsize=8)
+    return png(fig)
+
+
 def bar_chart(names: Sequence[str], values: Sequence[float], xlabel: str) -> Figure:
     """Horizontal bars, first name on top."""
     fig = Figure(figsize=(5.2, 0.45 * len(names) + 1.0))

@@ -11,7 +11,10 @@ of a few correct, wrong and uncertain test predictions, the training examples wi
 total influence |c| over the test set and the largest self-influence, i.e. contribution to their
 own label, likely mislabelled or atypical), and how much the contributions cancel, the median
 over test examples of Σ_i |c_i(x)| / |Σ_i c_i(x)| (1: none; large: single examples say little);
-layer importance (`layer_importance`); settings (model, data, surrogate, versions, time taken).
+layer importance (`layer_importance`); calibration (`NTKPosterior`, the linearised-Laplace GP
+with the eNTK covariance, fitted on the kernel samples: a reliability diagram and accuracy / NLL /
+ECE / Brier of the network's softmax and of the posterior, and the test examples the posterior is
+least sure about); settings (model, data, surrogate, versions, time taken).
 
 Contributions are the surrogate's exact decomposition: surrogate output for class o at x is
 Σ_i c_i(x)[o] (+ intercept), c = `KernelSurrogate.attribute(x)`; examples are explained for the
@@ -40,6 +43,8 @@ from ntk.core import inputs
 
 from . import _figures
 from ._outputs import labels, logits
+from ._posterior import NTKPosterior
+from .evaluation import calibration_metrics, reliability
 from .layers import DEFAULT_SCORE, layer_importance
 from .surrogate import KernelSurrogate, cancellation
 
@@ -51,8 +56,12 @@ STAGES = (
     "faithfulness",
     "attribution",
     "self-influence",
+    "calibration",
     "figures",
 )
+# The calibration section is on by default when the posterior's (N·O)² system is this small
+# (N kernel samples, O classes: one Cholesky of 4096² takes about a second on one core).
+POSTERIOR_AUTO_MAX = 4096
 # Readable names of `KernelSurrogate.faithfulness` entries (others are shown as they are named).
 MEASURES = {
     "label_agreement": "agreement of predicted classes",
@@ -88,6 +97,7 @@ def report(
     output_fn: Callable | None = None,
     progress: bool = False,
     retrain=None,
+    posterior: bool | None = None,
 ) -> dict:
     """Build the report of a classifier `model` (O ≥ 2 outputs) on training data (x_train,
     y_train) and test data (x_test, y_test); labels are optional (without them the network's
@@ -106,7 +116,10 @@ def report(
     surrogate passed in keeps its own).
     retrain: optional callable (x, y) -> trained network, for each card's sanity strip (`_sanity`):
     the network is retrained once on all of x_train and once per card without its top
-    proponents (cheap only on small demos). The model is never modified.
+    proponents (cheap only on small demos). posterior: include the calibration section (an
+    `NTKPosterior` fitted on the kernel samples and their training labels); None: only when its
+    (N·O)² system has N·O ≤ POSTERIOR_AUTO_MAX (otherwise the page says how to turn it on).
+    The model is never modified.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -227,6 +240,16 @@ def report(
         cancellation = float(np.median((c_test.abs().sum(1) / c_test.sum(1).abs()).numpy()))
     with clock("self-influence"):
         self_influence = _self_influence(surrogate, x_train, own).numpy()
+    with clock("calibration"):
+        y_fit = None if y_train is None else y_train[:n_kernel]
+        calibration = _calibration(
+            model,
+            (x_kernel, y_fit),
+            (x_test, y_test, p_test),
+            posterior,
+            top,
+            dict(batch_size=batch_size, device=device, output_fn=output_fn),
+        )
 
     result = {
         "title": title,
@@ -250,6 +273,7 @@ def report(
             "top_self_influence": _ranked(self_influence, 2 * top, own, net_train),
         },
         "layers": {"score": DEFAULT_SCORE, "samples": n_kernel, "rows": layer_rows},
+        "calibration": calibration,
     }
     with clock("figures"):
         figures = _figures_for(result, images, top)
@@ -376,6 +400,67 @@ def _sanity(surrogate, x_train, own, x_one, cls, c_row, sides, retrain, baseline
     return card
 
 
+def _calibration(model, fit, test, enabled: bool | None, top: int, opts: dict) -> dict:
+    """The calibration section: `NTKPosterior` fitted on fit = (x, labels), compared with the
+    network's softmax on test = (x_test, y_test or None, network probabilities)."""
+    x_fit, y_fit = fit
+    x_test, y_test, p_test = test
+    n, classes = inputs.count(x_fit), p_test.shape[1]
+    size = n * classes
+    if y_fit is None:
+        return {"enabled": False, "note": "needs training labels (y_train)"}
+    if enabled is None:
+        enabled = size <= POSTERIOR_AUTO_MAX
+        if not enabled:
+            return {
+                "enabled": False,
+                "note": (
+                    f"off by default: the posterior solves an (N·O)² system with N·O = {size:,} "
+                    f"> {POSTERIOR_AUTO_MAX:,}; turn it on with posterior=True (ntk report "
+                    "--posterior) or lower the kernel samples"
+                ),
+            }
+    if not enabled:
+        return {"enabled": False, "note": "turned off (posterior=False)"}
+    post = NTKPosterior(model, **opts).fit(x_fit, y_fit)
+    q_test = torch.as_tensor(post.predict_proba(x_test))
+    entropy = -(q_test * q_test.clamp_min(1e-300).log()).sum(1)
+    net_pred, post_pred = p_test.argmax(1), q_test.argmax(1)
+    least_sure = [
+        {
+            "index": i,
+            "label": None if y_test is None else int(y_test[i]),
+            "entropy": float(entropy[i]),
+            "network_prediction": int(net_pred[i]),
+            "network_probability": float(p_test[i, net_pred[i]]),
+            "posterior_prediction": int(post_pred[i]),
+            "posterior_probability": float(q_test[i, post_pred[i]]),
+        }
+        for i in entropy.argsort(descending=True)[: 2 * top].tolist()
+    ]
+    out = {
+        "enabled": True,
+        "note": None,
+        "samples": n,
+        "kind": post.kind,
+        "prior_precision": post.prior_precision_,
+        "least_sure": least_sure,
+        "metrics": None,
+        "reliability": None,
+    }
+    if y_test is not None:
+        y = y_test.numpy()
+        out["metrics"] = {
+            "network": calibration_metrics(p_test.numpy(), y),
+            "posterior": calibration_metrics(q_test.numpy(), y),
+        }
+        out["reliability"] = {
+            "network": reliability(p_test.numpy(), y),
+            "posterior": reliability(q_test.numpy(), y),
+        }
+    return out
+
+
 def _ranked(values: np.ndarray, n: int, own: torch.Tensor, net_train: torch.Tensor) -> list[dict]:
     """The n training examples with the largest values, with their labels and predictions."""
     order = np.argsort(-values)[:n]
@@ -474,8 +559,26 @@ def _figures_for(result: dict, images, top: int) -> dict:
         "examples": [],
         "total_influence": None,
         "self_influence": None,
+        "reliability": None,
+        "least_sure": None,
     }
+    calibration = result["calibration"]
+    if calibration.get("reliability"):
+        curves = calibration["reliability"]
+        figures["reliability"] = _figures.reliability_diagram(
+            {"network softmax": curves["network"], "NTK posterior": curves["posterior"]}
+        )
     train_images, test_images = images
+    if calibration["enabled"] and test_images is not None:
+        rows = calibration["least_sure"]
+        figures["least_sure"] = _figures.image_row(
+            [test_images[r["index"]] for r in rows],
+            [
+                f"#{r['index']} y={r['label']}\nNTK {r['posterior_prediction']} "
+                f"{r['posterior_probability']:.2f}"
+                for r in rows
+            ],
+        )
     if train_images is None or test_images is None:
         return figures
     for e in attr["examples"]:

@@ -9,7 +9,7 @@ import pytest
 import attribution.surrogate
 import ntk
 import projections
-from attribution import _influence, layers
+from attribution import _influence, _report, layers
 from attribution.cli import choices
 from ntk import proxies
 
@@ -46,3 +46,4 @@ def test_choices_are_the_librarys():
     assert choices.PROJECTORS == projections.PROJECTORS
     assert choices.SURROGATE_KINDS == attribution.surrogate.KINDS
     assert choices.SURROGATE_MACHINES == attribution.surrogate.MACHINES
+    assert choices.POSTERIOR_AUTO_MAX == _report.POSTERIOR_AUTO_MAX

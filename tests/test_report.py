@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import ntk
-from attribution._report import choose_examples, effective_rank, report
+from attribution import NTKPosterior, expected_calibration_error
+from attribution._report import _calibration, choose_examples, effective_rank, report
 from attribution.cli import main
 from attribution.surrogate import KernelSurrogate
 from ntk import demo
@@ -124,6 +125,48 @@ def test_numbers_match_independent_computations(setup, built):
         )
 
 
+def test_calibration_section_matches_a_direct_posterior(setup, built):
+    """80 kernel samples × 10 classes ≤ POSTERIOR_AUTO_MAX: the section is on by default, and its
+    numbers are those of an NTKPosterior fitted on the same samples."""
+    model, x_train, y_train, x_test, y_test = setup
+    result, _ = built
+    c = result["calibration"]
+    assert c["enabled"] and c["samples"] == 80
+    post = NTKPosterior(model).fit(x_train[:80], y_train[:80])
+    assert c["prior_precision"] == pytest.approx(post.prior_precision_, rel=1e-6)
+    q = post.predict_proba(x_test)
+    with torch.no_grad():
+        p = model(x_test).double().softmax(1).numpy()
+    y = y_test.numpy()
+    for name, probs in (("network", p), ("posterior", q)):
+        assert c["metrics"][name]["ece"] == pytest.approx(
+            expected_calibration_error(probs, y), rel=1e-6
+        )
+        assert c["metrics"][name]["nll"] == pytest.approx(
+            -np.mean(np.log(probs[np.arange(60), y] / probs.sum(1))), rel=1e-6
+        )
+        assert sum(c["reliability"][name]["count"]) == 60
+    entropy = -(q * np.log(q)).sum(1)
+    assert [r["index"] for r in c["least_sure"]] == np.argsort(-entropy)[:6].tolist()
+    assert c["least_sure"][0]["entropy"] == pytest.approx(entropy.max(), rel=1e-6)
+
+
+def test_calibration_section_off_by_choice_or_by_size(setup, tmp_path):
+    model, x_train, y_train, x_test, y_test = setup
+    opts = dict(examples=1, top=1, kernel_samples=20)
+    off = report(model, x_train, y_train, x_test, y_test, path=tmp_path / "a.html",
+                 posterior=False, **opts)
+    assert off["calibration"] == {"enabled": False, "note": "turned off (posterior=False)"}
+    assert 'id="calibration"' in (tmp_path / "a.html").read_text()
+    assert "Calibration section turned off" in (tmp_path / "a.html").read_text()
+    # 500 samples × 10 classes > POSTERIOR_AUTO_MAX: off by default, and the note says how to
+    # turn it on (decided before any posterior is fitted)
+    p_test = torch.full((4, 10), 0.1, dtype=torch.float64)
+    fit = (torch.zeros(500, 64), torch.zeros(500, dtype=torch.long))
+    big = _calibration(model, fit, (x_test[:4], y_test[:4], p_test), None, 1, {})
+    assert not big["enabled"] and "5,000 > 4,096" in big["note"] and "--posterior" in big["note"]
+
+
 def test_example_choice():
     p = torch.tensor([[0.9, 0.1], [0.2, 0.8], [0.55, 0.45], [0.97, 0.03], [0.6, 0.4]])
     y = torch.tensor([0, 0, 0, 0, 1])
@@ -141,8 +184,9 @@ def test_html_is_self_contained(built):
     assert not re.search(
         r"<script|<link|@import|url\(|https?://|src=\"(?!data:image/png;base64,)", html
     )
-    # scatter, spectrum, layers, one row per example, total influence and self-influence rows
-    assert html.count("<img ") == 3 + len(result["attribution"]["examples"]) + 2
+    # scatter, spectrum, layers, one row per example, total influence and self-influence rows,
+    # reliability diagram and least-sure row
+    assert html.count("<img ") == 3 + len(result["attribution"]["examples"]) + 2 + 2
     for e in result["attribution"]["examples"]:
         assert f"test example #{e['index']}" in html
 
@@ -166,7 +210,8 @@ def test_report_in_headless_chromium(built, chromium, tmp_path):
     result, path = built
     page = chromium.inspect(path.resolve().as_uri())
     assert page.title == result["title"]
-    assert len(page.images) == 3 + len(result["attribution"]["examples"]) + 2
+    # scatter, spectrum, layers; one per card; total and self influence; reliability, least sure
+    assert len(page.images) == 3 + len(result["attribution"]["examples"]) + 2 + 2
     for image in page.images:
         assert image["complete"] and image["error"] is None and image["naturalWidth"] > 0, image
     assert page.errors == []

@@ -36,3 +36,4 @@ DEFAULT_RANKING = ("condition_number", "layer_condition", "naswot")  # ntk.proxi
 PROJECTORS = ("rademacher", "gaussian", "sparse")  # projections.PROJECTORS
 SURROGATE_KINDS = ("full", "trace", "sum_logits")  # attribution.surrogate.KINDS
 SURROGATE_MACHINES = ("ridge", "svm", "logistic", "representer")  # attribution.surrogate.MACHINES
+POSTERIOR_AUTO_MAX = 4096  # attribution._report.POSTERIOR_AUTO_MAX

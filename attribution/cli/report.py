@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .choices import SURROGATE_KINDS, SURROGATE_MACHINES
+from .choices import POSTERIOR_AUTO_MAX, SURROGATE_KINDS, SURROGATE_MACHINES
 from .common import (
     DEMO_SAMPLES,
     UsageProblem,
@@ -66,7 +66,7 @@ from .common import (
     "--alpha",
     type=click.FloatRange(min=0, min_open=True),
     default=None,
-    help="surrogate regularisation (default: chosen by cross-validation)",
+    help="surrogate regularisation (default: KernelSurrogate's)",
 )
 @click.option("--normalize", is_flag=True, help="cosine-normalise the kernel (trNTK)")
 @click.option(
@@ -90,6 +90,13 @@ from .common import (
     show_default=True,
     help="proponents and opponents shown per prediction",
 )
+@click.option(
+    "--posterior/--no-posterior",
+    default=None,
+    help="calibration section: an NTKPosterior fitted on the kernel samples, its reliability "
+    "diagram, NLL/ECE against the network's, and the least sure test examples (default: on when "
+    f"kernel samples × classes ≤ {POSTERIOR_AUTO_MAX}; its cost grows as the cube of that)",
+)
 def report(
     model_spec,
     weights,
@@ -111,10 +118,12 @@ def report(
     kernel_samples,
     examples,
     top,
+    posterior,
 ):
     """Build the surrogate-model report of a classifier (default: the built-in digits demo):
     faithfulness of the eNTK kernel surrogate, the kernel's spectrum, attributions to training
-    examples and layer importance. Prints the headline numbers, each with the samples it used."""
+    examples, layer importance and calibration. Prints the headline numbers, each with the samples
+    it used."""
     from ntk.core import inputs
 
     from .._report import report as build_report
@@ -167,6 +176,7 @@ def report(
         output_fn=output_fn,
         progress=interactive(),
         retrain=_demo_retrain if model_spec is None and data == "digits" else None,
+        posterior=posterior,
         settings={
             "data": "digits (scikit-learn, built-in)" if data == "digits" else data,
             "test data": test_file or "digits test split",
@@ -193,8 +203,20 @@ def report(
         }
         for row in layers["rows"]
     ]
+    calibration = result["calibration"]
+    for name, value in (calibration.get("metrics") or {}).get("posterior", {}).items():
+        network = calibration["metrics"]["network"][name]
+        rows.append(
+            {
+                "measure": f"posterior {name} (network {network:.3g})",
+                "value": value,
+                "samples": f"{n_test} test",
+            }
+        )
     json_path = str(Path(html).with_suffix(".json"))
     notes = [f"written: {html} and {json_path}"]
+    if not calibration["enabled"]:
+        notes.append(f"calibration section {calibration['note']}")
     if kernel["condition_number"] == float("inf"):
         notes.append(
             "condition_number = inf: the kernel is singular (numerical rank below its size); "
