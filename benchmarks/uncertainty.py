@@ -2,22 +2,28 @@
 softmax and laplace-torch, on the same trained networks in one run.
 
     python benchmarks/uncertainty.py [--peer-python PATH] [--settings a,b] [--repeats 3]
-    python benchmarks/uncertainty.py --smoke            # seconds: tiny data, ours only
+    python benchmarks/uncertainty.py --smoke            # tiny data, ours only
 
 Settings (trained here with `ntk.demo.train`, fixed seeds): `digits_mlp` (MLP 64-64-9) and
-`digits_cnn` (two 3×3 convolutions) on scikit-learn's digits without the 9s, `breast_cancer` (MLP
-30-32-2 on standardised features). Out-of-distribution sets, made offline from the test split:
-digits — one fixed pixel permutation, inverted intensities 1 − x, the held-out class 9;
-breast_cancer — one fixed feature permutation, negated rows, standard-normal noise rows.
+`digits_cnn` (two 3×3 convolutions) on scikit-learn's digits without the 9s, `breast_cancer`
+(MLP 30-32-2 on standardised features). Each has a train, a validation and a test split.
+
+The prior precision is chosen by the Laplace evidence (marginal likelihood) or by the NLL of the
+validation split, which the network did not train on (`NTKPosterior.fit(validation=...)`;
+laplace-torch's gridsearch), both libraries on the same split.
+
+Out-of-distribution sets, made offline from the test split: digits — one fixed pixel
+permutation, inverted intensities 1 − x, the held-out class 9; breast_cancer — one fixed
+feature permutation, negated rows, standard-normal noise rows.
 
 Metrics on the test split (`attribution.calibration_metrics`): accuracy, NLL, ECE (15 bins),
-Brier (scikit-learn's); OOD AUROC of the predictive entropy (test = negative, shifted = positive);
-fit + predict seconds (median of --repeats, each in a fresh process with one thread) and the peak
-resident-memory increase of the first repeat. Methods: the MAP softmax (baseline), NTKPosterior
-(kind full / trace / sum_logits, probit link; full with the MC link), and laplace-torch (its
-interpreter from --peer-python or NTK_LAPLACE_PYTHON: all weights with a full and a Kronecker
-Hessian, last layer with a Kronecker Hessian; prior precision by its marginal likelihood; GLM
-predictive, probit link; benchmarks/peers/laplace_predictive.py).
+Brier (scikit-learn's); OOD AUROC of the predictive entropy (test = negative, shifted =
+positive); fit + predict seconds (median of --repeats in a fresh process with one thread; a
+first run over SLOW seconds is not repeated) and the peak resident-memory increase of the first
+repeat. Methods: the MAP softmax (baseline), NTKPosterior (kind full / trace / sum_logits, probit
+link; full with the MC link), and laplace-torch (interpreter from --peer-python or
+NTK_LAPLACE_PYTHON; all weights with a full or a Kronecker Hessian, last layer with a Kronecker
+Hessian; GLM predictive, probit link; benchmarks/peers/laplace_predictive.py).
 """
 
 from __future__ import annotations
@@ -48,18 +54,23 @@ from ntk import demo
 SETTINGS = ("digits_mlp", "digits_cnn", "breast_cancer")
 HELD_OUT_CLASS = 9  # digits: trained on 0–8, the 9s are one of the shifts
 RECIPE = dict(epochs=300, batch_size=64, lr=3e-3, weight_decay=0.0)  # trained to convergence
-OURS = {  # name: NTKPosterior settings
-    "NTKPosterior full": dict(kind="full"),
-    "NTKPosterior full (MC link)": dict(kind="full", link="mc"),
-    "NTKPosterior trace": dict(kind="trace"),
-    "NTKPosterior sum_logits": dict(kind="sum_logits"),
+OURS = {  # name: (NTKPosterior settings, δ from the validation split rather than the evidence)
+    "NTKPosterior full/evidence": (dict(kind="full"), False),
+    "NTKPosterior full/validation": (dict(kind="full"), True),
+    "NTKPosterior full/validation/MC link": (dict(kind="full", link="mc"), True),
+    "NTKPosterior trace/validation": (dict(kind="trace"), True),
+    "NTKPosterior sum_logits/validation": (dict(kind="sum_logits"), True),
 }
 PEERS = {  # name: laplace_predictive.py arguments
-    "laplace-torch all/full": ["--subset", "all", "--structure", "full"],
-    "laplace-torch all/kron": ["--subset", "all", "--structure", "kron"],
-    "laplace-torch last-layer/kron": ["--subset", "last_layer", "--structure", "kron"],
+    "laplace-torch all/full/marglik": ["--subset", "all", "--structure", "full"],
+    "laplace-torch all/full/validation": ["--structure", "full", "--tuning", "validation"],
+    "laplace-torch all/kron/validation": ["--structure", "kron", "--tuning", "validation"],
+    "laplace-torch last-layer/kron/validation": [
+        "--subset", "last_layer", "--structure", "kron", "--tuning", "validation"
+    ],
 }
-REFERENCE = "laplace-torch all/full"  # the time ratios' denominator
+REFERENCE = "laplace-torch all/full/validation"  # the time ratios' denominator
+SLOW = 60.0  # seconds: a first run slower than this is not repeated
 PEER_SCRIPT = Path(__file__).resolve().parent / "peers" / "laplace_predictive.py"
 
 
@@ -93,17 +104,23 @@ def data(setting: str, smoke: bool = False) -> dict[str, np.ndarray]:
         x, y = (d.data / 16.0).astype(np.float32), d.target.astype(np.int64)
         held = x[y == HELD_OUT_CLASS]
         x, y = x[y != HELD_OUT_CLASS], y[y != HELD_OUT_CLASS]
-        n_train = 600
+        n_train, n_val = 600, 150
     else:
         d = load_breast_cancer()
         x, y = d.data.astype(np.float32), d.target.astype(np.int64)
-        n_train = 300
+        n_train, n_val = 300, 100
     order = rng.permutation(len(y))
     x, y = x[order], y[order]
     cap = 60 if smoke else 300
-    n_train = 120 if smoke else n_train
+    n_train, n_val = (120, 40) if smoke else (n_train, n_val)
+    rest = n_train + n_val
     out = dict(
-        x_train=x[:n_train], y_train=y[:n_train], x_test=x[n_train:][:cap], y_test=y[n_train:][:cap]
+        x_train=x[:n_train],
+        y_train=y[:n_train],
+        x_val=x[n_train:rest],
+        y_val=y[n_train:rest],
+        x_test=x[rest:][:cap],
+        y_test=y[rest:][:cap],
     )
     test = out["x_test"]
     if setting.startswith("digits"):
@@ -112,8 +129,8 @@ def data(setting: str, smoke: bool = False) -> dict[str, np.ndarray]:
         out["ood_held_out_class"] = held[:cap]
     else:
         mu, sd = out["x_train"].mean(0), out["x_train"].std(0) + 1e-6
-        out["x_train"], test = (out["x_train"] - mu) / sd, (test - mu) / sd
-        out["x_test"] = test
+        out["x_train"], out["x_val"] = (out["x_train"] - mu) / sd, (out["x_val"] - mu) / sd
+        test = out["x_test"] = (test - mu) / sd
         out["ood_permuted"] = test[:, rng.permutation(x.shape[1])]
         out["ood_negated"] = -test
         out["ood_noise"] = rng.standard_normal(test.shape).astype(np.float32)
@@ -131,6 +148,8 @@ def make_case(setting: str, path: Path, smoke: bool) -> dict:
         model=model,
         x_train=x,
         y_train=y,
+        x_val=torch.from_numpy(d["x_val"]),
+        y_val=torch.from_numpy(d["y_val"]),
         y_test=d["y_test"],
         eval={k: torch.from_numpy(v) for k, v in sets.items()},
     )
@@ -143,11 +162,15 @@ def ours_worker(case_path: str, out: str, method: str, repeats: int) -> None:
     torch.set_num_threads(1)
     case = torch.load(case_path, weights_only=False)
 
+    settings, tuned = OURS[method]
+    validation = (case["x_val"], case["y_val"]) if tuned else None
+
     def run() -> dict[str, np.ndarray]:
-        post = NTKPosterior(case["model"], **OURS[method]).fit(case["x_train"], case["y_train"])
+        post = NTKPosterior(case["model"], **settings)
+        post.fit(case["x_train"], case["y_train"], validation=validation)
         return {name: post.predict_proba(x) for name, x in case["eval"].items()}
 
-    probs, seconds, peak = timed(run, repeats, slow=float("inf"))
+    probs, seconds, peak = timed(run, repeats, slow=SLOW)
     np.savez(out, seconds=np.array(seconds), peak_bytes=peak, **probs)
 
 
@@ -235,8 +258,8 @@ def main() -> None:
                     for k, x in case["eval"].items()
                 }
             rows = {"MAP softmax": metrics(softmax, case["y_test"])}
-            for method in methods:
-                out = Path(tmp) / f"{setting}-ours-{method}.npz"
+            for i, method in enumerate(methods):
+                out = Path(tmp) / f"{setting}-ours-{i}.npz"
                 cmd = [sys.executable, __file__, "--repeats", str(repeats), "--worker"]
                 result = run_worker(cmd + [str(case_path), str(out), method], out)
                 if result is not None:

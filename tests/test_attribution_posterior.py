@@ -106,6 +106,24 @@ def test_auto_prior_precision_maximises_the_evidence(small):
     assert auto.log_marginal_likelihood() >= max(evidence) - 1e-6
 
 
+def test_validation_data_choose_the_prior_precision_minimising_their_nll(small):
+    """fit(..., validation=) picks δ whose validation NLL (= −score, computed by the ordinary
+    Cholesky path) is the smallest of a brute-force grid, up to the search tolerance."""
+    model, x, y, xt, yt = small
+    tuned = NTKPosterior(model).fit(x, y, validation=(xt, yt))
+    grid = 10.0 ** np.arange(-4.0, 4.01, 0.1)
+    losses = [-NTKPosterior(model, prior_precision=d).fit(x, y).score(xt, yt) for d in grid]
+    assert -tuned.score(xt, yt) <= min(losses) + 1e-6
+    evidence = NTKPosterior(model).fit(x, y)
+    assert tuned.prior_precision_ != pytest.approx(evidence.prior_precision_, rel=0.1)
+    with pytest.raises(ValueError, match="prior_precision='auto'"):
+        NTKPosterior(model, prior_precision=1.0).fit(x, y, validation=(xt, yt))
+    with pytest.raises(ValueError, match="pair"):
+        NTKPosterior(model).fit(x, y, validation=xt)
+    with pytest.raises(ValueError, match="y_val"):
+        NTKPosterior(model).fit(x, y, validation=(xt, yt + 5))
+
+
 def test_links_and_uncertainty(small):
     model, x, y, xt, yt = small
     probit = NTKPosterior(model, prior_precision=1.0).fit(x, y)

@@ -122,14 +122,14 @@ def _table_rows(out: str, title: str) -> dict[str, list[str]]:
 
 def test_uncertainty_benchmark_smoke_run_scores_the_map_and_the_posterior():
     out = _run_benchmark(
-        "uncertainty.py", "--settings", "breast_cancer", "--methods", "NTKPosterior full"
+        "uncertainty.py", "--settings", "breast_cancer", "--methods", "NTKPosterior full/validation"
     )
     rows = _table_rows(out, "breast_cancer")
-    assert set(rows) == {"MAP softmax", "NTKPosterior full"}
+    assert set(rows) == {"MAP softmax", "NTKPosterior full/validation"}
     for cells in rows.values():
         accuracy, nll, ece, brier = (float(c) for c in cells[:4])
         assert 0.5 < accuracy <= 1 and nll > 0 and 0 <= ece <= 1 and 0 <= brier <= 2
-    assert float(rows["NTKPosterior full"][-3]) > 0  # seconds measured
+    assert float(rows["NTKPosterior full/validation"][-3]) > 0  # seconds measured
 
 
 def test_lpntk_uses_smoke_run_prints_aucs_and_pruning_curves():
