@@ -127,25 +127,28 @@ def test_numbers_match_independent_computations(setup, built):
 
 def test_calibration_section_matches_a_direct_posterior(setup, built):
     """80 kernel samples × 10 classes ≤ POSTERIOR_AUTO_MAX: the section is on by default, and its
-    numbers are those of an NTKPosterior fitted on the same samples."""
+    numbers are those of an NTKPosterior fitted on the same samples, its prior precision tuned on
+    the even-numbered test samples and scored on the odd-numbered ones."""
     model, x_train, y_train, x_test, y_test = setup
     result, _ = built
     c = result["calibration"]
-    assert c["enabled"] and c["samples"] == 80
-    post = NTKPosterior(model).fit(x_train[:80], y_train[:80])
+    assert c["enabled"] and c["samples"] == 80 and "even-numbered" in c["prior_precision_by"]
+    post = NTKPosterior(model).fit(
+        x_train[:80], y_train[:80], validation=(x_test[0::2], y_test[0::2])
+    )
     assert c["prior_precision"] == pytest.approx(post.prior_precision_, rel=1e-6)
     q = post.predict_proba(x_test)
     with torch.no_grad():
         p = model(x_test).double().softmax(1).numpy()
     y = y_test.numpy()
-    for name, probs in (("network", p), ("posterior", q)):
+    for name, probs in (("network", p[1::2]), ("posterior", q[1::2])):
         assert c["metrics"][name]["ece"] == pytest.approx(
-            expected_calibration_error(probs, y), rel=1e-6
+            expected_calibration_error(probs, y[1::2]), rel=1e-6
         )
         assert c["metrics"][name]["nll"] == pytest.approx(
-            -np.mean(np.log(probs[np.arange(60), y] / probs.sum(1))), rel=1e-6
+            -np.mean(np.log(probs[np.arange(30), y[1::2]] / probs.sum(1))), rel=1e-6
         )
-        assert sum(c["reliability"][name]["count"]) == 60
+        assert sum(c["reliability"][name]["count"]) == 30
     entropy = -(q * np.log(q)).sum(1)
     assert [r["index"] for r in c["least_sure"]] == np.argsort(-entropy)[:6].tolist()
     assert c["least_sure"][0]["entropy"] == pytest.approx(entropy.max(), rel=1e-6)
