@@ -456,6 +456,7 @@ def _calibration(model, fit, test, enabled: bool | None, top: int, opts: dict) -
         ),
         "least_sure": least_sure,
         "metrics_samples": None,
+        "metrics_split": None,
         "metrics": None,
         "reliability": None,
     }
@@ -463,9 +464,8 @@ def _calibration(model, fit, test, enabled: bool | None, top: int, opts: dict) -
         y = y_test.numpy()
         rows = held if tuned else slice(None)
         p, q, y = p_test.numpy()[rows], q_test.numpy()[rows], y[rows]
-        out["metrics_samples"] = (
-            f"{len(y)} odd-numbered test samples" if tuned else f"{len(y)} test samples"
-        )
+        out["metrics_samples"] = len(y)
+        out["metrics_split"] = "odd-numbered test samples" if tuned else "test samples"
         out["metrics"] = {
             "network": calibration_metrics(p, y),
             "posterior": calibration_metrics(q, y),

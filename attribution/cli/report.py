@@ -210,7 +210,8 @@ def report(
             {
                 "measure": f"posterior {name} (network {network:.3g})",
                 "value": value,
-                "samples": f"{n_test} test",
+                "samples": f"{calibration['metrics_samples']} "
+                + calibration["metrics_split"].replace("-numbered", "").replace(" samples", ""),
             }
         )
     json_path = str(Path(html).with_suffix(".json"))
