@@ -33,6 +33,8 @@ def test_the_readme_has_the_entry_points():
         "attribution.lds",
         "attribution.layer_importance",
         "attribution.report",
+        "attribution.NTKPosterior",
+        "attribution.sample_interactions",
         "proxies.rank",
     ):
         assert name in code, name
