@@ -174,8 +174,12 @@ def ours_worker(case_path: str, out: str, method: str, repeats: int) -> None:
     np.savez(out, seconds=np.array(seconds), peak_bytes=peak, **probs)
 
 
-def run_worker(command: list[str], out: Path) -> dict | None:
-    proc = subprocess.run(command, capture_output=True, text=True)
+def run_worker(command: list[str], out: Path, timeout: float) -> dict | None:
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"  timed out after {timeout:.0f} s: {' '.join(command[-6:])}")
+        return None
     if proc.returncode != 0:
         print(f"  failed: {' '.join(command[-4:])}: {proc.stderr.strip().splitlines()[-1:]}")
         return None
@@ -230,6 +234,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="tiny data, one repeat, no peers")
     parser.add_argument("--json", help="also write every number to this file")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds per method (all its repeats)"
+    )
     parser.add_argument("--worker", nargs=3, metavar=("CASE", "OUT", "METHOD"), help="internal")
     args = parser.parse_args()
     if args.worker:
@@ -261,13 +268,13 @@ def main() -> None:
             for i, method in enumerate(methods):
                 out = Path(tmp) / f"{setting}-ours-{i}.npz"
                 cmd = [sys.executable, __file__, "--repeats", str(repeats), "--worker"]
-                result = run_worker(cmd + [str(case_path), str(out), method], out)
+                result = run_worker(cmd + [str(case_path), str(out), method], out, args.timeout)
                 if result is not None:
                     rows[method] = metrics(result, case["y_test"])
             for method, flags in PEERS.items() if peer else ():
                 out = Path(tmp) / f"{setting}-peer-{len(rows)}.npz"
                 cmd = [peer, str(PEER_SCRIPT), str(case_path), str(out), *flags]
-                result = run_worker(cmd + ["--repeats", str(repeats)], out)
+                result = run_worker(cmd + ["--repeats", str(repeats)], out, args.timeout)
                 if result is not None:
                     rows[method] = metrics(result, case["y_test"])
             report[setting] = rows
