@@ -62,7 +62,10 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
     training residual). kind: the covariance, "full" (exact, [N, N, O, O]) or a scalar kind
     ("trace", "sum_logits": the cheaper stand-in k(x, x') ⊗ I_O of `_kernels.output_kernel`).
     projection_dim: None for exact kernels, else a random projection of that dimension
-    (`projections`, seeded by `seed`). prior_precision: δ > 0, or "auto" to maximise the
+    (`projections`, seeded by `seed`); with kind="full" and N·O > projection_dim the posterior
+    is computed in the projected parameter space, a k × k system (Σ(x) = Φ(x)(ΨᵀΨ + δI)⁻¹Φ(x)ᵀ,
+    Ψ = SΦ: the kernel form's Σ with Θ = ΦΦᵀ by the push-through identity), so N is limited by
+    the features' memory only. prior_precision: δ > 0, or "auto" to maximise the
     Laplace evidence `log_marginal_likelihood` over δ (bounded Brent search on log δ), or, when
     `fit` is given validation data, to minimise their negative log predictive density.
     link (classification):
@@ -196,9 +199,16 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
                 math.log(2 * math.pi * noise)
             )
         self.n_outputs_, self.x_train_, self.root_ = o, x_train, root
-        theta = _kernels.output_kernel(self.model, x_train, **self._opts())
-        a = torch.einsum("iop,ijpr,jrq->iojq", root, theta, root).reshape(n * o, n * o)
-        del theta
+        k = self.projection_dim
+        self.parameter_space_ = self.kind == "full" and k is not None and n * o > k
+        if self.parameter_space_:  # the k × k Gram ΨᵀΨ, Ψ = SΦ, instead of SΘS = ΨΨᵀ
+            psi = torch.einsum("iop,ipk->iok", root, self._features(x_train)).reshape(n * o, k)
+            a = psi.T @ psi
+            del psi
+        else:
+            theta = _kernels.output_kernel(self.model, x_train, **self._opts())
+            a = torch.einsum("iop,ijpr,jrq->iojq", root, theta, root).reshape(n * o, n * o)
+            del theta
         self.sq_norm_ = sum(
             float(p.detach().double().pow(2).sum())
             for p in self.model.parameters()
@@ -213,12 +223,12 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         else:
             self.prior_precision_ = float(self.prior_precision)
         self.factor_, logdet = _factor(a, self.prior_precision_, copy=False)
-        self.evidence_ = self._evidence(self.prior_precision_, logdet)
+        self.evidence_ = self._evidence(self.prior_precision_, logdet, a.shape[0])
         return self
 
-    def _evidence(self, delta: float, logdet: float) -> float:
-        """log Z(δ) from log det(SΘS + δI)."""
-        count = self.root_.shape[0] * self.n_outputs_
+    def _evidence(self, delta: float, logdet: float, count: int) -> float:
+        """log Z(δ) from log det(A + δI) of the count × count system A (SΘS, or ΨᵀΨ in parameter
+        space: the same nonzero eigenvalues, so log det(I + A/δ) is the same)."""
         return (
             self.log_likelihood_
             - 0.5 * delta * self.sq_norm_
@@ -234,7 +244,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
 
         def negative(log_delta: float) -> float:
             delta = 10.0**log_delta
-            return -self._evidence(delta, _factor(a, delta, copy=True)[1])
+            return -self._evidence(delta, _factor(a, delta, copy=True)[1], a.shape[0])
 
         best = scipy.optimize.minimize_scalar(
             negative,
@@ -261,17 +271,22 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         )
         e, u = torch.linalg.eigh(a)
         e = e.clamp_min(0)
-        cross = _kernels.output_kernel(self.model, x_val, self.x_train_, **self._opts())
-        b = torch.einsum("mipq,iqr->irmp", cross, self.root_).reshape(-1, m * o)
-        del cross
+        if self.parameter_space_:  # Σ(x) = Φ(x) U diag(1/(e + δ)) Uᵀ Φ(x)ᵀ
+            b = self._features(x_val).reshape(m * o, -1).T
+            prior = None
+        else:  # Σ(x) = [Θ(x, x) − Θ(x, X) S U diag(1/(e + δ)) Uᵀ S Θ(X, x)] / δ
+            cross = _kernels.output_kernel(self.model, x_val, self.x_train_, **self._opts())
+            b = torch.einsum("mipq,iqr->irmp", cross, self.root_).reshape(-1, m * o)
+            del cross
+            prior = _kernels.output_self_blocks(self.model, x_val, **self._opts())
         z = (u.T @ b).reshape(-1, m, o)
         del b, u
-        prior = _kernels.output_self_blocks(self.model, x_val, **self._opts())
 
         def loss(log_delta: float) -> float:
             delta = 10.0**log_delta
             w = z / (e + delta).sqrt()[:, None, None]
-            cov = (prior - torch.einsum("kmp,kmq->mpq", w, w)) / delta
+            explained = torch.einsum("kmp,kmq->mpq", w, w)
+            cov = explained if prior is None else (prior - explained) / delta
             return -float(self._log_density(mean, cov, y_val).mean())
 
         centre = math.log10(a.shape[0] / self.sq_norm_)
@@ -300,22 +315,52 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
 
     def _covariance(self, x) -> torch.Tensor:
         """Σ(x) [N, O, O], in blocks of PREDICT_BLOCK samples: with L the Cholesky factor of
-        SΘS + δI and W = L⁻¹ S Θ(X, x), Σ(x) = (Θ(x, x) − WᵀW) / δ."""
+        SΘS + δI and W = L⁻¹ S Θ(X, x), Σ(x) = (Θ(x, x) − WᵀW) / δ; in parameter space, with L
+        that of ΨᵀΨ + δI and W = L⁻¹ Φ(x)ᵀ, Σ(x) = WᵀW."""
         x = self._inputs(x)
         n = inputs.validate(x, "x")
         o = self.n_outputs_
         out = []
         for s in range(0, n, PREDICT_BLOCK):
             part = inputs.take(x, slice(s, s + PREDICT_BLOCK))
-            cross = _kernels.output_kernel(self.model, part, self.x_train_, **self._opts())
-            m = cross.shape[0]
-            b = torch.einsum("mipq,iqr->irmp", cross, self.root_).reshape(-1, m * o)
-            del cross
+            if self.parameter_space_:
+                phi = self._features(part)
+                m = phi.shape[0]
+                b = phi.reshape(m * o, -1).T
+            else:
+                cross = _kernels.output_kernel(self.model, part, self.x_train_, **self._opts())
+                m = cross.shape[0]
+                b = torch.einsum("mipq,iqr->irmp", cross, self.root_).reshape(-1, m * o)
+                del cross
             w = torch.linalg.solve_triangular(self.factor_, b, upper=False).reshape(-1, m, o)
             explained = torch.einsum("kmp,kmq->mpq", w, w)
-            prior = _kernels.output_self_blocks(self.model, part, **self._opts())
-            out.append((prior - explained) / self.prior_precision_)
+            if self.parameter_space_:
+                out.append(explained)
+            else:
+                prior = _kernels.output_self_blocks(self.model, part, **self._opts())
+                out.append((prior - explained) / self.prior_precision_)
         return torch.cat(out)
+
+    def _features(self, x) -> torch.Tensor:
+        """Projected Jacobians Φ(x) [N, O, k] (`projections.features`, the features whose Gram
+        matrix is the projected kernel of the kernel form) in float64."""
+        import projections
+
+        phi = projections.features(
+            self.model,
+            x,
+            dim=self.projection_dim,
+            kind="full",
+            seed=self.seed,
+            batch_size=self.batch_size,
+            device=self.device,
+            output_fn=self.output_fn,
+            dtype=self.dtype,
+        )
+        phi = torch.as_tensor(phi).to(torch.float64).cpu()
+        if not bool(torch.isfinite(phi).all()):
+            raise ValueError("the projected features contain non-finite values (NaN or inf)")
+        return phi
 
     def _mean(self, x) -> torch.Tensor:
         return logits(self.model, self._inputs(x), output_fn=self.output_fn, name="x")

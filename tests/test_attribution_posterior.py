@@ -255,3 +255,42 @@ def test_cross_val_score_and_grid_search(small):
     assert scores.shape == (2,) and np.all(scores <= 0)  # mean log predictive density
     search = GridSearchCV(NTKPosterior(model), {"prior_precision": [0.1, 10.0]}, cv=2).fit(x, y)
     assert search.best_params_["prior_precision"] in (0.1, 10.0)
+
+
+def test_projected_parameter_space_posterior_equals_the_kernel_form(small):
+    """N·O = 60 > projection_dim = 32: the k × k parameter-space system gives the kernel form's
+    covariance and evidence with the projected kernel Θ = ΦΦᵀ (push-through identity)."""
+    import projections
+
+    model, x, y, xt, yt = small
+    delta, k = 0.7, 32
+    post = NTKPosterior(model, prior_precision=delta, projection_dim=k, seed=3).fit(x, y)
+    assert post.parameter_space_
+    phi = torch.as_tensor(projections.features(model, x, dim=k, kind="full", seed=3)).double()
+    phi_t = torch.as_tensor(projections.features(model, xt, dim=k, kind="full", seed=3)).double()
+    with torch.no_grad():
+        g = model(x).double()
+    p = g.softmax(1)
+    lam = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+    evals, evecs = torch.linalg.eigh(lam)
+    s = evecs @ torch.diag_embed(evals.clamp_min(0).sqrt()) @ evecs.transpose(1, 2)
+    n, o = g.shape
+    theta = torch.einsum("iak,jbk->ijab", phi, phi)  # the projected kernel [N, N, O, O]
+    a = torch.einsum("iop,ijpr,jrq->iojq", s, theta, s).reshape(n * o, n * o)
+    cross = torch.einsum("mak,jbk->mjab", phi_t, phi)
+    b = torch.einsum("mipq,iqr->irmp", cross, s).reshape(n * o, -1)
+    explained = (b.T @ torch.linalg.solve(a + delta * torch.eye(n * o, dtype=torch.float64), b))
+    m = phi_t.shape[0]
+    explained = explained.reshape(m, o, m, o).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+    prior = torch.einsum("mak,mbk->mab", phi_t, phi_t)
+    expected = (prior - explained) / delta
+    np.testing.assert_allclose(post.predict_variance(xt), expected.numpy(), rtol=1e-6, atol=1e-9)
+    loglik = -float(torch.nn.functional.cross_entropy(g, y, reduction="sum"))
+    sq = sum(float(q.detach().double().pow(2).sum()) for q in model.parameters())
+    logdet = torch.linalg.slogdet(torch.eye(n * o, dtype=torch.float64) + a / delta)[1]
+    evidence = loglik - 0.5 * delta * sq - 0.5 * float(logdet)
+    assert post.log_marginal_likelihood() == pytest.approx(evidence, rel=1e-8)
+    tuned = NTKPosterior(model, projection_dim=k, seed=3).fit(x, y, validation=(xt, yt))
+    assert tuned.parameter_space_ and tuned.prior_precision_ > 0
+    kernel_form = NTKPosterior(model, prior_precision=delta, projection_dim=64, seed=3).fit(x, y)
+    assert not kernel_form.parameter_space_  # N·O = 60 ≤ 64
