@@ -191,3 +191,17 @@ def test_exact_kernels_are_sized_by_the_computation_device(setup, monkeypatch):
     torch.testing.assert_close(
         got, influence(model, x, y, xt, yt, kind="full", damping=0.1, dim=128)
     )
+
+
+def test_auto_damping_keeps_the_chosen_effective_number_of_parameters():
+    """Equal eigenvalues c: γ(λ) = K·c/(c + λ) = f·N·(O − 1) has λ = c(K/(f·N·(O − 1)) − 1)."""
+    from attribution._influence import DOF_FRACTION, auto_damping
+
+    e = torch.full((60,), 2.0, dtype=torch.float64)
+    target = DOF_FRACTION * 100 * 2
+    assert auto_damping(e, 100, 3) == pytest.approx(2.0 * (60 / target - 1), rel=1e-3)
+    # zeros (the softmax's null directions) do not count
+    padded = torch.cat([e, torch.zeros(40, dtype=torch.float64)])
+    assert auto_damping(padded, 100, 3) == pytest.approx(auto_damping(e, 100, 3), rel=1e-6)
+    with pytest.raises(ValueError, match="curvature is zero"):
+        auto_damping(torch.zeros(5), 10, 2)

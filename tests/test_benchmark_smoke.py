@@ -140,3 +140,19 @@ def test_lpntk_uses_smoke_run_prints_aucs_and_pruning_curves():
     curves = _table_rows(out, "breast_cancer: test accuracy")
     assert set(curves) == {"lpNTK (drop redundant)", "EL2N (keep hard)", "random"}
     assert all(len(cells) == 5 for cells in curves.values())
+
+
+def test_damping_benchmark_smoke_run_checks_the_library_default():
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "damping.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--settings", "breast_cancer"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = {_cells(line)[0]: _cells(line)[1:] for line in proc.stdout.splitlines() if "|" in line}
+    # the library's damping="auto" is the rule's row at DOF_FRACTION = 0.015
+    assert rows["library default, influence(method='gauss_newton')"][0] == rows[
+        "dof fraction 0.015"
+    ][0]
