@@ -263,12 +263,6 @@ class KroneckerCurvature:
         self._check_fitted()
         return float(sum(b.eigenvalues.sum() for b in self.blocks.values()))
 
-    @property
-    def eigenvalues(self) -> torch.Tensor:
-        """The eigenvalues of the factored curvature, every block's, concatenated (float64)."""
-        self._check_fitted()
-        return torch.cat([b.eigenvalues.flatten() for b in self.blocks.values()])
-
     def _check_fitted(self) -> None:
         if not self.blocks:
             raise RuntimeError("call fit(x_train, logits) first")

@@ -100,15 +100,22 @@ def test_matches_dense_factored_curvature(mlp, strategy, n_test):
 @pytest.mark.parametrize("strategy", ["kfac", "ekfac"])
 def test_exact_gauss_newton_where_the_factorisation_is_exact(mlp, strategy):
     """A linear classifier at zero weights: every p_i is uniform, so Λ_i = Λ and the Gauss–Newton
-    curvature Σ_i Λ ⊗ a_i a_iᵀ is one Kronecker product; with the same ("auto") damping both
-    strategies give the exact kernel-form influence."""
+    curvature Σ_i Λ ⊗ a_i a_iᵀ is one Kronecker product; with the same damping both strategies
+    give the exact kernel-form influence (and their "auto" damping is 3 × the mean eigenvalue
+    of the same curvature)."""
     _, x, y, xt, yt = mlp
     model = nn.Linear(5, O).double()
     nn.init.zeros_(model.weight)
     nn.init.zeros_(model.bias)
-    exact = influence(model, x, y, xt, yt, method="gauss_newton", kind="full")
-    got = influence(model, x, y, xt, yt, method=strategy)
+    exact = influence(model, x, y, xt, yt, method="gauss_newton", kind="full", damping=DAMPING)
+    got = influence(model, x, y, xt, yt, method=strategy, damping=DAMPING)
     torch.testing.assert_close(got, exact, rtol=1e-8, atol=1e-12)
+    g = model(x).detach()
+    curv = KroneckerCurvature(model, strategy=strategy).fit(x, g)
+    mean_eigenvalue = curv.trace / g.numel()
+    auto = influence(model, x, y, xt, yt, method=strategy)
+    explicit = influence(model, x, y, xt, yt, method=strategy, damping=3 * mean_eigenvalue)
+    torch.testing.assert_close(auto, explicit, rtol=1e-10, atol=1e-14)
 
 
 def _cnn():
