@@ -62,9 +62,9 @@ def reliability_diagram(curves: dict[str, dict]) -> str:
     fig = Figure(figsize=(4.6, 4.2))
     ax = fig.add_subplot()
     ax.plot([0, 1], [0, 1], color="0.6", lw=1, ls="--", label="calibrated")
-    for name, bins in curves.items():
+    for style, (name, bins) in zip(("-", "--", ":", "-."), curves.items()):
         count = np.asarray(bins["count"], dtype=float)
-        ax.plot(bins["confidence"], bins["accuracy"], marker=".", lw=1, label=name)
+        ax.plot(bins["confidence"], bins["accuracy"], marker=".", lw=1.2, ls=style, label=name)
         ax.scatter(bins["confidence"], bins["accuracy"], s=200 * count / count.sum(), alpha=0.3)
     ax.set(xlabel="confidence (probability of the predicted class)", ylabel="accuracy")
     ax.set(xlim=(-0.02, 1.02), ylim=(-0.02, 1.02))

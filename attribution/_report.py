@@ -455,6 +455,7 @@ def _calibration(model, fit, test, enabled: bool | None, top: int, opts: dict) -
             "validation NLL on the even-numbered test samples" if tuned else "Laplace evidence"
         ),
         "least_sure": least_sure,
+        "largest_probability_change": float((q_test - p_test).abs().max()),
         "metrics_samples": None,
         "metrics_split": None,
         "metrics": None,

@@ -149,6 +149,7 @@ def test_calibration_section_matches_a_direct_posterior(setup, built):
             -np.mean(np.log(probs[np.arange(30), y[1::2]] / probs.sum(1))), rel=1e-6
         )
         assert sum(c["reliability"][name]["count"]) == 30
+    assert c["largest_probability_change"] == pytest.approx(np.abs(q - p).max(), rel=1e-6)
     entropy = -(q * np.log(q)).sum(1)
     assert [r["index"] for r in c["least_sure"]] == np.argsort(-entropy)[:6].tolist()
     assert c["least_sure"][0]["entropy"] == pytest.approx(entropy.max(), rel=1e-6)
