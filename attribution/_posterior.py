@@ -271,22 +271,13 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         )
         e, u = torch.linalg.eigh(a)
         e = e.clamp_min(0)
-        if self.parameter_space_:  # Σ(x) = Φ(x) U diag(1/(e + δ)) Uᵀ Φ(x)ᵀ
-            b = self._features(x_val).reshape(m * o, -1).T
-            prior = None
-        else:  # Σ(x) = [Θ(x, x) − Θ(x, X) S U diag(1/(e + δ)) Uᵀ S Θ(X, x)] / δ
-            cross = _kernels.output_kernel(self.model, x_val, self.x_train_, **self._opts())
-            b = torch.einsum("mipq,iqr->irmp", cross, self.root_).reshape(-1, m * o)
-            del cross
-            prior = _kernels.output_self_blocks(self.model, x_val, **self._opts())
+        b, prior = self._columns(x_val)  # with W = diag(1/√(e + δ)) Uᵀ B, Σ = `_assemble`
         z = (u.T @ b).reshape(-1, m, o)
         del b, u
 
         def loss(log_delta: float) -> float:
             delta = 10.0**log_delta
-            w = z / (e + delta).sqrt()[:, None, None]
-            explained = torch.einsum("kmp,kmq->mpq", w, w)
-            cov = explained if prior is None else (prior - explained) / delta
+            cov = self._assemble(z / (e + delta).sqrt()[:, None, None], prior, delta)
             return -float(self._log_density(mean, cov, y_val).mean())
 
         centre = math.log10(a.shape[0] / self.sq_norm_)
@@ -314,32 +305,39 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         return (cov.diagonal(dim1=1, dim2=2) if diagonal else cov).numpy()
 
     def _covariance(self, x) -> torch.Tensor:
-        """Σ(x) [N, O, O], in blocks of PREDICT_BLOCK samples: with L the Cholesky factor of
-        SΘS + δI and W = L⁻¹ S Θ(X, x), Σ(x) = (Θ(x, x) − WᵀW) / δ; in parameter space, with L
-        that of ΨᵀΨ + δI and W = L⁻¹ Φ(x)ᵀ, Σ(x) = WᵀW."""
+        """Σ(x) [N, O, O], in blocks of PREDICT_BLOCK samples, with L the Cholesky factor of the
+        damped system and W = L⁻¹ B(x) (`_columns`, `_assemble`)."""
         x = self._inputs(x)
         n = inputs.validate(x, "x")
-        o = self.n_outputs_
         out = []
         for s in range(0, n, PREDICT_BLOCK):
-            part = inputs.take(x, slice(s, s + PREDICT_BLOCK))
-            if self.parameter_space_:
-                phi = self._features(part)
-                m = phi.shape[0]
-                b = phi.reshape(m * o, -1).T
-            else:
-                cross = _kernels.output_kernel(self.model, part, self.x_train_, **self._opts())
-                m = cross.shape[0]
-                b = torch.einsum("mipq,iqr->irmp", cross, self.root_).reshape(-1, m * o)
-                del cross
-            w = torch.linalg.solve_triangular(self.factor_, b, upper=False).reshape(-1, m, o)
-            explained = torch.einsum("kmp,kmq->mpq", w, w)
-            if self.parameter_space_:
-                out.append(explained)
-            else:
-                prior = _kernels.output_self_blocks(self.model, part, **self._opts())
-                out.append((prior - explained) / self.prior_precision_)
+            b, prior = self._columns(inputs.take(x, slice(s, s + PREDICT_BLOCK)))
+            w = torch.linalg.solve_triangular(self.factor_, b, upper=False)
+            out.append(self._assemble(w.reshape(w.shape[0], -1, self.n_outputs_), prior))
         return torch.cat(out)
+
+    def _columns(self, x) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """B(x) [system size, N·O], the right-hand sides of the damped system for the samples x,
+        and the prior blocks Θ(x, x) [N, O, O]: B = S Θ(X, x) in kernel form; in parameter space
+        B = Φ(x)ᵀ and no prior blocks (None)."""
+        o = self.n_outputs_
+        if self.parameter_space_:
+            phi = self._features(x)
+            return phi.reshape(phi.shape[0] * o, -1).T, None
+        cross = _kernels.output_kernel(self.model, x, self.x_train_, **self._opts())
+        m = cross.shape[0]
+        b = torch.einsum("mipq,iqr->irmp", cross, self.root_).reshape(-1, m * o)
+        del cross
+        return b, _kernels.output_self_blocks(self.model, x, **self._opts())
+
+    def _assemble(self, w: torch.Tensor, prior, delta: float | None = None) -> torch.Tensor:
+        """Σ [N, O, O] from W [system size, N, O] with WᵀW the explained part:
+        (Θ(x, x) − WᵀW)/δ in kernel form (δ: the fitted prior precision unless given), WᵀW in
+        parameter space (prior None)."""
+        explained = torch.einsum("kmp,kmq->mpq", w, w)
+        if prior is None:
+            return explained
+        return (prior - explained) / (self.prior_precision_ if delta is None else delta)
 
     def _features(self, x) -> torch.Tensor:
         """Projected Jacobians Φ(x) [N, O, k] (`projections.features`, the features whose Gram
