@@ -466,7 +466,7 @@ def _calibration(model, fit, test, enabled: bool | None, top: int, opts: dict) -
         rows = held if tuned else slice(None)
         p, q, y = p_test.numpy()[rows], q_test.numpy()[rows], y[rows]
         out["metrics_samples"] = len(y)
-        out["metrics_split"] = "odd-numbered test samples" if tuned else "test samples"
+        out["metrics_split"] = "odd-numbered test" if tuned else "test"
         out["metrics"] = {
             "network": calibration_metrics(p, y),
             "posterior": calibration_metrics(q, y),

@@ -210,8 +210,7 @@ def report(
             {
                 "measure": f"posterior {name} (network {network:.3g})",
                 "value": value,
-                "samples": f"{calibration['metrics_samples']} "
-                + calibration["metrics_split"].replace("-numbered", "").replace(" samples", ""),
+                "samples": f"{calibration['metrics_samples']} {calibration['metrics_split']}",
             }
         )
     json_path = str(Path(html).with_suffix(".json"))
