@@ -398,9 +398,9 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         p = self._proba(mean, cov)
         draws = self._samples(mean, cov).log_softmax(-1)
         expected = -(draws.exp() * draws).sum(-1).mean(0)
-        entropy = _entropy(p)
-        mutual = _entropy(draws.exp().mean(0)) - expected
-        return {"entropy": entropy.numpy(), "mutual_information": mutual.clamp_min(0).numpy()}
+        total = entropy(p)
+        mutual = entropy(draws.exp().mean(0)) - expected
+        return {"entropy": total.numpy(), "mutual_information": mutual.clamp_min(0).numpy()}
 
     def score(self, x, y, sample_weight=None) -> float:
         """Mean log predictive density of y (higher is better): log p(y | x) through `link`
@@ -455,5 +455,6 @@ def _targets(y, n: int, o: int) -> torch.Tensor:
     return y
 
 
-def _entropy(p: torch.Tensor) -> torch.Tensor:
+def entropy(p: torch.Tensor) -> torch.Tensor:
+    """−Σ_c p_c log p_c over the last axis (0 log 0 = 0)."""
     return -(p * p.clamp_min(1e-300).log()).sum(-1)

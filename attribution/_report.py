@@ -43,7 +43,7 @@ from ntk.core import inputs
 
 from . import _figures
 from ._outputs import labels, logits
-from ._posterior import NTKPosterior
+from ._posterior import NTKPosterior, entropy
 from .evaluation import calibration_metrics, reliability
 from .layers import DEFAULT_SCORE, layer_importance
 from .surrogate import KernelSurrogate, cancellation
@@ -431,19 +431,19 @@ def _calibration(model, fit, test, enabled: bool | None, top: int, opts: dict) -
     validation = (inputs.take(x_test, tune), y_test[tune]) if tuned else None
     post = NTKPosterior(model, **opts).fit(x_fit, y_fit, validation=validation)
     q_test = torch.as_tensor(post.predict_proba(x_test))
-    entropy = -(q_test * q_test.clamp_min(1e-300).log()).sum(1)
+    uncertainty = entropy(q_test)
     net_pred, post_pred = p_test.argmax(1), q_test.argmax(1)
     least_sure = [
         {
             "index": i,
             "label": None if y_test is None else int(y_test[i]),
-            "entropy": float(entropy[i]),
+            "entropy": float(uncertainty[i]),
             "network_prediction": int(net_pred[i]),
             "network_probability": float(p_test[i, net_pred[i]]),
             "posterior_prediction": int(post_pred[i]),
             "posterior_probability": float(q_test[i, post_pred[i]]),
         }
-        for i in entropy.argsort(descending=True)[: 2 * top].tolist()
+        for i in uncertainty.argsort(descending=True)[: 2 * top].tolist()
     ]
     out = {
         "enabled": True,
