@@ -26,10 +26,8 @@ Scalar kinds (`trace`, `sum_logits`) stand in for Θ as k(x, x') ⊗ I_O. Severa
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
-import scipy.optimize
 import torch
 from torch import nn
 
@@ -37,7 +35,7 @@ from ntk.core import inputs
 from ntk.core.memory import available_bytes
 from ntk.core.model import ModelView
 
-from . import _kernels, curvature
+from . import _damping, _kernels, curvature
 from ._outputs import (
     labels,
     logits,
@@ -64,9 +62,6 @@ DOF_FRACTION = 0.015
 # (`python benchmarks/damping.py`, rows "ekfac": LDS 0.435 / 0.332 / 0.574 against 0.503 / 0.355
 # / 0.625 on digits MLP / CNN / breast_cancer), so it keeps this rule.
 KRONECKER_DAMPING = 3.0
-# Systems up to this size get their exact spectrum for damping="auto"; larger ones a randomized
-# top of the spectrum (`curvature_spectrum`), whose cost is a few products with the system.
-EXACT_SPECTRUM = 4096
 SURROGATE_ALPHA = 1.0
 MAX_DIM = 16384
 
@@ -305,48 +300,19 @@ def gauss_newton(
 def auto_damping(
     eigenvalues: torch.Tensor, n: int, o: int, fraction: float = DOF_FRACTION
 ) -> float:
-    """The λ with γ(λ) = Σ_k e_k/(e_k + λ) = fraction · N·(O − 1) for the eigenvalues e of the
-    Gauss–Newton curvature (SΘS, or its projected / Kronecker-factored stand-in). γ falls from
-    the curvature's rank at λ → 0 to 0 as λ → ∞ and N·(O − 1) is the rank of Σ_i J_iᵀΛ_iJ_i
-    (each softmax Λ_i has rank O − 1), so the rule keeps the same share of the directions the
-    data determine whatever the number of classes: a scale-free stand-in for the prior
-    precision (DOF_FRACTION's comment gives its leave-one-setting-out figures)."""
-    e = eigenvalues.detach().double().flatten().clamp_min(0).cpu()
-    top = float(e.max()) if e.numel() else 0.0
-    if not top > 0:
-        raise ValueError("the Gauss–Newton curvature is zero; pass damping= explicitly")
-    target = fraction * n * max(o - 1, 1)
-    rank = int((e > top * 1e-12).sum())
-    target = min(target, 0.5 * rank)
-
-    def excess(log_lam: float) -> float:
-        return float((e / (e + 10.0**log_lam)).sum()) - target
-
-    lo, hi = math.log10(top) - 16, math.log10(top) + 8
-    return float(10.0 ** scipy.optimize.brentq(excess, lo, hi, xtol=1e-12))
+    """The λ with γ(λ) = Σ_k e_k/(e_k + λ) = fraction · N·(O − 1) (`_damping.damping_for`) for
+    the eigenvalues e of the Gauss–Newton curvature (SΘS, or its projected / Kronecker-factored
+    stand-in). N·(O − 1) is the rank of Σ_i J_iᵀΛ_iJ_i (each softmax Λ_i has rank O − 1), so
+    the rule keeps the same share of the directions the data determine whatever the number of
+    classes (DOF_FRACTION's comment gives its leave-one-setting-out figures)."""
+    return _damping.damping_for(eigenvalues, fraction * n * max(o - 1, 1))
 
 
 def curvature_spectrum(a: torch.Tensor, n: int, o: int) -> torch.Tensor:
-    """The eigenvalues of the symmetric PSD system `a` that `auto_damping` needs: all of them up
-    to EXACT_SPECTRUM rows; beyond, the top k = 4·DOF_FRACTION·N·(O − 1) + 64 by a randomized
-    range finder with two power iterations (Halko, Martinsson & Tropp, SIAM Review 2011) and the
-    rest of the trace spread evenly over the remaining N·(O − 1) − k directions (the rank of the
-    Gauss–Newton curvature). At the rule's λ the top eigenvalues carry γ; the tail enters only
-    through its mass."""
-    d = a.shape[0]
-    rank = min(d, n * max(o - 1, 1))
-    k = min(d, int(4 * DOF_FRACTION * rank) + 64)
-    if d <= EXACT_SPECTRUM or k >= rank:
-        return torch.linalg.eigvalsh(a)
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    y = a @ torch.randn(d, k, generator=gen, dtype=a.dtype).to(a.device)
-    for _ in range(2):
-        y = a @ torch.linalg.qr(y).Q
-    q = torch.linalg.qr(y).Q
-    top = torch.linalg.eigvalsh(q.T @ a @ q).clamp_min(0)
-    tail = max(float(a.trace()) - float(top.sum()), 0.0)
-    rest = torch.full((rank - k,), tail / (rank - k), dtype=top.dtype, device=top.device)
-    return torch.cat([top, rest])
+    """The eigenvalues of the system `a` that `auto_damping` needs (`_damping.spectrum`: exact up
+    to EXACT_SPECTRUM rows, else the top 4·DOF_FRACTION·N·(O − 1) + 64 and the trace's rest)."""
+    rank = n * max(o - 1, 1)
+    return _damping.spectrum(a, rank, int(4 * DOF_FRACTION * rank) + 64)
 
 
 def _damped_cholesky(a: torch.Tensor, damping: str | float, n: int, o: int) -> torch.Tensor:

@@ -210,7 +210,7 @@ def test_auto_damping_keeps_the_chosen_effective_number_of_parameters():
 def test_randomized_spectrum_gives_the_exact_damping(monkeypatch):
     """Above EXACT_SPECTRUM rows the rule sees a randomized top of the spectrum plus the trace's
     remainder; on a power-law spectrum its λ is within 2 % of the exact one."""
-    from attribution import _influence
+    from attribution import _damping, _influence
 
     gen = torch.Generator().manual_seed(0)
     d, n, o = 800, 400, 3  # rank N·(O − 1) = 800
@@ -218,7 +218,7 @@ def test_randomized_spectrum_gives_the_exact_damping(monkeypatch):
     e = 100.0 * torch.arange(1, d + 1, dtype=torch.float64) ** -1.5
     a = (q * e) @ q.T
     exact = _influence.auto_damping(e, n, o)
-    monkeypatch.setattr(_influence, "EXACT_SPECTRUM", 100)
+    monkeypatch.setattr(_damping, "EXACT_SPECTRUM", 100)
     spectrum = _influence.curvature_spectrum(a, n, o)
     assert len(spectrum) == d and len(spectrum) > int(4 * _influence.DOF_FRACTION * d) + 64
     assert _influence.auto_damping(spectrum, n, o) == pytest.approx(exact, rel=0.02)
