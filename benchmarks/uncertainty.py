@@ -2,15 +2,18 @@
 softmax and laplace-torch, on the same trained networks in one run.
 
     python benchmarks/uncertainty.py [--peer-python PATH] [--settings a,b] [--repeats 3]
+        [--methods a,b] [--peers a,b]
     python benchmarks/uncertainty.py --smoke            # tiny data, ours only
 
 Settings (trained here with `ntk.demo.train`, fixed seeds): `digits_mlp` (MLP 64-64-9) and
 `digits_cnn` (two 3×3 convolutions) on scikit-learn's digits without the 9s, `breast_cancer`
 (MLP 30-32-2 on standardised features). Each has a train, a validation and a test split.
 
-The prior precision is chosen by the Laplace evidence (marginal likelihood) or by the NLL of the
-validation split, which the network did not train on (`NTKPosterior.fit(validation=...)`;
-laplace-torch's gridsearch), both libraries on the same split.
+The prior precision is the library default (no held-out data: a fixed effective number of
+parameters, chosen by benchmarks/posterior_prior.py), the Laplace evidence (marginal likelihood),
+or the NLL of the validation split, which the network did not train on
+(`NTKPosterior.fit(validation=...)`; laplace-torch's gridsearch), both libraries on the same
+split.
 
 Out-of-distribution sets, made offline from the test split: digits — one fixed pixel
 permutation, inverted intensities 1 − x, the held-out class 9; breast_cancer — one fixed
@@ -39,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from scipy.stats import entropy
-from sklearn.datasets import load_breast_cancer, load_digits
+from sklearn.datasets import load_breast_cancer, load_digits, load_wine
 from sklearn.metrics import roc_auc_score
 from torch import nn
 
@@ -54,8 +57,9 @@ from ntk import demo
 SETTINGS = ("digits_mlp", "digits_cnn", "breast_cancer")
 HELD_OUT_CLASS = 9  # digits: trained on 0–8, the 9s are one of the shifts
 RECIPE = dict(epochs=300, batch_size=64, lr=3e-3, weight_decay=0.0)  # trained to convergence
-OURS = {  # name: (NTKPosterior settings, δ from the validation split rather than the evidence)
-    "NTKPosterior full/evidence": (dict(kind="full"), False),
+OURS = {  # name: (NTKPosterior settings, δ from the validation split)
+    "NTKPosterior full (default)": (dict(kind="full"), False),
+    "NTKPosterior full/evidence": (dict(kind="full", prior_precision="evidence"), False),
     "NTKPosterior full/validation": (dict(kind="full"), True),
     "NTKPosterior full/validation/MC link": (dict(kind="full", link="mc"), True),
     "NTKPosterior trace/validation": (dict(kind="trace"), True),
@@ -93,6 +97,8 @@ def build(setting: str) -> nn.Module:
         )
     if setting == "breast_cancer":
         return nn.Sequential(nn.Linear(30, 32), nn.ReLU(), nn.Linear(32, 2))
+    if setting == "wine":  # used by benchmarks/posterior_prior.py
+        return nn.Sequential(nn.Linear(13, 32), nn.ReLU(), nn.Linear(32, 3))
     raise ValueError(f"unknown setting {setting!r}; valid: {', '.join(SETTINGS)}")
 
 
@@ -106,13 +112,13 @@ def data(setting: str, smoke: bool = False) -> dict[str, np.ndarray]:
         x, y = x[y != HELD_OUT_CLASS], y[y != HELD_OUT_CLASS]
         n_train, n_val = 600, 150
     else:
-        d = load_breast_cancer()
+        d = {"breast_cancer": load_breast_cancer, "wine": load_wine}[setting]()
         x, y = d.data.astype(np.float32), d.target.astype(np.int64)
-        n_train, n_val = 300, 100
+        n_train, n_val = (300, 100) if setting == "breast_cancer" else (100, 30)
     order = rng.permutation(len(y))
     x, y = x[order], y[order]
     cap = 60 if smoke else 300
-    n_train, n_val = (120, 40) if smoke else (n_train, n_val)
+    n_train, n_val = (min(n_train, 120), min(n_val, 40)) if smoke else (n_train, n_val)
     rest = n_train + n_val
     out = dict(
         x_train=x[:n_train],
@@ -231,6 +237,7 @@ def main() -> None:
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--methods", default=",".join(OURS), help="NTKPosterior variants")
     parser.add_argument("--peer-python", default=os.environ.get("NTK_LAPLACE_PYTHON"))
+    parser.add_argument("--peers", default=",".join(PEERS), help="laplace-torch configurations")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="tiny data, one repeat, no peers")
     parser.add_argument("--json", help="also write every number to this file")
@@ -250,6 +257,10 @@ def main() -> None:
     for name in methods:
         if name not in OURS:
             parser.error(f"unknown method {name!r}; valid: {', '.join(OURS)}")
+    peers = args.peers.split(",")
+    for name in peers:
+        if name not in PEERS:
+            parser.error(f"unknown peer {name!r}; valid: {', '.join(PEERS)}")
     repeats = 1 if args.smoke else args.repeats
     peer = None if args.smoke else args.peer_python
     if peer is None and not args.smoke:
@@ -271,7 +282,8 @@ def main() -> None:
                 result = run_worker(cmd + [str(case_path), str(out), method], out, args.timeout)
                 if result is not None:
                     rows[method] = metrics(result, case["y_test"])
-            for method, flags in PEERS.items() if peer else ():
+            for method in peers if peer else ():
+                flags = PEERS[method]
                 out = Path(tmp) / f"{setting}-peer-{len(rows)}.npz"
                 cmd = [peer, str(PEER_SCRIPT), str(case_path), str(out), *flags]
                 result = run_worker(cmd + ["--repeats", str(repeats)], out, args.timeout)

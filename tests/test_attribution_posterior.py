@@ -93,9 +93,9 @@ def test_regression_equals_parameter_space_laplace(small):
     assert post.score(xt, yt) == pytest.approx(expected)
 
 
-def test_auto_prior_precision_maximises_the_evidence(small):
+def test_evidence_prior_precision_maximises_the_evidence(small):
     model, x, y, _, _ = small
-    auto = NTKPosterior(model).fit(x, y)
+    auto = NTKPosterior(model, prior_precision="evidence").fit(x, y)
     grid = 10.0 ** np.arange(-4.0, 3.01, 0.1)
     evidence = [
         NTKPosterior(model, prior_precision=d).fit(x, y).log_marginal_likelihood() for d in grid
@@ -106,6 +106,25 @@ def test_auto_prior_precision_maximises_the_evidence(small):
     assert auto.log_marginal_likelihood() >= max(evidence) - 1e-6
 
 
+def test_auto_prior_precision_keeps_the_chosen_effective_number_of_parameters(small):
+    """Without validation data δ solves Σ_k e_k/(e_k + δ) = EFFECTIVE_PARAMETERS, with e the
+    eigenvalues of the parameter-space Gauss–Newton matrix Σ_i J_iᵀ Λ_i J_i (the same nonzero
+    eigenvalues as SΘS), computed here from per-sample Jacobians."""
+    from attribution._posterior import EFFECTIVE_PARAMETERS
+
+    model, x, y, _, _ = small
+    post = NTKPosterior(model).fit(x, y)
+    j = _jacobian(model, x)
+    with torch.no_grad():
+        p = model(x).softmax(1)
+    lam = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+    e = torch.linalg.eigvalsh(torch.einsum("iop,ioq,iqr->pr", j, lam, j)).clamp_min(0)
+    gamma = float((e / (e + post.prior_precision_)).sum())
+    assert gamma == pytest.approx(EFFECTIVE_PARAMETERS, rel=1e-6)
+    evidence = NTKPosterior(model, prior_precision="evidence").fit(x, y)
+    assert post.prior_precision_ != pytest.approx(evidence.prior_precision_, rel=0.1)
+
+
 def test_validation_data_choose_the_prior_precision_minimising_their_nll(small):
     """fit(..., validation=) picks δ whose validation NLL (= −score, computed by the ordinary
     Cholesky path) is the smallest of a brute-force grid, up to the search tolerance."""
@@ -114,8 +133,10 @@ def test_validation_data_choose_the_prior_precision_minimising_their_nll(small):
     grid = 10.0 ** np.arange(-4.0, 4.01, 0.1)
     losses = [-NTKPosterior(model, prior_precision=d).fit(x, y).score(xt, yt) for d in grid]
     assert -tuned.score(xt, yt) <= min(losses) + 1e-6
-    evidence = NTKPosterior(model).fit(x, y)
-    assert tuned.prior_precision_ != pytest.approx(evidence.prior_precision_, rel=0.1)
+    rule = NTKPosterior(model).fit(x, y)
+    assert tuned.prior_precision_ != pytest.approx(rule.prior_precision_, rel=0.1)
+    with pytest.raises(ValueError, match="prior_precision='auto'"):
+        NTKPosterior(model, prior_precision="evidence").fit(x, y, validation=(xt, yt))
     with pytest.raises(ValueError, match="prior_precision='auto'"):
         NTKPosterior(model, prior_precision=1.0).fit(x, y, validation=(xt, yt))
     with pytest.raises(ValueError, match="pair"):
@@ -202,8 +223,8 @@ def test_bad_input(small):
     for bad in (0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="prior_precision must be a positive"):
             NTKPosterior(model, prior_precision=bad).fit(x, y)
-    with pytest.raises(ValueError, match="prior_precision must be 'auto'"):
-        NTKPosterior(model, prior_precision="evidence").fit(x, y)
+    with pytest.raises(ValueError, match="prior_precision must be 'auto' or 'evidence'"):
+        NTKPosterior(model, prior_precision="marglik").fit(x, y)
     with pytest.raises(ValueError, match="kind must be one of"):
         NTKPosterior(model, kind="diagonal").fit(x, y)
     with pytest.raises(ValueError, match="link must be one of"):
