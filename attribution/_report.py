@@ -43,7 +43,7 @@ from ntk.core import inputs
 
 from . import _figures
 from ._outputs import labels, logits
-from ._posterior import NTKPosterior, entropy
+from ._posterior import EFFECTIVE_PARAMETERS, NTKPosterior, entropy
 from .evaluation import calibration_metrics, reliability
 from .layers import DEFAULT_SCORE, layer_importance
 from .surrogate import KernelSurrogate, cancellation
@@ -423,9 +423,9 @@ def _calibration(model, fit, test, enabled: bool | None, top: int, opts: dict) -
             }
     if not enabled:
         return {"enabled": False, "note": "turned off (posterior=False)"}
-    # δ by the evidence is underconfident for networks trained without its prior, so with enough
-    # labelled test samples δ minimises the NLL of the even-numbered ones and the metrics are
-    # measured on the odd-numbered ones (`NTKPosterior.fit(validation=...)`)
+    # with enough labelled test samples δ minimises the NLL of the even-numbered ones and the
+    # metrics are measured on the odd-numbered ones (`NTKPosterior.fit(validation=...)`);
+    # otherwise δ is NTKPosterior's default (EFFECTIVE_PARAMETERS effective parameters)
     tuned = y_test is not None and len(y_test) >= VALIDATION_MIN
     tune, held = slice(0, None, 2), slice(1, None, 2)
     validation = (inputs.take(x_test, tune), y_test[tune]) if tuned else None
@@ -452,7 +452,9 @@ def _calibration(model, fit, test, enabled: bool | None, top: int, opts: dict) -
         "kind": post.kind,
         "prior_precision": post.prior_precision_,
         "prior_precision_by": (
-            "validation NLL on the even-numbered test samples" if tuned else "Laplace evidence"
+            "validation NLL on the even-numbered test samples"
+            if tuned
+            else f"rule keeping {EFFECTIVE_PARAMETERS:.3g} effective parameters (the default)"
         ),
         "least_sure": least_sure,
         "largest_probability_change": float((q_test - p_test).abs().max()),

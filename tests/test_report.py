@@ -301,3 +301,16 @@ def test_cli_demo_without_arguments(tmp_path, monkeypatch):
     saved = _strict_json(tmp_path / "ntk-report.json")
     assert saved["settings"]["train_samples"] == 1000 and saved["settings"]["test_samples"] == 797
     assert (tmp_path / "ntk-report.html").stat().st_size > 50_000
+
+
+def test_calibration_section_without_enough_test_labels_uses_the_default_prior(setup):
+    """Fewer than VALIDATION_MIN labelled test samples: the posterior keeps NTKPosterior's
+    default prior precision, and the section names that rule."""
+    model, x_train, y_train, x_test, y_test = setup
+    with torch.no_grad():
+        p_test = model(x_test[:5]).double().softmax(1)
+    c = _calibration(model, (x_train[:20], y_train[:20]), (x_test[:5], y_test[:5], p_test),
+                     True, 1, {})
+    default = NTKPosterior(model).fit(x_train[:20], y_train[:20])
+    assert c["prior_precision"] == pytest.approx(default.prior_precision_, rel=1e-9)
+    assert "effective parameters" in c["prior_precision_by"] and c["metrics_split"] == "test"
