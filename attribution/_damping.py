@@ -49,6 +49,12 @@ def damping_for(eigenvalues: torch.Tensor, target: float) -> float:
     return float(10.0 ** scipy.optimize.brentq(excess, lo, hi, xtol=1e-12))
 
 
+def damping_keeping(a: torch.Tensor, rank: int, target: float) -> float:
+    """The λ with γ(λ) = target for the symmetric PSD system `a` of the given rank, from its
+    `spectrum` (exact, or the top 4·target + 64 eigenvalues and the trace's rest)."""
+    return damping_for(spectrum(a, rank, int(4 * target) + 64), target)
+
+
 def spectrum(a: torch.Tensor, rank: int, top: int) -> torch.Tensor:
     """The eigenvalues of the symmetric PSD system `a` of known rank that `damping_for` needs:
     all of them up to EXACT_SPECTRUM rows; beyond, the `top` largest by a randomized range finder

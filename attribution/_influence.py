@@ -310,17 +310,15 @@ def auto_damping(
     return _damping.damping_for(eigenvalues, fraction * n * max(o - 1, 1))
 
 
-def curvature_spectrum(a: torch.Tensor, n: int, o: int) -> torch.Tensor:
-    """The eigenvalues of the system `a` that `auto_damping` needs (`_damping.spectrum`: exact up
-    to EXACT_SPECTRUM rows, else the top 4·DOF_FRACTION·N·(O − 1) + 64 and the trace's rest)."""
-    rank = n * max(o - 1, 1)
-    return _damping.spectrum(a, rank, int(4 * DOF_FRACTION * rank) + 64)
-
-
 def _damped_cholesky(a: torch.Tensor, damping: str | float, n: int, o: int) -> torch.Tensor:
-    """Cholesky factor of a + λI (in place on a), λ = damping or, for "auto", `auto_damping` of
-    a's spectrum (`curvature_spectrum`; N samples, O outputs)."""
-    lam = auto_damping(curvature_spectrum(a, n, o), n, o) if damping == "auto" else float(damping)
+    """Cholesky factor of a + λI (in place on a), λ = damping or, for "auto", the λ keeping
+    DOF_FRACTION · N·(O − 1) effective parameters (`auto_damping`, from a's spectrum:
+    `_damping.damping_keeping`; N samples, O outputs)."""
+    rank = n * max(o - 1, 1)
+    if damping == "auto":
+        lam = _damping.damping_keeping(a, rank, DOF_FRACTION * rank)
+    else:
+        lam = float(damping)
     a.diagonal().add_(lam)
     factor, info = torch.linalg.cholesky_ex(a)
     if int(info) != 0:

@@ -215,6 +215,8 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
                 math.log(2 * math.pi * noise)
             )
         self.n_outputs_, self.x_train_, self.root_ = o, x_train, root
+        k = self.projection_dim
+        self.parameter_space_ = self.kind == "full" and k is not None and n * o > k
         a = self._system()
         self.sq_norm_ = sum(
             float(p.detach().double().pow(2).sum())
@@ -240,9 +242,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         with kind="full" and N·O > projection_dim the k × k Gram ΨᵀΨ (Ψ = SΦ) in parameter
         space (`parameter_space_`)."""
         root, x_train = self.root_, self.x_train_
-        n, o = root.shape[0], self.n_outputs_
-        k = self.projection_dim
-        self.parameter_space_ = self.kind == "full" and k is not None and n * o > k
+        n, o, k = root.shape[0], self.n_outputs_, self.projection_dim
         if self.parameter_space_:
             psi = torch.einsum("iop,ipk->iok", root, self._features(x_train)).reshape(n * o, k)
             return psi.T @ psi
@@ -254,8 +254,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         SΘS is N·(O − 1) for the softmax, N·O for the Gaussian likelihood)."""
         n, o = self.root_.shape[0], self.n_outputs_
         rank = n * (o - 1 if self.likelihood == "classification" else o)
-        eigenvalues = _damping.spectrum(a, rank, int(4 * EFFECTIVE_PARAMETERS) + 64)
-        return _damping.damping_for(eigenvalues, EFFECTIVE_PARAMETERS)
+        return _damping.damping_keeping(a, rank, EFFECTIVE_PARAMETERS)
 
     def _evidence(self, delta: float, logdet: float, count: int) -> float:
         """log Z(δ) from log det(A + δI) of the count × count system A (SΘS, or ΨᵀΨ in parameter
@@ -302,7 +301,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             if self.likelihood == "classification"
             else _targets(y_val, m, o)
         )
-        covariance = self._spectral_covariance(a, x_val)
+        _, covariance = self._spectral_covariance(a, x_val)
 
         def loss(log_delta: float) -> float:
             return -float(self._log_density(mean, covariance(10.0**log_delta), y_val).mean())
@@ -320,14 +319,15 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         return float(10.0**chosen)
 
     def _spectral_covariance(self, a: torch.Tensor, x):
-        """δ ↦ Σ(x) [M, O, O] for the fitted system `a` from one eigendecomposition
-        a = U diag(e) Uᵀ (module docstring): with W = diag(1/√(e + δ)) Uᵀ B(x), `_assemble`."""
+        """The eigenvalues e of the fitted system `a` and δ ↦ Σ(x) [M, O, O], from one
+        eigendecomposition a = U diag(e) Uᵀ (module docstring): with W = diag(1/√(e + δ)) Uᵀ B(x),
+        `_assemble`."""
         e, u = torch.linalg.eigh(a)
         e = e.clamp_min(0)
         b, prior = self._columns(x)
         z = (u.T @ b).reshape(u.shape[1], -1, self.n_outputs_)
         del b, u
-        return lambda delta: self._assemble(z / (e + delta).sqrt()[:, None, None], prior, delta)
+        return e, lambda delta: self._assemble(z / (e + delta).sqrt()[:, None, None], prior, delta)
 
     def log_marginal_likelihood(self) -> float:
         """The Laplace evidence log Z(δ) at the fitted prior precision δ (module docstring)."""

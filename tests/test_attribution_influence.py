@@ -219,6 +219,9 @@ def test_randomized_spectrum_gives_the_exact_damping(monkeypatch):
     a = (q * e) @ q.T
     exact = _influence.auto_damping(e, n, o)
     monkeypatch.setattr(_damping, "EXACT_SPECTRUM", 100)
-    spectrum = _influence.curvature_spectrum(a, n, o)
+    target = _influence.DOF_FRACTION * d
+    spectrum = _damping.spectrum(a, d, int(4 * target) + 64)
     assert len(spectrum) == d and len(spectrum) > int(4 * _influence.DOF_FRACTION * d) + 64
     assert _influence.auto_damping(spectrum, n, o) == pytest.approx(exact, rel=0.02)
+    # the library's path (influence's damped Cholesky) sees that same spectrum
+    assert _damping.damping_keeping(a, d, target) == _influence.auto_damping(spectrum, n, o)
