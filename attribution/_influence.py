@@ -41,6 +41,7 @@ from ._outputs import (
     logits,
     margin_gradient,
     models,
+    predicted_labels,
     psd_root,
     softmax_curvature,
     test_labels,
@@ -97,12 +98,14 @@ def influence(
     exact kernels would not fit in memory (sized by the free memory of the device the kernels are
     computed on), method="auto" uses "ekfac" (the Kronecker-factored curvature, linear in N;
     `attribution.curvature`) and the other kernel methods the full kernel projected to
-    `default_dim(model)`. y_test=None uses the network's predicted labels. checkpoints: models or
-    state dicts of `model`'s architecture (e.g. independently trained copies) whose scores are
-    averaged; None uses `model` alone. damping (gauss_newton, ekfac, kfac): λ, or "auto" for
-    `auto_damping`: the λ at which the damped curvature keeps an effective number of parameters
-    Σ_k e_k/(e_k + λ) = DOF_FRACTION · N·(O − 1) (e: eigenvalues of ΛΘ); for ekfac/kfac,
-    KRONECKER_DAMPING × tr(G)/(N·O) of the factored curvature.
+    `default_dim(model)`. y_test=None uses `model`'s predicted labels. checkpoints: models or
+    state dicts of `model`'s architecture whose scores are averaged (each with its own kernel and
+    curvature; None uses `model` alone): independently trained copies, or checkpoints saved along
+    one training run (`ntk.demo.train_checkpoints`), which predict retraining better than the
+    final weights alone (`python benchmarks/checkpoints.py`). damping (gauss_newton, ekfac,
+    kfac): λ, or "auto" for `auto_damping`: the λ at which the damped curvature keeps an
+    effective number of parameters Σ_k e_k/(e_k + λ) = DOF_FRACTION · N·(O − 1) (e: eigenvalues
+    of ΛΘ); for ekfac/kfac, KRONECKER_DAMPING × tr(G)/(N·O) of the factored curvature.
     batch_size: the kernels' tile size and the projections' featurisation batch (None: from the
     free memory). output_fn: maps the model's output to the logits [B, O] (e.g.
     `lambda out: out.logits` for a HuggingFace model); inputs may be tensors, tuples or dicts of
@@ -139,6 +142,7 @@ def influence(
         raise ValueError(
             f"damping must be 'auto' or a positive number (Λ is singular), got {damping!r}"
         )
+    y_test = predicted_labels(model, x_test, y_test, checkpoints, output_fn)
     scores = [
         _one_model(
             m,

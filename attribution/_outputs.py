@@ -105,6 +105,14 @@ def models(model: nn.Module, checkpoints: Sequence | None) -> list[nn.Module]:
     return out
 
 
+def predicted_labels(model: nn.Module, x_test, y_test, checkpoints, output_fn=None):
+    """y_test, or — when it is None and several checkpoints are scored — `model`'s predicted
+    labels, so that every checkpoint explains the margin of the same class."""
+    if y_test is not None or checkpoints is None:
+        return y_test
+    return logits(model, x_test, output_fn=output_fn, name="x_test").argmax(1)
+
+
 def test_labels(g_test: torch.Tensor, y_test) -> torch.Tensor:
     """Labels of the test margins: y_test, or the network's predictions when None."""
     if y_test is None:

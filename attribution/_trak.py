@@ -18,7 +18,15 @@ from torch import nn
 import ntk
 from ntk.core import kinds
 
-from ._outputs import labels, logits, margin_gradient, margins, models, test_labels
+from ._outputs import (
+    labels,
+    logits,
+    margin_gradient,
+    margins,
+    models,
+    predicted_labels,
+    test_labels,
+)
 
 DEFAULT_DIM = 2048
 
@@ -44,7 +52,7 @@ def trak(
 
     dim: projection dimension (TRAK's default 2048), or None for the exact gradients (through
     the full eNTK: φ(z)ᵀ(ΦᵀΦ + λI)⁻¹Φᵀ = k(z, X)(K + λI)⁻¹ with K the margin-gradient kernel).
-    checkpoints: models or state dicts (see `influence`); y_test=None: the predicted labels.
+    checkpoints: models or state dicts (see `influence`); y_test=None: `model`'s predicted labels.
     damping: λ ≥ 0. The same projector (seed) serves every model, as in the paper.
     batch_size: samples featurised at a time (the exact kernels' tile size with dim=None);
     None: from the free memory. Each sample is featurised once, through its own margin
@@ -56,6 +64,7 @@ def trak(
     if dim is not None and not (isinstance(dim, int) and dim > 0):
         raise ValueError(f"dim must be a positive integer or None, got {dim!r}")
     kernel_part, q = 0.0, 0.0
+    y_test = predicted_labels(model, x_test, y_test, checkpoints, output_fn)
     nets = models(model, checkpoints)
     for net in nets:
         g_train = logits(net, x_train, output_fn=output_fn, name="x_train")

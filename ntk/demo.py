@@ -58,15 +58,52 @@ def train(
 ) -> nn.Module:
     """Train a classifier with Adam and cross-entropy (fixed seed); returns it in eval mode.
     `progress`: a bar over the epochs."""
+    for _ in _epochs(model, x, y, epochs, batch_size, lr, weight_decay, seed, progress):
+        pass
+    return model.eval()
+
+
+def train_checkpoints(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    count: int = 4,
+    epochs: int = 60,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    weight_decay: float = 1e-4,
+    seed: int = 0,
+    progress: bool = False,
+) -> list[dict[str, torch.Tensor]]:
+    """Train exactly like `train` and return copies of the state dict after each `count`-th of the
+    epochs (epochs ⌈k·epochs/count⌉, k = 1..count; the last is the trained model, left in eval
+    mode). Pass them to `attribution.influence(..., checkpoints=...)`: averaged over checkpoints
+    of one run, the influence predicts retraining better than from the final model alone
+    (`python benchmarks/checkpoints.py`)."""
+    if not 1 <= count <= epochs:
+        raise ValueError(f"count must be between 1 and epochs ({epochs}), got {count}")
+    marks = {-(-k * epochs // count) for k in range(1, count + 1)}
+    states = []
+    for done in _epochs(model, x, y, epochs, batch_size, lr, weight_decay, seed, progress):
+        if done in marks:
+            states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    model.eval()
+    return states
+
+
+def _epochs(model, x, y, epochs, batch_size, lr, weight_decay, seed, progress):
+    """Train `model` in place epoch by epoch (Adam, cross-entropy, minibatch order from `seed`),
+    yielding the number of epochs done after each."""
     generator = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
     model.train()
-    for _ in tqdm(range(epochs), disable=not progress, desc="training the demo", unit="epoch"):
+    for epoch in tqdm(range(epochs), disable=not progress, desc="training the demo", unit="epoch"):
         for idx in torch.randperm(len(y), generator=generator).split(batch_size):
             opt.zero_grad()
             nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
             opt.step()
-    return model.eval()
+        yield epoch + 1
 
 
 def demo_model(seed: int = 0, progress: bool = False) -> tuple[nn.Module, DigitsData]:

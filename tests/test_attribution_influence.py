@@ -158,6 +158,40 @@ def test_trak_averages_kernel_and_q_separately(setup):
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-9)
 
 
+def test_checkpoints_of_one_run_average_their_scores():
+    """Checkpoints saved along training (demo.train_checkpoints) give the mean of the scores each
+    checkpoint gives alone, on the Gauss–Newton path and on EK-FAC."""
+    from ntk import demo
+
+    d = demo.digits(n_train=40)
+    torch.manual_seed(0)
+    model = demo.mlp(hidden=8)
+    states = demo.train_checkpoints(model, d.x_train, d.y_train, count=3, epochs=3)
+    x, y, xt, yt = d.x_train, d.y_train, d.x_test[:24], d.y_test[:24]
+    for method in ("gauss_newton", "ekfac"):
+        alone = []
+        for state in states:
+            m = demo.mlp(hidden=8)
+            m.load_state_dict(state)
+            alone.append(influence(m.eval(), x, y, xt, yt, method=method))
+        got = influence(model, x, y, xt, yt, method=method, checkpoints=states)
+        torch.testing.assert_close(got, torch.stack(alone).mean(0))
+        assert not torch.allclose(alone[0], alone[-1], rtol=1e-3)
+    # without test labels every checkpoint explains the class `model` predicts
+    first = demo.mlp(hidden=8)
+    first.load_state_dict(states[0])
+    predicted = model(xt).argmax(1)
+    assert not torch.equal(first(xt).argmax(1), predicted)
+    torch.testing.assert_close(
+        influence(model, x, y, xt, checkpoints=states),
+        influence(model, x, y, xt, predicted, checkpoints=states),
+    )
+    torch.testing.assert_close(
+        trak(model, x, y, xt, checkpoints=states, dim=None),
+        trak(model, x, y, xt, predicted, checkpoints=states, dim=None),
+    )
+
+
 def test_model_untouched_and_errors(setup):
     model, x, y, xt, yt = setup
     before = [p.detach().clone() for p in model.parameters()]

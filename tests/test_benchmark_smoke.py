@@ -175,3 +175,23 @@ def test_posterior_prior_smoke_run_scores_the_library_default():
     for line in checks:
         library, row = (float(part.split()[-1]) for part in line.split(","))
         assert library == pytest.approx(row, rel=1e-6)
+
+
+def test_checkpoints_benchmark_smoke_run_checks_the_library_average():
+    """benchmarks/checkpoints.py: influence(checkpoints=...) reproduces the scheme it averages,
+    the leave-one-setting-out table has a row per setting, and the ensemble line is printed."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "checkpoints.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--no-peers", "--ensemble", "2",
+         "--settings", "breast_cancer,wine_mlp"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = {_cells(line)[0]: _cells(line)[1:] for line in proc.stdout.splitlines()
+            if line.startswith("|")}
+    library = rows["library: influence(checkpoints=4 evenly spaced)"]
+    assert library == rows["gauss_newton: 4 evenly spaced (1/4, 1/2, 3/4, 1)"]
+    assert {"breast_cancer", "wine_mlp"} <= set(rows)
+    assert re.search(r"ensemble of 2 runs: final models -?\d\.\d{3}, checkpoints", proc.stdout)

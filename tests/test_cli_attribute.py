@@ -73,3 +73,40 @@ def test_attribute_lists_the_largest_and_smallest_influence(tmp_path):
         str(tmp_path / "test.npz"),
     )
     assert bad.returncode == 2 and "labels" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_attribute_averages_over_checkpoint_files(tmp_path):
+    (tmp_path / "factory.py").write_text(FACTORY)
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(24, 4)).astype(np.float32), rng.integers(0, 3, 24)
+    xt = rng.normal(size=(2, 4)).astype(np.float32)
+    np.savez(tmp_path / "train.npz", x=x, y=y)
+    np.savez(tmp_path / "test.npz", x=xt)
+    namespace = {}
+    exec(FACTORY, namespace)
+    nets = []
+    for k in range(2):
+        torch.manual_seed(10 + k)
+        net = namespace["build"]()
+        for p in net.parameters():
+            p.data.normal_()
+        torch.save(net.state_dict(), tmp_path / f"c{k}.pt")
+        nets.append(net.eval())
+    common = ("--model", str(tmp_path / "factory.py:build"), "--data", str(tmp_path / "train.npz"),
+              "--test", str(tmp_path / "test.npz"), "--top", "3", "--format", "json")
+    out = run(*common, "--checkpoint", str(tmp_path / "c0.pt"), "--checkpoint",
+              str(tmp_path / "c1.pt"))
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["rows"]
+    expected = attribution.influence(
+        namespace["build"]().eval(), torch.from_numpy(x), torch.from_numpy(y),
+        torch.from_numpy(xt), checkpoints=nets,
+    )
+    for t in range(2):
+        got = [r["score"] for r in rows if r["test"] == t and r["role"] == "proponent"]
+        np.testing.assert_allclose(got, expected[t].sort(descending=True).values[:3], rtol=1e-5)
+
+    torch.save({"0.weight": torch.zeros(2, 2)}, tmp_path / "wrong.pt")
+    bad = run(*common, "--checkpoint", str(tmp_path / "wrong.pt"))
+    assert bad.returncode == 2 and "--checkpoint" in bad.stderr and "does not fit" in bad.stderr
+    assert "Traceback" not in bad.stderr

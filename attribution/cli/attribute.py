@@ -10,6 +10,7 @@ from .common import (
     UsageProblem,
     emit,
     load_output_fn,
+    load_weights,
     model_options,
     resolve_model_and_data,
     resolve_test_data,
@@ -41,6 +42,14 @@ from .common import (
     show_default=True,
     help="proponents and opponents listed per test sample",
 )
+@click.option(
+    "--checkpoint",
+    "checkpoint_files",
+    multiple=True,
+    help="a state_dict of the model saved along its training (repeat the option for several, "
+    "e.g. after each quarter of the epochs): the scores are averaged over them, which predicts "
+    "retraining better than the final weights alone",
+)
 def attribute(
     model_spec,
     weights,
@@ -54,10 +63,14 @@ def attribute(
     test_samples,
     method,
     top,
+    checkpoint_files,
 ):
     """Top proponents and opponents among the training data (--data, labels y required) of each
     test prediction (default: the built-in digits demo). The score is the influence of a
-    training example on the test margin: higher raises it."""
+    training example on the test margin: higher raises it. With --checkpoint files the scores
+    are averaged over those weights (--weights, or the demo, still gives the predictions)."""
+    import copy
+
     import torch
 
     from ntk.core import inputs
@@ -71,6 +84,10 @@ def attribute(
     x_test, y_test = resolve_test_data(test_file, data, test_samples, model)
     untrained = untrained_note(model_spec, weights)
     output_fn = load_output_fn(output_fn)
+    checkpoints = []
+    for path in checkpoint_files:
+        checkpoints.append(copy.deepcopy(model))
+        load_weights(checkpoints[-1], path, "--checkpoint")
     n_train, n_test = inputs.count(x_train), inputs.count(x_test)
     with step(f"influence ({method}) of {n_train} training examples on {n_test} predictions"):
         scores = influence(
@@ -79,6 +96,7 @@ def attribute(
             y_train,
             x_test,
             method=method,
+            checkpoints=checkpoints or None,
             batch_size=batch_size,
             device=device,
             output_fn=output_fn,
@@ -112,6 +130,7 @@ def attribute(
             "method": method,
             "train_samples": n_train,
             "test_samples": n_test,
+            "checkpoints": list(checkpoint_files),
         },
         headers={"score": "score ↑"},
         notes=["score ↑: how much the training example raises the test margin"],

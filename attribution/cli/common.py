@@ -94,27 +94,28 @@ def load_model(spec: str, weights: str | None = None, device: str | None = None)
     if not isinstance(model, nn.Module):
         raise UsageProblem(f"--model: {spec} is neither an nn.Module nor a factory returning one")
     if weights is not None:
-        _load_weights(model, weights)
+        load_weights(model, weights)
     if device is not None:
         model = model.to(device)
     return model.eval()
 
 
-def _load_weights(model: nn.Module, weights: str) -> None:
-    """Load a state_dict file; a checkpoint that does not fit names the tensors and shapes."""
+def load_weights(model: nn.Module, weights: str, option: str = "--weights") -> None:
+    """Load a state_dict file into `model`; a checkpoint that does not fit names the tensors and
+    shapes (errors name the command-line `option` the file came from)."""
     import torch
 
     path = Path(weights)
     if not path.is_file():
-        raise UsageProblem(f"--weights: file {weights} does not exist")
+        raise UsageProblem(f"{option}: file {weights} does not exist")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise UsageProblem(f"--weights: cannot read {weights}: {_first_line(exc)}") from None
+        raise UsageProblem(f"{option}: cannot read {weights}: {_first_line(exc)}") from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise UsageProblem(f"--weights: {weights} does not hold a state_dict of tensors")
+        raise UsageProblem(f"{option}: {weights} does not hold a state_dict of tensors")
     own = model.state_dict()
     problems = [
         f"tensor {k!r} is {list(state[k].shape)} in the file but {list(v.shape)} in the model"
@@ -125,13 +126,13 @@ def _load_weights(model: nn.Module, weights: str) -> None:
     problems += [f"the file has tensor {k!r}, which the model lacks" for k in state if k not in own]
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise UsageProblem(f"--weights: {weights} does not fit the model: {problems[0]}{more}")
+        raise UsageProblem(f"{option}: {weights} does not fit the model: {problems[0]}{more}")
     try:
         model.load_state_dict(state)
     except (RuntimeError, TypeError, ValueError) as exc:
         details = [line.strip() for line in str(exc).splitlines() if line.strip()]
         raise UsageProblem(
-            f"--weights: {weights} does not fit the model: {details[-1] if details else exc}"
+            f"{option}: {weights} does not fit the model: {details[-1] if details else exc}"
         ) from None
 
 

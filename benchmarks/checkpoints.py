@@ -1,0 +1,148 @@
+"""Influence from checkpoints saved along one training run, against the final model alone, on the
+LDS ground truth of benchmarks/settings.py (and Kronfluence EK-FAC given the same checkpoints).
+
+    python benchmarks/checkpoints.py --cache-dir DIR [--peer-python PY] [--ensemble 10]
+    python benchmarks/checkpoints.py --smoke --no-peers            # seconds
+
+Each setting's network (seed 0) is retrained along the same trajectory and saved after a
+quarter, half, three quarters and all of its epochs (the recipe draws its minibatch order epoch
+by epoch from one seeded generator and keeps Adam's learning rate constant, so a run of E' < E
+epochs is the first E' epochs of the full run). `attribution.influence(..., checkpoints=...)`
+averages the scores of the checkpoints it is given; every scheme below is such an average. A
+scheme is chosen leave-one-setting-out (best mean LDS on the other settings) and scored on the
+held-out one. --ensemble K repeats the chosen scheme on K independently seeded runs (the
+ensemble of the issue's target) on digits MLP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from attribution import influence, lds, train_on_subsets  # noqa: E402
+from benchmarks import settings  # noqa: E402
+from benchmarks.attribution_settings import run_peers  # noqa: E402
+
+FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+SCHEMES = {
+    "final model (one checkpoint)": (1.0,),
+    "4 evenly spaced (1/4, 1/2, 3/4, 1)": (0.25, 0.5, 0.75, 1.0),
+    "last half (1/2, 3/4, 1)": (0.5, 0.75, 1.0),
+    "first half (1/4, 1/2)": (0.25, 0.5),
+    "1/4 alone": (0.25,),
+    "1/2 alone": (0.5,),
+}
+METHODS = ("gauss_newton", "ekfac")
+
+
+def trajectory(setting: settings.Setting, runs: int = 1) -> list[dict[float, torch.nn.Module]]:
+    """For each of `runs` independently seeded runs (seeds 0..runs−1), its network after each
+    fraction of the recipe's epochs in FRACTIONS."""
+    everything = torch.ones(1, len(setting.x), dtype=torch.bool)
+    out = [{} for _ in range(runs)]
+    for f in FRACTIONS:
+        recipe = dict(setting.recipe, epochs=max(1, round(setting.recipe["epochs"] * f)))
+        stack = train_on_subsets(setting.factory, setting.x, setting.y, everything, seeds=runs,
+                                 **recipe)
+        for run, net in enumerate(settings._modules(stack, runs)):
+            out[run][f] = net
+    return out
+
+
+def scores_along(setting, nets: dict, method: str) -> dict[float, torch.Tensor]:
+    """Scores of each checkpoint alone (a scheme's scores are their mean)."""
+    s = setting
+    return {f: influence(m, s.x, s.y, s.xt, s.yt, method=method) for f, m in nets.items()}
+
+
+def scheme_lds(setting, per_checkpoint: dict) -> dict[str, float]:
+    return {
+        name: lds(torch.stack([per_checkpoint[f] for f in fracs]).mean(0), setting.subsets,
+                  setting.truth)
+        for name, fracs in SCHEMES.items()
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", default=",".join(settings.NAMES))
+    parser.add_argument("--cache-dir", default=None, help="where the ground truth is cached")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--peer-python", default=os.environ.get("NTK_PEER_PYTHON"))
+    parser.add_argument("--ensemble", type=int, default=0, help="runs for the ensemble rows")
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if not args.no_peers and not args.peer_python:
+        parser.error("give --peer-python (or $NTK_PEER_PYTHON), or --no-peers")
+    rows: dict[str, dict[str, float]] = {}
+    chosen_fracs = {}
+    names = args.settings.split(",")
+    for name in names:
+        s = settings.load(name, cache_dir=args.cache_dir, smoke=args.smoke)
+        nets = trajectory(s)[0]
+        rows[name] = {}
+        for method in METHODS:
+            start = time.perf_counter()
+            per = scores_along(s, nets, method)
+            seconds = (time.perf_counter() - start) / len(per)
+            for scheme, value in scheme_lds(s, per).items():
+                rows[name][f"{method}: {scheme}"] = value
+            print(f"{name} {method}: {seconds:.1f} s per checkpoint", flush=True)
+        # the library averages exactly these scores
+        fracs = SCHEMES["4 evenly spaced (1/4, 1/2, 3/4, 1)"]
+        lib = influence(s.model, s.x, s.y, s.xt, s.yt, checkpoints=[nets[f] for f in fracs])
+        rows[name]["library: influence(checkpoints=4 evenly spaced)"] = lds(lib, s.subsets, s.truth)
+        if not args.no_peers:
+            per = {}
+            for f, m in nets.items():
+                out = run_peers(m, [m], s.x, s.y, s.xt, s.yt, args.peer_python,
+                                "kronfluence_ekfac")
+                per[f] = torch.as_tensor(out["kronfluence_ekfac"][0]).double()
+            for scheme, value in scheme_lds(s, per).items():
+                rows[name][f"Kronfluence EK-FAC: {scheme}"] = value
+        print({k: round(v, 3) for k, v in rows[name].items()}, flush=True)
+    print("\n| scheme | " + " | ".join(names) + " | mean |")
+    print("|---" * (len(names) + 2) + "|")
+    for rule in rows[names[0]]:
+        values = [rows[n][rule] for n in names]
+        cells = " | ".join(f"{v:.3f}" for v in values)
+        print(f"| {rule} | {cells} | {np.mean(values):.3f} |")
+    if len(names) > 1:
+        print("\nleave-one-setting-out choice of the scheme (gauss_newton, best mean elsewhere)\n")
+        print("| held out | scheme chosen | held-out LDS | in-sample best | final model |")
+        print("|---|---|---|---|---|")
+        candidates = [f"gauss_newton: {k}" for k in SCHEMES]
+        for held in names:
+            others = [n for n in names if n != held]
+            pick = max(candidates, key=lambda r: np.mean([rows[n][r] for n in others]))
+            chosen_fracs[held] = SCHEMES[pick.split(": ", 1)[1]]
+            best = max(rows[held][r] for r in candidates)
+            final = rows[held]["gauss_newton: final model (one checkpoint)"]
+            print(f"| {held} | {pick.split(': ', 1)[1]} | {rows[held][pick]:.3f} | {best:.3f} "
+                  f"| {final:.3f} |")
+    if args.ensemble:
+        name = "digits_mlp" if "digits_mlp" in names else names[0]
+        s = settings.load(name, cache_dir=args.cache_dir, smoke=args.smoke)
+        fracs = chosen_fracs.get(name, SCHEMES["4 evenly spaced (1/4, 1/2, 3/4, 1)"])
+        finals, schemes = [], []
+        for nets in trajectory(s, args.ensemble):
+            per = scores_along(s, {f: nets[f] for f in set(fracs) | {1.0}}, "gauss_newton")
+            finals.append(per[1.0])
+            schemes.append(torch.stack([per[f] for f in fracs]).mean(0))
+        print(f"\n{name}, ensemble of {args.ensemble} runs: final models "
+              f"{lds(torch.stack(finals).mean(0), s.subsets, s.truth):.3f}, checkpoints "
+              f"{fracs} {lds(torch.stack(schemes).mean(0), s.subsets, s.truth):.3f}")
+
+
+if __name__ == "__main__":
+    main()
