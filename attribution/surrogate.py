@@ -62,6 +62,9 @@ GRID = np.logspace(-6, 2, 9)
 # breast_cancer / digits MLP / CNN pick α 0.1 / 0.1 / 0.05, which meet 3 / 2 / 0 of the 3 coherence
 # targets on the held-out setting. At α 0.1: τ 0.990 / 0.977 / 0.952, median cancellation
 # 3.9 / 6.1 / 8.1, top-5 class share 0.98 / 0.95 / 0.93 (benchmarks/results/surrogate.md).
+# Checked on a fourth setting (wine, never used to choose it): 0.989 / 2.0 / 0.99, all three met.
+# Rerun on all four with the sum-of-logits kernel as a candidate, the folds pick four different
+# variants that meet 7 of 12 targets held out (this default meets 10 of 12), so it was kept.
 DEFAULT_ALPHA = 0.1
 DEFAULT_REFERENCE = 0.25
 
