@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -79,6 +80,7 @@ def influence(
     method: str = "auto",
     kind: str | None = None,
     dim: int | None = None,
+    train_features=None,
     checkpoints: Sequence | None = None,
     damping: str | float = "auto",
     seed: int = 0,
@@ -98,7 +100,11 @@ def influence(
     exact kernels would not fit in memory (sized by the free memory of the device the kernels are
     computed on), method="auto" uses "ekfac" (the Kronecker-factored curvature, linear in N;
     `attribution.curvature`) and the other kernel methods the full kernel projected to
-    `default_dim(model)`. y_test=None uses `model`'s predicted labels. checkpoints: models or
+    `default_dim(model)`. The projected path streams the training features batch by batch
+    (memory k² + N·k, never [N, O, k]); train_features: the path of a feature store of x_train
+    written by `projections.featurize(model, x_train, path, dim=k, kind="full")`, read instead of
+    featurising x_train again (gauss_newton / grad_dot; its dim, seed and projector are used for
+    the test side). y_test=None uses `model`'s predicted labels. checkpoints: models or
     state dicts of `model`'s architecture whose scores are averaged (each with its own kernel and
     curvature; None uses `model` alone): independently trained copies, or checkpoints saved along
     one training run (`ntk.demo.train_checkpoints`), which predict retraining better than the
@@ -116,6 +122,15 @@ def influence(
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid methods are {', '.join(METHODS)}")
     auto, method = method == "auto", AUTO if method == "auto" else method
+    if train_features is not None:
+        if method not in ("gauss_newton", "grad_dot") or kind not in (None, "full"):
+            raise ValueError(
+                "train_features holds projected Jacobians of kind 'full': it serves method "
+                "'gauss_newton' or 'grad_dot' with kind 'full'"
+            )
+        if checkpoints is not None:
+            raise ValueError("train_features belongs to one model's weights, not to checkpoints")
+        kind = "full"
     if method == "trak":
         if kind not in (None, "full"):
             raise ValueError("method='trak' uses the margin's exact gradients; kind does not apply")
@@ -154,6 +169,7 @@ def influence(
             auto=auto,
             kind=kind,
             dim=dim,
+            train_features=train_features,
             damping=damping,
             seed=seed,
             batch_size=batch_size,
@@ -177,6 +193,7 @@ def _one_model(
     auto,
     kind,
     dim,
+    train_features,
     damping,
     seed,
     batch_size,
@@ -203,6 +220,10 @@ def _one_model(
         return torch.einsum("mio,mo->mi", torch.as_tensor(surrogate.influence(x_test)), u)
     n, o = g_train.shape
     r = nn.functional.one_hot(y_train, o).double() - g_train.softmax(1)  # [N, O]
+    store = None
+    if train_features is not None:
+        store = feature_store(train_features, model, x_train, dim, o, output_fn)
+        dim = store["dim"]
     fits = dim is not None or _exact_fits(n, u.shape[0], o, ModelView(model, device=device).device)
     if auto and not fits:
         method = "ekfac"
@@ -215,25 +236,21 @@ def _one_model(
     if not fits:
         kind, dim = "full", default_dim(model)
     if kind == "full" and dim is not None:  # parameter space on projected Jacobians
-        import projections
+        from projections.projected import Featurizer
 
-        feats = dict(
-            dim=dim,
-            kind="full",
-            seed=seed,
-            batch_size=batch_size,
-            device=device,
-            dtype=dtype,
-            output_fn=output_fn,
+        projection = dict(seed=seed, dtype=dtype) if store is None else store["featurizer"]
+        fz = Featurizer(
+            model, dim=dim, kind="full", device=device, output_fn=output_fn, **projection
         )
-        phi_train, phi_test = (
-            torch.as_tensor(projections.features(model, v, **feats)).double()
-            for v in (x_train, x_test)
+        left = torch.cat(
+            [torch.einsum("mo,mok->mk", u[rows], phi) for rows, phi in _feature_batches(
+                fz, x_test, "x_test", batch_size)]
         )
-        left = torch.einsum("mo,mok->mk", u, phi_test)
+        train = _feature_batches(fz, x_train, "x_train", batch_size, store)
+        h, w = _parameter_space(train, g_train, r, gram=method != "grad_dot")
         if method == "grad_dot":
-            return left @ torch.einsum("io,iok->ik", r, phi_train).T
-        return gauss_newton_features(left, phi_train, g_train, y_train, damping)
+            return left @ w.T
+        return torch.cholesky_solve(left.T, _damped_cholesky(h, damping, n, o)).T @ w.T
     opts = dict(
         kind=kind,
         num_outputs=o,
@@ -332,18 +349,63 @@ def _damped_cholesky(a: torch.Tensor, damping: str | float, n: int, o: int) -> t
     return factor
 
 
-def gauss_newton_features(
-    left: torch.Tensor,
-    phi: torch.Tensor,
-    g_train: torch.Tensor,
-    y_train: torch.Tensor,
-    damping: str | float = "auto",
-) -> torch.Tensor:
-    """The same influence from projected Jacobians Φ_i [N, O, k] (Θ ≈ ΦΦᵀ), in parameter space:
-    τ(z, i) = φ_z (Σ_j Φ_jᵀ Λ_j Φ_j + λI)⁻¹ Φ_iᵀ r_i with φ_z = u_zᵀ Φ_z (left [M, k]); a k × k
-    Cholesky solve, so N is limited by the features' memory only."""
-    n, o, k = phi.shape
-    r = nn.functional.one_hot(y_train, o).double() - g_train.softmax(1)
-    h = torch.einsum("iok,iop,ipl->kl", phi, softmax_curvature(g_train), phi)
-    factor = _damped_cholesky(h, damping, n, o)
-    return torch.cholesky_solve(left.T, factor).T @ torch.einsum("io,iok->ik", r, phi).T
+def _feature_batches(fz, x, name: str, batch_size: int | None, store: dict | None = None):
+    """(rows, projected Jacobians Φ [B, O, k] in float64) batch by batch: computed by the
+    `projections` Featurizer `fz`, or read from a feature store of `x` (`store["features"]`)."""
+    x = inputs.from_numpy(x, name)
+    n = inputs.validate(x, name)
+    if store is None:
+        fz.prepare(x, name)
+    batch = batch_size or (1024 if store is not None else fz.default_batch(n))
+    for start in range(0, n, batch):
+        rows = slice(start, min(start + batch, n))
+        if store is None:
+            phi = fz.block(inputs.take(x, rows))
+        else:
+            phi = torch.from_numpy(np.array(store["features"][rows]))
+        yield rows, phi.to(torch.float64)
+
+
+def _parameter_space(batches, g_train: torch.Tensor, r: torch.Tensor, gram: bool = True):
+    """From projected Jacobians Φ_i (Θ ≈ ΦΦᵀ) streamed in batches: the Gauss–Newton matrix
+    H = Σ_i Φ_iᵀ Λ_i Φ_i [k, k] (when `gram`) and w_i = Φ_iᵀ r_i [N, k], so that the influence
+    τ(z, i) = φ_z (H + λI)⁻¹ w_i with φ_z = u_zᵀ Φ_z is a k × k Cholesky solve. Memory: k² +
+    N·k + one batch, never the [N, O, k] features."""
+    h, w = None, []
+    for rows, phi in batches:
+        if gram:
+            part = torch.einsum("iok,iop,ipl->kl", phi, softmax_curvature(g_train[rows]), phi)
+            h = part if h is None else h.add_(part)
+        w.append(torch.einsum("io,iok->ik", r[rows], phi))
+    return h, torch.cat(w)
+
+
+def feature_store(path, model: nn.Module, x_train, dim: int | None, o: int, output_fn=None) -> dict:
+    """The feature store at `path` checked against the influence call that reads it: written by
+    `projections.featurize(model, x_train, path, dim=k, kind="full")` from these weights and
+    these inputs (both checked by `projections.featurize`, which only reads a complete store and
+    resumes an incomplete one), with the model's o outputs; `dim`, if given, must be the store's.
+    Returns its features (memory-mapped) and the settings that reproduce its projection."""
+    import projections
+
+    info = projections.store_info(path)
+    n = inputs.count(inputs.from_numpy(x_train, "x_train"))
+    problems = []
+    if info["kind"] != "full":
+        problems.append(f"it holds kind={info['kind']!r} features, influence needs kind='full'")
+    if info["samples"] != n:
+        problems.append(f"it holds {info['samples']} samples, x_train has {n}")
+    if info["num_outputs"] != o:
+        problems.append(f"it holds {info['num_outputs']} outputs, the model has {o}")
+    if dim is not None and dim != info["dim"]:
+        problems.append(f"it was projected to dim={info['dim']}, not dim={dim}")
+    if problems:
+        raise ValueError(f"train_features {path}: " + "; ".join(problems))
+    settings = dict(
+        projector=info["projector"], seed=info["seed"], dtype=getattr(torch, info["compute_dtype"])
+    )
+    features = projections.featurize(
+        model, x_train, path, dim=info["dim"], kind="full", block=info["block"],
+        store_dtype=info["store_dtype"], output_fn=output_fn, progress=False, **settings
+    )
+    return {"features": features, "featurizer": settings, "dim": info["dim"]}

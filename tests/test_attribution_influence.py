@@ -90,8 +90,62 @@ def test_projected_gauss_newton_is_the_formula_on_features(setup):
     left = torch.einsum("mo,moa->ma", _margin_grad(model(xt).detach(), yt), ft)
     r = torch.eye(O, dtype=torch.float64)[y] - p
     expected = left @ torch.linalg.solve(h, torch.einsum("io,ioa->ai", r, f))
-    got = influence(model, x, y, xt, yt, kind="full", dim=32, seed=1, damping=0.1)
+    for batch_size in (None, 3):  # one batch, or streamed in five (14 training samples)
+        got = influence(
+            model, x, y, xt, yt, kind="full", dim=32, seed=1, damping=0.1, batch_size=batch_size
+        )
+        torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-10)
+    grad_dot = influence(model, x, y, xt, yt, method="grad_dot", dim=32, seed=1, batch_size=3)
+    torch.testing.assert_close(grad_dot, left @ torch.einsum("io,ioa->ai", r, f))
+
+
+def test_training_features_read_from_a_store(setup, tmp_path):
+    """A feature store of x_train (projections.featurize, kind full) gives the formula on its
+    features, with the test side projected by the store's dim, seed and projector."""
+    model, x, y, xt, yt = setup
+    path = tmp_path / "train"
+    opts = dict(dim=32, kind="full", seed=4, projector="gaussian")
+    projections.featurize(model, x, path, block=5, store_dtype="float64", **opts)
+    f, ft = (projections.features(model, v, **opts).double() for v in (x, xt))
+    p = model(x).detach().softmax(1)
+    curvature = torch.stack([torch.diag(q) - torch.outer(q, q) for q in p])
+    h = torch.einsum("iop,ioa,ipb->ab", curvature, f, f) + 0.1 * torch.eye(32, dtype=torch.float64)
+    left = torch.einsum("mo,moa->ma", _margin_grad(model(xt).detach(), yt), ft)
+    r = torch.eye(O, dtype=torch.float64)[y] - p
+    expected = left @ torch.linalg.solve(h, torch.einsum("io,ioa->ai", r, f))
+    got = influence(model, x, y, xt, yt, train_features=path, damping=0.1, batch_size=4)
     torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-10)
+    # method="auto" uses it too; dim may be repeated
+    torch.testing.assert_close(
+        influence(model, x, y, xt, yt, method="auto", kind="full", dim=32, train_features=path,
+                  damping=0.1),
+        expected, rtol=1e-7, atol=1e-10,
+    )
+
+
+def test_training_feature_store_errors(setup, tmp_path):
+    model, x, y, xt, yt = setup
+    path = tmp_path / "train"
+    projections.featurize(model, x, path, dim=16, kind="full")
+    with pytest.raises(ValueError, match="not dim=32"):
+        influence(model, x, y, xt, dim=32, train_features=path)
+    with pytest.raises(ValueError, match="holds 14 samples, x_train has 10"):
+        influence(model, x[:10], y[:10], xt, train_features=path)
+    with pytest.raises(ValueError, match="serves method 'gauss_newton' or 'grad_dot'"):
+        influence(model, x, y, xt, method="ekfac", train_features=path)
+    with pytest.raises(ValueError, match="not to checkpoints"):
+        influence(model, x, y, xt, train_features=path, checkpoints=[model])
+    trace = tmp_path / "trace"
+    projections.featurize(model, x, trace, dim=16, kind="trace")
+    with pytest.raises(ValueError, match="kind='trace' features"):
+        influence(model, x, y, xt, train_features=trace)
+    other = torch.nn.Sequential(
+        torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, O)
+    ).double()
+    with pytest.raises(projections.StoreError):  # other weights
+        influence(other, x, y, xt, train_features=path)
+    with pytest.raises(projections.StoreError):  # other inputs
+        influence(model, x + 1.0, y, xt, train_features=path)
 
 
 def test_projection_when_exact_kernels_do_not_fit(setup, monkeypatch):

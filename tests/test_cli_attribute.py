@@ -110,3 +110,38 @@ def test_attribute_averages_over_checkpoint_files(tmp_path):
     bad = run(*common, "--checkpoint", str(tmp_path / "wrong.pt"))
     assert bad.returncode == 2 and "--checkpoint" in bad.stderr and "does not fit" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_attribute_reads_training_features_written_by_ntk_featurize(tmp_path):
+    (tmp_path / "factory.py").write_text(FACTORY)
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(20, 4)).astype(np.float32), rng.integers(0, 3, 20)
+    xt = rng.normal(size=(2, 4)).astype(np.float32)
+    np.savez(tmp_path / "train.npz", x=x, y=y)
+    np.savez(tmp_path / "test.npz", x=xt)
+    model = ("--model", str(tmp_path / "factory.py:build"), "--data", str(tmp_path / "train.npz"))
+    store = str(tmp_path / "features")
+    made = subprocess.run(
+        [sys.executable, "-m", "attribution.cli", "featurize", store, *model, "--kind", "full",
+         "--dim", "32", "--seed", "7"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert made.returncode == 0, made.stderr
+    out = run(*model, "--test", str(tmp_path / "test.npz"), "--top", "2", "--format", "json",
+              "--method", "gauss_newton", "--train-features", store)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["rows"]
+    namespace = {}
+    exec(FACTORY, namespace)
+    expected = attribution.influence(
+        namespace["build"]().eval(), torch.from_numpy(x), torch.from_numpy(y),
+        torch.from_numpy(xt), kind="full", dim=32, seed=7,
+    )
+    for t in range(2):
+        got = [r["score"] for r in rows if r["test"] == t and r["role"] == "proponent"]
+        np.testing.assert_allclose(got, expected[t].sort(descending=True).values[:2], rtol=1e-4)
+    other = tmp_path / "other.npz"
+    np.savez(other, x=x + 1.0, y=y)
+    bad = run("--model", str(tmp_path / "factory.py:build"), "--data", str(other), "--test",
+              str(tmp_path / "test.npz"), "--train-features", store)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr

@@ -50,6 +50,13 @@ from .common import (
     "e.g. after each quarter of the epochs): the scores are averaged over them, which predicts "
     "retraining better than the final weights alone",
 )
+@click.option(
+    "--train-features",
+    default=None,
+    help="a feature store of the training data written by `ntk featurize --kind full` from the "
+    "same model and data: the projected Gauss–Newton influence reads it instead of "
+    "featurising the training data again",
+)
 def attribute(
     model_spec,
     weights,
@@ -64,6 +71,7 @@ def attribute(
     method,
     top,
     checkpoint_files,
+    train_features,
 ):
     """Top proponents and opponents among the training data (--data, labels y required) of each
     test prediction (default: the built-in digits demo). The score is the influence of a
@@ -97,6 +105,7 @@ def attribute(
             x_test,
             method=method,
             checkpoints=checkpoints or None,
+            train_features=train_features,
             batch_size=batch_size,
             device=device,
             output_fn=output_fn,
