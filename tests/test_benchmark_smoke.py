@@ -195,3 +195,17 @@ def test_checkpoints_benchmark_smoke_run_checks_the_library_average():
     assert library == rows["gauss_newton: 4 evenly spaced (1/4, 1/2, 3/4, 1)"]
     assert {"breast_cancer", "wine_mlp"} <= set(rows)
     assert re.search(r"ensemble of 2 runs: final models -?\d\.\d{3}, checkpoints", proc.stdout)
+
+
+def test_projected_influence_smoke_run_agrees_across_ways():
+    """benchmarks/projected_influence.py: streamed, stored and all-in-memory features give the
+    same scores."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "projected_influence.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke"], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = [_cells(line) for line in proc.stdout.splitlines() if line.startswith("| 200 |")]
+    ways = {cells[1]: float(cells[4]) for cells in rows if cells[4] != "–"}
+    assert set(ways) == {"all features in memory", "streamed", "from a store"}
+    assert max(ways.values()) < 1e-6
