@@ -67,7 +67,19 @@ DOF_FRACTION = 0.015
 # / 0.625 on digits MLP / CNN / breast_cancer), so it keeps this rule.
 KRONECKER_DAMPING = 3.0
 SURROGATE_ALPHA = 1.0
-MAX_DIM = 16384
+# The largest projection of the fallback when exact kernels do not fit (every kernel method,
+# "auto" included). The projected path costs N·O·k² for its Gram matrix: at N = 20,000 (MLP
+# 64-256-256-10, `python benchmarks/attribution_scale.py --methods ekfac,projected2048,
+# projected4096`) k = 2048 took 1.18× Kronfluence EK-FAC's time and k = 4096 3.42× (our EK-FAC
+# 0.49×); on the CNN at N = 50,000 k = 2048 took 15.6× (our EK-FAC 2.4×). LDS of k = 1024 / 2048
+# / 4096 on the four settings of benchmarks/settings.py (`python benchmarks/attribution_settings.py
+# --no-peers`; digits MLP, digits CNN, breast_cancer, wine; exact 0.674 / 0.618 / 0.608 / 0.636,
+# EK-FAC 0.503 / 0.355 / 0.625 / 0.698): 0.620 / 0.548 / 0.700 / 0.670, 0.641 / 0.566 / 0.688 /
+# 0.671, 0.652 / 0.579 / 0.669 / 0.676; among the k within 2× Kronfluence's time on the MLP,
+# every leave-one-setting-out fold picks 2048 (best mean LDS on the other three). On the digits
+# benchmark (`attribution_scale.py --digits`): exact 0.671, k = 2048 0.638, EK-FAC 0.498,
+# Kronfluence 0.551. The previous cap, 16384, cost 64× k = 2048's Gram.
+MAX_DIM = 2048
 
 
 def influence(
@@ -98,10 +110,12 @@ def influence(
     projection (`projections`; with kind="full" the Gauss–Newton system is then solved in the
     k-dimensional projected parameter space, so N is limited only by the features' memory); when
     exact kernels would not fit in memory (sized by the free memory of the device the kernels are
-    computed on), method="auto" uses "ekfac" (the Kronecker-factored curvature, linear in N;
-    `attribution.curvature`) and the other kernel methods the full kernel projected to
-    `default_dim(model)`. The projected path streams the training features batch by batch
-    (memory k² + N·k, never [N, O, k]); train_features: the path of a feature store of x_train
+    computed on), the kernel methods, "auto" included, use the full kernel projected to
+    `default_dim(model)` (linear in N; within 0.05 LDS of the exact path on the digits
+    benchmark, where "ekfac", the Kronecker-factored curvature of `attribution.curvature`, is
+    0.17 below it but faster, on CNNs several times: MAX_DIM's comment). The projected path
+    streams the training features batch by batch (memory k² + N·k, never [N, O, k]);
+    train_features: the path of a feature store of x_train
     written by `projections.featurize(model, x_train, path, dim=k, kind="full")`, read instead of
     featurising x_train again (gauss_newton / grad_dot; its dim, seed and projector are used for
     the test side). y_test=None uses `model`'s predicted labels. checkpoints: models or
@@ -121,7 +135,7 @@ def influence(
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid methods are {', '.join(METHODS)}")
-    auto, method = method == "auto", AUTO if method == "auto" else method
+    method = AUTO if method == "auto" else method
     if train_features is not None:
         if method not in ("gauss_newton", "grad_dot") or kind not in (None, "full"):
             raise ValueError(
@@ -166,7 +180,6 @@ def influence(
             x_test,
             y_test,
             method=method,
-            auto=auto,
             kind=kind,
             dim=dim,
             train_features=train_features,
@@ -190,7 +203,6 @@ def _one_model(
     y_test,
     *,
     method,
-    auto,
     kind,
     dim,
     train_features,
@@ -225,8 +237,6 @@ def _one_model(
         store = feature_store(train_features, model, x_train, dim, o, output_fn)
         dim = store["dim"]
     fits = dim is not None or _exact_fits(n, u.shape[0], o, ModelView(model, device=device).device)
-    if auto and not fits:
-        method = "ekfac"
     if method in curvature.STRATEGIES:
         curv = curvature.KroneckerCurvature(
             model, strategy=method, batch_size=batch_size, device=device
@@ -290,8 +300,8 @@ def _exact_fits(n_train: int, n_test: int, o: int, device: torch.device) -> bool
 
 def default_dim(model: nn.Module) -> int:
     """The projection used when exact kernels do not fit: the power of two ≥ the number of
-    trainable parameters P, at most MAX_DIM (`python benchmarks/attribution_digits.py`: k ≈ P is
-    within the seed noise of exact; smaller k lose accuracy)."""
+    trainable parameters P, at most MAX_DIM (k ≈ P is within the seed noise of exact, smaller k
+    lose a little accuracy, larger ones cost N·O·k²: MAX_DIM's comment)."""
     p = sum(t.numel() for t in model.parameters() if t.requires_grad)
     return min(MAX_DIM, 1 << max(p - 1, 1).bit_length())
 

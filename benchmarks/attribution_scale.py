@@ -1,5 +1,6 @@
-"""Attribution at 20,000–50,000 training points: `influence(method="ekfac")` against Kronfluence's
-EK-FAC on the same models, data and test points, in one run.
+"""Attribution at 20,000–50,000 training points: `influence(method="ekfac")` and the projected
+Gauss–Newton path that `influence(method="auto")` takes there (`--methods projected2048`)
+against Kronfluence's EK-FAC on the same models, data and test points, in one run.
 
 Data: scikit-learn's digits (8×8), the first 1,297 images (shuffled, seed 0) augmented to N
 training points (random shifts of up to one pixel, Gaussian pixel noise σ = 0.1); 500 test points
@@ -124,7 +125,11 @@ def worker(case_path: str, out_path: str, method: str, kind: str | None, threads
     args = (case["model"], case["x_train"], case["y_train"], case["x_test"], case["y_test"])
     with PeakRSS() as mem:
         start = time.perf_counter()
-        scores = influence(*args, method=method, **({} if kind is None else {"kind": kind}))
+        if method.startswith("projected"):  # the projected Gauss–Newton path at dim k
+            options = dict(method="gauss_newton", kind="full", dim=int(method[len("projected"):]))
+        else:
+            options = dict(method=method, **({} if kind is None else {"kind": kind}))
+        scores = influence(*args, **options)
         seconds = time.perf_counter() - start
     np.save(out_path, scores.numpy())
     print(
@@ -160,8 +165,8 @@ def agreement(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def digits_lds(args, peer) -> None:
-    """LDS of ours (exact kernel form, EK-FAC, K-FAC, each damping) and Kronfluence on the
-    digits benchmark's network and truth."""
+    """LDS of ours (exact kernel form, projected, EK-FAC, K-FAC, each damping) and Kronfluence on
+    the digits benchmark's network and truth."""
     import attribution_digits as bench
 
     from attribution import influence, lds, random_subsets, train_on_subsets
@@ -184,6 +189,11 @@ def digits_lds(args, peer) -> None:
     rows = [
         ("ours, exact gauss_newton (trace) = influence default", "auto", dict(method="auto")),
         ("ours, exact gauss_newton (full)", "auto", dict(method="gauss_newton", kind="full")),
+        *(
+            (f"ours, projected gauss_newton (full, k={k})", "auto",
+             dict(method="gauss_newton", kind="full", dim=k))
+            for k in (1024, 2048, 4096)
+        ),
     ]
     rows += [
         (f"ours, {m}", d, dict(method=m, damping=d))
@@ -221,7 +231,11 @@ def main():
     parser.add_argument("--exact-n", type=int, default=1000, help="training points for exact")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--methods", default="ekfac,kfac", help="our methods at full N")
+    parser.add_argument(
+        "--methods",
+        default="ekfac,kfac",
+        help="our methods at full N (projectedK: the projected Gauss–Newton path at dim K)",
+    )
     parser.add_argument(
         "--kronfluence-python",
         default=os.environ.get("KRONFLUENCE_PYTHON"),

@@ -1,10 +1,10 @@
-"""LDS of every influence method and of the peer libraries on three settings, in one run.
+"""LDS of every influence method and of the peer libraries on four settings, in one run.
 
-Settings (benchmarks/settings.py): digits MLP 64-64-10, digits CNN, breast_cancer MLP; each with
-its trained network and LDS ground truth (half-subsets × seeds retrained with the network's
-recipe, test margins averaged over seeds; cached under --cache-dir). Every method scores the same
-network (seed 0; ensembles: seeds 0..9) on the same subsets. Peers (kronfluence EK-FAC / K-FAC,
-dattri's explicit IF, TRAK, Grad-Dot) run in their own interpreter (--peer-python or
+Settings (benchmarks/settings.py): digits MLP 64-64-10, digits CNN, breast_cancer and wine MLPs;
+each with its trained network and LDS ground truth (half-subsets × seeds retrained with the
+network's recipe, test margins averaged over seeds; cached under --cache-dir). Every method scores
+the same network (seed 0; ensembles: seeds 0..9) on the same subsets. Peers (kronfluence EK-FAC /
+K-FAC, dattri's explicit IF, TRAK, Grad-Dot) run in their own interpreter (--peer-python or
 $NTK_PEER_PYTHON) by benchmarks/peers/attr_peers.py, exchanging weights, data and scores by files.
 
 Run:   python benchmarks/attribution_settings.py --cache-dir /tmp/ntk-attr-cache
@@ -41,6 +41,12 @@ def ours(setting: settings.Setting, smoke: bool) -> dict:
         "influence auto (gauss_newton, trace)": lambda: influence(model, x, y, xt, yt),
         "gauss_newton, full": lambda: influence(model, x, y, xt, yt, kind="full"),
         "grad_dot, full": lambda: influence(model, x, y, xt, yt, method="grad_dot"),
+        **{
+            f"gauss_newton, full, projected k={k}": (
+                lambda k=k: influence(model, x, y, xt, yt, kind="full", dim=k)
+            )
+            for k in (1024, 2048, 4096)
+        },
         "trak (ours), k=512": lambda: trak(model, x, y, xt, yt, dim=512),
         f"influence auto × {count} models": lambda: influence(
             model, x, y, xt, yt, checkpoints=nets

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
-import attribution._influence as influence_module
 from attribution import influence
 from attribution.curvature import MAX_DENSE, KroneckerCurvature
 
@@ -160,14 +159,6 @@ def test_trace_and_per_example_gradients_are_exact(build):
     got = lam * curvature.influence(x, u, x, r, lam)
     expected = torch.einsum("mo,moa->ma", u, j) @ torch.einsum("io,ioa->ia", r, j).T
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-8)
-
-
-def test_auto_uses_ekfac_when_exact_kernels_do_not_fit(mlp, monkeypatch):
-    model, x, y, xt, yt = mlp
-    monkeypatch.setattr(influence_module, "_exact_fits", lambda *args: False)
-    torch.testing.assert_close(
-        influence(model, x, y, xt, yt), influence(model, x, y, xt, yt, method="ekfac")
-    )
 
 
 def test_float32_model_close_to_float64(mlp):
