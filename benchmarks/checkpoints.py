@@ -22,7 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -111,20 +110,13 @@ def main() -> None:
             for scheme, value in scheme_lds(s, per).items():
                 rows[name][f"Kronfluence EK-FAC: {scheme}"] = value
         print({k: round(v, 3) for k, v in rows[name].items()}, flush=True)
-    print("\n| scheme | " + " | ".join(names) + " | mean |")
-    print("|---" * (len(names) + 2) + "|")
-    for rule in rows[names[0]]:
-        values = [rows[n][rule] for n in names]
-        cells = " | ".join(f"{v:.3f}" for v in values)
-        print(f"| {rule} | {cells} | {np.mean(values):.3f} |")
+    print("\n" + settings.lds_table(rows, "scheme"))
     if len(names) > 1:
         print("\nleave-one-setting-out choice of the scheme (gauss_newton, best mean elsewhere)\n")
         print("| held out | scheme chosen | held-out LDS | in-sample best | final model |")
         print("|---|---|---|---|---|")
         candidates = [f"gauss_newton: {k}" for k in SCHEMES]
-        for held in names:
-            others = [n for n in names if n != held]
-            pick = max(candidates, key=lambda r: np.mean([rows[n][r] for n in others]))
+        for held, pick in settings.leave_one_out(rows, candidates).items():
             chosen_fracs[held] = SCHEMES[pick.split(": ", 1)[1]]
             best = max(rows[held][r] for r in candidates)
             final = rows[held]["gauss_newton: final model (one checkpoint)"]

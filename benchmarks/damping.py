@@ -20,7 +20,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -98,20 +97,13 @@ def main() -> None:
         setting = settings.load(name, cache_dir=args.cache_dir, smoke=args.smoke)
         rows[name] = sweep(setting)
     names = list(rows)
-    print("| rule | " + " | ".join(names) + " | mean |")
-    print("|---" * (len(names) + 2) + "|")
-    for rule in rows[names[0]]:
-        values = [rows[s][rule] for s in names]
-        cells = " | ".join(f"{v:.3f}" for v in values)
-        print(f"| {rule} | {cells} | {np.mean(values):.3f} |")
+    print(settings.lds_table(rows, "rule"))
     if len(names) > 1:
         print("\nleave-one-setting-out choice of the dof fraction (best mean LDS on the others)\n")
         print("| held out | fraction chosen | held-out LDS | in-sample best | 3 × mean eig. |")
         print("|---|---|---|---|---|")
         candidates = [f"dof fraction {f:g}" for f in FRACTIONS]
-        for held in names:
-            others = [s for s in names if s != held]
-            chosen = max(candidates, key=lambda r: np.mean([rows[s][r] for s in others]))
+        for held, chosen in settings.leave_one_out(rows, candidates).items():
             best = max(rows[held][r] for r in candidates)
             old = rows[held]["3 × mean eigenvalue"]
             print(f"| {held} | {chosen[13:]} | {rows[held][chosen]:.3f} | {best:.3f} | {old:.3f} |")

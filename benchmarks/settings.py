@@ -196,3 +196,25 @@ def _seed_noise(stack: SubsetModels, xt, yt) -> float:
     a, b = (margins(out[:, r], yt) for r in (0, 1))
     rhos = [spearmanr(a[:, z], b[:, z]).statistic for z in range(len(yt))]
     return float(np.nanmean(rhos))
+
+
+def lds_table(rows: dict[str, dict[str, float]], first: str) -> str:
+    """Markdown table of rows[setting][rule] with a rule per line, a setting per column and
+    the mean over settings; `first` heads the rule column."""
+    names = list(rows)
+    lines = ["| " + " | ".join([first, *names, "mean"]) + " |", "|---" * (len(names) + 2) + "|"]
+    for rule in rows[names[0]]:
+        values = [rows[s][rule] for s in names]
+        cells = " | ".join(f"{v:.3f}" for v in values)
+        lines.append(f"| {rule} | {cells} | {np.mean(values):.3f} |")
+    return "\n".join(lines)
+
+
+def leave_one_out(rows: dict[str, dict[str, float]], candidates: list[str]) -> dict[str, str]:
+    """For each setting, the candidate rule with the best mean over the other settings."""
+    return {
+        held: max(
+            candidates, key=lambda r: np.mean([rows[s][r] for s in rows if s != held])
+        )
+        for held in rows
+    }
