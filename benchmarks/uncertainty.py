@@ -73,6 +73,7 @@ PEERS = {  # name: laplace_predictive.py arguments
         "--subset", "last_layer", "--structure", "kron", "--tuning", "validation"
     ],
 }
+BOOTSTRAP = 1000  # resamples of the paired intervals against the MAP
 REFERENCE = "laplace-torch all/full/validation"  # the time ratios' denominator
 SLOW = 60.0  # seconds: a first run slower than this is not repeated
 PEER_SCRIPT = Path(__file__).resolve().parent / "peers" / "laplace_predictive.py"
@@ -193,9 +194,23 @@ def run_worker(command: list[str], out: Path, timeout: float) -> dict | None:
         return {k: f[k] for k in f.files}
 
 
-def metrics(result: dict, y_test: np.ndarray) -> dict:
+def paired_interval(p, reference, y, metric: str, draws: int = BOOTSTRAP) -> str:
+    """95 % interval of metric(p) − metric(reference) over `draws` bootstrap resamples of the
+    test samples (the same resample for both), as text."""
+    rng = np.random.default_rng(0)
+    diffs = []
+    for _ in range(draws):
+        i = rng.integers(0, len(y), len(y))
+        ours, theirs = calibration_metrics(p[i], y[i]), calibration_metrics(reference[i], y[i])
+        diffs.append(ours[metric] - theirs[metric])
+    lo, hi = np.percentile(diffs, [2.5, 97.5])
+    return f"[{lo:+.4f}, {hi:+.4f}]"
+
+
+def metrics(result: dict, y_test: np.ndarray, reference: np.ndarray | None = None) -> dict:
     """Test-split calibration metrics and OOD AUROCs of one method's probabilities (each row
-    renormalised in float64: the peers return float32)."""
+    renormalised in float64: the peers return float32); with the MAP's test probabilities as
+    `reference`, the paired-bootstrap 95 % intervals of the NLL and ECE differences to it."""
     result = {
         k: v / v.sum(1, keepdims=True) if k == "test" or k.startswith("ood_") else v
         for k, v in result.items()
@@ -207,6 +222,9 @@ def metrics(result: dict, y_test: np.ndarray) -> dict:
         h = entropy(result[name], axis=1)
         truth = np.r_[np.zeros(len(h_test)), np.ones(len(h))]
         row["auroc " + name[4:]] = float(roc_auc_score(truth, np.r_[h_test, h]))
+    if reference is not None:
+        for metric in ("nll", "ece"):
+            row[f"Δ{metric} vs MAP, 95 % CI"] = paired_interval(p, reference, y_test, metric)
     if "seconds" in result:
         row["seconds"] = float(np.median(result["seconds"]))
         row["peak MiB"] = float(result["peak_bytes"]) / 2**20
@@ -214,7 +232,8 @@ def metrics(result: dict, y_test: np.ndarray) -> dict:
 
 
 def table(setting: str, rows: dict[str, dict]) -> str:
-    columns = [c for c in next(iter(rows.values())) if c not in ("seconds", "peak MiB")]
+    columns = list(dict.fromkeys(c for row in rows.values() for c in row))
+    columns = [c for c in columns if c not in ("seconds", "peak MiB")]
     columns += ["seconds", "× " + REFERENCE, "peak MiB"]
     ref = rows.get(REFERENCE, {}).get("seconds")
     lines = [f"### {setting}", "", "| method | " + " | ".join(columns) + " |"]
@@ -227,7 +246,10 @@ def table(setting: str, rows: dict[str, dict]) -> str:
                 cells.append("–" if value is None else f"{value:.2f}")
             else:
                 value = row.get(c)
-                cells.append("–" if value is None else f"{value:.4g}")
+                if value is None:
+                    cells.append("–")
+                else:
+                    cells.append(value if isinstance(value, str) else f"{value:.4g}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -281,14 +303,14 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--repeats", str(repeats), "--worker"]
                 result = run_worker(cmd + [str(case_path), str(out), method], out, args.timeout)
                 if result is not None:
-                    rows[method] = metrics(result, case["y_test"])
+                    rows[method] = metrics(result, case["y_test"], softmax["test"])
             for method in peers if peer else ():
                 flags = PEERS[method]
                 out = Path(tmp) / f"{setting}-peer-{len(rows)}.npz"
                 cmd = [peer, str(PEER_SCRIPT), str(case_path), str(out), *flags]
                 result = run_worker(cmd + ["--repeats", str(repeats)], out, args.timeout)
                 if result is not None:
-                    rows[method] = metrics(result, case["y_test"])
+                    rows[method] = metrics(result, case["y_test"], softmax["test"])
             report[setting] = rows
             print(table(setting, rows), flush=True)
             print()

@@ -130,6 +130,12 @@ def test_uncertainty_benchmark_smoke_run_scores_the_map_and_the_posterior():
         accuracy, nll, ece, brier = (float(c) for c in cells[:4])
         assert 0.5 < accuracy <= 1 and nll > 0 and 0 <= ece <= 1 and 0 <= brier <= 2
     assert float(rows["NTKPosterior full/validation"][-3]) > 0  # seconds measured
+    # paired-bootstrap intervals of the NLL and ECE differences to the MAP: ordered bounds
+    intervals = [c for c in rows["NTKPosterior full/validation"] if c.startswith("[")]
+    assert len(intervals) == 2
+    for cell in intervals:
+        low, high = (float(v) for v in cell.strip("[]").split(","))
+        assert low <= high
 
 
 def test_lpntk_uses_smoke_run_prints_aucs_and_pruning_curves():
