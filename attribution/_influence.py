@@ -246,7 +246,7 @@ def _one_model(
     if not fits:
         kind, dim = "full", default_dim(model)
     if kind == "full" and dim is not None:  # parameter space on projected Jacobians
-        from projections.projected import Featurizer
+        from projections import Featurizer
 
         projection = dict(seed=seed, dtype=dtype) if store is None else store["featurizer"]
         fz = Featurizer(

@@ -2,11 +2,12 @@
 estimates of the eNTK), and resumable on-disk feature stores for kernels larger than memory."""
 
 from ._projectors import PROJECTORS
-from .projected import features, kernel, projected_ntk
+from .projected import Featurizer, features, kernel, projected_ntk
 from .store import StoreError, featurize, open_store, store_info
 
 __all__ = [
     "PROJECTORS",
+    "Featurizer",
     "StoreError",
     "featurize",
     "features",

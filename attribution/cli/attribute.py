@@ -46,9 +46,9 @@ from .common import (
     "--checkpoint",
     "checkpoint_files",
     multiple=True,
-    help="a state_dict of the model saved along its training (repeat the option for several, "
-    "e.g. after each quarter of the epochs): the scores are averaged over them, which predicts "
-    "retraining better than the final weights alone",
+    help="a state_dict of the model saved along its training (repeat the option for several): "
+    "the scores are averaged over them; the weights after a quarter and a half of the epochs "
+    "predict retraining better than the final weights alone (benchmarks/checkpoints.py)",
 )
 @click.option(
     "--train-features",
