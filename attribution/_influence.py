@@ -361,18 +361,18 @@ def _damped_cholesky(a: torch.Tensor, damping: str | float, n: int, o: int) -> t
 
 def _feature_batches(fz, x, name: str, batch_size: int | None, store: dict | None = None):
     """(rows, projected Jacobians Φ [B, O, k] in float64) batch by batch: computed by the
-    `projections` Featurizer `fz`, or read from a feature store of `x` (`store["features"]`)."""
+    `projections.Featurizer` `fz`, or read from a feature store of `x` (`store["features"]`,
+    1,024 samples at a time unless batch_size says otherwise)."""
     x = inputs.from_numpy(x, name)
-    n = inputs.validate(x, name)
     if store is None:
-        fz.prepare(x, name)
-    batch = batch_size or (1024 if store is not None else fz.default_batch(n))
-    for start in range(0, n, batch):
-        rows = slice(start, min(start + batch, n))
-        if store is None:
-            phi = fz.block(inputs.take(x, rows))
-        else:
-            phi = torch.from_numpy(np.array(store["features"][rows]))
+        blocks = fz.batches(x, batch_size, name=name)
+    else:
+        n, batch = inputs.validate(x, name), batch_size or 1024
+        blocks = (
+            (rows, torch.from_numpy(np.array(store["features"][rows])))
+            for rows in (slice(s, min(s + batch, n)) for s in range(0, n, batch))
+        )
+    for rows, phi in blocks:
         yield rows, phi.to(torch.float64)
 
 

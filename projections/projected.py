@@ -128,6 +128,31 @@ class Featurizer:
         budget = max(0.25 * available_bytes(self.view.device), 64 << 20)
         return max(1, min(512, block_size(n, per_sample, 0.0, budget)))
 
+    def batches(
+        self,
+        x,
+        batch_size: int | None = None,
+        progress: bool = False,
+        name: str = "x",
+        labels=None,
+        labels_name: str = "labels",
+    ):
+        """(rows, features of x[rows]) batch by batch, `batch_size` samples at a time (None: from
+        the free memory): the features of a whole set without holding them all."""
+        if batch_size is not None and (
+            isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
+        ):
+            raise ValueError(
+                f"batch_size must be a positive integer or None, got {batch_size!r}"
+            )
+        n = inputs.validate(x, name)
+        self.prepare(x, name)
+        y = self.kind.check_labels(labels, n, self.num_outputs, labels_name)
+        batch = batch_size or self.default_batch(n)
+        for start in tqdm(range(0, n, batch), disable=not progress, desc="features", unit="batch"):
+            rows = slice(start, min(start + batch, n))
+            yield rows, self.block(inputs.take(x, rows), None if y is None else y[rows])
+
     def block(self, x, labels=None) -> Features:
         """Features of a prepared batch: [B, k] or [B, O, k] (dict per layer with per_layer);
         `labels`: the batch's labels, for a labelled kind."""
@@ -204,18 +229,7 @@ def features(
 def _features_of(
     fz: Featurizer, x, batch_size, progress, name: str, labels=None, labels_name: str = "labels"
 ) -> Features:
-    if batch_size is not None and (
-        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
-    ):
-        raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
-    n = inputs.validate(x, name)
-    fz.prepare(x, name)
-    y = fz.kind.check_labels(labels, n, fz.num_outputs, labels_name)
-    batch = batch_size or fz.default_batch(n)
-    parts = []
-    for start in tqdm(range(0, n, batch), disable=not progress, desc="features", unit="batch"):
-        rows = slice(start, start + batch)
-        parts.append(fz.block(inputs.take(x, rows), None if y is None else y[rows]))
+    parts = [block for _, block in fz.batches(x, batch_size, progress, name, labels, labels_name)]
     if fz.layers is None:
         return torch.cat(parts)
     return {layer: torch.cat([p[layer] for p in parts]) for layer in fz.layers}
