@@ -43,6 +43,7 @@ def test_choices_are_the_librarys():
     assert choices.DEFAULT_LAYER_SCORE == layers.DEFAULT_SCORE
     assert choices.PROXY_METRICS == proxies.METRICS
     assert choices.DEFAULT_RANKING == proxies.DEFAULT_RANKING
+    assert choices.RANKING_BATCH_SIZE == proxies.RANKING_BATCH_SIZE
     assert choices.PROJECTORS == projections.PROJECTORS
     assert choices.SURROGATE_KINDS == attribution.surrogate.KINDS
     assert choices.SURROGATE_MACHINES == attribution.surrogate.MACHINES

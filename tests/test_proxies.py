@@ -271,3 +271,31 @@ def test_layer_condition_is_nan_when_every_layer_kernel_is_singular(data):
     torch.manual_seed(0)
     linear = nn.Linear(D, O)  # sum-of-logits kernel rank ≤ D + 1 < N
     assert math.isnan(run(linear, x, y, "layer_condition"))
+
+
+def test_label_condition_is_the_condition_of_the_labelled_kernel(data):
+    """−log κ of the lpNTK s(y_i)ᵀ J_i J_jᵀ s(y_j), s(y) = 2e_y − 1, from per-sample Jacobians
+    written here; kind="lpntk" gives every kernel metric that kernel."""
+    x, y = data
+    model = tiny().eval()
+    signs = 2.0 * torch.nn.functional.one_hot(y, O).double() - 1.0
+    rows = []
+    for i in range(N):
+        out = (model(x[i : i + 1])[0].double() * signs[i]).sum()
+        grads = torch.autograd.grad(out, list(model.parameters()))
+        rows.append(torch.cat([g.reshape(-1) for g in grads]))
+    g = torch.stack(rows).numpy()
+    k = g @ g.T
+    ev = np.linalg.eigvalsh(k)
+    labels = np.where(y.numpy()[:, None] == y.numpy()[None, :], 1.0, -1.0)
+    expected = -math.log(ev[-1] / ev[0])
+    assert run(model, x, y, "label_condition") == pytest.approx(expected, rel=1e-3)
+    assert run(model, x, y, "label_condition", kind="trace") == pytest.approx(expected, rel=1e-3)
+    assert run(model, x, y, "condition_number", kind="lpntk") == pytest.approx(expected, rel=1e-3)
+    assert run(model, x, y, "lga", kind="lpntk") == pytest.approx(
+        np.corrcoef(k.ravel(), labels.ravel())[0, 1], abs=1e-5
+    )
+    with pytest.raises(ValueError, match="needs class labels"):
+        proxies.score(model, x, None)  # the default metric reads the labels
+    with pytest.raises(ValueError, match="on kind 'lpntk' needs class labels"):
+        proxies.score(model, x, None, metric="condition_number", kind="lpntk")

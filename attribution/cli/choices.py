@@ -25,6 +25,7 @@ PROXY_METRICS = (  # ntk.proxies.METRICS
     "lga_cosine",
     "lga_centred",
     "layer_condition",
+    "label_condition",
     "naswot",
     "synflow",
     "grad_norm",
@@ -32,7 +33,8 @@ PROXY_METRICS = (  # ntk.proxies.METRICS
     "jacob_cov",
     "params",
 )
-DEFAULT_RANKING = ("condition_number", "layer_condition", "naswot")  # ntk.proxies.DEFAULT_RANKING
+DEFAULT_RANKING = ("condition_number", "label_condition", "naswot")  # ntk.proxies.DEFAULT_RANKING
+RANKING_BATCH_SIZE = 64  # ntk.proxies.RANKING_BATCH_SIZE
 PROJECTORS = ("rademacher", "gaussian", "sparse")  # projections.PROJECTORS
 SURROGATE_KINDS = ("full", "trace", "sum_logits")  # attribution.surrogate.KINDS
 SURROGATE_MACHINES = ("ridge", "svm", "logistic", "representer")  # attribution.surrogate.MACHINES

@@ -6,7 +6,7 @@ from functools import partial
 
 import click
 
-from .choices import DEFAULT_RANKING, PROXY_METRICS
+from .choices import DEFAULT_RANKING, PROXY_METRICS, RANKING_BATCH_SIZE
 from .common import UsageProblem, emit, interactive, load_arrays, load_object, output_options
 
 
@@ -44,15 +44,15 @@ def demo_space() -> dict:
 )
 @click.option(
     "--kind",
-    type=click.Choice(["sum_logits", "trace"]),
+    type=click.Choice(["sum_logits", "trace", "lpntk"]),
     default="sum_logits",
     show_default=True,
-    help="kernel kind of the kernel metrics",
+    help="kernel kind of the kernel metrics (label_condition always reads the lpNTK)",
 )
 @click.option(
     "--batch-size",
     type=click.IntRange(min=2),
-    default=64,
+    default=RANKING_BATCH_SIZE,
     show_default=True,
     help="samples scored per repeat",
 )
@@ -151,6 +151,6 @@ def _columns(s) -> dict:
         row = {"mean_rank": s.value, **{m: p.value for m, p in s.parts.items()}}
     else:
         row = {s.metric: s.value, "std": s.std}
-        if s.metric == "condition_number":
+        if s.metric in ("condition_number", "label_condition"):
             row["kappa"] = float(np.mean(s.raw))
     return {k: None if v == float("-inf") or v != v else v for k, v in row.items()}

@@ -3,15 +3,16 @@ by leave-one-space-out.
 
 Spaces: `digits_mlp` (space.py, ground_truth.json) and the three of spaces.py (truth_<space>.json,
 made by ground_truth_spaces.py). Each proxy scores every architecture on `--repeats` random
-batches of 64 training samples and fresh initialisations; the scores are cached in
+batches of 64 or 256 training samples and fresh initialisations; the scores are cached in
 scores_<space>.json (missing proxies are scored and added; `--rescore` recomputes all).
 Per space it prints Kendall τ, Spearman ρ and the top-10 % overlap (how many of the
 k = max(3, n/10) best architectures by accuracy are among the proxy's k best).
 
 Leave-one-space-out: for each space, the candidate with the best worst-space τ on the other
 spaces (ties: best mean) is chosen and its τ on the held-out space reported. `score`'s candidates
-are the single metrics of `proxies.METRICS`; `rank`'s add every vote (`proxies.mean_rank`) of
-two or three of them. The default is the candidate chosen on all spaces.
+are the single metrics of `proxies.METRICS` on 64 or 256 samples; `rank`'s add every vote
+(`proxies.mean_rank`) of two or three of them on the same batch size. The default is the
+candidate chosen on all spaces.
 
     python benchmarks/nas/compare.py [--rescore] [--repeats 2]        # cached: seconds
     python benchmarks/nas/compare.py --smoke                           # tiny, for the tests
@@ -35,6 +36,7 @@ from ntk import demo, proxies
 
 HERE = Path(__file__).parent
 WARMUP = 16
+SMALL, LARGE = 64, 256  # the batch sizes every metric is scored at (default candidates)
 VARIANTS = {  # NTK proxies beyond the plain metrics, reported but not default candidates
     "lga (trace kernel)": {"metric": "lga", "kind": "trace"},
     "condition_number (trace kernel)": {"metric": "condition_number", "kind": "trace"},
@@ -43,8 +45,25 @@ VARIANTS = {  # NTK proxies beyond the plain metrics, reported but not default c
         "metric": "condition_number",
         "warmup_steps": WARMUP,
     },
+    "lga (lpNTK)": {"metric": "lga", "kind": "lpntk"},
+    "layer_condition (lpNTK)": {"metric": "layer_condition", "kind": "lpntk"},
+    "condition_number (512 samples)": {"metric": "condition_number", "batch_size": 512},
 }
-PROXIES = {**{m: {"metric": m} for m in proxies.METRICS}, **VARIANTS}
+
+
+def proxy_label(metric: str, batch: int) -> str:
+    """The cache and table label of `metric` scored on batches of `batch` samples."""
+    return metric if batch == SMALL else f"{metric} ({batch} samples)"
+
+
+PROXIES = {
+    **{
+        proxy_label(m, b): {"metric": m, "batch_size": b}
+        for b in (SMALL, LARGE)
+        for m in proxies.METRICS
+    },
+    **{name: {"batch_size": SMALL, **options} for name, options in VARIANTS.items()},
+}
 SPACE_NAMES = ("digits_mlp", *SPACES)
 
 
@@ -85,16 +104,26 @@ def metrics(values, acc):
 
 
 def candidates(scores, votes):
-    """name → per-space score columns for the plain metrics scored on every space and, if votes,
-    mean-rank votes of 2 or 3 of them."""
-    singles = [m for m in proxies.METRICS if all(m in scores[s] for s in scores)]
-    out = {m: {s: scores[s][m] for s in scores} for m in singles}
-    if votes:
-        for r in (2, 3):
-            for combo in itertools.combinations(singles, r):
-                out[" + ".join(combo)] = {
-                    s: proxies.mean_rank([scores[s][m] for m in combo]) for s in scores
-                }
+    """label → per-space score columns for the plain metrics (64 and 256 samples) scored on every
+    space and, if votes, mean-rank votes of 2 or 3 of them on one batch size."""
+    out = {}
+    for batch in (SMALL, LARGE):
+        singles = [
+            m for m in proxies.METRICS if all(proxy_label(m, batch) in scores[s] for s in scores)
+        ]
+        out.update(
+            {
+                proxy_label(m, batch): {s: scores[s][proxy_label(m, batch)] for s in scores}
+                for m in singles
+            }
+        )
+        if votes:
+            for r in (2, 3):
+                for combo in itertools.combinations(singles, r):
+                    out[proxy_label(" + ".join(combo), batch)] = {
+                        s: proxies.mean_rank([scores[s][proxy_label(m, batch)] for m in combo])
+                        for s in scores
+                    }
     return out
 
 
@@ -140,13 +169,10 @@ def main() -> None:
             if missing:
                 print(f"scoring {name}: {len(cands)} architectures", flush=True)
                 scores[name].update(score_space(cands, x, y, missing, args.repeats))
+                kept = {p: v for p, v in scores[name].items() if p in PROXIES}
                 cache.write_text(
                     json.dumps(
-                        {
-                            "repeats": args.repeats,
-                            "architectures": list(cands),
-                            "scores": scores[name],
-                        }
+                        {"repeats": args.repeats, "architectures": list(cands), "scores": kept}
                     )
                     + "\n"
                 )
@@ -160,15 +186,15 @@ def report(scores, accs, ceilings):
     folds_score, score_default, _ = leave_one_out(scores, accs, votes=False)
     folds_rank, rank_default, rank_taus = leave_one_out(scores, accs, votes=True)
     rows = {p: {s: scores[s][p] for s in spaces} for p in labels}
-    code_vote = " + ".join(proxies.DEFAULT_RANKING)
-    if all(m in labels for m in proxies.DEFAULT_RANKING):
-        rows[f"vote: {code_vote} (code default)"] = {
-            s: proxies.mean_rank([scores[s][m] for m in proxies.DEFAULT_RANKING]) for s in spaces
-        }
-    if rank_default and " + " in rank_default and rank_default != code_vote:
-        rows[f"vote: {rank_default} (chosen)"] = {
-            s: proxies.mean_rank([scores[s][m] for m in rank_default.split(" + ")]) for s in spaces
-        }
+    votes = candidates(scores, votes=True)
+    code_vote = proxy_label(" + ".join(proxies.DEFAULT_RANKING), proxies.RANKING_BATCH_SIZE)
+    code_score = proxy_label(proxies.DEFAULT, proxies.DEFAULT_BATCH_SIZE)
+    if code_vote in votes:
+        rows[f"vote: {code_vote} (rank's code default)"] = votes[code_vote]
+    if code_score in rows:
+        rows[f"{code_score} (score's code default)"] = rows[code_score]
+    if " + " in rank_default and rank_default != code_vote:
+        rows[f"vote: {rank_default} (chosen)"] = votes[rank_default]
     print("\nKendall τ with trained accuracy, per space (n architectures; seed-to-seed ceiling)")
     head = " | ".join(f"{s} ({len(accs[s])}; {ceilings[s]:.2f})" for s in spaces)
     print(f"| proxy | {head} | worst | mean |")
