@@ -10,11 +10,12 @@ r_i = e_{y_i} − p_i the descent direction of example i's cross-entropy in logi
   with the Gauss–Newton Hessian). It is evaluated in kernel form,
   τ(z, ·) = u_zᵀ Θ(z, X) (Λ Θ(X, X) + λI)⁻¹ R, an (N·O)-dimensional solve.
 - `grad_dot`: u_zᵀ Θ(z, x_i) r_i, the change of f(z) after a gradient step on example i.
-- `surrogate`: the counterfactual of the centred kernel-ridge `KernelSurrogate` fitted to the
-  training labels (α = SURROGATE_ALPHA), u_zᵀ (d(z) − d_{−i}(z)), the exact change of its
-  decision when example i is removed and the kernel machine refitted
-  (`KernelSurrogate.influence`, closed form). Fitted to labels, the machine models training
-  rather than the trained network (benchmarks/surrogate_settings.py, label-fitted column).
+- `surrogate`: the counterfactual of the Gauss–Newton `KernelSurrogate` (`machine="gauss_newton"`,
+  the Gauss–Newton model of kernel logistic regression at the network's logits) fitted to the
+  training labels, u_zᵀ (d(z) − d_{−i}(z)), the exact change of its decision when example i is
+  removed and the kernel machine refitted (`KernelSurrogate.influence`, closed form; its λ the
+  effective-parameter rule of `damping="auto"`). Chosen over the centred ridge's counterfactual
+  by `python benchmarks/surrogate_settings.py` (label-fitted counterfactual LDS).
 - `trak`: TRAK as published (`attribution.trak`).
 - `ekfac` / `kfac`: the Gauss–Newton influence in parameter space with the curvature
   Σ_j J_jᵀ Λ_j J_j replaced by its layer-wise Kronecker factorisation (`attribution.curvature`);
@@ -36,7 +37,8 @@ from ntk.core import inputs
 from ntk.core.memory import available_bytes
 from ntk.core.model import ModelView
 
-from . import _damping, _kernels, curvature
+from . import _kernels, curvature
+from ._damping import damped_cholesky
 from ._outputs import (
     labels,
     logits,
@@ -52,21 +54,11 @@ from .surrogate import KernelSurrogate
 
 METHODS = ("auto", "gauss_newton", "trak", "surrogate", "grad_dot", "ekfac", "kfac")
 AUTO = "gauss_newton"
-# damping="auto": λ such that the effective number of parameters of the damped curvature,
-# γ(λ) = Σ_k e_k/(e_k + λ), is DOF_FRACTION of its rank N·(O − 1). Chosen leave-one-setting-out
-# on benchmarks/settings.py's three settings (`python benchmarks/damping.py`): each fold's
-# choice (0.0125 or 0.015) scores LDS 0.668 / 0.618 / 0.608 held out on digits MLP / digits CNN
-# / breast_cancer (in-sample best 0.674 / 0.619 / 0.608), against 0.674 / 0.617 / 0.338 for
-# the previous rule λ = 3 × the mean eigenvalue. On a fourth setting added afterwards (wine MLP,
-# never used to choose it) it scores 0.636 against 0.749 for that setting's best fraction and
-# 0.762 for the previous rule (results/damping.md).
-DOF_FRACTION = 0.015
 # ekfac / kfac with damping="auto": λ = KRONECKER_DAMPING × the mean eigenvalue tr(G)/(N·O) of
 # the factored curvature. The effective-parameter rule scores lower on the factored spectrum
 # (`python benchmarks/damping.py`, rows "ekfac": LDS 0.435 / 0.332 / 0.574 against 0.503 / 0.355
 # / 0.625 on digits MLP / CNN / breast_cancer), so it keeps this rule.
 KRONECKER_DAMPING = 3.0
-SURROGATE_ALPHA = 1.0
 # The largest projection of the fallback when exact kernels do not fit (every kernel method,
 # "auto" included). The projected path costs N·O·k² for its Gram matrix: at N = 20,000 (MLP
 # 64-256-256-10, `python benchmarks/attribution_scale.py --methods ekfac,projected2048,
@@ -123,7 +115,7 @@ def influence(
     curvature; None uses `model` alone): independently trained copies, or checkpoints saved along
     one training run (`ntk.demo.train_checkpoints`), which predict retraining better than the
     final weights alone (`python benchmarks/checkpoints.py`). damping (gauss_newton, ekfac,
-    kfac): λ, or "auto" for `auto_damping`: the λ at which the damped curvature keeps an
+    kfac): λ, or "auto" for `_damping.auto_damping`: the λ at which the damped curvature keeps an
     effective number of parameters Σ_k e_k/(e_k + λ) = DOF_FRACTION · N·(O − 1) (e: eigenvalues
     of ΛΘ); for ekfac/kfac, KRONECKER_DAMPING × tr(G)/(N·O) of the factored curvature.
     batch_size: the kernels' tile size and the projections' featurisation batch (None: from the
@@ -222,7 +214,7 @@ def _one_model(
             model,
             kind=kind,
             projection_dim=dim,
-            alpha=SURROGATE_ALPHA,
+            machine="gauss_newton",
             seed=seed,
             batch_size=batch_size,
             device=device,
@@ -253,14 +245,16 @@ def _one_model(
             model, dim=dim, kind="full", device=device, output_fn=output_fn, **projection
         )
         left = torch.cat(
-            [torch.einsum("mo,mok->mk", u[rows], phi) for rows, phi in _feature_batches(
-                fz, x_test, "x_test", batch_size)]
+            [
+                torch.einsum("mo,mok->mk", u[rows], phi)
+                for rows, phi in _feature_batches(fz, x_test, "x_test", batch_size)
+            ]
         )
         train = _feature_batches(fz, x_train, "x_train", batch_size, store)
         h, w = _parameter_space(train, g_train, r, gram=method != "grad_dot")
         if method == "grad_dot":
             return left @ w.T
-        return torch.cholesky_solve(left.T, _damped_cholesky(h, damping, n, o)).T @ w.T
+        return torch.cholesky_solve(left.T, damped_cholesky(h, damping, n, o)[0]).T @ w.T
     opts = dict(
         kind=kind,
         num_outputs=o,
@@ -324,39 +318,10 @@ def gauss_newton(
     s = psd_root(softmax_curvature(g_train))  # [N, O, O]
     v = s[torch.arange(n), :, y_train] / p[torch.arange(n), y_train][:, None]  # S_i w_i
     a = torch.einsum("iop,ijpr,jrq->iojq", s, theta, s).reshape(n * o, n * o)
-    factor = _damped_cholesky(a, damping, n, o)
+    factor, _ = damped_cholesky(a, damping, n, o)
     bs = torch.einsum("miq,iqo->mio", left, s).reshape(left.shape[0], n * o)
     y = torch.cholesky_solve(bs.T, factor).T
     return (y.reshape(-1, n, o) * v).sum(-1)
-
-
-def auto_damping(
-    eigenvalues: torch.Tensor, n: int, o: int, fraction: float = DOF_FRACTION
-) -> float:
-    """The λ with γ(λ) = Σ_k e_k/(e_k + λ) = fraction · N·(O − 1) (`_damping.damping_for`) for
-    the eigenvalues e of the Gauss–Newton curvature (SΘS, or its projected / Kronecker-factored
-    stand-in). N·(O − 1) is the rank of Σ_i J_iᵀΛ_iJ_i (each softmax Λ_i has rank O − 1), so
-    the rule keeps the same share of the directions the data determine whatever the number of
-    classes (DOF_FRACTION's comment gives its leave-one-setting-out figures)."""
-    return _damping.damping_for(eigenvalues, fraction * n * max(o - 1, 1))
-
-
-def _damped_cholesky(a: torch.Tensor, damping: str | float, n: int, o: int) -> torch.Tensor:
-    """Cholesky factor of a + λI (in place on a), λ = damping or, for "auto", the λ keeping
-    DOF_FRACTION · N·(O − 1) effective parameters (`auto_damping`, from a's spectrum:
-    `_damping.damping_keeping`; N samples, O outputs)."""
-    rank = n * max(o - 1, 1)
-    if damping == "auto":
-        lam = _damping.damping_keeping(a, rank, DOF_FRACTION * rank)
-    else:
-        lam = float(damping)
-    a.diagonal().add_(lam)
-    factor, info = torch.linalg.cholesky_ex(a)
-    if int(info) != 0:
-        raise ValueError(
-            f"the damped Gauss–Newton system is singular (damping λ={lam:.3g}); increase damping"
-        )
-    return factor
 
 
 def _feature_batches(fz, x, name: str, batch_size: int | None, store: dict | None = None):
@@ -415,7 +380,15 @@ def feature_store(path, model: nn.Module, x_train, dim: int | None, o: int, outp
         projector=info["projector"], seed=info["seed"], dtype=getattr(torch, info["compute_dtype"])
     )
     features = projections.featurize(
-        model, x_train, path, dim=info["dim"], kind="full", block=info["block"],
-        store_dtype=info["store_dtype"], output_fn=output_fn, progress=False, **settings
+        model,
+        x_train,
+        path,
+        dim=info["dim"],
+        kind="full",
+        block=info["block"],
+        store_dtype=info["store_dtype"],
+        output_fn=output_fn,
+        progress=False,
+        **settings,
     )
     return {"features": features, "featurizer": settings, "dim": info["dim"]}

@@ -386,7 +386,7 @@ def _sanity(surrogate, x_train, own, x_one, cls, c_row, sides, retrain, baseline
         "surrogate_change": None,
         "network_change": None,
     }
-    if surrogate.center_ and len(gone) < len(own):
+    if surrogate.removable_ and len(gone) < len(own):
         card["surrogate_change"] = -float(surrogate.influence(x_one, gone)[0, cls])
     if retrain is not None:
         keep = torch.ones(len(own), dtype=torch.bool)

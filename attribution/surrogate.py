@@ -24,11 +24,28 @@ DEFAULT_ALPHA on the kernel scaled to unit mean diagonal: the CV optimum interpo
 (benchmarks/surrogate_settings.py compares the variants and chooses these defaults
 leave-one-setting-out).
 
+`machine="gauss_newton"`: the Gauss–Newton (IRLS) model of kernel logistic regression at the
+network's logits. With g_i the network's logits, p_i = softmax(g_i), Λ_i = diag(p_i) − p_i p_iᵀ and
+r_i = e_{y_i} − p_i (y_i the training labels), cross-entropy around g_i is, to second order,
+½ (F_i − t_i)ᵀ Λ_i (F_i − t_i) + const with the working response t_i = g_i + w_i, Λ_i w_i = r_i
+(w_i = e_{y_i}/p_{i,y_i}); fitted to the network's outputs (y=None) the targets are the logits
+themselves, t_i = g_i (no step). The machine minimises
+Σ_i ½ (F(x_i) − t_i)ᵀ Λ_i (F(x_i) − t_i) + (λ/2)‖F‖² over functions in the RKHS of K ⊗ I_O.
+With S_i = Λ_i^½ its dual is a kernel ridge over the N·O rows of the symmetric system
+(SKS + λI) β = S t, and F(x) = Σ_i K(x, x_i) S_i β_i: coefficients A_i = S_i β_i, intercept 0,
+so the contributions K(x, x_i) A_i add up to d(x) exactly. λ: `alpha`, or (alpha=None) the
+effective-parameter rule of `influence`'s Gauss–Newton damping (`_damping.DOF_FRACTION`). It is
+the kernel-machine twin of `influence`'s Gauss–Newton path (same system), and its removal
+effect below is exact for the machine. Cost: an (N·O)² system, O times the outputs squared of
+the ridge's N².
+
 Contributions answer "where does d(x) come from"; `influence` answers the counterfactual "how
 does d(x) change when these training points are removed and the machine refitted", in closed
 form: with H = [[K + αI, 1], [1ᵀ, 0]]⁻¹ and z = [A; b], removing a set S leaves
 z' = z_R − H_RS H_SS⁻¹ z_S (block inverse of H), so d(x) − d_{−S}(x) = w_S(x) H_SS⁻¹ z_S with
-w(x) = [K(x, X), 1] H; for one point, w_i(x) A_i / H_ii.
+w(x) = [K(x, X), 1] H; for one point, w_i(x) A_i / H_ii. For the Gauss–Newton machine the same
+block inverse runs over the rows of (SKS + λI) (H its inverse, the O rows I_S of the removed
+points): β' = β_R − H_RI H_II⁻¹ β_I, so d(x) − d_{−S}(x) = Σ_j K(x, x_j) S_j [H_{:,I} H_II⁻¹ β_I]_j.
 """
 
 from __future__ import annotations
@@ -51,10 +68,11 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from torch import nn
 
 from . import _kernels
-from ._outputs import labels, logits
+from ._damping import damped_cholesky
+from ._outputs import labels, logits, psd_root, softmax_curvature
 
-MACHINES = ("ridge", "svm", "logistic", "representer")
-ARGMAX_MACHINES = ("ridge", "representer")  # predict = argmax of the decision
+MACHINES = ("ridge", "svm", "logistic", "representer", "gauss_newton")
+ARGMAX_MACHINES = ("ridge", "representer", "gauss_newton")  # predict = argmax of the decision
 KINDS = _kernels.OUTPUT_KINDS
 GRID = np.logspace(-6, 2, 9)
 # Centred ridge, alpha=None. Chosen leave-one-setting-out on digits MLP, digits CNN and
@@ -77,13 +95,16 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
     (the trNTK of Engel et al. for kind="trace"). machine: "ridge" (KernelRidge on all outputs,
     the targets' mean as intercept; centred by default, see `center`), "svm" (SVC; one decision
     column per class, the sum of its signed one-vs-one decision values), "logistic" (multinomial
-    LogisticRegression on kernel rows, d(x) = W K(X, x) + b) or "representer" (the network's own
-    training-loss residuals e_y − p as coefficients, one fitted scale; `_fit_representer`).
+    LogisticRegression on kernel rows, d(x) = W K(X, x) + b), "representer" (the network's own
+    training-loss residuals e_y − p as coefficients, one fitted scale; `_fit_representer`) or
+    "gauss_newton" (the Gauss–Newton model of kernel logistic regression at the network's logits,
+    module docstring; fitted to labels it is `attribution.influence(method="surrogate")`).
     projection_dim: None for the exact kernel, else the dimension of a random projection
     (`projections.projected_ntk`, seeded by `seed`). alpha: the regularisation (ridge α, 1/C for
-    svm and logistic) on the kernel scaled to unit mean diagonal; "cv" chooses it from GRID by
-    `cv`-fold cross-validation on the training set; None: DEFAULT_ALPHA for the centred ridge,
-    "cv" otherwise. center: kernel ridge with an unpenalised feature-space intercept on
+    svm and logistic, λ for gauss_newton) on the kernel scaled to unit mean diagonal; "cv"
+    chooses it from GRID by `cv`-fold cross-validation on the training set; None: DEFAULT_ALPHA
+    for the centred ridge, the effective-parameter rule for gauss_newton, "cv" otherwise.
+    center: kernel ridge with an unpenalised feature-space intercept on
     per-sample centred logits (module docstring; None: True for ridge on a scalar kind).
     reference: the quantile of K(x, X) the centred machine's contributions are measured from (any
     level gives the same decision). output_fn maps the model's output to a [B, O] tensor (e.g.
@@ -160,10 +181,15 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             )
         if self.center and (self.machine != "ridge" or self.kind == "full"):
             raise ValueError("center=True needs machine='ridge' and a scalar kind")
+        if self.machine == "gauss_newton" and (self.kind == "full" or self.alpha == "cv"):
+            raise ValueError(
+                "machine='gauss_newton' needs a scalar kind and alpha=None (the "
+                "effective-parameter damping) or a number"
+            )
 
     def _searched(self) -> bool:
         """Whether alpha is chosen by cross-validation."""
-        if self.machine == "representer":
+        if self.machine in ("representer", "gauss_newton"):
             return False
         return self.alpha == "cv" or (self.alpha is None and not self._centred())
 
@@ -239,6 +265,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
                 f"cv={self.cv} folds need at least {self.cv} training samples; got {n} sample(s)"
             )
         self.center_ = self._centred()
+        self.removable_ = self.center_ or self.machine == "gauss_newton"  # has `influence`
         if y is None:
             if self.machine != "ridge":
                 targets = g.argmax(1).numpy()
@@ -266,6 +293,9 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         if self.machine == "representer":
             self._fit_representer(k, g, None if y is None else targets)
             return self
+        if self.machine == "gauss_newton":
+            self._fit_gauss_newton(k, g, None if y is None else targets)
+            return self
         self._fit_machine(k, targets, o)
         if self.center_:  # d(x) = Σ_i (K(x, x_i) − κ(x)) A_i + mean t − Σ_i mean_j K(x_j, x_i) A_i
             self.intercept_ = self.intercept_ - self.row_means_ @ self.dual_
@@ -287,6 +317,27 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         scale = float((kc * tc).sum() / (kc * kc).sum())
         self.dual_, self.intercept_ = scale * residual, (t - scale * kr).mean(0)
         self.classes_, self.alpha_, self.machine_ = np.arange(o), None, None
+
+    def _fit_gauss_newton(self, k: np.ndarray, g: torch.Tensor, y: np.ndarray | None) -> None:
+        """The Gauss–Newton machine (module docstring): S_i = Λ_i^½ at the network's logits g,
+        working responses t_i = g_i + e_{y_i}/p_{i,y_i} (labels y; y=None: t_i = g_i),
+        (SKS + λI) β = S t by Cholesky, A_i = S_i β_i. Keeps S, β and the Cholesky factor for
+        `influence`."""
+        g = g.double()
+        n, o = g.shape
+        step = torch.zeros_like(g)
+        if y is not None:
+            rows, y = torch.arange(n), torch.as_tensor(y)
+            step[rows, y] = 1 / g.softmax(1)[rows, y]
+        root = psd_root(softmax_curvature(g))
+        system = torch.einsum("iop,ij,jpq->iojq", root, torch.as_tensor(k), root)
+        damping = "auto" if self.alpha is None else float(self.alpha)
+        factor, self.alpha_ = damped_cholesky(system.reshape(n * o, n * o), damping, n, o)
+        target = torch.einsum("iop,ip->io", root, g + step).reshape(-1, 1)
+        beta = torch.cholesky_solve(target, factor).reshape(n, o)
+        self.root_, self.beta_, self.factor_ = root.numpy(), beta.numpy(), factor.numpy()
+        self.dual_ = torch.einsum("iop,ip->io", root, beta).numpy()
+        self.intercept_, self.classes_, self.machine_ = np.zeros(o), np.arange(o), None
 
     def _fit_machine(self, k: np.ndarray, targets: np.ndarray, o: int) -> None:
         n = k.shape[0] // (o if self.kind == "full" else 1)
@@ -412,10 +463,15 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         is refitted, in closed form (module docstring). remove=None: every single point, [N_test,
         N_train, C]; else a boolean mask [N_train] or indices of one set S, [N_test, C]. Needs the
         default ridge machine with `center=True` (an unpenalised intercept keeps the refit a
-        bordered solve)."""
+        bordered solve) or machine='gauss_newton'."""
         check_is_fitted(self, "dual_")
-        if not self.center_:
-            raise ValueError("influence needs machine='ridge' with center=True (the default)")
+        if self.machine == "gauss_newton":
+            return self._gauss_newton_removal(self._test_kernel(x_test), remove)
+        if not self.removable_:
+            raise ValueError(
+                "influence needs machine='ridge' with center=True (the default) or "
+                "machine='gauss_newton'"
+            )
         n = self.dual_.shape[0]
         h = np.linalg.inv(
             np.block(
@@ -431,6 +487,26 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             return w[:, :n, None] * (self.dual_ / h.diagonal()[:n, None])[None]
         gone = _removal_indices(remove, n)
         return w[:, gone] @ np.linalg.solve(h[np.ix_(gone, gone)], self.dual_[gone])
+
+    def _gauss_newton_removal(self, k: np.ndarray, remove) -> np.ndarray:
+        """d(x) − d_{−S}(x) of the Gauss–Newton machine (module docstring) for test kernel rows
+        k [M, N]: every single point [M, N, O] (remove=None), or one set S [M, O]."""
+        factor, root = torch.as_tensor(self.factor_), torch.as_tensor(self.root_)
+        beta, k = torch.as_tensor(self.beta_), torch.as_tensor(k)
+        n, o = beta.shape
+        if remove is None:
+            h = torch.cholesky_inverse(factor)
+            blocks = h.reshape(n, o, n, o)[torch.arange(n), :, torch.arange(n), :]  # H_ii
+            gamma = torch.linalg.solve(blocks, beta.unsqueeze(-1)).squeeze(-1)  # H_ii⁻¹ β_i
+            v = torch.einsum("jpiq,iq->jpi", h.reshape(n, o, n, o), gamma)  # H_{:,I_i} γ_i
+            return torch.einsum("mj,jcp,jpi->mic", k, root, v).numpy()
+        gone = torch.as_tensor(_removal_indices(remove, n))
+        rows = (gone[:, None] * o + torch.arange(o)).reshape(-1)
+        unit = torch.zeros(n * o, len(rows), dtype=factor.dtype)
+        unit[rows, torch.arange(len(rows))] = 1.0
+        columns = torch.cholesky_solve(unit, factor)  # H_{:,I}
+        v = (columns @ torch.linalg.solve(columns[rows], beta[gone].reshape(-1))).reshape(n, o)
+        return (k @ torch.einsum("jcp,jp->jc", root, v)).numpy()
 
     def coherence(self, x_test, y_train=None, k: int = 5) -> dict:
         """Whether the decomposition of each test example's predicted column reads as an

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import settings
 
 from attribution import _kernels, influence, lds
-from attribution._influence import DOF_FRACTION, auto_damping
+from attribution._damping import DOF_FRACTION, auto_damping
 from attribution._outputs import (
     labels,
     logits,

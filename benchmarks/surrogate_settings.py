@@ -46,6 +46,9 @@ VARIANTS = {
     "centred sum_logits, α 0.05": dict(center=True, alpha=0.05, kind="sum_logits"),
     "centred sum_logits, α 0.1": dict(center=True, alpha=0.1, kind="sum_logits"),
     "centred sum_logits, α 0.2": dict(center=True, alpha=0.2, kind="sum_logits"),
+    # the Gauss–Newton model of kernel logistic regression at the network's logits
+    "Gauss–Newton machine, λ auto": dict(machine="gauss_newton"),
+    "Gauss–Newton machine, sum_logits, λ auto": dict(machine="gauss_newton", kind="sum_logits"),
 }
 TARGETS = dict(tau=0.98, cancellation=10.0, share=0.90)
 
@@ -65,14 +68,14 @@ def measure(s, options: dict) -> dict:
         lds_contribution=lds(np.einsum("mio,mo->mi", sur.attribute(s.xt), u), s.subsets, s.truth),
         lds_counterfactual=float("nan"),
     )
-    if sur.center_:
+    if sur.removable_:
         row["lds_counterfactual"] = lds(
             np.einsum("mio,mo->mi", sur.influence(s.xt), u), s.subsets, s.truth
         )
     labelled = KernelSurrogate(model, **options).fit(s.x, s.y)
     row["tau_labels"] = labelled.faithfulness(s.xt)["tau_prob"]
     row["lds_counterfactual_labels"] = float("nan")
-    if labelled.center_:
+    if labelled.removable_:
         row["lds_counterfactual_labels"] = lds(
             np.einsum("mio,mo->mi", labelled.influence(s.xt), u), s.subsets, s.truth
         )

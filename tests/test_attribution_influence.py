@@ -164,7 +164,7 @@ def test_surrogate_method_is_its_counterfactual_on_the_margin(setup):
     from attribution import KernelSurrogate
 
     model, x, y, xt, yt = setup
-    c = torch.as_tensor(KernelSurrogate(model, alpha=1.0).fit(x, y).influence(xt))
+    c = torch.as_tensor(KernelSurrogate(model, machine="gauss_newton").fit(x, y).influence(xt))
     expected = torch.einsum("mio,mo->mi", c, _margin_grad(model(xt).detach(), yt))
     torch.testing.assert_close(influence(model, x, y, xt, yt, method="surrogate"), expected)
 
@@ -284,7 +284,7 @@ def test_exact_kernels_are_sized_by_the_computation_device(setup, monkeypatch):
 
 def test_auto_damping_keeps_the_chosen_effective_number_of_parameters():
     """Equal eigenvalues c: γ(λ) = K·c/(c + λ) = f·N·(O − 1) has λ = c(K/(f·N·(O − 1)) − 1)."""
-    from attribution._influence import DOF_FRACTION, auto_damping
+    from attribution._damping import DOF_FRACTION, auto_damping
 
     e = torch.full((60,), 2.0, dtype=torch.float64)
     target = DOF_FRACTION * 100 * 2
@@ -299,18 +299,18 @@ def test_auto_damping_keeps_the_chosen_effective_number_of_parameters():
 def test_randomized_spectrum_gives_the_exact_damping(monkeypatch):
     """Above EXACT_SPECTRUM rows the rule sees a randomized top of the spectrum plus the trace's
     remainder; on a power-law spectrum its λ is within 2 % of the exact one."""
-    from attribution import _damping, _influence
+    from attribution import _damping
 
     gen = torch.Generator().manual_seed(0)
     d, n, o = 800, 400, 3  # rank N·(O − 1) = 800
     q = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64)).Q
     e = 100.0 * torch.arange(1, d + 1, dtype=torch.float64) ** -1.5
     a = (q * e) @ q.T
-    exact = _influence.auto_damping(e, n, o)
+    exact = _damping.auto_damping(e, n, o)
     monkeypatch.setattr(_damping, "EXACT_SPECTRUM", 100)
-    target = _influence.DOF_FRACTION * d
+    target = _damping.DOF_FRACTION * d
     spectrum = _damping.spectrum(a, d, int(4 * target) + 64)
-    assert len(spectrum) == d and len(spectrum) > int(4 * _influence.DOF_FRACTION * d) + 64
-    assert _influence.auto_damping(spectrum, n, o) == pytest.approx(exact, rel=0.02)
+    assert len(spectrum) == d and len(spectrum) > int(4 * _damping.DOF_FRACTION * d) + 64
+    assert _damping.auto_damping(spectrum, n, o) == pytest.approx(exact, rel=0.02)
     # the library's path (influence's damped Cholesky) sees that same spectrum
-    assert _damping.damping_keeping(a, d, target) == _influence.auto_damping(spectrum, n, o)
+    assert _damping.damping_keeping(a, d, target) == _damping.auto_damping(spectrum, n, o)

@@ -238,3 +238,76 @@ def test_check_estimator_with_the_checks_that_apply():
     failed = [r["check_name"] for r in results if r["status"] == "failed"]
     assert not failed, failed
     assert sum(r["status"] == "passed" for r in results) >= 40
+
+
+def _gauss_newton_refit(s, model, x, xt, y, keep):
+    """The Gauss–Newton machine (same kernel scale and λ) refitted on x[keep] from its definition:
+    S_i = Λ_i^½ at the network's logits, working responses t_i = g_i + e_{y_i}/p_{i,y_i},
+    (SKS + λI) β = S t over the kept rows, d(x) = Σ_j K(x, x_j) S_j β_j."""
+    k = ntk.empirical_ntk(model, x, kind="trace", dtype=torch.float64).numpy() / s.scale_
+    kt = ntk.empirical_ntk(model, xt, x, kind="trace", dtype=torch.float64).numpy() / s.scale_
+    g = model(x).detach().numpy()
+    p = np.exp(g - g.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    roots = []
+    for pi in p:
+        e, v = np.linalg.eigh(np.diag(pi) - np.outer(pi, pi))
+        roots.append((v * np.sqrt(e.clip(min=0))) @ v.T)
+    roots = np.array(roots)[keep]
+    t = g.copy()
+    t[np.arange(len(y)), y] += 1 / p[np.arange(len(y)), y]
+    n, o = len(keep), g.shape[1]
+    a = np.einsum("iop,ij,jpq->iojq", roots, k[np.ix_(keep, keep)], roots).reshape(n * o, n * o)
+    beta = np.linalg.solve(
+        a + s.alpha_ * np.eye(n * o), np.einsum("iop,ip->io", roots, t[keep]).ravel()
+    )
+    return kt[:, keep] @ np.einsum("iop,ip->io", roots, beta.reshape(n, o))
+
+
+def test_gauss_newton_machine_solves_its_objective_and_decomposes_exactly(small):
+    model, x, xt = small
+    y = torch.arange(len(x)) % 3
+    s = KernelSurrogate(model, machine="gauss_newton").fit(x, y)
+    d, c = s.decision_function(xt), s.attribute(xt)
+    np.testing.assert_allclose(c.sum(1) + s.intercept_, d, rtol=1e-10, atol=1e-10)
+    assert not s.intercept_.any() and s.alpha_ > 0  # the effective-parameter damping
+    # stationarity of Σ_i ½ (F_i − t_i)ᵀ Λ_i (F_i − t_i) + (λ/2)‖F‖²: Λ_i (F_i − t_i) + λ A_i = 0
+    g = model(x).detach()
+    p = g.softmax(1)
+    lam = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+    t = g + torch.nn.functional.one_hot(y, 3) / p[torch.arange(len(y)), y][:, None]
+    f = torch.as_tensor(s.decision_function(x))
+    residual = torch.einsum("iop,ip->io", lam, f - t) + s.alpha_ * torch.as_tensor(s.dual_)
+    assert float(residual.abs().max()) < 1e-9
+    np.testing.assert_allclose(
+        d, _gauss_newton_refit(s, model, x, xt, y.numpy(), np.arange(len(x))), atol=1e-9
+    )
+    # fitted to the outputs, the targets are the logits themselves: Λ_i (F_i − g_i) + λ A_i = 0
+    outputs = KernelSurrogate(model, machine="gauss_newton").fit(x)
+    f = torch.as_tensor(outputs.decision_function(x))
+    residual = torch.einsum("iop,ip->io", lam, f - g) + outputs.alpha_ * torch.as_tensor(
+        outputs.dual_
+    )
+    assert float(residual.abs().max()) < 1e-9
+
+
+def test_gauss_newton_removal_equals_refitting_without_the_points(small):
+    model, x, xt = small
+    y = (torch.arange(len(x)) * 7) % 3
+    s = KernelSurrogate(model, machine="gauss_newton", alpha=0.05).fit(x, y)
+    assert s.alpha_ == 0.05
+    d, single = s.decision_function(xt), s.influence(xt)
+    assert single.shape == (len(xt), len(x), 3)
+    for i in (0, 7, 24):
+        keep = np.delete(np.arange(len(x)), i)
+        expected = d - _gauss_newton_refit(s, model, x, xt, y.numpy(), keep)
+        np.testing.assert_allclose(single[:, i], expected, atol=1e-8)
+    mask = np.zeros(len(x), bool)
+    mask[[1, 4, 9, 16]] = True
+    expected = d - _gauss_newton_refit(s, model, x, xt, y.numpy(), np.flatnonzero(~mask))
+    np.testing.assert_allclose(s.influence(xt, mask), expected, atol=1e-8)
+    np.testing.assert_allclose(s.influence(xt, np.array([16, 1, 9, 4])), expected, atol=1e-8)
+    with pytest.raises(ValueError, match="every training point"):
+        s.influence(xt, np.ones(len(x), bool))
+    with pytest.raises(ValueError, match="machine='gauss_newton' needs"):
+        KernelSurrogate(model, machine="gauss_newton", alpha="cv").fit(x, y)

@@ -49,3 +49,31 @@ def test_sanity_strip_numbers(tmp_path):
             g_all, g_without = (net(xt[i : i + 1])[0] for net in nets)
         expected = float((g_without[cls] - g_without.mean()) - (g_all[cls] - g_all.mean()))
         assert np.isclose(strip["network_change"], expected, atol=1e-5)
+
+
+def test_sanity_strip_of_the_gauss_newton_machine(tmp_path):
+    """A surrogate passed in with its own removal effect (the Gauss–Newton machine, not centred)
+    fills the strip's surrogate column with that machine's exact counterfactual."""
+    data = demo.digits(n_train=60)
+    x, y, xt = data.x_train, data.y_train, data.x_test[:20]
+    torch.manual_seed(0)
+    model = demo.train(demo.mlp(hidden=8), x, y, epochs=3)
+    machine = KernelSurrogate(model, machine="gauss_newton")
+    result = report(
+        model,
+        x,
+        y,
+        xt,
+        surrogate=machine,
+        path=tmp_path / "r.html",
+        examples=1,
+        top=3,
+        kernel_samples=20,
+    )
+    s = KernelSurrogate(model, machine="gauss_newton").fit(x)
+    assert s.removable_ and not KernelSurrogate(model, machine="svm").fit(x).removable_
+    for card in result["attribution"]["examples"]:
+        i, cls = card["index"], card["network_prediction"]
+        gone = np.array([p["index"] for p in card["proponents"]])
+        expected = -s.influence(xt[i : i + 1], gone)[0, cls]
+        assert np.isclose(card["sanity"]["surrogate_change"], expected)

@@ -37,5 +37,11 @@ DEFAULT_RANKING = ("condition_number", "label_condition", "naswot")  # ntk.proxi
 RANKING_BATCH_SIZE = 64  # ntk.proxies.RANKING_BATCH_SIZE
 PROJECTORS = ("rademacher", "gaussian", "sparse")  # projections.PROJECTORS
 SURROGATE_KINDS = ("full", "trace", "sum_logits")  # attribution.surrogate.KINDS
-SURROGATE_MACHINES = ("ridge", "svm", "logistic", "representer")  # attribution.surrogate.MACHINES
+SURROGATE_MACHINES = (  # attribution.surrogate.MACHINES
+    "ridge",
+    "svm",
+    "logistic",
+    "representer",
+    "gauss_newton",
+)
 POSTERIOR_AUTO_MAX = 4096  # attribution._report.POSTERIOR_AUTO_MAX
