@@ -5,11 +5,14 @@ and a small CNN, N = 1024. Kernel: sum-of-logits (one cotangent, like TRAK's one
 sample). Each measurement runs in a fresh process: median wall time of the repeats, and the peak
 resident set size during a run above the resident size before it (sampled every 2 ms). Error:
 relative Frobenius error of Φ Φᵀ against the exact kernel (ntk.empirical_ntk), TRAK's features
-scaled by 1/√k. Finally the time to featurise `--store-samples` samples of the MLP into an
-on-disk store.
+scaled by 1/√k; ours also as the mean over `--error-seeds` projection seeds (one seed's error
+varies several-fold from seed to seed). One row per projector of ours (`--projectors`, the
+library's default first), against the same TRAK run. Finally the time to featurise
+`--store-samples` samples of the MLP into an on-disk store.
 
     python benchmarks/projection_speed.py [--n 1024] [--dim 4096] [--repeats 3] [--trak-repeats 1]
                                           [--store-samples 60000] [--models mlp,cnn]
+                                          [--projectors rademacher,srht] [--error-seeds 4]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 
 import numpy as np
 import torch
@@ -37,10 +41,18 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _ours(model, x, dim):
+def _ours(model, x, dim, projector=None, seed=0):
     import projections
 
-    return projections.features(model, x, dim=dim, kind="sum_logits", batch_size=256)
+    return projections.features(
+        model,
+        x,
+        dim=dim,
+        kind="sum_logits",
+        batch_size=256,
+        projector=projector or projections.DEFAULT_PROJECTOR,
+        seed=seed,
+    )
 
 
 def _trak(model, x, dim, batch=512):
@@ -92,7 +104,8 @@ class _PeakRSS:
 
 def _worker(method, model_name, n, dim, repeats, out_path, queue):
     model, x = MODELS[model_name](), images(n)
-    fn = _ours if method == "ours" else _trak
+    method, _, projector = method.partition(":")
+    fn = partial(_ours, projector=projector) if method == "ours" else _trak
     times, peak = [], 0
     for _ in range(repeats):
         base = _rss()
@@ -109,7 +122,7 @@ def measure(method, model_name, n, dim, repeats, tmp):
     """(median seconds, peak bytes, features) from a fresh process."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    path = os.path.join(tmp, f"{method}-{model_name}.npy")
+    path = os.path.join(tmp, f"{method.replace(':', '-')}-{model_name}.npy")
     proc = ctx.Process(target=_worker, args=(method, model_name, n, dim, repeats, path, queue))
     proc.start()
     times, peak = queue.get()
@@ -147,6 +160,12 @@ def main():
     ap.add_argument("--trak-repeats", type=int, default=1)
     ap.add_argument("--store-samples", type=int, default=60000)
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of mlp,cnn")
+    ap.add_argument(
+        "--projectors",
+        default="rademacher,srht",
+        help="our projectors, one row each (the first is the library's default)",
+    )
+    ap.add_argument("--error-seeds", type=int, default=4, help="seeds of our mean kernel error")
     args = ap.parse_args()
     import ntk
 
@@ -155,23 +174,32 @@ def main():
         f"{time.strftime('%Y-%m-%d')}; N={args.n}, k={args.dim}, sum_logits kernel"
     )
     print(
-        "| model | params | ours (s) | TRAK CPU (s) | speed-up | ours peak MiB | TRAK peak MiB "
-        "| ours rel. err | TRAK rel. err |"
+        "| model | params | projector | ours (s) | TRAK CPU (s) | speed-up | ours peak MiB "
+        f"| TRAK peak MiB | ours rel. err (seed 0; mean of {args.error_seeds} seeds) "
+        "| TRAK rel. err |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
-            model = MODELS[name]()
-            exact = ntk.empirical_ntk(model, images(args.n), kind="sum_logits").double()
-            t_o, m_o, f_o = measure("ours", name, args.n, args.dim, args.repeats, tmp)
+            model, x = MODELS[name](), images(args.n)
+            exact = ntk.empirical_ntk(model, x, kind="sum_logits").double()
             t_t, m_t, f_t = measure("trak", name, args.n, args.dim, args.trak_repeats, tmp)
             params = sum(p.numel() for p in model.parameters())
-            print(
-                f"| {name} | {params:,} | {t_o:.2f} | {t_t:.2f} | {t_t / t_o:.1f}x | "
-                f"{m_o / 2**20:.0f} | {m_t / 2**20:.0f} | {rel_error(f_o, exact):.4f} | "
-                f"{rel_error(f_t, exact):.4f} |",
-                flush=True,
-            )
+            for projector in args.projectors.split(","):
+                t_o, m_o, f_o = measure(
+                    f"ours:{projector}", name, args.n, args.dim, args.repeats, tmp
+                )
+                errors = [
+                    rel_error(_ours(model, x, args.dim, projector, seed), exact)
+                    for seed in range(args.error_seeds)
+                ]
+                print(
+                    f"| {name} | {params:,} | {projector} | {t_o:.2f} | {t_t:.2f} | "
+                    f"{t_t / t_o:.1f}x | {m_o / 2**20:.0f} | {m_t / 2**20:.0f} | "
+                    f"{rel_error(f_o, exact):.4f}; {np.mean(errors):.4f} | "
+                    f"{rel_error(f_t, exact):.4f} |",
+                    flush=True,
+                )
         if args.store_samples:
             t = store_time(args.store_samples, args.dim, tmp)
             print(

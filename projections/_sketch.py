@@ -75,7 +75,8 @@ class Sketcher:
 
     def explicit(self, layer: str, part, g: torch.Tensor) -> torch.Tensor:
         """g [C, B, P] → g R/√k [C, B, k]; `part` names the term within the layer."""
-        r = self.bank.matrix(("dense", layer, part), g.shape[-1], self.dim, 1 / math.sqrt(self.dim))
+        scale = 1 / math.sqrt(self.dim)
+        r = self.bank.dense_projection(("dense", layer, part), g.shape[-1], self.dim, scale)
         return r.matmul(g)
 
     def factored(self, t: Factored) -> torch.Tensor:

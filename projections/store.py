@@ -25,6 +25,7 @@ from ntk.distributed import rank_and_world
 
 from . import _format
 from ._format import StoreError, open_store, store_info
+from ._projectors import DEFAULT_PROJECTOR
 from .distributed import featurize_shard
 from .projected import Featurizer
 
@@ -38,7 +39,7 @@ def featurize(
     *,
     dim: int,
     kind: str = "trace",
-    projector: str = "rademacher",
+    projector: str = DEFAULT_PROJECTOR,
     seed: int = 0,
     block: int = 1024,
     batch_size: int | None = None,

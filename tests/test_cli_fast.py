@@ -45,6 +45,7 @@ def test_choices_are_the_librarys():
     assert choices.DEFAULT_RANKING == proxies.DEFAULT_RANKING
     assert choices.RANKING_BATCH_SIZE == proxies.RANKING_BATCH_SIZE
     assert choices.PROJECTORS == projections.PROJECTORS
+    assert choices.DEFAULT_PROJECTOR == projections.DEFAULT_PROJECTOR
     assert choices.SURROGATE_KINDS == attribution.surrogate.KINDS
     assert choices.SURROGATE_MACHINES == attribution.surrogate.MACHINES
     assert choices.POSTERIOR_AUTO_MAX == _report.POSTERIOR_AUTO_MAX

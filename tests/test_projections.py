@@ -260,3 +260,27 @@ def test_kernel_in_tiles_matches_projected_ntk():
         assert torch.allclose(torch.from_numpy(got), want, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="axes"):
         projections.kernel(f1.numpy(), kind="trace")
+
+
+def test_srht_is_a_signed_subsampled_hadamard_transform():
+    """The srht dense projection: x R for R = [D_1 H S_1, …]·scale with H the Walsh–Hadamard
+    matrix (scipy's), ±scale entries, whole blocks preserving inner products exactly, the same
+    matrix for the same (seed, key) and another for another key."""
+    import scipy.linalg
+
+    from projections._projectors import hadamard
+
+    x = torch.randn(3, 16, dtype=torch.float64)
+    h = torch.tensor(scipy.linalg.hadamard(16), dtype=torch.float64)
+    torch.testing.assert_close(hadamard(x), x @ h)
+    bank = MatrixBank("srht", 3, dtype=torch.float64, device="cpu")
+    sketch = bank.dense_projection(("dense", "w", 0), 20, 100, 0.1)  # d = 32: 3 whole blocks + 4
+    r = sketch.dense()
+    assert r.shape == (20, 100) and torch.allclose(r.abs(), torch.full_like(r, 0.1))
+    whole = r[:, sketch.columns < 96]  # the columns of the three whole blocks
+    torch.testing.assert_close(whole @ whole.T, 96 * 0.01 * torch.eye(20, dtype=torch.float64))
+    y = torch.randn(2, 5, 20, dtype=torch.float64)
+    torch.testing.assert_close(sketch.matmul(y), y @ r)
+    again = MatrixBank("srht", 3, dtype=torch.float64, device="cpu")
+    assert torch.equal(again.dense_projection(("dense", "w", 0), 20, 100, 0.1).dense(), r)
+    assert not torch.equal(again.dense_projection(("dense", "w", 1), 20, 100, 0.1).dense(), r)

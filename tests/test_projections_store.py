@@ -41,15 +41,17 @@ def store(path, model, x, **kw):
     )
 
 
-def test_store_holds_the_features_and_its_kernel(tmp_path):
+@pytest.mark.parametrize("projector", ["rademacher", "srht"])
+def test_store_holds_the_features_and_its_kernel(tmp_path, projector):
     model, x = model_and_data()
-    phi = store(tmp_path / "s", model, x)
+    phi = store(tmp_path / "s", model, x, projector=projector)
     assert isinstance(phi, np.memmap) and not phi.flags.writeable and phi.shape == (N, 3, DIM)
-    want = projections.features(model, x, dim=DIM, kind="trace", seed=1)
+    want = projections.features(model, x, dim=DIM, kind="trace", seed=1, projector=projector)
     assert np.allclose(phi, want.numpy(), rtol=1e-6, atol=1e-6)
     out = np.lib.format.open_memmap(tmp_path / "k.npy", mode="w+", dtype="float64", shape=(N, N))
     projections.kernel(projections.open_store(tmp_path / "s"), kind="trace", out=out, tile=7)
-    assert np.allclose(out, projections.projected_ntk(model, x, dim=DIM, seed=1).numpy(), rtol=1e-5)
+    exact = projections.projected_ntk(model, x, dim=DIM, seed=1, projector=projector)
+    assert np.allclose(out, exact.numpy(), rtol=1e-5)
     info = projections.store_info(tmp_path / "s")
     assert (info["kind"], info["dim"], info["seed"], info["samples"], info["num_blocks"]) == (
         "trace",

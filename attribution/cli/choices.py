@@ -35,7 +35,8 @@ PROXY_METRICS = (  # ntk.proxies.METRICS
 )
 DEFAULT_RANKING = ("condition_number", "label_condition", "naswot")  # ntk.proxies.DEFAULT_RANKING
 RANKING_BATCH_SIZE = 64  # ntk.proxies.RANKING_BATCH_SIZE
-PROJECTORS = ("rademacher", "gaussian", "sparse")  # projections.PROJECTORS
+PROJECTORS = ("rademacher", "gaussian", "sparse", "srht")  # projections.PROJECTORS
+DEFAULT_PROJECTOR = "rademacher"  # projections.DEFAULT_PROJECTOR
 SURROGATE_KINDS = ("full", "trace", "sum_logits")  # attribution.surrogate.KINDS
 SURROGATE_MACHINES = (  # attribution.surrogate.MACHINES
     "ridge",

@@ -9,7 +9,7 @@ import time
 
 import click
 
-from .choices import KERNEL_KINDS, PROJECTORS
+from .choices import DEFAULT_PROJECTOR, KERNEL_KINDS, PROJECTORS
 from .common import (
     UsageProblem,
     emit,
@@ -36,7 +36,7 @@ from .common import (
 @click.option(
     "--projector",
     type=click.Choice(PROJECTORS),
-    default="rademacher",
+    default=DEFAULT_PROJECTOR,
     show_default=True,
 )
 @click.option("--seed", type=int, default=0, show_default=True)
