@@ -14,7 +14,8 @@ r_i = e_{y_i} − p_i the descent direction of example i's cross-entropy in logi
   the Gauss–Newton model of kernel logistic regression at the network's logits) fitted to the
   training labels, u_zᵀ (d(z) − d_{−i}(z)), the exact change of its decision when example i is
   removed and the kernel machine refitted (`KernelSurrogate.influence`, closed form; its λ the
-  effective-parameter rule of `damping="auto"`). Chosen over the centred ridge's counterfactual
+  effective-parameter rule of `damping="auto"`; an (N·O)² system like the exact path's, refused
+  with a MemoryError when it does not fit). Chosen over the centred ridge's counterfactual
   by `python benchmarks/surrogate_settings.py` (label-fitted counterfactual LDS).
 - `trak`: TRAK as published (`attribution.trak`).
 - `ekfac` / `kfac`: the Gauss–Newton influence in parameter space with the curvature

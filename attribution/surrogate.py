@@ -67,6 +67,8 @@ from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.validation import check_is_fitted, validate_data
 from torch import nn
 
+from ntk.core.memory import available_bytes
+
 from . import _kernels
 from ._damping import damped_cholesky
 from ._outputs import labels, logits, psd_root, softmax_curvature
@@ -325,6 +327,13 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         `influence`."""
         g = g.double()
         n, o = g.shape
+        need = 3 * 8 * (n * o) ** 2  # the system, its factor and a working copy, float64
+        if need > available_bytes(torch.device("cpu")):
+            raise MemoryError(
+                f"machine='gauss_newton' solves an (N·O)² = {n * o:,}² system ({need / 2**30:.1f} "
+                "GiB with its factor) that does not fit in the free memory; fit fewer training "
+                "samples, or use machine='ridge' (an N² system)"
+            )
         step = torch.zeros_like(g)
         if y is not None:
             rows, y = torch.arange(n), torch.as_tensor(y)

@@ -311,3 +311,10 @@ def test_gauss_newton_removal_equals_refitting_without_the_points(small):
         s.influence(xt, np.ones(len(x), bool))
     with pytest.raises(ValueError, match="machine='gauss_newton' needs"):
         KernelSurrogate(model, machine="gauss_newton", alpha="cv").fit(x, y)
+
+
+def test_gauss_newton_machine_that_does_not_fit_is_refused(small, monkeypatch):
+    model, x, _ = small
+    monkeypatch.setattr("attribution.surrogate.available_bytes", lambda device: 10_000)
+    with pytest.raises(MemoryError, match=r"\(N·O\)² = 75² system.*machine='ridge'"):
+        KernelSurrogate(model, machine="gauss_newton").fit(x, torch.arange(len(x)) % 3)
