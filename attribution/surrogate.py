@@ -36,8 +36,7 @@ With S_i = Λ_i^½ its dual is a kernel ridge over the N·O rows of the symmetri
 so the contributions K(x, x_i) A_i add up to d(x) exactly. λ: `alpha`, or (alpha=None) the
 effective-parameter rule of `influence`'s Gauss–Newton damping (`_damping.DOF_FRACTION`). It is
 the kernel-machine twin of `influence`'s Gauss–Newton path (same system), and its removal
-effect below is exact for the machine. Cost: an (N·O)² system, O times the outputs squared of
-the ridge's N².
+effect below is exact for the machine. Cost: an (N·O)² system, O² times the ridge's N².
 
 Contributions answer "where does d(x) come from"; `influence` answers the counterfactual "how
 does d(x) change when these training points are removed and the machine refitted", in closed

@@ -301,7 +301,7 @@ def _check_options(metric, kind, batch_size, repeats, warmup_steps) -> None:
             raise ValueError(f"{name} must be an integer ≥ {low}, got {value!r}")
 
 
-def _check_data(x, y, metric, warmup_steps, kind=None):
+def _check_data(x, y, metric, warmup_steps, kind):
     x = inputs.from_numpy(x, "x")
     n = inputs.validate(x, "x")  # finite
     if n < 2:
