@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import socket
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -358,6 +359,19 @@ def write_blocks(
     del array
 
 
+def _lock_holder(fd: int, attempts: int = 50, wait: float = 0.002) -> str:
+    """The holder named in the lock file: the holder writes its pid and host just after taking
+    the lock, so an empty or partial record is read again for up to attempts × wait seconds."""
+    for attempt in range(attempts):
+        try:
+            who = json.loads(os.pread(fd, 4096, 0).decode(errors="replace"))
+            return f"process {who['pid']} on {who['host']}"
+        except (ValueError, TypeError, KeyError):
+            if attempt + 1 < attempts:
+                time.sleep(wait)
+    return "another process"
+
+
 @contextmanager
 def writer_lock(root: Path):
     """Hold the store's lock while writing; refuse (naming the holder) while another process
@@ -367,12 +381,7 @@ def writer_lock(root: Path):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode(errors="replace")
-            try:
-                who = json.loads(holder)
-                who = f"process {who['pid']} on {who['host']}"
-            except (ValueError, TypeError, KeyError):
-                who = "another process"
+            who = _lock_holder(fd)
             raise StoreError(
                 f"the store at {root} is being written by {who}; wait for it to finish, or stop "
                 "it, before featurizing into it (one writer at a time)"
