@@ -156,6 +156,7 @@ class MatrixBank:
         self.dtype, self.device = dtype, torch.device(device)
         self.cache_bytes = cache_bytes
         self._cache: dict[tuple, torch.Tensor] = {}
+        self._sketches: dict[tuple, HadamardSketch] = {}
         self._cached = 0
 
     def matrix(self, key: tuple, rows: int, cols: int, scale: float = 1.0) -> RandomMatrix:
@@ -166,9 +167,12 @@ class MatrixBank:
     ) -> RandomMatrix | HadamardSketch:
         """The projection of whole gradients: a `HadamardSketch` for the srht projector, else a
         `RandomMatrix` of the projector's entries."""
-        if self.projector == "srht":
-            return HadamardSketch(self, key, rows, cols, scale)
-        return RandomMatrix(self, key, rows, cols, scale)
+        if self.projector != "srht":
+            return RandomMatrix(self, key, rows, cols, scale)
+        ident = (key, rows, cols, scale)
+        if ident not in self._sketches:  # its signs and columns, drawn once per projection
+            self._sketches[ident] = HadamardSketch(self, key, rows, cols, scale)
+        return self._sketches[ident]
 
     def chunk(self, m: RandomMatrix, i: int) -> torch.Tensor:
         ident = (m.key, m.rows, m.cols, i)

@@ -145,8 +145,8 @@ class Featurizer:
             raise ValueError(
                 f"batch_size must be a positive integer or None, got {batch_size!r}"
             )
-        n = inputs.validate(x, name)
-        self.prepare(x, name)
+        self.prepare(x, name)  # validates x
+        n = inputs.count(x)
         y = self.kind.check_labels(labels, n, self.num_outputs, labels_name)
         batch = batch_size or self.default_batch(n)
         for start in tqdm(range(0, n, batch), disable=not progress, desc="features", unit="batch"):
