@@ -217,7 +217,7 @@ def report(results):
     families = list(dict.fromkeys(f for f, _ in results.values()))
     rows = [
         *SCORES,
-        *(["truth reliability"] if all(RELIABILITY in t for _, t in results.values()) else []),
+        *([RELIABILITY] if all(RELIABILITY in t for _, t in results.values()) else []),
     ]
     for t in TRUTH_NAMES:
         print(f"\nSpearman ρ: score vs {t}")
