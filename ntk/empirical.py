@@ -10,7 +10,7 @@ from torch import nn
 
 from .core import inputs, kinds, ntk_vp, persample, structured
 from .core.memory import KernelTooLargeError, available_bytes, block_size, human
-from .core.model import ModelView, check_eval_mode
+from .core.model import ModelView, check_eval_mode, check_output_rows
 from .core.tiles import Grid
 
 METHODS = ("auto", "jacobian", "ntk_vp", "structured")
@@ -283,14 +283,7 @@ def check_outputs(view: ModelView, xs: list, names: list | None = None) -> int:
             n = inputs.count(x)
             for start in range(0, n, 1024):
                 y = view.forward_checked(inputs.take(x, slice(start, start + 1024)), name)
-                if y.shape[0] != min(1024, n - start):
-                    raise ValueError(
-                        f"the model returned {y.shape[0]} rows for {min(1024, n - start)} samples"
-                    )
-                if not bool(torch.isfinite(y).all()):
-                    raise ValueError(
-                        f"the model produced non-finite outputs (NaN or inf) on {name}"
-                    )
+                check_output_rows(y, min(1024, n - start), name)
                 num_outputs = y.shape[1]
         probe = inputs.take(xs[0], slice(0, 4))
         batch = view.forward(view.params, probe)

@@ -9,15 +9,16 @@ Entries r are independent with E[r] = 0 and E[r²] = 1, so that R/√k satisfies
 - ``sparse``:     r = ±√s with probability 1/(2s) each, 0 otherwise, s = max(3, √D) for D rows
   ("very sparse random projections", Li, Hastie & Church, KDD 2006); E[r⁴] = s.
 
-- ``srht``:       the dense projections of whole gradients (`Sketcher.explicit`) are subsampled
-  randomized Hadamard transforms (Ailon & Chazelle, STOC 2006; Tropp, 2011): R = [D_1 H S_1, …],
-  D_j a diagonal of random signs, H the d × d Walsh–Hadamard matrix (d the power of two ≥ D, the
-  gradient zero-padded), S_j a choice of min(d, k − j·d) of its columns without replacement, one
-  block j per d columns. Every entry is ±1 and E_D[R[:, c] R[:, c]ᵀ] = I for each column, so
-  the estimate is unbiased like the others; the columns of one block are dependent (a block that
-  keeps all d columns preserves inner products exactly), and the cost per vector is
-  d·log₂d additions per block instead of D·k multiply-adds. Kronecker factors (`factored`) stay
-  Rademacher.
+- ``srht``:       every projection of vectors (whole gradients in `Sketcher.explicit`, and the
+  Kronecker factors in `Sketcher.factored`; embeddings' gathered rows stay Rademacher) is a
+  subsampled randomized Hadamard transform (Ailon & Chazelle, STOC 2006; Tropp, 2011):
+  R = [D_1 H S_1, …], D_j a diagonal of random signs, H the d × d Walsh–Hadamard matrix (d the
+  power of two ≥ D, the vector zero-padded), S_j a choice of min(d, k − j·d) of its columns
+  without replacement, one block j per d columns. Every entry is ±1 and
+  E_D[R[:, c] R[:, c]ᵀ] = I for each column, so the estimate is unbiased like the others; the
+  columns of one block are dependent and orthogonal (a block that keeps all d columns preserves
+  inner products exactly), and the cost per vector is d·(1 + Σ s_i) multiply-adds per block
+  (`hadamard`, H_d = ⊗ H_{s_i}) instead of D·k.
 
 For a dense projection φ = Rᵀg/√k of a vector g ∈ ℝ^D, the estimate φ·φ' of g·g' is unbiased
 with variance (‖g‖²‖g'‖² + (g·g')² + (κ − 3) Σ_i g_i² g'_i²)/k, where κ = E[r⁴]: the Gaussian
@@ -33,16 +34,15 @@ projection used on many batches is generated once.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 
 import torch
 
 PROJECTORS = ("rademacher", "gaussian", "sparse", "srht")
-# The default, as in the API contract (../shared/DESIGN.md). "srht" is as accurate (relative kernel
-# error, mean of four seeds on the benchmark CNN, N = 1024, k = 4096: 0.0220 against 0.0217) and
-# faster where whole gradients are projected (convolutions: 1.15 s against 1.62 s, and 3.3× on
-# a small ResNet): `python benchmarks/projection_speed.py`.
+# The default, as in the API contract (../shared/DESIGN.md). "srht" is faster and, on the benchmark
+# CNN, more accurate: `python benchmarks/projection_speed.py` (numbers in benchmarks/README.md).
 DEFAULT_PROJECTOR = "rademacher"
 _CHUNK_ENTRIES = 1 << 22  # entries per generated chunk (32 MiB in float64)
 
@@ -78,6 +78,7 @@ class RandomMatrix:
     def __init__(self, bank: MatrixBank, key: tuple, rows: int, cols: int, scale: float):
         self.bank, self.key, self.rows, self.cols, self.scale = bank, key, rows, cols, scale
         self.chunk = max(1, _CHUNK_ENTRIES // cols)
+        self.cost = rows * cols  # multiply-adds per projected vector
 
     def _chunk(self, i: int) -> torch.Tensor:
         return self.bank.chunk(self, i)
@@ -105,41 +106,75 @@ class RandomMatrix:
         return out.reshape(*index.shape, self.cols)
 
 
+_HADAMARD_FACTOR_BITS = 7  # H_d = H_s1 ⊗ H_s2 ⊗ … with each s ≤ 2⁷ (one matrix product each)
+
+
+@functools.lru_cache(maxsize=64)
+def _sylvester(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < size:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h.to(dtype=dtype, device=device)
+
+
+def hadamard_factors(d: int) -> list[int]:
+    """Sizes s_1, …, s_p (powers of two, each ≤ 2⁷) with H_d = H_{s_1} ⊗ … ⊗ H_{s_p}."""
+    bits = max(d - 1, 0).bit_length()
+    if bits <= _HADAMARD_FACTOR_BITS:
+        return [d] if d > 1 else []
+    first = 1 << min(_HADAMARD_FACTOR_BITS, bits // 2)
+    return [first, *hadamard_factors(d // first)]
+
+
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """x H along the last dimension (a power of two), H the unnormalised Walsh–Hadamard matrix
-    (entries ±1, H Hᵀ = d·I), by log₂d butterfly passes."""
+    (entries ±1, H Hᵀ = d·I). With H_d = H_a ⊗ H_b (Sylvester's construction) and x read as an
+    a × b matrix X, x H_d is H_a X H_b: small matrix products, d·Σ s_i multiply-adds per vector
+    (`hadamard_factors`) at matrix-product speed instead of d·log₂d in log₂d memory passes."""
     d = x.shape[-1]
-    y, h = x.reshape(-1, d), 1
-    while h < d:
-        pairs = y.reshape(-1, d // (2 * h), 2, h)
-        y = torch.stack((pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]), 2)
-        h *= 2
-    return y.reshape(x.shape)
+    return _hadamard_rows(x.reshape(-1, d), hadamard_factors(d)).reshape(x.shape)
+
+
+def _hadamard_rows(y: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    if len(sizes) <= 1:
+        return y @ _sylvester(sizes[0], y.dtype, y.device) if sizes else y
+    a, d = sizes[0], y.shape[-1]
+    inner = _hadamard_rows(y.reshape(-1, d // a), sizes[1:]).reshape(-1, a, d // a)
+    return (_sylvester(a, y.dtype, y.device) @ inner).reshape(-1, d)
 
 
 class HadamardSketch:
-    """The `srht` dense projection [rows, cols] times `scale` (module docstring), identified by
-    `key`: block j multiplies by random signs, zero-pads to d, applies H and keeps its columns
-    (all blocks in one transform)."""
+    """The `srht` projection [rows, cols] times `scale` (module docstring), identified by `key`:
+    block j multiplies by random signs, zero-pads to d, applies H and keeps its columns (all
+    blocks in one transform). Each block's columns come in a random order: a whole block's
+    inner products do not depend on it, but the Kronecker route pairs the columns of two
+    sketches, and pairing Walsh functions in their natural order correlates the pairs."""
 
     def __init__(self, bank: MatrixBank, key: tuple, rows: int, cols: int, scale: float):
         self.rows, self.cols, self.scale = rows, cols, scale
         self.d = 1 << max(rows - 1, 0).bit_length()
-        signs, columns = [], []
-        for j, start in enumerate(range(0, cols, self.d)):
-            gen = torch.Generator().manual_seed(stable_seed("srht", bank.seed, key, rows, cols, j))
-            signs.append(torch.randint(0, 2, (rows,), generator=gen, dtype=torch.int8) * 2 - 1)
-            columns.append(j * self.d + torch.randperm(self.d, generator=gen)[: cols - start])
-        self.signs = torch.stack(signs).to(dtype=bank.dtype, device=bank.device)  # [blocks, rows]
-        self.columns = torch.cat(columns).to(bank.device)  # [cols] into the blocks' outputs
+        blocks = -(-cols // self.d)
+        gen = torch.Generator().manual_seed(stable_seed("srht", bank.seed, key, rows, cols))
+        signs = torch.randint(0, 2, (blocks, rows), generator=gen, dtype=torch.int8) * 2 - 1
+        # block j keeps min(d, cols − j·d) of its d columns, drawn without replacement
+        order = torch.rand(blocks, self.d, generator=gen, dtype=torch.float64).argsort(1)
+        columns = order + self.d * torch.arange(blocks).unsqueeze(1)
+        self.columns = columns.reshape(-1)[:cols].to(bank.device)  # [cols] into the outputs
+        # ±scale: the float64 scale rounded once to the dtype, exact signs
+        scaled = torch.tensor(scale, dtype=torch.float64).to(bank.dtype)
+        self.signs = signs.to(dtype=bank.dtype) * scaled  # [blocks, rows]
+        self.signs = self.signs.to(bank.device)
+        # multiply-adds per projected vector: the signs, then `hadamard`'s products, per block
+        self.cost = blocks * self.d * (1 + sum(hadamard_factors(self.d)))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., rows] @ R → [..., cols]."""
-        flat = x.reshape(1, -1, self.rows) * self.signs[:, None, :]  # [blocks, M, rows]
-        y = hadamard(torch.nn.functional.pad(flat, (0, self.d - self.rows)))
-        y = y.transpose(0, 1).reshape(flat.shape[1], -1)[:, self.columns]
-        out = y * torch.tensor(self.scale, dtype=torch.float64).to(x.dtype)
-        return out.reshape(*x.shape[:-1], self.cols)
+        m = x.numel() // self.rows
+        signed = x.reshape(m, 1, self.rows) * self.signs  # [M, blocks, rows]
+        if self.d > self.rows:
+            signed = torch.nn.functional.pad(signed, (0, self.d - self.rows))
+        y = hadamard(signed).reshape(m, -1).index_select(1, self.columns)
+        return y.reshape(*x.shape[:-1], self.cols)
 
     def dense(self) -> torch.Tensor:
         """The whole matrix [rows, cols]."""
@@ -162,11 +197,12 @@ class MatrixBank:
     def matrix(self, key: tuple, rows: int, cols: int, scale: float = 1.0) -> RandomMatrix:
         return RandomMatrix(self, key, rows, cols, scale)
 
-    def dense_projection(
+    def projection(
         self, key: tuple, rows: int, cols: int, scale: float = 1.0
     ) -> RandomMatrix | HadamardSketch:
-        """The projection of whole gradients: a `HadamardSketch` for the srht projector, else a
-        `RandomMatrix` of the projector's entries."""
+        """A projection of vectors (whole gradients, Kronecker factors): a `HadamardSketch` for
+        the srht projector, else a `RandomMatrix` of the projector's entries. Both have
+        `matmul`, `dense` and `cost` (multiply-adds per vector)."""
         if self.projector != "srht":
             return RandomMatrix(self, key, rows, cols, scale)
         ident = (key, rows, cols, scale)

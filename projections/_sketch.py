@@ -27,8 +27,9 @@ benchmarks/projection_speed.py` compares its error with TRAK's dense projection;
 positions that projecting the factors costs more (S·(F_in + F_out) > P, as in early
 convolutions) is projected like an explicit term instead:
 its per-sample gradient G = Σ_s δ_s a_sᵀ (smaller than the factors it replaces) times a dense R,
-at the same cost as the Kronecker route through G and with the lower dense variance. The choice
-depends only on the layer's shapes, so it is the same for every batch.
+with the lower dense variance. The route with fewer multiply-adds per sample wins, counting each
+projection's own cost (D·k for a dense matrix, far less for an srht transform). The choice
+depends only on the layer's shapes and the projector, so it is the same for every batch.
 """
 
 from __future__ import annotations
@@ -73,18 +74,19 @@ class Sketcher:
         self.r = dim // (kron * kron)
         self.route_count = route_count
 
+    def _dense(self, layer: str, part, rows: int):
+        return self.bank.projection(("dense", layer, part), rows, self.dim, 1 / math.sqrt(self.dim))
+
     def explicit(self, layer: str, part, g: torch.Tensor) -> torch.Tensor:
         """g [C, B, P] → g R/√k [C, B, k]; `part` names the term within the layer."""
-        scale = 1 / math.sqrt(self.dim)
-        r = self.bank.dense_projection(("dense", layer, part), g.shape[-1], self.dim, scale)
-        return r.matmul(g)
+        return self._dense(layer, part, g.shape[-1]).matmul(g)
 
     def factored(self, t: Factored) -> torch.Tensor:
         """Σ_s δ_s ⊗ a_s projected with the stacked Kronecker projector → [C, B, k]."""
         c, b, s, f_out = t.d.shape
         m, r = self.m, self.r
         scale = 1 / math.sqrt(m)
-        r_out = self.bank.matrix(("out", t.layer), f_out, r * m, scale)
+        r_out = self.bank.projection(("out", t.layer), f_out, r * m, scale)
         if t.index:
             r_in = self.bank.matrix(("in", t.layer), self.vocab[t.layer], r * m, scale)
             a_proj = r_in.gather(t.a.clamp(min=0))
@@ -92,12 +94,13 @@ class Sketcher:
                 a_proj = a_proj * (t.a != t.padding_idx).unsqueeze(-1).to(a_proj.dtype)
         else:
             f_in = t.a.shape[-1]
-            r_in = self.bank.matrix(("in", t.layer), f_in, r * m, scale)
-            # multiply-adds per sample in units of k: projected factors vs the dense projection of
-            # the per-sample gradient G (which also has to be formed, S·P per cotangent)
+            r_in = self.bank.projection(("in", t.layer), f_in, r * m, scale)
+            # multiply-adds per sample: projecting the factors and multiplying them, against
+            # forming the per-sample gradient G (S·P per cotangent) and projecting it
             n = self.route_count or c
-            via_factors = s * (f_in + n * f_out) / m + n * s
-            via_gradient = n * f_out * f_in * (1 + s / self.dim)
+            via_factors = s * (r_in.cost + n * r_out.cost) + n * s * self.dim
+            dense = self._dense(t.layer, "weight", f_out * f_in)
+            via_gradient = n * (s * f_out * f_in + dense.cost)
             if via_gradient < via_factors:
                 g = torch.einsum("cbso,bsi->cboi", t.d, t.a).reshape(c, b, f_out * f_in)
                 return self.explicit(t.layer, "weight", g)

@@ -31,6 +31,7 @@ from ._projectors import DEFAULT_PROJECTOR, MatrixBank, check_projector
 from ._sketch import Sketcher
 
 Features = torch.Tensor | dict
+_PROBE = 4  # samples `Featurizer.prepare` runs through the model (`block` checks the rest)
 
 
 class Featurizer:
@@ -72,6 +73,7 @@ class Featurizer:
         self.num_outputs: int | None = None
         self._plan = None
         self._sketcher = None
+        self._name = "x"
 
     def fingerprint(self) -> str:
         """SHA-256 of every tensor the forward pass reads (trainable, frozen, buffers)."""
@@ -83,11 +85,14 @@ class Featurizer:
         return h.hexdigest()
 
     def prepare(self, x, name: str = "x") -> Featurizer:
-        """Validate a batch (finite inputs and outputs, samples independent) and plan once;
-        `name` names the inputs in errors."""
+        """Validate a batch (finite inputs; on its first samples, outputs that are neither
+        random nor dependent on the rest of the batch) and plan once; `name` names the inputs
+        in errors. `block` checks the outputs of every sample it featurises (one finite row
+        each) on the forward pass it runs anyway."""
         inputs.validate(x, name)
         x = inputs.convert(x, self.view.device, self.dtype)
-        o = check_outputs(self.view, [x], [name])
+        o = check_outputs(self.view, [inputs.take(x, slice(0, _PROBE))], [name])
+        self._name = name
         if self.num_outputs is not None and o != self.num_outputs:
             raise ValueError(
                 f"the model returned {o} outputs, earlier batches had {self.num_outputs}"
@@ -166,7 +171,7 @@ class Featurizer:
             self.num_outputs, labels=labels, dtype=self.param_dtype, device=self.view.device
         )
         with torch.no_grad():
-            terms = structured.features(self.view, self._plan, x, cot)
+            terms = structured.features(self.view, self._plan, x, cot, name=self._name)
         with torch.no_grad():
             phis = self._sketcher.terms(terms, self.layers)
         shaped = {}

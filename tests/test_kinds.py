@@ -41,9 +41,9 @@ def test_trak_featurises_one_cotangent_per_sample_with_unchanged_scores(monkeypa
     seen = []
     original = structured.features
 
-    def recording(view, plan, xb, cot):
+    def recording(view, plan, xb, cot, **checks):
         seen.append(cot.shape[0])
-        return original(view, plan, xb, cot)
+        return original(view, plan, xb, cot, **checks)
 
     monkeypatch.setattr(structured, "features", recording)
     got = trak(model, x, y, xt, yt, dim=32, seed=5)

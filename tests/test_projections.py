@@ -166,18 +166,25 @@ def test_projector_entries_are_the_float64_entries_rounded_to_the_dtype(projecto
         assert torch.equal(r.dense(), ref.dense().to(dtype))
 
 
+@pytest.mark.parametrize("projector", ["gaussian", "srht"])
 @pytest.mark.parametrize("block", [1, 2])
-def test_kronecker_projection_of_factors(block):
-    """Projected factors equal the stacked Kronecker projection of the gradient written out."""
+def test_kronecker_projection_of_factors(block, projector):
+    """Projected factors equal the stacked Kronecker projection of the gradient written out
+    (with srht, each factor's projection is itself a subsampled Hadamard transform)."""
     g = torch.Generator().manual_seed(0)
     c, b, s, f_in, f_out, dim = 2, 3, 2, 5, 4, 8
     a = torch.randn(b, s, f_in, generator=g, dtype=torch.float64)
     d = torch.randn(c, b, s, f_out, generator=g, dtype=torch.float64)
-    bank = MatrixBank("gaussian", 0, dtype=torch.float64, device="cpu")
-    got = Sketcher(bank, dim, {}, block=block).factored(Factored("w", a, d))
+    bank = MatrixBank(projector, 0, dtype=torch.float64, device="cpu")
+    got = Sketcher(bank, dim, {}, kron=block).factored(Factored("w", a, d))
     m, r = block, dim // (block * block)
-    r_in = bank.matrix(("in", "w"), f_in, r * m, 1 / math.sqrt(m)).dense().reshape(f_in, r, m)
-    r_out = bank.matrix(("out", "w"), f_out, r * m, 1 / math.sqrt(m)).dense().reshape(f_out, r, m)
+
+    def factor(side, rows):
+        return bank.projection((side, "w"), rows, r * m, 1 / math.sqrt(m)).dense()
+
+    r_in, r_out = factor("in", f_in).reshape(f_in, r, m), factor("out", f_out).reshape(f_out, r, m)
+    if projector == "srht":  # ±1/√m entries, not a dense Rademacher draw
+        assert torch.allclose(r_in.abs(), torch.full_like(r_in, 1 / math.sqrt(m)))
     grad = torch.einsum("cbso,bsi->cboi", d, a)
     want = torch.einsum("orp,cboi,irq->cbrpq", r_out, grad, r_in).reshape(c, b, dim) / math.sqrt(r)
     assert torch.allclose(got, want, rtol=1e-10, atol=1e-10)
@@ -273,8 +280,13 @@ def test_srht_is_a_signed_subsampled_hadamard_transform():
     x = torch.randn(3, 16, dtype=torch.float64)
     h = torch.tensor(scipy.linalg.hadamard(16), dtype=torch.float64)
     torch.testing.assert_close(hadamard(x), x @ h)
+    for d in (1 << 8, 1 << 15):  # Sylvester's recursion x H_2d = [(x1 + x2) H_d, (x1 − x2) H_d]
+        x1, x2 = torch.randn(2, 2, d // 2, dtype=torch.float64)
+        h1, h2 = hadamard(x1), hadamard(x2)
+        whole = hadamard(torch.cat([x1, x2], 1))
+        torch.testing.assert_close(whole, torch.cat([h1 + h2, h1 - h2], 1))
     bank = MatrixBank("srht", 3, dtype=torch.float64, device="cpu")
-    sketch = bank.dense_projection(("dense", "w", 0), 20, 100, 0.1)  # d = 32: 3 whole blocks + 4
+    sketch = bank.projection(("dense", "w", 0), 20, 100, 0.1)  # d = 32: 3 whole blocks + 4
     r = sketch.dense()
     assert r.shape == (20, 100) and torch.allclose(r.abs(), torch.full_like(r, 0.1))
     whole = r[:, sketch.columns < 96]  # the columns of the three whole blocks
@@ -282,5 +294,30 @@ def test_srht_is_a_signed_subsampled_hadamard_transform():
     y = torch.randn(2, 5, 20, dtype=torch.float64)
     torch.testing.assert_close(sketch.matmul(y), y @ r)
     again = MatrixBank("srht", 3, dtype=torch.float64, device="cpu")
-    assert torch.equal(again.dense_projection(("dense", "w", 0), 20, 100, 0.1).dense(), r)
-    assert not torch.equal(again.dense_projection(("dense", "w", 1), 20, 100, 0.1).dense(), r)
+    assert torch.equal(again.projection(("dense", "w", 0), 20, 100, 0.1).dense(), r)
+    assert not torch.equal(again.projection(("dense", "w", 1), 20, 100, 0.1).dense(), r)
+
+
+def test_outputs_beyond_the_probe_are_checked_in_every_batch():
+    """`prepare` runs only a few samples through the model; every batch's own forward pass
+    still refuses a non-finite output row and names the argument of a failing sample."""
+
+    class NanAt(nn.Module):
+        def __init__(self, row):
+            super().__init__()
+            self.row, self.fc = row, nn.Linear(5, 3)
+
+        def forward(self, x):
+            out = self.fc(x)
+            bad = (x[:, 0] == self.row).unsqueeze(1)  # the sample whose first input is `row`
+            return torch.where(bad, float("nan"), out)
+
+    x = torch.randn(12, 5)
+    x[:, 0] = torch.arange(12.0)
+    with pytest.raises(ValueError, match="non-finite outputs .* on x"):
+        projections.features(NanAt(9).eval(), x, dim=8, batch_size=4)
+    emb = nn.Sequential(nn.Embedding(10, 3), nn.Flatten(), nn.Linear(6, 2)).eval()
+    ids = torch.randint(0, 10, (12, 2))
+    ids[10, 1] = 10  # beyond the table, in the third batch
+    with pytest.raises(ValueError, match="x: the ids reaching embedding '0' range from"):
+        projections.features(emb, ids, dim=8, batch_size=4, kind="sum_logits")

@@ -100,6 +100,14 @@ def naming_failures(model: nn.Module, x, name: str):
             h.remove()
 
 
+def check_output_rows(y: torch.Tensor, n: int, name: str) -> None:
+    """The model's outputs `y` [B, O] on n samples of `name`: one finite row per sample."""
+    if y.shape[0] != n:
+        raise ValueError(f"the model returned {y.shape[0]} rows for {n} samples")
+    if not bool(torch.isfinite(y).all()):
+        raise ValueError(f"the model produced non-finite outputs (NaN or inf) on {name}")
+
+
 def check_eval_mode(model: nn.Module) -> None:
     """Refuse models whose output depends on the batch or is random."""
     for name, module in model.named_modules():

@@ -21,6 +21,7 @@ Besides torch's Linear, Conv1d/2d, Embedding and normalisation layers, transform
 from __future__ import annotations
 
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 from . import inputs
 from .jacobian import jacobian_features
 from .kinds import Kind, get
-from .model import ModelView
+from .model import ModelView, check_output_rows, naming_failures
 from .persample import quiet_batching_notes
 
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -410,9 +411,11 @@ def prefers_autodiff(plan_: Plan, kind: str | Kind, c: int, tile_size: int) -> b
 # --------------------------------------------------------------------------------------------
 
 
-def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor) -> list:
+def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor, name: str | None = None) -> list:
     """Explicit and factored Jacobian terms of every trainable parameter for a block `x`, seen
-    through the cotangents `cot` ([C, O] shared by the samples, or [C, B, O] per sample)."""
+    through the cotangents `cot` ([C, O] shared by the samples, or [C, B, O] per sample).
+    name: check the block's forward pass as the argument `name` (a failing model raises
+    `ModelInputError` naming it; one finite output row per sample, `check_output_rows`)."""
     layer_inputs: dict[str, torch.Tensor] = {}
     perturbations: dict[str, torch.Tensor] = {}
     b = inputs.count(x)
@@ -438,11 +441,13 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor) -> list:
     if not plan_.empty:
         handles = [m.register_forward_hook(hook(n)) for n, m in plan_.modules.items()]
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), _checked(view, x, name):
                 out = view.forward(view.params, x)
         finally:
             for h in handles:
                 h.remove()
+        if name is not None:
+            check_output_rows(out, b, name)
         b, o = out.shape
         grad_out = (cot[:, None, :] if cot.dim() == 2 else cot).expand(cot.shape[0], b, o)
         grad_out = grad_out.contiguous()
@@ -461,10 +466,17 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor) -> list:
                     (cot.shape[0], *perturbations[name].shape), dtype=out.dtype, device=out.device
                 )
             terms += _module_terms(name, plan_, layer_inputs[name], d)
+    elif name is not None:
+        with torch.no_grad(), _checked(view, x, name):
+            check_output_rows(view.forward(view.params, x), b, name)
     if plan_.fallback:
         jac = jacobian_features(view, x, cot, plan_.fallback)
         terms += [Explicit(view.owner[n], g) for n, g in jac.items()]
     return terms
+
+
+def _checked(view: ModelView, x, name: str | None):
+    return nullcontext() if name is None else naming_failures(view.model, x, name)
 
 
 def _module_terms(layer: str, plan_: Plan, a: torch.Tensor, d: torch.Tensor) -> list:
