@@ -46,6 +46,11 @@ VARIANTS = {
     "centred sum_logits, α 0.05": dict(center=True, alpha=0.05, kind="sum_logits"),
     "centred sum_logits, α 0.1": dict(center=True, alpha=0.1, kind="sum_logits"),
     "centred sum_logits, α 0.2": dict(center=True, alpha=0.2, kind="sum_logits"),
+    # the cosine-normalised trace kernel (trNTK, Engel et al.), added in the fifth session
+    "centred trNTK, α 0.01": dict(center=True, alpha=0.01, normalize=True),
+    "centred trNTK, α 0.02": dict(center=True, alpha=0.02, normalize=True),
+    "centred trNTK, α 0.05": dict(center=True, alpha=0.05, normalize=True),
+    "centred trNTK, α 0.1": dict(center=True, alpha=0.1, normalize=True),
     # the Gauss–Newton model of kernel logistic regression at the network's logits
     "Gauss–Newton machine, λ auto": dict(machine="gauss_newton"),
     "Gauss–Newton machine, sum_logits, λ auto": dict(machine="gauss_newton", kind="sum_logits"),
