@@ -43,6 +43,8 @@ from sklearn.utils.validation import check_is_fitted
 from torch import nn
 
 from ntk.core import inputs
+from ntk.core.jacobian import jacobian_features
+from ntk.core.model import ModelView
 
 from . import _damping, _kernels
 from ._outputs import labels, logits, psd_root, softmax_curvature
@@ -64,6 +66,12 @@ EVIDENCE_TOL = 0.01  # in log10 δ
 VALIDATION_DECADES = 6.0  # the validation NLL is minimised over δ in N·O/‖θ*‖² · 10^(±6)
 VALIDATION_GRID = 25  # coarse grid points over that range before the bounded Brent search
 PREDICT_BLOCK = 128  # test samples per block of the predictive covariance
+# Exact kernels, kind="full": the posterior runs in parameter space when P ≤ ratio · N·O. Its
+# Gram JᵀΛJ costs N·O·P² multiply-adds and its Cholesky P³/3, against (N·O)³/3 for the kernel
+# form's Cholesky: smaller when P ≲ 0.53·N·O. Measured (benchmarks/uncertainty.py cases, fit and
+# four predictions): digits CNN P/(N·O) = 0.34, 18.9 s → 3.1 s; digits MLP at 0.88 was 8 %
+# slower in parameter space (results/uncertainty.md).
+PARAMETER_SPACE_RATIO = 0.5
 
 
 class NTKPosterior(ClassifierMixin, BaseEstimator):
@@ -77,10 +85,13 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
     (`projections`, seeded by `seed`); with kind="full" and N·O > projection_dim the posterior
     is computed in the projected parameter space, a k × k system (Σ(x) = Φ(x)(ΨᵀΨ + δI)⁻¹Φ(x)ᵀ,
     Ψ = SΦ: the kernel form's Σ with Θ = ΦΦᵀ by the push-through identity), so N is limited by
-    the features' memory only. prior_precision: δ > 0; "auto" for the δ that keeps
-    EFFECTIVE_PARAMETERS effective parameters (module docstring) or, when `fit` is given
-    validation data, the δ minimising their negative log predictive density; "evidence" to
-    maximise the Laplace evidence `log_marginal_likelihood` (bounded Brent search on log δ).
+    the features' memory only. With exact kernels, kind="full" and at most half as many trainable
+    parameters P as N·O (PARAMETER_SPACE_RATIO), the same parameter-space form runs on the exact
+    per-sample Jacobians (Φ = J: a P × P system instead of the N·O × N·O one, the same Σ(x) to
+    rounding). prior_precision: δ > 0; "auto" for the δ that keeps EFFECTIVE_PARAMETERS
+    effective parameters (module docstring) or, when `fit` is given validation data, the δ
+    minimising their negative log predictive density; "evidence" to maximise the Laplace evidence
+    `log_marginal_likelihood` (bounded Brent search on log δ).
     link (classification):
     "probit" — p ≈ softmax(μ_o / √(1 + π/8 · s_o)) with s the diagonal of the covariance after
     removing its component along (1, …, 1), which no softmax can see — or "mc", the mean softmax of
@@ -216,7 +227,11 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             )
         self.n_outputs_, self.x_train_, self.root_ = o, x_train, root
         k = self.projection_dim
-        self.parameter_space_ = self.kind == "full" and k is not None and n * o > k
+        if k is None:
+            exact_parameters = PARAMETER_SPACE_RATIO * n * o >= self._parameter_count()
+            self.parameter_space_ = self.kind == "full" and exact_parameters
+        else:
+            self.parameter_space_ = self.kind == "full" and n * o > k
         a = self._system()
         self.sq_norm_ = sum(
             float(p.detach().double().pow(2).sum())
@@ -237,14 +252,18 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         self.evidence_ = self._evidence(self.prior_precision_, logdet, a.shape[0])
         return self
 
+    def _parameter_count(self) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
     def _system(self) -> torch.Tensor:
         """The Gauss–Newton system of the fitted training set: SΘS [N·O, N·O] in kernel form, or
-        with kind="full" and N·O > projection_dim the k × k Gram ΨᵀΨ (Ψ = SΦ) in parameter
-        space (`parameter_space_`)."""
+        with kind="full" and N·O above the features' dimension (projection_dim, or P for exact
+        Jacobians) their Gram ΨᵀΨ (Ψ = SΦ) in parameter space (`parameter_space_`)."""
         root, x_train = self.root_, self.x_train_
-        n, o, k = root.shape[0], self.n_outputs_, self.projection_dim
+        n, o = root.shape[0], self.n_outputs_
         if self.parameter_space_:
-            psi = torch.einsum("iop,ipk->iok", root, self._features(x_train)).reshape(n * o, k)
+            phi = self._features(x_train)
+            psi = torch.einsum("iop,ipk->iok", root, phi).reshape(n * o, phi.shape[-1])
             return psi.T @ psi
         theta = _kernels.output_kernel(self.model, x_train, **self._opts())
         return torch.einsum("iop,ijpr,jrq->iojq", root, theta, root).reshape(n * o, n * o)
@@ -377,25 +396,44 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         return (prior - explained) / (self.prior_precision_ if delta is None else delta)
 
     def _features(self, x) -> torch.Tensor:
-        """Projected Jacobians Φ(x) [N, O, k] (`projections.features`, the features whose Gram
-        matrix is the projected kernel of the kernel form) in float64."""
+        """Φ(x) [N, O, k] in float64: the projected Jacobians (`projections.features`, the
+        features whose Gram matrix is the projected kernel of the kernel form), or with exact
+        kernels the per-sample Jacobians J(x) [N, O, P] (ΦΦᵀ = Θ), computed in the kernels'
+        dtype."""
         import projections
 
-        phi = projections.features(
-            self.model,
-            x,
-            dim=self.projection_dim,
-            kind="full",
-            seed=self.seed,
-            batch_size=self.batch_size,
-            device=self.device,
-            output_fn=self.output_fn,
-            dtype=self.dtype,
-        )
+        if self.projection_dim is None:
+            phi = self._jacobians(x)
+        else:
+            phi = projections.features(
+                self.model,
+                x,
+                dim=self.projection_dim,
+                kind="full",
+                seed=self.seed,
+                batch_size=self.batch_size,
+                device=self.device,
+                output_fn=self.output_fn,
+                dtype=self.dtype,
+            )
         phi = torch.as_tensor(phi).to(torch.float64).cpu()
         if not bool(torch.isfinite(phi).all()):
-            raise ValueError("the projected features contain non-finite values (NaN or inf)")
+            raise ValueError("the Jacobian features contain non-finite values (NaN or inf)")
         return phi
+
+    def _jacobians(self, x) -> torch.Tensor:
+        """J(x) [N, O, P] over the trainable parameters, PREDICT_BLOCK samples at a time."""
+        view = ModelView(self.model, output_fn=self.output_fn, device=self.device, dtype=self.dtype)
+        eye = torch.eye(self.n_outputs_, dtype=next(iter(view.params.values())).dtype)
+        eye = eye.to(view.device)
+        names = list(view.params)
+        blocks = []
+        for s in range(0, inputs.count(x), PREDICT_BLOCK):
+            xb = inputs.take(x, slice(s, s + PREDICT_BLOCK))
+            xb = inputs.convert(xb, view.device, self.dtype)
+            jac = jacobian_features(view, xb, eye, names)  # {name: [O, B, numel]}
+            blocks.append(torch.cat([jac[n] for n in names], -1).transpose(0, 1).cpu())
+        return torch.cat(blocks)
 
     def _mean(self, x) -> torch.Tensor:
         return logits(self.model, self._inputs(x), output_fn=self.output_fn, name="x")

@@ -2,6 +2,7 @@
 evidence-maximising prior precision against a brute-force grid, the links, the estimator contract
 and the error paths."""
 
+import copy
 import math
 
 import numpy as np
@@ -18,7 +19,8 @@ from ntk import demo
 
 @pytest.fixture(scope="module")
 def small():
-    """A 3-class MLP (P = 8·6 + 6 + 6·3 + 3 = 75 < N·O) trained on 20 points."""
+    """A 3-class MLP (P = 8·6 + 6 + 6·3 + 3 = 75 > N·O = 60: the kernel form) trained on 20
+    points."""
     torch.manual_seed(0)
     x = torch.randn(28, 8, dtype=torch.float64)
     y = torch.arange(28) % 3
@@ -300,7 +302,7 @@ def test_projected_parameter_space_posterior_equals_the_kernel_form(small):
     a = torch.einsum("iop,ijpr,jrq->iojq", s, theta, s).reshape(n * o, n * o)
     cross = torch.einsum("mak,jbk->mjab", phi_t, phi)
     b = torch.einsum("mipq,iqr->irmp", cross, s).reshape(n * o, -1)
-    explained = (b.T @ torch.linalg.solve(a + delta * torch.eye(n * o, dtype=torch.float64), b))
+    explained = b.T @ torch.linalg.solve(a + delta * torch.eye(n * o, dtype=torch.float64), b)
     m = phi_t.shape[0]
     explained = explained.reshape(m, o, m, o).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
     prior = torch.einsum("mak,mbk->mab", phi_t, phi_t)
@@ -315,3 +317,55 @@ def test_projected_parameter_space_posterior_equals_the_kernel_form(small):
     assert tuned.parameter_space_ and tuned.prior_precision_ > 0
     kernel_form = NTKPosterior(model, prior_precision=delta, projection_dim=64, seed=3).fit(x, y)
     assert not kernel_form.parameter_space_  # N·O = 60 ≤ 64
+
+
+def test_exact_parameter_space_when_parameters_are_few(small):
+    """P = 75 ≤ N·O/2 = 90: the exact posterior runs as a P × P system on the per-sample
+    Jacobians, with the kernel form's covariance, evidence and effective-parameter prior (all
+    checked against the parameter-space Laplace written out); frozen parameters stay out of P."""
+    from attribution._posterior import EFFECTIVE_PARAMETERS
+
+    model, x20, _, xt, yt = small
+    x = torch.cat(
+        [x20, torch.randn(40, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(4))]
+    )
+    y = torch.arange(60) % 3
+    assert not NTKPosterior(model, prior_precision=0.5).fit(x20, y[:20]).parameter_space_
+    with torch.no_grad():
+        g = model(x)
+    p = g.softmax(1)
+    lam = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+    for delta in (0.05, 2.0):
+        post = NTKPosterior(model, prior_precision=delta).fit(x, y)
+        assert post.parameter_space_
+        cov, logdet = _parameter_space(model, x, xt, lam, delta)
+        assert np.allclose(post.predict_variance(xt), cov.numpy(), atol=1e-9, rtol=1e-8)
+        loglik = -float(nn.functional.cross_entropy(g, y, reduction="sum"))
+        evidence = loglik - 0.5 * delta * _sq_norm(model) - 0.5 * logdet
+        assert post.log_marginal_likelihood() == pytest.approx(evidence, rel=1e-9, abs=1e-9)
+    auto = NTKPosterior(model).fit(x, y)
+    j = _jacobian(model, x)
+    e = torch.linalg.eigvalsh(torch.einsum("iop,ioq,iqr->pr", j, lam, j)).clamp_min(0)
+    gamma = float((e / (e + auto.prior_precision_)).sum())
+    assert gamma == pytest.approx(EFFECTIVE_PARAMETERS, rel=1e-6)
+    tuned = NTKPosterior(model).fit(x, y, validation=(xt, yt))
+    assert tuned.parameter_space_ and np.isfinite(tuned.predict_proba(xt)).all()
+
+    frozen = copy.deepcopy(model)
+    frozen[0].requires_grad_(False)  # P = 21 trainable
+    post = NTKPosterior(frozen, prior_precision=0.5).fit(x20, y[:20])  # N·O/2 = 30 ≥ 21
+    assert post.parameter_space_
+    head = {k: v.detach() for k, v in frozen.named_parameters() if v.requires_grad}
+    body = {k: v.detach() for k, v in frozen.named_parameters() if not v.requires_grad}
+
+    def jac(inputs):
+        j = jacrev(lambda q: functional_call(frozen, {**body, **q}, (inputs,)))(head)
+        return torch.cat([v.reshape(len(inputs), 3, -1) for v in j.values()], 2)
+
+    with torch.no_grad():
+        q = frozen(x20).softmax(1)
+    lam20 = torch.diag_embed(q) - q[:, :, None] * q[:, None, :]
+    j20, jt = jac(x20), jac(xt)
+    h = torch.einsum("iop,ioq,iqr->pr", j20, lam20, j20) + 0.5 * torch.eye(21, dtype=torch.float64)
+    cov = torch.einsum("mop,pq,mrq->mor", jt, torch.linalg.inv(h), jt)
+    assert np.allclose(post.predict_variance(xt), cov.numpy(), atol=1e-9, rtol=1e-8)
