@@ -255,9 +255,7 @@ def reliability(probs, labels, n_bins: int = 15) -> dict[str, np.ndarray]:
     p = np.asarray(probs, dtype=np.float64)
     y = np.asarray(labels)
     if p.ndim != 2 or y.shape != (p.shape[0],):
-        raise ValueError(
-            f"probs must be [N, C] and labels [N], got shapes {p.shape} and {y.shape}"
-        )
+        raise ValueError(f"probs must be [N, C] and labels [N], got shapes {p.shape} and {y.shape}")
     if not np.isfinite(p).all() or (p < 0).any():
         raise ValueError("probs must be finite and non-negative")
     if not (isinstance(n_bins, Integral) and n_bins >= 1):

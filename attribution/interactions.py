@@ -57,9 +57,7 @@ def sample_interactions(
     exact lpNTK, else the Gram matrix of `projections.features(kind="lpntk")` of that dimension
     (seeded by `seed`). output_fn and dtype as in `ntk.empirical_ntk`. The model is never
     modified."""
-    if projection_dim is not None and not (
-        isinstance(projection_dim, int) and projection_dim > 0
-    ):
+    if projection_dim is not None and not (isinstance(projection_dim, int) and projection_dim > 0):
         raise ValueError(
             f"projection_dim must be a positive integer or None, got {projection_dim!r}"
         )

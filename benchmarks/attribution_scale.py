@@ -126,7 +126,7 @@ def worker(case_path: str, out_path: str, method: str, kind: str | None, threads
     with PeakRSS() as mem:
         start = time.perf_counter()
         if method.startswith("projected"):  # the projected Gauss–Newton path at dim k
-            options = dict(method="gauss_newton", kind="full", dim=int(method[len("projected"):]))
+            options = dict(method="gauss_newton", kind="full", dim=int(method[len("projected") :]))
         else:
             options = dict(method=method, **({} if kind is None else {"kind": kind}))
         scores = influence(*args, **options)
@@ -190,8 +190,11 @@ def digits_lds(args, peer) -> None:
         ("ours, exact gauss_newton (trace) = influence default", "auto", dict(method="auto")),
         ("ours, exact gauss_newton (full)", "auto", dict(method="gauss_newton", kind="full")),
         *(
-            (f"ours, projected gauss_newton (full, k={k})", "auto",
-             dict(method="gauss_newton", kind="full", dim=k))
+            (
+                f"ours, projected gauss_newton (full, k={k})",
+                "auto",
+                dict(method="gauss_newton", kind="full", dim=k),
+            )
             for k in (1024, 2048, 4096)
         ),
     ]

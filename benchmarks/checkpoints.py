@@ -50,8 +50,9 @@ def trajectory(setting: settings.Setting, runs: int = 1) -> list[dict[float, tor
     out = [{} for _ in range(runs)]
     for f in FRACTIONS:
         recipe = dict(setting.recipe, epochs=max(1, round(setting.recipe["epochs"] * f)))
-        stack = train_on_subsets(setting.factory, setting.x, setting.y, everything, seeds=runs,
-                                 **recipe)
+        stack = train_on_subsets(
+            setting.factory, setting.x, setting.y, everything, seeds=runs, **recipe
+        )
         for run, net in enumerate(settings._modules(stack, runs)):
             out[run][f] = net
     return out
@@ -65,8 +66,9 @@ def scores_along(setting, nets: dict, method: str) -> dict[float, torch.Tensor]:
 
 def scheme_lds(setting, per_checkpoint: dict) -> dict[str, float]:
     return {
-        name: lds(torch.stack([per_checkpoint[f] for f in fracs]).mean(0), setting.subsets,
-                  setting.truth)
+        name: lds(
+            torch.stack([per_checkpoint[f] for f in fracs]).mean(0), setting.subsets, setting.truth
+        )
         for name, fracs in SCHEMES.items()
     }
 
@@ -104,8 +106,7 @@ def main() -> None:
         if not args.no_peers:
             per = {}
             for f, m in nets.items():
-                out = run_peers(m, [m], s.x, s.y, s.xt, s.yt, args.peer_python,
-                                "kronfluence_ekfac")
+                out = run_peers(m, [m], s.x, s.y, s.xt, s.yt, args.peer_python, "kronfluence_ekfac")
                 per[f] = torch.as_tensor(out["kronfluence_ekfac"][0]).double()
             for scheme, value in scheme_lds(s, per).items():
                 rows[name][f"Kronfluence EK-FAC: {scheme}"] = value
@@ -120,8 +121,10 @@ def main() -> None:
             chosen_fracs[held] = SCHEMES[pick.split(": ", 1)[1]]
             best = max(rows[held][r] for r in candidates)
             final = rows[held]["gauss_newton: final model (one checkpoint)"]
-            print(f"| {held} | {pick.split(': ', 1)[1]} | {rows[held][pick]:.3f} | {best:.3f} "
-                  f"| {final:.3f} |")
+            print(
+                f"| {held} | {pick.split(': ', 1)[1]} | {rows[held][pick]:.3f} | {best:.3f} "
+                f"| {final:.3f} |"
+            )
     if args.ensemble:
         name = "digits_mlp" if "digits_mlp" in names else names[0]
         s = settings.load(name, cache_dir=args.cache_dir, smoke=args.smoke)
@@ -131,9 +134,11 @@ def main() -> None:
             per = scores_along(s, {f: nets[f] for f in set(fracs) | {1.0}}, "gauss_newton")
             finals.append(per[1.0])
             schemes.append(torch.stack([per[f] for f in fracs]).mean(0))
-        print(f"\n{name}, ensemble of {args.ensemble} runs: final models "
-              f"{lds(torch.stack(finals).mean(0), s.subsets, s.truth):.3f}, checkpoints "
-              f"{fracs} {lds(torch.stack(schemes).mean(0), s.subsets, s.truth):.3f}")
+        print(
+            f"\n{name}, ensemble of {args.ensemble} runs: final models "
+            f"{lds(torch.stack(finals).mean(0), s.subsets, s.truth):.3f}, checkpoints "
+            f"{fracs} {lds(torch.stack(schemes).mean(0), s.subsets, s.truth):.3f}"
+        )
 
 
 if __name__ == "__main__":

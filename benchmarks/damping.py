@@ -49,8 +49,9 @@ def sweep(setting) -> dict[str, float]:
     n, o = g.shape
     y = labels(setting.y, n, o, "y")
     u = margin_gradient(gt, labels(setting.yt, gt.shape[0], o, "y_test"))
-    joint = _kernels.output_kernel(model, torch.cat([setting.x, setting.xt]), kind="trace",
-                                   num_outputs=o)
+    joint = _kernels.output_kernel(
+        model, torch.cat([setting.x, setting.xt]), kind="trace", num_outputs=o
+    )
     theta, cross = joint[:n, :n], joint[n:, :n]
     s = psd_root(softmax_curvature(g))
     p = g.softmax(1)
@@ -78,7 +79,12 @@ def sweep(setting) -> dict[str, float]:
     curv = KroneckerCurvature(model, strategy="ekfac").fit(setting.x, g)
     factored = torch.cat([block.eigenvalues.flatten() for block in curv.blocks.values()])
     scores = influence(
-        model, setting.x, setting.y, setting.xt, setting.yt, method="ekfac",
+        model,
+        setting.x,
+        setting.y,
+        setting.xt,
+        setting.yt,
+        method="ekfac",
         damping=auto_damping(factored, n, o),
     )
     out[f"ekfac, dof fraction {DOF_FRACTION:g}"] = lds(scores, setting.subsets, setting.truth)

@@ -56,9 +56,10 @@ def worker(way: str, n: int, dim: int, store: str, out: str) -> None:
         h.diagonal().add_(1.0)
         r = torch.nn.functional.one_hot(y, 10).double() - g.softmax(1)
         left = torch.einsum("mo,mok->mk", margin_gradient(gt, yt), ft)
-        scores = torch.cholesky_solve(left.T, torch.linalg.cholesky(h)).T @ torch.einsum(
-            "io,iok->ik", r, f
-        ).T
+        scores = (
+            torch.cholesky_solve(left.T, torch.linalg.cholesky(h)).T
+            @ torch.einsum("io,iok->ik", r, f).T
+        )
     elif way == "streamed":
         scores = influence(model, x, y, xt, yt, kind="full", dim=dim, damping=1.0)
     else:
@@ -70,8 +71,20 @@ def worker(way: str, n: int, dim: int, store: str, out: str) -> None:
 
 def run(way: str, n: int, dim: int, store: str, tmp: str) -> dict:
     out = str(Path(tmp) / "result.pt")
-    cmd = [sys.executable, __file__, "--worker", way, "--n", str(n), "--dim", str(dim),
-           "--store", store, "--out", out]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        way,
+        "--n",
+        str(n),
+        "--dim",
+        str(dim),
+        "--store",
+        store,
+        "--out",
+        out,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-2000:])
@@ -104,13 +117,17 @@ def main() -> None:
             start = time.perf_counter()
             projections.featurize(model, x, store, dim=dim, kind="full", progress=False)
             written = time.perf_counter() - start
-            rows = {w: run(w, n, dim, store, tmp) for w in
-                    ("all features in memory", "streamed", "from a store")}
+            rows = {
+                w: run(w, n, dim, store, tmp)
+                for w in ("all features in memory", "streamed", "from a store")
+            }
             ref = rows["all features in memory"]["scores"]
             for way, r in rows.items():
                 err = float((r["scores"] - ref).abs().max() / ref.abs().max())
-                print(f"| {n} | {way} | {r['seconds']:.1f} | {r['peak'] / 2**30:.2f} | {err:.1e} |",
-                      flush=True)
+                print(
+                    f"| {n} | {way} | {r['seconds']:.1f} | {r['peak'] / 2**30:.2f} | {err:.1e} |",
+                    flush=True,
+                )
             print(f"| {n} | (writing the store, once) | {written:.1f} | – | – |")
     print(json.dumps({"dim": dim, "n_test": N_TEST}))
 

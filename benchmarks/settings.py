@@ -213,8 +213,6 @@ def lds_table(rows: dict[str, dict[str, float]], first: str) -> str:
 def leave_one_out(rows: dict[str, dict[str, float]], candidates: list[str]) -> dict[str, str]:
     """For each setting, the candidate rule with the best mean over the other settings."""
     return {
-        held: max(
-            candidates, key=lambda r: np.mean([rows[s][r] for s in rows if s != held])
-        )
+        held: max(candidates, key=lambda r: np.mean([rows[s][r] for s in rows if s != held]))
         for held in rows
     }

@@ -70,7 +70,12 @@ PEERS = {  # name: laplace_predictive.py arguments
     "laplace-torch all/full/validation": ["--structure", "full", "--tuning", "validation"],
     "laplace-torch all/kron/validation": ["--structure", "kron", "--tuning", "validation"],
     "laplace-torch last-layer/kron/validation": [
-        "--subset", "last_layer", "--structure", "kron", "--tuning", "validation"
+        "--subset",
+        "last_layer",
+        "--structure",
+        "kron",
+        "--tuning",
+        "validation",
     ],
 }
 BOOTSTRAP = 1000  # resamples of the paired intervals against the MAP

@@ -147,9 +147,7 @@ class Featurizer:
         if batch_size is not None and (
             isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
         ):
-            raise ValueError(
-                f"batch_size must be a positive integer or None, got {batch_size!r}"
-            )
+            raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
         self.prepare(x, name)  # validates x
         n = inputs.count(x)
         y = self.kind.check_labels(labels, n, self.num_outputs, labels_name)

@@ -117,9 +117,21 @@ def test_training_features_read_from_a_store(setup, tmp_path):
     torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-10)
     # method="auto" uses it too; dim may be repeated
     torch.testing.assert_close(
-        influence(model, x, y, xt, yt, method="auto", kind="full", dim=32, train_features=path,
-                  damping=0.1),
-        expected, rtol=1e-7, atol=1e-10,
+        influence(
+            model,
+            x,
+            y,
+            xt,
+            yt,
+            method="auto",
+            kind="full",
+            dim=32,
+            train_features=path,
+            damping=0.1,
+        ),
+        expected,
+        rtol=1e-7,
+        atol=1e-10,
     )
 
 

@@ -159,9 +159,10 @@ def test_damping_benchmark_smoke_run_checks_the_library_default():
     assert proc.returncode == 0, proc.stderr
     rows = {_cells(line)[0]: _cells(line)[1:] for line in proc.stdout.splitlines() if "|" in line}
     # the library's damping="auto" is the rule's row at DOF_FRACTION = 0.015
-    assert rows["library default, influence(method='gauss_newton')"][0] == rows[
-        "dof fraction 0.015"
-    ][0]
+    assert (
+        rows["library default, influence(method='gauss_newton')"][0]
+        == rows["dof fraction 0.015"][0]
+    )
 
 
 def test_posterior_prior_smoke_run_scores_the_library_default():
@@ -188,15 +189,26 @@ def test_checkpoints_benchmark_smoke_run_checks_the_library_average():
     the leave-one-setting-out table has a row per setting, and the ensemble line is printed."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "checkpoints.py"
     proc = subprocess.run(
-        [sys.executable, str(script), "--smoke", "--no-peers", "--ensemble", "2",
-         "--settings", "breast_cancer,wine_mlp"],
+        [
+            sys.executable,
+            str(script),
+            "--smoke",
+            "--no-peers",
+            "--ensemble",
+            "2",
+            "--settings",
+            "breast_cancer,wine_mlp",
+        ],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    rows = {_cells(line)[0]: _cells(line)[1:] for line in proc.stdout.splitlines()
-            if line.startswith("|")}
+    rows = {
+        _cells(line)[0]: _cells(line)[1:]
+        for line in proc.stdout.splitlines()
+        if line.startswith("|")
+    }
     library = rows["library: influence(checkpoints=4 evenly spaced)"]
     assert library == rows["gauss_newton: 4 evenly spaced (1/4, 1/2, 3/4, 1)"]
     assert {"breast_cancer", "wine_mlp"} <= set(rows)

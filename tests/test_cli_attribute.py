@@ -92,15 +92,29 @@ def test_attribute_averages_over_checkpoint_files(tmp_path):
             p.data.normal_()
         torch.save(net.state_dict(), tmp_path / f"c{k}.pt")
         nets.append(net.eval())
-    common = ("--model", str(tmp_path / "factory.py:build"), "--data", str(tmp_path / "train.npz"),
-              "--test", str(tmp_path / "test.npz"), "--top", "3", "--format", "json")
-    out = run(*common, "--checkpoint", str(tmp_path / "c0.pt"), "--checkpoint",
-              str(tmp_path / "c1.pt"))
+    common = (
+        "--model",
+        str(tmp_path / "factory.py:build"),
+        "--data",
+        str(tmp_path / "train.npz"),
+        "--test",
+        str(tmp_path / "test.npz"),
+        "--top",
+        "3",
+        "--format",
+        "json",
+    )
+    out = run(
+        *common, "--checkpoint", str(tmp_path / "c0.pt"), "--checkpoint", str(tmp_path / "c1.pt")
+    )
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)["rows"]
     expected = attribution.influence(
-        namespace["build"]().eval(), torch.from_numpy(x), torch.from_numpy(y),
-        torch.from_numpy(xt), checkpoints=nets,
+        namespace["build"]().eval(),
+        torch.from_numpy(x),
+        torch.from_numpy(y),
+        torch.from_numpy(xt),
+        checkpoints=nets,
     )
     for t in range(2):
         got = [r["score"] for r in rows if r["test"] == t and r["role"] == "proponent"]
@@ -122,26 +136,64 @@ def test_attribute_reads_training_features_written_by_ntk_featurize(tmp_path):
     model = ("--model", str(tmp_path / "factory.py:build"), "--data", str(tmp_path / "train.npz"))
     store = str(tmp_path / "features")
     made = subprocess.run(
-        [sys.executable, "-m", "attribution.cli", "featurize", store, *model, "--kind", "full",
-         "--dim", "32", "--seed", "7"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "attribution.cli",
+            "featurize",
+            store,
+            *model,
+            "--kind",
+            "full",
+            "--dim",
+            "32",
+            "--seed",
+            "7",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert made.returncode == 0, made.stderr
-    out = run(*model, "--test", str(tmp_path / "test.npz"), "--top", "2", "--format", "json",
-              "--method", "gauss_newton", "--train-features", store)
+    out = run(
+        *model,
+        "--test",
+        str(tmp_path / "test.npz"),
+        "--top",
+        "2",
+        "--format",
+        "json",
+        "--method",
+        "gauss_newton",
+        "--train-features",
+        store,
+    )
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)["rows"]
     namespace = {}
     exec(FACTORY, namespace)
     expected = attribution.influence(
-        namespace["build"]().eval(), torch.from_numpy(x), torch.from_numpy(y),
-        torch.from_numpy(xt), kind="full", dim=32, seed=7,
+        namespace["build"]().eval(),
+        torch.from_numpy(x),
+        torch.from_numpy(y),
+        torch.from_numpy(xt),
+        kind="full",
+        dim=32,
+        seed=7,
     )
     for t in range(2):
         got = [r["score"] for r in rows if r["test"] == t and r["role"] == "proponent"]
         np.testing.assert_allclose(got, expected[t].sort(descending=True).values[:2], rtol=1e-4)
     other = tmp_path / "other.npz"
     np.savez(other, x=x + 1.0, y=y)
-    bad = run("--model", str(tmp_path / "factory.py:build"), "--data", str(other), "--test",
-              str(tmp_path / "test.npz"), "--train-features", store)
+    bad = run(
+        "--model",
+        str(tmp_path / "factory.py:build"),
+        "--data",
+        str(other),
+        "--test",
+        str(tmp_path / "test.npz"),
+        "--train-features",
+        store,
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr

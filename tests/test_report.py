@@ -158,8 +158,9 @@ def test_calibration_section_matches_a_direct_posterior(setup, built):
 def test_calibration_section_off_by_choice_or_by_size(setup, tmp_path):
     model, x_train, y_train, x_test, y_test = setup
     opts = dict(examples=1, top=1, kernel_samples=20)
-    off = report(model, x_train, y_train, x_test, y_test, path=tmp_path / "a.html",
-                 posterior=False, **opts)
+    off = report(
+        model, x_train, y_train, x_test, y_test, path=tmp_path / "a.html", posterior=False, **opts
+    )
     assert off["calibration"] == {"enabled": False, "note": "turned off (posterior=False)"}
     assert 'id="calibration"' in (tmp_path / "a.html").read_text()
     assert "Calibration section turned off" in (tmp_path / "a.html").read_text()
@@ -309,8 +310,9 @@ def test_calibration_section_without_enough_test_labels_uses_the_default_prior(s
     model, x_train, y_train, x_test, y_test = setup
     with torch.no_grad():
         p_test = model(x_test[:5]).double().softmax(1)
-    c = _calibration(model, (x_train[:20], y_train[:20]), (x_test[:5], y_test[:5], p_test),
-                     True, 1, {})
+    c = _calibration(
+        model, (x_train[:20], y_train[:20]), (x_test[:5], y_test[:5], p_test), True, 1, {}
+    )
     default = NTKPosterior(model).fit(x_train[:20], y_train[:20])
     assert c["prior_precision"] == pytest.approx(default.prior_precision_, rel=1e-9)
     assert "effective parameters" in c["prior_precision_by"] and c["metrics_split"] == "test"
