@@ -65,7 +65,7 @@ def _sample(projector: str, rows: int, cols: int, total_rows: int, seed: int) ->
     gen = torch.Generator().manual_seed(seed)
     if projector == "gaussian":
         return torch.randn(rows, cols, generator=gen, dtype=torch.float64)
-    if projector in ("rademacher", "srht"):  # srht: its Kronecker factors
+    if projector in ("rademacher", "srht"):  # srht: the gathered rows of embeddings
         return torch.randint(0, 2, (rows, cols), generator=gen, dtype=torch.int8) * 2 - 1
     s = max(3.0, math.sqrt(total_rows))
     u = torch.rand(rows, cols, generator=gen, dtype=torch.float64)
@@ -162,8 +162,7 @@ class HadamardSketch:
         self.columns = columns.reshape(-1)[:cols].to(bank.device)  # [cols] into the outputs
         # ±scale: the float64 scale rounded once to the dtype, exact signs
         scaled = torch.tensor(scale, dtype=torch.float64).to(bank.dtype)
-        self.signs = signs.to(dtype=bank.dtype) * scaled  # [blocks, rows]
-        self.signs = self.signs.to(bank.device)
+        self.signs = (signs.to(dtype=bank.dtype) * scaled).to(bank.device)  # [blocks, rows]
         # multiply-adds per projected vector: the signs, then `hadamard`'s products, per block
         self.cost = blocks * self.d * (1 + sum(hadamard_factors(self.d)))
 
