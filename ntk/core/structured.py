@@ -451,21 +451,21 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor, name: str | Non
         b, o = out.shape
         grad_out = (cot[:, None, :] if cot.dim() == 2 else cot).expand(cot.shape[0], b, o)
         grad_out = grad_out.contiguous()
-        names = list(perturbations)
+        layers = list(perturbations)
         with quiet_batching_notes():
             signals = torch.autograd.grad(
                 out,
-                [perturbations[n] for n in names],
+                [perturbations[n] for n in layers],
                 grad_outputs=grad_out,
                 is_grads_batched=True,
                 allow_unused=True,
             )
-        for name, d in zip(names, signals):
+        for layer, d in zip(layers, signals):
             if d is None:
                 d = torch.zeros(
-                    (cot.shape[0], *perturbations[name].shape), dtype=out.dtype, device=out.device
+                    (cot.shape[0], *perturbations[layer].shape), dtype=out.dtype, device=out.device
                 )
-            terms += _module_terms(name, plan_, layer_inputs[name], d)
+            terms += _module_terms(layer, plan_, layer_inputs[layer], d)
     elif name is not None:
         with torch.no_grad(), _checked(view, x, name):
             check_output_rows(view.forward(view.params, x), b, name)
