@@ -321,3 +321,20 @@ def test_outputs_beyond_the_probe_are_checked_in_every_batch():
     ids[10, 1] = 10  # beyond the table, in the third batch
     with pytest.raises(ValueError, match="x: the ids reaching embedding '0' range from"):
         projections.features(emb, ids, dim=8, batch_size=4, kind="sum_logits")
+
+
+def test_each_weights_route_follows_the_projectors_cost():
+    """A 64 × 64 Linear weight at k = 4096: the dense Rademacher projection of its 4,096-entry
+    per-sample gradient costs 4096² multiply-adds, so its factors are projected instead; one srht
+    block of that gradient costs 4096·(1 + 64 + 64), less than projecting the factors, so srht
+    projects the gradient, with one whole block, which preserves inner products exactly."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 1, 64, generator=g, dtype=torch.float64)
+    d = torch.randn(1, 3, 1, 64, generator=g, dtype=torch.float64)
+    grad = torch.einsum("cbso,bsi->cboi", d, a).reshape(1, 3, 4096)
+    for projector, via_gradient in (("rademacher", False), ("srht", True)):
+        sketch = Sketcher(MatrixBank(projector, 0, dtype=torch.float64, device="cpu"), 4096, {})
+        phi = sketch.factored(Factored("w", a, d))
+        dense = sketch.explicit("w", "weight", grad)
+        assert torch.allclose(phi, dense) == via_gradient, projector
+    torch.testing.assert_close(phi[0] @ phi[0].T, grad[0] @ grad[0].T)  # srht: exact here
