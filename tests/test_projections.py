@@ -64,6 +64,17 @@ def test_every_projector_is_unbiased(projector):
     assert_unbiased(per_column(phi, "diagonal"), exact)
 
 
+@pytest.mark.parametrize("case", ["transformer", "tied"])
+def test_srht_is_unbiased_with_embeddings_and_shared_weights(case):
+    """srht pairs Hadamard factors with gathered Rademacher rows (embeddings) and projects
+    weights used at several places; each coordinate stays unbiased."""
+    model, x, _ = make(case)
+    x = x[:4] if not isinstance(x, dict) else x
+    exact = ntk.empirical_ntk(model, x, kind="trace")
+    phi = projections.features(model, x, dim=2000, kind="trace", projector="srht", seed=1)
+    assert_unbiased(per_column(phi, "trace"), exact)
+
+
 def test_mean_over_seeds_converges():
     model, x, _ = make("mlp")
     exact = ntk.empirical_ntk(model, x, kind="trace")
