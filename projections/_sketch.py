@@ -35,7 +35,6 @@ depends only on the layer's shapes and the projector, so it is the same for ever
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 
@@ -58,16 +57,7 @@ class Sketcher:
         vocab: dict[str, int],
         kron: int = 1,
         route_count: int | None = None,
-        *,
-        block: int | None = None,
     ):
-        if block is not None:
-            warnings.warn(
-                "Sketcher(block=) is deprecated; the Kronecker block side is now kron=",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            kron = block
         if dim % (kron * kron):
             raise ValueError(f"dim={dim} must be a multiple of kron²={kron * kron}")
         self.bank, self.dim, self.vocab, self.m = bank, dim, vocab, kron
