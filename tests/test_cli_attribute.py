@@ -28,33 +28,47 @@ def run(*args):
     )
 
 
-def test_attribute_lists_the_largest_and_smallest_influence(tmp_path):
+def write_files(tmp_path, seed: int, n: int):
+    """FACTORY as factory.py, n labelled training samples as train.npz and two test samples as
+    test.npz in tmp_path; returns (x, y, xt)."""
     (tmp_path / "factory.py").write_text(FACTORY)
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(30, 4)).astype(np.float32), rng.integers(0, 3, 30)
+    rng = np.random.default_rng(seed)
+    x, y = rng.normal(size=(n, 4)).astype(np.float32), rng.integers(0, 3, n)
     xt = rng.normal(size=(2, 4)).astype(np.float32)
     np.savez(tmp_path / "train.npz", x=x, y=y)
     np.savez(tmp_path / "test.npz", x=xt)
-    out = run(
+    return x, y, xt
+
+
+def files(tmp_path, data: str = "train.npz") -> tuple:
+    """The --model, --data and --test arguments naming the files of `write_files` (`data`: the
+    training file's name)."""
+    return (
         "--model",
         str(tmp_path / "factory.py:build"),
         "--data",
-        str(tmp_path / "train.npz"),
+        str(tmp_path / data),
         "--test",
         str(tmp_path / "test.npz"),
-        "--top",
-        "2",
-        "--format",
-        "json",
     )
+
+
+def build():
+    """FACTORY's build function, to compare with the subprocess in this process."""
+    namespace = {}
+    exec(FACTORY, namespace)
+    return namespace["build"]
+
+
+def test_attribute_lists_the_largest_and_smallest_influence(tmp_path):
+    x, y, xt = write_files(tmp_path, seed=0, n=30)
+    out = run(*files(tmp_path), "--top", "2", "--format", "json")
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)["rows"]
     assert len(rows) == 2 * 2 * 2
 
-    namespace = {}
-    exec(FACTORY, namespace)
     scores = attribution.influence(
-        namespace["build"]().eval(), torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(xt)
+        build()().eval(), torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(xt)
     )
     for t in range(2):
         order = torch.argsort(scores[t], descending=True).tolist()
@@ -62,55 +76,29 @@ def test_attribute_lists_the_largest_and_smallest_influence(tmp_path):
         opp = [r["train"] for r in rows if r["test"] == t and r["role"] == "opponent"]
         assert pro == order[:2] and opp == order[::-1][:2]
 
-    no_labels = tmp_path / "nolabels.npz"
-    np.savez(no_labels, x=x)
-    bad = run(
-        "--model",
-        str(tmp_path / "factory.py:build"),
-        "--data",
-        str(no_labels),
-        "--test",
-        str(tmp_path / "test.npz"),
-    )
+    np.savez(tmp_path / "nolabels.npz", x=x)
+    bad = run(*files(tmp_path, "nolabels.npz"))
     assert bad.returncode == 2 and "labels" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_attribute_averages_over_checkpoint_files(tmp_path):
-    (tmp_path / "factory.py").write_text(FACTORY)
-    rng = np.random.default_rng(1)
-    x, y = rng.normal(size=(24, 4)).astype(np.float32), rng.integers(0, 3, 24)
-    xt = rng.normal(size=(2, 4)).astype(np.float32)
-    np.savez(tmp_path / "train.npz", x=x, y=y)
-    np.savez(tmp_path / "test.npz", x=xt)
-    namespace = {}
-    exec(FACTORY, namespace)
+    x, y, xt = write_files(tmp_path, seed=1, n=24)
     nets = []
     for k in range(2):
         torch.manual_seed(10 + k)
-        net = namespace["build"]()
+        net = build()()
         for p in net.parameters():
             p.data.normal_()
         torch.save(net.state_dict(), tmp_path / f"c{k}.pt")
         nets.append(net.eval())
-    common = (
-        "--model",
-        str(tmp_path / "factory.py:build"),
-        "--data",
-        str(tmp_path / "train.npz"),
-        "--test",
-        str(tmp_path / "test.npz"),
-        "--top",
-        "3",
-        "--format",
-        "json",
-    )
+    common = (*files(tmp_path), "--top", "3", "--format", "json")
     out = run(
         *common, "--checkpoint", str(tmp_path / "c0.pt"), "--checkpoint", str(tmp_path / "c1.pt")
     )
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)["rows"]
     expected = attribution.influence(
-        namespace["build"]().eval(),
+        build()().eval(),
         torch.from_numpy(x),
         torch.from_numpy(y),
         torch.from_numpy(xt),
@@ -127,13 +115,8 @@ def test_attribute_averages_over_checkpoint_files(tmp_path):
 
 
 def test_attribute_reads_training_features_written_by_ntk_featurize(tmp_path):
-    (tmp_path / "factory.py").write_text(FACTORY)
-    rng = np.random.default_rng(2)
-    x, y = rng.normal(size=(20, 4)).astype(np.float32), rng.integers(0, 3, 20)
-    xt = rng.normal(size=(2, 4)).astype(np.float32)
-    np.savez(tmp_path / "train.npz", x=x, y=y)
-    np.savez(tmp_path / "test.npz", x=xt)
-    model = ("--model", str(tmp_path / "factory.py:build"), "--data", str(tmp_path / "train.npz"))
+    x, y, xt = write_files(tmp_path, seed=2, n=20)
+    model = files(tmp_path)[:4]  # --model and --data: featurize takes no test set
     store = str(tmp_path / "features")
     made = subprocess.run(
         [
@@ -156,9 +139,7 @@ def test_attribute_reads_training_features_written_by_ntk_featurize(tmp_path):
     )
     assert made.returncode == 0, made.stderr
     out = run(
-        *model,
-        "--test",
-        str(tmp_path / "test.npz"),
+        *files(tmp_path),
         "--top",
         "2",
         "--format",
@@ -170,10 +151,8 @@ def test_attribute_reads_training_features_written_by_ntk_featurize(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)["rows"]
-    namespace = {}
-    exec(FACTORY, namespace)
     expected = attribution.influence(
-        namespace["build"]().eval(),
+        build()().eval(),
         torch.from_numpy(x),
         torch.from_numpy(y),
         torch.from_numpy(xt),
@@ -184,16 +163,6 @@ def test_attribute_reads_training_features_written_by_ntk_featurize(tmp_path):
     for t in range(2):
         got = [r["score"] for r in rows if r["test"] == t and r["role"] == "proponent"]
         np.testing.assert_allclose(got, expected[t].sort(descending=True).values[:2], rtol=1e-4)
-    other = tmp_path / "other.npz"
-    np.savez(other, x=x + 1.0, y=y)
-    bad = run(
-        "--model",
-        str(tmp_path / "factory.py:build"),
-        "--data",
-        str(other),
-        "--test",
-        str(tmp_path / "test.npz"),
-        "--train-features",
-        store,
-    )
+    np.savez(tmp_path / "other.npz", x=x + 1.0, y=y)
+    bad = run(*files(tmp_path, "other.npz"), "--train-features", store)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
