@@ -93,7 +93,7 @@ class Sketcher:
             via_gradient = n * (s * f_out * f_in + dense.cost)
             if via_gradient < via_factors:
                 g = torch.einsum("cbso,bsi->cboi", t.d, t.a).reshape(c, b, f_out * f_in)
-                return self.explicit(t.layer, "weight", g)
+                return dense.matmul(g)  # the projection `explicit(t.layer, "weight", g)` uses
             a_proj = r_in.matmul(t.a)  # [B, S, r·m]
         d_proj = r_out.matmul(t.d).reshape(c, b, s, r, m)
         a_proj = a_proj.reshape(b, s, r, m)
