@@ -228,7 +228,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         self.n_outputs_, self.x_train_, self.root_ = o, x_train, root
         k = self.projection_dim
         if k is None:
-            exact_parameters = PARAMETER_SPACE_RATIO * n * o >= self._parameter_count()
+            exact_parameters = PARAMETER_SPACE_RATIO * n * o >= ModelView(self.model).num_params
             self.parameter_space_ = self.kind == "full" and exact_parameters
         else:
             self.parameter_space_ = self.kind == "full" and n * o > k
@@ -251,9 +251,6 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         self.factor_, logdet = _factor(a, self.prior_precision_, copy=False)
         self.evidence_ = self._evidence(self.prior_precision_, logdet, a.shape[0])
         return self
-
-    def _parameter_count(self) -> int:
-        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
     def _system(self) -> torch.Tensor:
         """The Gauss–Newton system of the fitted training set: SΘS [N·O, N·O] in kernel form, or
