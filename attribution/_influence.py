@@ -297,7 +297,7 @@ def default_dim(model: nn.Module) -> int:
     """The projection used when exact kernels do not fit: the power of two ≥ the number of
     trainable parameters P, at most MAX_DIM (k ≈ P is within the seed noise of exact, smaller k
     lose a little accuracy, larger ones cost N·O·k²: MAX_DIM's comment)."""
-    p = sum(t.numel() for t in model.parameters() if t.requires_grad)
+    p = ModelView(model).num_params
     return min(MAX_DIM, 1 << max(p - 1, 1).bit_length())
 
 

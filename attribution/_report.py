@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 
 import ntk
 from ntk.core import inputs
+from ntk.core.model import ModelView
 
 from . import _figures
 from ._outputs import labels, logits
@@ -513,7 +514,7 @@ def versions() -> dict:
 
 
 def _settings(model, surrogate, x_train, n_train, n_test, classes, y_train, y_test, extra) -> dict:
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainable = ModelView(model).num_params
     shape = inputs.signature(x_train)
     options = {
         k: v
