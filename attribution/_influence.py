@@ -326,7 +326,7 @@ def gauss_newton(
 
 
 def _feature_batches(fz, x, name: str, batch_size: int | None, store: dict | None = None):
-    """(rows, projected Jacobians Φ [B, O, k] in float64) batch by batch: computed by the
+    """(rows, projected Jacobians Φ [B, O, k] in float64 on the CPU) batch by batch: computed by the
     `projections.Featurizer` `fz`, or read from a feature store of `x` (`store["features"]`,
     1,024 samples at a time unless batch_size says otherwise)."""
     x = inputs.from_numpy(x, name)
@@ -339,7 +339,7 @@ def _feature_batches(fz, x, name: str, batch_size: int | None, store: dict | Non
             for rows in (slice(s, min(s + batch, n)) for s in range(0, n, batch))
         )
     for rows, phi in blocks:
-        yield rows, phi.to(torch.float64)
+        yield rows, phi.to(device="cpu", dtype=torch.float64)
 
 
 def _parameter_space(batches, g_train: torch.Tensor, r: torch.Tensor, gram: bool = True):

@@ -29,8 +29,8 @@ def compute(
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """ntk.empirical_ntk(kind=...) exactly (dim=None) or projections.projected_ntk with `dim`,
-    computed in `dtype` (None: the model's) and returned in float64 for the kernel machines and
-    solves downstream."""
+    computed in `dtype` (None: the model's) on `device` and returned in float64 on the CPU, where
+    the kernel machines and solves downstream run."""
     opts = dict(kind=kind, batch_size=batch_size, device=device, dtype=dtype, output_fn=output_fn)
     if dim is None:
         k = ntk.empirical_ntk(model, x1, x2, **opts)
@@ -38,7 +38,7 @@ def compute(
         import projections
 
         k = projections.projected_ntk(model, x1, x2, dim=dim, seed=seed, **opts)
-    k = torch.as_tensor(k).to(torch.float64)
+    k = torch.as_tensor(k).to(device="cpu", dtype=torch.float64)
     if not bool(torch.isfinite(k).all()):
         raise ValueError("the kernel contains non-finite values (NaN or inf)")
     return k

@@ -10,8 +10,13 @@ import torch
 from torch import nn
 
 from ntk.core import inputs
-from ntk.core.kinds import class_labels as labels  # checked in the core: lpntk needs them too
+from ntk.core.kinds import class_labels  # checked in the core: lpntk needs them too
 from ntk.core.model import ModelView
+
+
+def labels(y, n: int, num_outputs: int, name: str = "y") -> torch.Tensor:
+    """Class labels [n] checked by the core (`class_labels`), on the CPU with the logits."""
+    return class_labels(y, n, num_outputs, name).cpu()
 
 
 def logits(
@@ -22,8 +27,9 @@ def logits(
     batch_size: int = 1024,
     name: str = "x",
 ) -> torch.Tensor:
-    """Model outputs [N, O] in float64, computed functionally (the model is never modified);
-    `name` names the inputs (x_train, x_test, ...) in errors."""
+    """Model outputs [N, O] in float64 on the CPU (where the attribution algebra runs), computed
+    functionally on the model's device (the model is never modified); `name` names the inputs
+    (x_train, x_test, ...) in errors."""
     view = ModelView(model, output_fn=output_fn)
     x = inputs.from_numpy(x, name)
     n = inputs.validate(x, name)
@@ -36,7 +42,7 @@ def logits(
     out = torch.cat(out)
     if not bool(torch.isfinite(out).all()):
         raise ValueError(f"the model produced non-finite outputs (NaN or inf) on {name}")
-    return out.to(torch.float64)
+    return out.to(device="cpu", dtype=torch.float64)
 
 
 def _check_classes(g: torch.Tensor) -> None:

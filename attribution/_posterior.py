@@ -517,7 +517,7 @@ def _factor(a: torch.Tensor, delta: float, *, copy: bool) -> tuple[torch.Tensor,
 
 def _targets(y, n: int, o: int) -> torch.Tensor:
     """Regression targets as float64 [n, o] ([n] allowed for a single output)."""
-    y = torch.as_tensor(np.asarray(y), dtype=torch.float64)
+    y = torch.as_tensor(y).to(device="cpu", dtype=torch.float64)
     if y.dim() == 1 and o == 1:
         y = y[:, None]
     if tuple(y.shape) != (n, o):

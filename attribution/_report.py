@@ -173,7 +173,7 @@ def report(
             batch_size=batch_size,
             device=device,
             output_fn=output_fn,
-        )
+        ).cpu()
         eigenvalues = ntk.eigenvalues(k).numpy()
         kernel = {
             "kind": kind,

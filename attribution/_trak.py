@@ -93,10 +93,10 @@ def trak(
             feats = dict(dim=dim, projector=projector, seed=seed, **opts)
             phi_train = torch.as_tensor(
                 projections.features(net, x_train, labels=u_train, **feats)
-            ).double()
+            ).to(device="cpu", dtype=torch.float64)
             phi_test = torch.as_tensor(
                 projections.features(net, x_test, labels=u_test, **feats)
-            ).double()
+            ).to(device="cpu", dtype=torch.float64)
             kernel_part = kernel_part + phi_test @ _inverse_times_transpose(phi_train, damping)
         q = q + (1 - torch.sigmoid(margins(g_train, y_tr)))
     return (kernel_part / len(nets)) * (q / len(nets))[None, :]

@@ -220,15 +220,18 @@ class KroneckerCurvature:
         if key[0] == "dense":
             g = value[0].flatten(0, 1).double()
             if key not in self.blocks:
-                self.blocks[key] = _Dense(torch.zeros(g.shape[1], g.shape[1], dtype=g.dtype))
+                self.blocks[key] = _Dense(
+                    torch.zeros(g.shape[1], g.shape[1], dtype=g.dtype, device=g.device)
+                )
             self.blocks[key].cov += g.T @ g
             return
         a, d = value
         a2, d2 = a.flatten(0, 1), d.flatten(0, 2)
         if key not in self.blocks:
+            on = dict(dtype=torch.float64, device=a2.device)
             self.blocks[key] = _Kronecker(
-                torch.zeros(a2.shape[1], a2.shape[1], dtype=torch.float64),
-                torch.zeros(d2.shape[1], d2.shape[1], dtype=torch.float64),
+                torch.zeros(a2.shape[1], a2.shape[1], **on),
+                torch.zeros(d2.shape[1], d2.shape[1], **on),
             )
         block = self.blocks[key]
         block.a += (a2.T @ a2).double()
@@ -240,7 +243,7 @@ class KroneckerCurvature:
         kron = {k: b for k, b in self.blocks.items() if k[0] == "kron"}
         for block in kron.values():
             block.eigenvalues = torch.zeros(
-                block.qg.shape[0], block.qa.shape[0], dtype=torch.float64
+                block.qg.shape[0], block.qa.shape[0], dtype=torch.float64, device=block.qa.device
             )
         rotations = {k: (b.qa.to(self._dtype), b.qg.to(self._dtype)) for k, b in kron.items()}
         for sl in batches:
@@ -294,12 +297,12 @@ class KroneckerCurvature:
             for k, block in self.blocks.items():
                 left[k].append(block.preconditioned(*terms[k], damping).to(self._dtype))
         left = {k: torch.cat(v) for k, v in left.items()}
-        scores = torch.zeros(n_test, n_train, dtype=torch.float64)
+        scores = torch.zeros(n_test, n_train, dtype=torch.float64, device=self.view.device)
         for sl, terms in self._stream(x_train, torch.as_tensor(r_train)):
             batch = scores[:, sl]
             for k, block in self.blocks.items():
                 batch += left[k] @ block.gradients(*terms[k]).T
-        return scores
+        return scores.cpu()
 
 
 def _curvature_cotangents(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -296,6 +296,7 @@ def layer_importance(
         parts = ntk.empirical_ntk(model, x, **common)
     else:
         parts = projections.projected_ntk(model, x, dim=projection_dim, **common)
+    parts = {layer: k.cpu() for layer, k in parts.items()}  # the scores are computed on the CPU
     kernels = {row: sum(parts[layer] for layer in layers) for row, layers in groups.items()}
     traces = {row: float(as_matrix(k).diagonal().sum()) for row, k in kernels.items()}
     total = sum(traces.values())
