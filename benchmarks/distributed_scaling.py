@@ -13,6 +13,12 @@ Each configuration is one torchrun job that repeats each operation --repeats tim
 barriers; times are the medians of rank 0's wall clock, excluding process start-up and imports.
 A 1-process × 2-thread run is shown for reference: on a 2-core machine it competes for the same
 cores as 2 processes × 1 thread.
+
+    python benchmarks/distributed_scaling.py --backend nccl --procs 1   # on GPUs, one per rank
+
+With --backend nccl each rank runs on cuda:LOCAL_RANK (`torch.cuda.set_device` first, as
+`ntk.distributed` asks) and the table has one column per --procs entry; the digests are then
+checked equal across those runs only.
 """
 
 from __future__ import annotations
@@ -51,9 +57,14 @@ def worker(args) -> None:
     import ntk.distributed
     import projections
 
-    dist.init_process_group("gloo")
+    device = "cpu"
+    if args.backend == "nccl":
+        device = f"cuda:{os.environ['LOCAL_RANK']}"
+        torch.cuda.set_device(device)
+    dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     model, x = workload(args.samples)
+    model, x = model.to(device), x.to(device)
     times = {"featurize": [], "kernel": []}
     digests = {}
     for r in range(args.repeats):
@@ -68,17 +79,22 @@ def worker(args) -> None:
             kind="trace",
             block=args.block,
             batch_size=args.block,
+            device=device,
             progress=False,
         )
         dist.barrier()
         times["featurize"].append(time.perf_counter() - start)
         digests["store"] = hashlib.sha256((store / "features.npy").read_bytes()).hexdigest()
         start = time.perf_counter()
-        k = ntk.distributed.empirical_ntk(model, x, kind="trace", batch_size=args.tile)
+        k = ntk.distributed.empirical_ntk(
+            model, x, kind="trace", batch_size=args.tile, device=device
+        )
+        if device != "cpu":
+            torch.cuda.synchronize(device)
         dist.barrier()
         times["kernel"].append(time.perf_counter() - start)
         if rank == 0:
-            digests["kernel"] = hashlib.sha256(k.numpy().tobytes()).hexdigest()
+            digests["kernel"] = hashlib.sha256(k.cpu().numpy().tobytes()).hexdigest()
     if rank == 0:
         Path(args.result).write_text(json.dumps({"times": times, "digests": digests}))
     dist.destroy_process_group()
@@ -115,6 +131,8 @@ def launch(args, procs: int, threads: int) -> dict:
             str(args.tile),
             "--repeats",
             str(args.repeats),
+            "--backend",
+            args.backend,
         ]
         subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
         return json.loads(result.read_text())
@@ -128,6 +146,8 @@ def main() -> None:
     p.add_argument("--tile", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    p.add_argument("--procs", default=None, help="nccl: comma list of process counts (GPUs)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -136,6 +156,8 @@ def main() -> None:
         return worker(args)
     if args.quick:
         args.samples, args.dim, args.block, args.tile, args.repeats = 256, 64, 64, 64, 1
+    if args.backend == "nccl":
+        return nccl_table(args)
     configs = [(1, 1), (2, 1), (1, 2)]
     runs = {c: launch(args, *c) for c in configs}
     same = {
@@ -158,6 +180,24 @@ def main() -> None:
             f"{label:<22}{t[(1, 1)]:>16.2f}{t[(2, 1)]:>17.2f}{t[(1, 1)] / t[(2, 1)]:>9.2f}x"
             f"{t[(1, 2)]:>16.2f}{'yes' if same[key] else 'NO':>11}"
         )
+
+
+def nccl_table(args) -> None:
+    """One torchrun job per entry of --procs (one GPU per rank), NCCL."""
+    procs = [int(p) for p in (args.procs or "1").split(",")]
+    runs = {p: launch(args, p, 1) for p in procs}
+    print(
+        f"NCCL, N = {args.samples}, MLP 64-512-512-10, k = {args.dim}, store blocks of "
+        f"{args.block}, kernel tiles of {args.tile}; medians of {args.repeats} (seconds)"
+    )
+    print(
+        f"{'operation':<22}" + "".join(f"{f'{p} GPU(s)':>12}" for p in procs) + f"{'identical':>11}"
+    )
+    for op, label in (("featurize", "featurize (store)"), ("kernel", "trace eNTK (tiles)")):
+        key = "store" if op == "featurize" else "kernel"
+        same = len({runs[p]["digests"][key] for p in procs}) == 1
+        times = "".join(f"{statistics.median(runs[p]['times'][op]):>12.3f}" for p in procs)
+        print(f"{label:<22}{times}{'yes' if same else 'NO':>11}")
 
 
 if __name__ == "__main__":
