@@ -190,14 +190,14 @@ def nccl_table(args) -> None:
         f"NCCL, N = {args.samples}, MLP 64-512-512-10, k = {args.dim}, store blocks of "
         f"{args.block}, kernel tiles of {args.tile}; medians of {args.repeats} (seconds)"
     )
-    print(
-        f"{'operation':<22}" + "".join(f"{f'{p} GPU(s)':>12}" for p in procs) + f"{'identical':>11}"
-    )
+    compare = len(procs) > 1  # the digests are compared across process counts
+    header = "".join(f"{f'{p} GPU(s)':>12}" for p in procs)
+    print(f"{'operation':<22}{header}" + (f"{'identical':>11}" if compare else ""))
     for op, label in (("featurize", "featurize (store)"), ("kernel", "trace eNTK (tiles)")):
         key = "store" if op == "featurize" else "kernel"
         same = len({runs[p]["digests"][key] for p in procs}) == 1
         times = "".join(f"{statistics.median(runs[p]['times'][op]):>12.3f}" for p in procs)
-        print(f"{label:<22}{times}{'yes' if same else 'NO':>11}")
+        print(f"{label:<22}{times}" + (f"{'yes' if same else 'NO':>11}" if compare else ""))
 
 
 if __name__ == "__main__":
