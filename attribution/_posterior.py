@@ -97,7 +97,11 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
     removing its component along (1, …, 1), which no softmax can see — or "mc", the mean softmax of
     `mc_samples` draws of the logits. output_fn maps the model's output to the logits [B, O]
     (e.g. `lambda out: out.logits` for a HuggingFace model); dtype: the kernels' dtype (None: the
-    model's; the posterior algebra is float64 either way). The model is never modified.
+    model's; the posterior algebra is float64 either way). The model is never modified. Only its
+    trainable parameters (requires_grad) are random under the posterior: a copy with every
+    parameter but the last layer's frozen gives the last-layer Laplace approximation
+    (laplace-torch's subset_of_weights="last_layer"), far cheaper (benchmarks/uncertainty.py's
+    "last layer" rows).
     Benchmarks: python benchmarks/uncertainty.py.
     """
 

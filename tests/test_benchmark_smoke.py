@@ -121,11 +121,10 @@ def _table_rows(out: str, title: str) -> dict[str, list[str]]:
 
 
 def test_uncertainty_benchmark_smoke_run_scores_the_map_and_the_posterior():
-    out = _run_benchmark(
-        "uncertainty.py", "--settings", "breast_cancer", "--methods", "NTKPosterior full/validation"
-    )
+    methods = "NTKPosterior full/validation,NTKPosterior last layer"
+    out = _run_benchmark("uncertainty.py", "--settings", "breast_cancer", "--methods", methods)
     rows = _table_rows(out, "breast_cancer")
-    assert set(rows) == {"MAP softmax", "NTKPosterior full/validation"}
+    assert set(rows) == {"MAP softmax", *methods.split(",")}
     for cells in rows.values():
         accuracy, nll, ece, brier = (float(c) for c in cells[:4])
         assert 0.5 < accuracy <= 1 and nll > 0 and 0 <= ece <= 1 and 0 <= brier <= 2
