@@ -2,6 +2,7 @@
 their users call them, with dicts of input_ids and attention_mask, through kernels, features,
 layer importance and influence; models that cannot be vmapped; LoRA-style adapters."""
 
+import math
 import warnings
 
 import pytest
@@ -307,6 +308,10 @@ def test_proxies_of_dict_inputs(bert):
         lga = proxies.score(bert, x, y, metric="lga", **opts)
         k = ntk.empirical_ntk(bert, x, kind="sum_logits", output_fn=logits)
         ranked = proxies.rank({"a": bert, "b": _bert(seed=7)}, x, y, metric="grad_norm", **opts)
+        by_default = proxies.rank({"a": bert, "b": _bert(seed=7)}, x, y, **opts)
+    # the default vote is defined for dict inputs (it holds no FLOAT_INPUT_METRICS)
+    assert {n for n, _ in by_default} == {"a", "b"}
+    assert all(math.isfinite(v) for _, v in by_default)
     # a batch of all 6 samples in a random order: the alignment of the whole kernel
     assert lga == pytest.approx(ntk.kernel_alignment(k, y, centering="mean"), rel=1e-9)
     assert {name for name, _ in ranked} == {"a", "b"}

@@ -33,7 +33,7 @@ PROXY_METRICS = (  # ntk.proxies.METRICS
     "jacob_cov",
     "params",
 )
-DEFAULT_RANKING = ("label_condition", "jacob_cov")  # ntk.proxies.DEFAULT_RANKING
+DEFAULT_RANKING = ("label_condition", "naswot")  # ntk.proxies.DEFAULT_RANKING
 RANKING_BATCH_SIZE = 64  # ntk.proxies.RANKING_BATCH_SIZE
 PROJECTORS = ("rademacher", "gaussian", "sparse", "srht")  # projections.PROJECTORS
 DEFAULT_PROJECTOR = "rademacher"  # projections.DEFAULT_PROJECTOR

@@ -10,9 +10,10 @@ k = max(3, n/10) best architectures by accuracy are among the proxy's k best).
 
 Leave-one-space-out: for each space, the candidate with the best worst-space τ on the other
 spaces (ties: best mean) is chosen and its τ on the held-out space reported. `score`'s candidates
-are the single metrics of `proxies.METRICS` on 64 or 256 samples; `rank`'s add every vote
-(`proxies.mean_rank`) of two or three of them on the same batch size. The default is the
-candidate chosen on all spaces.
+are the single metrics of `proxies.METRICS` on 64 or 256 samples that are defined for every
+model input (not `proxies.FLOAT_INPUT_METRICS`: a default must serve token ids and dict inputs);
+`rank`'s add every vote (`proxies.mean_rank`) of two or three of them on the same batch size.
+The default is the candidate chosen on all spaces.
 
     python benchmarks/nas/compare.py [--rescore] [--repeats 2]        # cached: seconds
     python benchmarks/nas/compare.py --smoke                           # tiny, for the tests
@@ -103,14 +104,14 @@ def metrics(values, acc):
     return kendalltau(v, acc)[0], spearmanr(v, acc)[0], top, k
 
 
-def candidates(scores, votes):
+def candidates(scores, votes, any_input=False):
     """label → per-space score columns for the plain metrics (64 and 256 samples) scored on every
-    space and, if votes, mean-rank votes of 2 or 3 of them on one batch size."""
+    space and, if votes, mean-rank votes of 2 or 3 of them on one batch size; any_input: only
+    metrics defined for every model input (not `proxies.FLOAT_INPUT_METRICS`)."""
     out = {}
+    allowed = [m for m in proxies.METRICS if not (any_input and m in proxies.FLOAT_INPUT_METRICS)]
     for batch in (SMALL, LARGE):
-        singles = [
-            m for m in proxies.METRICS if all(proxy_label(m, batch) in scores[s] for s in scores)
-        ]
+        singles = [m for m in allowed if all(proxy_label(m, batch) in scores[s] for s in scores)]
         out.update(
             {
                 proxy_label(m, batch): {s: scores[s][proxy_label(m, batch)] for s in scores}
@@ -135,7 +136,10 @@ def choose(taus, spaces):
 
 
 def leave_one_out(scores, accs, votes):
-    cols = candidates(scores, votes)
+    """Per held-out space, the candidate chosen on the others and its τ there; the candidate
+    chosen on all; every candidate's τ per space. Candidates: metrics defined for every input
+    (a default must serve token ids and dict inputs too)."""
+    cols = candidates(scores, votes, any_input=True)
     taus = {c: {s: metrics(cols[c][s], accs[s])[0] for s in scores} for c in cols}
     folds = {}
     for held in scores if len(scores) > 1 else ():
