@@ -76,8 +76,9 @@ METRICS = KERNEL_METRICS + BASELINE_METRICS
 # token ids, no dict or tuple inputs): never part of a default, which must serve every model.
 FLOAT_INPUT_METRICS = ("synflow", "jacob_cov")
 # Chosen leave-one-space-out on four NAS spaces (digits MLPs, digits CNNs, breast-cancer MLPs,
-# attention nets on a pointer task; benchmarks/results/nas.md) among every metric at 64 and 256
-# samples (and, for `rank`, every vote of two or three metrics at one of them), by the best
+# attention nets on a pointer task; benchmarks/results/nas.md) among every metric (since the
+# fifth space: every metric but FLOAT_INPUT_METRICS) at 64 and 256 samples (and, for `rank`,
+# every vote of two or three metrics at one of them), by the best
 # worst-space Kendall τ on the other spaces; reproduce with `python benchmarks/nas/compare.py`.
 # `score`: −log κ of the lpNTK on 256 samples. Every fold picks it; held-out τ 0.63 / 0.64 /
 # 0.70 / 0.64 (digits MLPs / CNNs / cancer MLPs / attention; worst 0.63). The best zero-cost
