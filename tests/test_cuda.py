@@ -177,3 +177,22 @@ def test_influence_of_a_model_living_on_the_device_equals_cpu(method):
         moved, x.to(DEVICE), y.to(DEVICE), x[:3].to(DEVICE), method=method
     )
     assert there.device.type == "cpu" and rel_err(there, here) <= 1e-8
+
+
+def test_report_on_device_equals_cpu(tmp_path):
+    from ntk import demo
+
+    data = demo.digits(n_train=80)
+    torch.manual_seed(0)
+    model = demo.train(demo.mlp(hidden=12), data.x_train, data.y_train, epochs=5).double()
+    args = (model, data.x_train.double(), data.y_train, data.x_test[:20].double(), data.y_test[:20])
+    opts = dict(image_shape=(8, 8), kernel_samples=40, examples=3, top=3)
+    here = attribution.report(*args, path=tmp_path / "cpu.html", device="cpu", **opts)
+    there = attribution.report(*args, path=tmp_path / "device.html", device=DEVICE, **opts)
+    a = torch.as_tensor(here["kernel"]["eigenvalues"])
+    b = torch.as_tensor(there["kernel"]["eigenvalues"])
+    assert rel_err(b, a) <= 1e-8
+    assert [r["layer"] for r in there["layers"]["rows"]] == [
+        r["layer"] for r in here["layers"]["rows"]
+    ]
+    assert (tmp_path / "device.html").stat().st_size > 0
