@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ntk import proxies
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -88,6 +90,23 @@ def test_compare_smoke_prints_tau_per_space_and_the_held_out_choice():
     folds = _table(proc.stdout, "| held-out space |")
     assert set(folds) == {"digits_mlp", "digits_cnn", "cancer_mlp", "seq_attention"}
     assert "rank default chosen on all spaces" in proc.stdout
+
+
+def test_nb201_smoke_and_cached_report_without_the_truth_package():
+    """NAS-Bench-201 from the committed sample and truth: a smoke scoring of 6 cells, and the
+    cached five-space report whose rank default is the vote in ntk.proxies."""
+    run = dict(cwd=BENCH / "nas", env=ENV, capture_output=True, text=True, timeout=300)
+    smoke = subprocess.run([sys.executable, "nb201.py", "--smoke"], **run)
+    assert smoke.returncode == 0, smoke.stderr
+    taus = _table(smoke.stdout, "| proxy |")
+    assert {"lga", "naswot", "params"} <= set(taus)
+    assert all(-1 <= float(row[0]) <= 1 for row in taus.values())
+    cached = subprocess.run([sys.executable, "nb201.py", "--cached"], **run)
+    assert cached.returncode == 0, cached.stderr
+    folds = _table(cached.stdout, "| held-out space |")
+    assert set(folds) == {"digits_mlp", "digits_cnn", "cancer_mlp", "seq_attention", "nb201"}
+    vote = " + ".join(proxies.DEFAULT_RANKING)
+    assert f"rank: chosen on all five spaces {vote} " in cached.stdout
 
 
 @pytest.mark.slow  # 25–35 s on the loaded 2-core machine
