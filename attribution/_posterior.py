@@ -425,8 +425,8 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
     def _jacobians(self, x) -> torch.Tensor:
         """J(x) [N, O, P] over the trainable parameters, PREDICT_BLOCK samples at a time."""
         view = ModelView(self.model, output_fn=self.output_fn, device=self.device, dtype=self.dtype)
-        eye = torch.eye(self.n_outputs_, dtype=next(iter(view.params.values())).dtype)
-        eye = eye.to(view.device)
+        dtype = next(iter(view.params.values())).dtype
+        eye = torch.eye(self.n_outputs_, dtype=dtype, device=view.device)
         names = list(view.params)
         blocks = []
         for s in range(0, inputs.count(x), PREDICT_BLOCK):

@@ -37,6 +37,12 @@ from pathlib import Path
 
 import torch
 
+# (timed operation, table label, digest compared across configurations)
+OPERATIONS = (
+    ("featurize", "featurize (store)", "store"),
+    ("kernel", "trace eNTK (tiles)", "kernel"),
+)
+
 
 def workload(n: int):
     torch.manual_seed(0)
@@ -171,10 +177,7 @@ def main() -> None:
         f"{'operation':<22}{'1 proc x 1 thr':>16}{'2 procs x 1 thr':>17}{'speed-up':>10}"
         f"{'1 proc x 2 thr':>16}{'identical':>11}"
     )
-    for op, label, key in (
-        ("featurize", "featurize (store)", "store"),
-        ("kernel", "trace eNTK (tiles)", "kernel"),
-    ):
+    for op, label, key in OPERATIONS:
         t = {c: statistics.median(runs[c]["times"][op]) for c in configs}
         print(
             f"{label:<22}{t[(1, 1)]:>16.2f}{t[(2, 1)]:>17.2f}{t[(1, 1)] / t[(2, 1)]:>9.2f}x"
@@ -193,8 +196,7 @@ def nccl_table(args) -> None:
     compare = len(procs) > 1  # the digests are compared across process counts
     header = "".join(f"{f'{p} GPU(s)':>12}" for p in procs)
     print(f"{'operation':<22}{header}" + (f"{'identical':>11}" if compare else ""))
-    for op, label in (("featurize", "featurize (store)"), ("kernel", "trace eNTK (tiles)")):
-        key = "store" if op == "featurize" else "kernel"
+    for op, label, key in OPERATIONS:
         same = len({runs[p]["digests"][key] for p in procs}) == 1
         times = "".join(f"{statistics.median(runs[p]['times'][op]):>12.3f}" for p in procs)
         print(f"{label:<22}{times}" + (f"{'yes' if same else 'NO':>11}" if compare else ""))

@@ -145,19 +145,19 @@ def data(setting: str, smoke: bool = False) -> dict[str, np.ndarray]:
         y_train=y[:n_train],
         x_val=x[n_train:rest],
         y_val=y[n_train:rest],
-        x_test=x[rest:][:cap] if smoke else x[rest:],
-        y_test=y[rest:][:cap] if smoke else y[rest:],
+        x_test=x[rest:][: cap if smoke else None],  # every sample left (smoke: `cap`)
+        y_test=y[rest:][: cap if smoke else None],
     )
+    if not setting.startswith("digits"):  # standardised by the training split's statistics
+        mu, sd = out["x_train"].mean(0), out["x_train"].std(0) + 1e-6
+        for split in ("x_train", "x_val", "x_test"):
+            out[split] = (out[split] - mu) / sd
     test = out["x_test"][:cap]
     if setting.startswith("digits"):
         out["ood_permuted"] = test[:, rng.permutation(x.shape[1])]
         out["ood_inverted"] = 1.0 - test
         out["ood_held_out_class"] = held[:cap]
     else:
-        mu, sd = out["x_train"].mean(0), out["x_train"].std(0) + 1e-6
-        out["x_train"], out["x_val"] = (out["x_train"] - mu) / sd, (out["x_val"] - mu) / sd
-        out["x_test"] = (out["x_test"] - mu) / sd
-        test = out["x_test"][:cap]
         out["ood_permuted"] = test[:, rng.permutation(x.shape[1])]
         out["ood_negated"] = -test
         out["ood_noise"] = rng.standard_normal(test.shape).astype(np.float32)
