@@ -276,14 +276,13 @@ def main() -> None:
     else:
         keys = sample(args.n)
         t = truth(keys)
+        (HERE / "truth_nb201.json").write_text(json.dumps(t, indent=1) + "\n")
     acc = np.array([t["architectures"][k]["mean"] for k in keys])
     channels, cells = (4, 1) if args.smoke else (args.channels, args.cells)
     cands = {k: partial(NB201Net, ops_of(k), channels, cells) for k in keys}
-    x, y = digits32()
     if args.smoke:
-        scores = score_space(cands, x, y, ["lga", "naswot", "params"], 1)
+        scores = score_space(cands, *digits32(), ["lga", "naswot", "params"], 1)
     else:
-        (HERE / "truth_nb201.json").write_text(json.dumps(t, indent=1) + "\n")
         batches = {int(b) for b in args.batches.split(",")}
         wanted = [p for p in PROXIES if p not in VARIANTS and PROXIES[p]["batch_size"] in batches]
         wanted += list(VARIANTS) if args.variants else []
@@ -308,6 +307,7 @@ def main() -> None:
             return p not in first, PROXIES[p]["batch_size"], not cheap
 
         missing = [] if args.cached else sorted((p for p in wanted if p not in scores), key=order)
+        x, y = digits32() if missing else (None, None)
         for label in missing:  # one proxy at a time, cached as it goes
             print(
                 f"scoring {label}: {len(cands)} architectures, C={channels} N={cells}", flush=True
