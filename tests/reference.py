@@ -5,6 +5,12 @@ from __future__ import annotations
 import torch
 
 
+def rel_err(a, b) -> float:
+    """‖a − b‖ / ‖b‖ over all entries, in float64 on the CPU (a may live on another device)."""
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
+    return float(torch.linalg.norm((a - b).reshape(-1)) / torch.linalg.norm(b.reshape(-1)))
+
+
 def layer_params(model):
     """{module name: [trainable parameters it owns directly]}, first registration wins."""
     seen, layers = set(), {}

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 from models import CASES, make
-from reference import kernels, layer_params, lpntk, of_kind
+from reference import kernels, layer_params, lpntk, of_kind, rel_err
 
 import attribution
 import ntk
@@ -20,11 +20,6 @@ pytestmark = pytest.mark.skipif(
     DEVICE.startswith("cuda") and not torch.cuda.is_available(), reason="needs a CUDA device"
 )
 METHODS = ("jacobian", "ntk_vp", "structured", "auto")
-
-
-def rel_err(a, b):
-    a, b = a.detach().cpu().double(), b.detach().cpu().double()
-    return float(torch.linalg.norm((a - b).reshape(-1)) / torch.linalg.norm(b.reshape(-1)))
 
 
 def cpu_params(model):

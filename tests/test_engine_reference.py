@@ -3,15 +3,11 @@
 import pytest
 import torch
 from models import CASES, make
-from reference import kernels, layer_params, lpntk, of_kind
+from reference import kernels, layer_params, lpntk, of_kind, rel_err
 
 import ntk
 
 METHODS = ("jacobian", "ntk_vp", "structured", "auto")
-
-
-def rel_err(a, b):
-    return float(torch.linalg.norm((a - b).reshape(-1)) / torch.linalg.norm(b.reshape(-1)))
 
 
 @pytest.fixture(scope="module", params=CASES)

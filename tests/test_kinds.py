@@ -4,16 +4,13 @@ sample), `per_layer=` against `layers=`, and a kind given as an object."""
 import pytest
 import torch
 from models import make
+from reference import rel_err
 
 import ntk
 import projections
 from attribution import trak
 from attribution._outputs import logits, margin_gradient
 from ntk.core import kinds, structured
-
-
-def rel_err(a, b):
-    return float(torch.linalg.norm((a - b).reshape(-1)) / torch.linalg.norm(b.reshape(-1)))
 
 
 def test_weighted_kind_is_the_contraction_of_the_full_kernel():

@@ -5,17 +5,13 @@ architecture × method against the reference: test_engine_reference.py)."""
 import pytest
 import torch
 from models import make
-from reference import kernels, lpntk, signs
+from reference import kernels, lpntk, rel_err, signs
 from test_projections import assert_unbiased
 
 import ntk
 import projections
 
 METHODS = ("jacobian", "ntk_vp", "structured", "auto")
-
-
-def rel_err(a, b):
-    return float(torch.linalg.norm((a - b).reshape(-1)) / torch.linalg.norm(b.reshape(-1)))
 
 
 def count(x):
