@@ -299,3 +299,20 @@ def test_label_condition_is_the_condition_of_the_labelled_kernel(data):
         proxies.score(model, x, None)  # the default metric reads the labels
     with pytest.raises(ValueError, match="on kind 'lpntk' needs class labels"):
         proxies.score(model, x, None, metric="condition_number", kind="lpntk")
+
+
+def test_float_input_metrics_are_exactly_those_refusing_token_ids():
+    """FLOAT_INPUT_METRICS (kept out of the defaults) names every metric that cannot score a
+    model fed token ids, and no other."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(11, 4), nn.Flatten(), nn.ReLU(), nn.Linear(20, 3))
+    x = torch.randint(0, 11, (8, 5), generator=torch.Generator().manual_seed(1))
+    y = torch.arange(8) % 3
+    refusing = set()
+    for metric in proxies.METRICS:
+        try:
+            proxies.score(model, x, y, metric=metric, batch_size=8)
+        except ValueError as error:
+            assert "floating-point input tensor" in str(error), metric
+            refusing.add(metric)
+    assert refusing == set(proxies.FLOAT_INPUT_METRICS)
