@@ -204,7 +204,7 @@ class _Computation:
         if method == "auto":
             autodiff = not plan.covered or (
                 persample.vmappable(view.model)
-                and structured.prefers_autodiff(plan, kind, c, planned_tile)
+                and structured.prefers_autodiff(plan, kind, c, planned_tile, view.device)
             )
             method = "jacobian" if autodiff else "structured"
         if method == "jacobian" or method == "ntk_vp":

@@ -245,6 +245,9 @@ def test_auto_follows_the_cost_model(monkeypatch):
     assert {"0", "2"} <= set(plan.positions) and not {"0", "2"} & plan.factored
     auto = ntk.empirical_ntk(cnn, x, method="auto")
     assert chosen
+    # on CUDA the copies weigh nothing (launches dominate there): the same plan stays structured
+    assert structured.prefers_autodiff(plan, "full", 3, 4, torch.device("cpu"))
+    assert not structured.prefers_autodiff(plan, "full", 3, 4, torch.device("cuda"))
     torch.testing.assert_close(auto, ntk.empirical_ntk(cnn, x, method="structured"))
     chosen.clear()
     ntk.empirical_ntk(MLP().eval(), torch.randn(4, 5), method="auto")

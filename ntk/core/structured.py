@@ -360,17 +360,22 @@ def _prefer_factors(module: nn.Module, s: int, kind: str | Kind, c: int, tile_si
     return factors <= explicit
 
 
-COPY_COST = 8  # multiply-adds one copied (memory-bound) element costs, roughly, on CPU
+# Multiply-adds one copied (memory-bound) element costs, by device type. CUDA: on an H200 the
+# structured path was faster in all six cases of `hf_engine.py --device cuda` (CNN, MLP, ResNet;
+# full and trace; 0.62-0.89 of jacobian's time), where weighting copies at >= 0.6 picks jacobian
+# for some; there the launches, not the copies, dominate.
+COPY_COST = {"cpu": 8, "cuda": 0}
 
 
 def _layer_costs(module: nn.Module, s: int, kf: int, c: int, b: int) -> tuple[float, float, float]:
-    """Multiply-adds of one b × b tile for a weight with S positions: (explicit, factored, copies).
+    """Costs of one b × b tile for a weight with S positions: (explicit, factored, copies).
 
-    explicit: per-sample gradients of both blocks, 2·B·C·S·|W|, then their contraction
-    kf·B²·|W| (kf cotangent pairs); factored: B²·S²·(F_in + kf·F_out + kf); copies: elements the
-    structured path materialises to form the explicit gradients (the inputs seen at each position
-    and the rearranged output signals, 2·B·S·(F_in + C·F_out)), weighted by COPY_COST; autodiff
-    forms the same gradients inside the backward pass without them."""
+    explicit: multiply-adds of the per-sample gradients of both blocks, 2·B·C·S·|W|, then their
+    contraction kf·B²·|W| (kf cotangent pairs); factored: B²·S²·(F_in + kf·F_out + kf)
+    multiply-adds; copies: elements the structured path materialises to form the explicit
+    gradients (the inputs seen at each position and the rearranged output signals,
+    2·B·S·(F_in + C·F_out)); autodiff forms the same gradients inside the backward pass without
+    them."""
     if isinstance(module, nn.Embedding):
         f_in, f_out, build = 1, module.embedding_dim, c * s * module.embedding_dim
         dense = module.num_embeddings * module.embedding_dim
@@ -383,27 +388,40 @@ def _layer_costs(module: nn.Module, s: int, kf: int, c: int, b: int) -> tuple[fl
         build = c * s * dense
     explicit = 2 * b * build + kf * b * b * dense
     factors = b * b * s * s * (f_in + kf * f_out + kf)
-    copies = COPY_COST * 2 * b * s * (f_in + c * f_out)
+    copies = 2 * b * s * (f_in + c * f_out)
     return float(explicit), float(factors), float(copies)
 
 
-def prefers_autodiff(plan_: Plan, kind: str | Kind, c: int, tile_size: int) -> bool:
-    """The `auto` method's cost model: whether differentiating every parameter by autodiff
-    (`jacobian`) is estimated cheaper than this structured plan.
+def cost_terms(plan_: Plan, kind: str | Kind, c: int, tile_size: int) -> tuple[float, float, float]:
+    """The `auto` method's cost model over the plan's covered weights, for one tile:
+    (autodiff multiply-adds, structured multiply-adds, elements the structured path copies).
 
-    Both share the forward and backward passes and the parameters the plan leaves to autodiff;
-    they differ on the weights of covered layers, where the structured path pays either the
-    factored contraction or the explicit gradients plus the copies that form them (see
-    `_layer_costs`), and autodiff pays the explicit gradients. Measured by
-    `python benchmarks/hf_engine.py --sections auto`.
-    """
+    Both methods share the forward and backward passes and the parameters the plan leaves to
+    autodiff; on covered weights autodiff pays the explicit gradients and the structured path
+    either the factored contraction or the explicit gradients plus the copies that form them."""
     kf = get(kind).pair_factor(c)
-    structured_cost = autodiff_cost = 0.0
+    autodiff_cost = structured_cost = copied = 0.0
     for layer, s in plan_.positions.items():
         explicit, factors, copies = _layer_costs(plan_.modules[layer], s, kf, c, tile_size)
         autodiff_cost += explicit
-        structured_cost += factors if layer in plan_.factored else explicit + copies
-    return autodiff_cost < structured_cost
+        if layer in plan_.factored:
+            structured_cost += factors
+        else:
+            structured_cost += explicit
+            copied += copies
+    return autodiff_cost, structured_cost, copied
+
+
+def prefers_autodiff(
+    plan_: Plan, kind: str | Kind, c: int, tile_size: int, device: torch.device | None = None
+) -> bool:
+    """Whether `auto` should differentiate every parameter by autodiff (`jacobian`) rather than
+    follow this structured plan: `cost_terms` with each copied element weighted by the device
+    type's COPY_COST. Measured by `python benchmarks/hf_engine.py --sections auto [--device]`.
+    """
+    autodiff_cost, structured_cost, copied = cost_terms(plan_, kind, c, tile_size)
+    weight = COPY_COST.get(torch.device(device or "cpu").type, COPY_COST["cpu"])
+    return autodiff_cost < structured_cost + weight * copied
 
 
 # --------------------------------------------------------------------------------------------
