@@ -232,7 +232,12 @@ def _one_model(
     fits = dim is not None or _exact_fits(n, u.shape[0], o, ModelView(model, device=device).device)
     if method in curvature.STRATEGIES:
         curv = curvature.KroneckerCurvature(
-            model, strategy=method, batch_size=batch_size, device=device
+            model,
+            strategy=method,
+            batch_size=batch_size,
+            device=device,
+            output_fn=output_fn,
+            dtype=dtype,
         ).fit(x_train, g_train)
         lam = KRONECKER_DAMPING * curv.trace / (n * o) if damping == "auto" else float(damping)
         return curv.influence(x_test, u, x_train, r, lam)

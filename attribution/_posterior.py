@@ -27,6 +27,12 @@ negative log predictive density (laplace-torch's "gridsearch" on a validation se
 every δ from one eigendecomposition SΘS = U diag(e) Uᵀ: with Z = Uᵀ S Θ(X, x),
 
     Σ(x) = [Θ(x, x) − Σ_k Z_k(x) Z_k(x)ᵀ / (e_k + δ)] / δ.
+
+With `curvature="ekfac"` (or "kfac") the Gauss–Newton matrix JᵀΛJ is replaced by its
+block-diagonal Kronecker-factored approximation Ĝ = ⊕_W (Q_G ⊗ Q_A) diag(e_W) (Q_G ⊗ Q_A)ᵀ
+(`attribution.curvature`), and every quantity above comes from its eigenpairs: Σ(x) =
+Σ_W Σ_k (J_W(x) q_k)(J_W(x) q_k)ᵀ / (e_k + δ), log det(Ĝ + δI) = Σ_k log(e_k + δ), and γ(δ) from
+the e_k: no N × N or P × P system is formed.
 """
 
 from __future__ import annotations
@@ -48,11 +54,13 @@ from ntk.core.model import ModelView
 
 from . import _damping, _kernels
 from ._outputs import labels, logits, psd_root, softmax_curvature
+from .curvature import STRATEGIES, KroneckerCurvature
 
 LIKELIHOODS = ("classification", "regression")
 LINKS = ("probit", "mc")
 KINDS = _kernels.OUTPUT_KINDS
 PRIORS = ("auto", "evidence")
+CURVATURES = ("exact", *STRATEGIES)
 # prior_precision="auto" without validation data: δ with γ(δ) = EFFECTIVE_PARAMETERS (≈ 2.37).
 # Chosen leave-one-setting-out on seven trained networks (`python benchmarks/posterior_prior.py`,
 # results/posterior_prior.md): every fold picks 10^0.25–10^0.5; held out, the test NLL against
@@ -81,6 +89,10 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
     "regression" (Gaussian with variance `noise`: a float, or "auto" for the mean squared
     training residual). kind: the covariance, "full" (exact, [N, N, O, O]) or a scalar kind
     ("trace", "sum_logits": the cheaper stand-in k(x, x') ⊗ I_O of `_kernels.output_kernel`).
+    curvature: "exact" (the kernel or parameter-space forms below), or "ekfac" / "kfac": the
+    block-diagonal Kronecker-factored Gauss–Newton curvature of `attribution.curvature` (the one
+    `influence(method="ekfac")` uses), Σ(x) = J(x)(Ĝ + δI)⁻¹J(x)ᵀ from each block's eigenbasis:
+    memory O(Σ_l d_in² + d_out²) and cost linear in N (kind="full", exact Jacobians only).
     projection_dim: None for exact kernels, else a random projection of that dimension
     (`projections`, seeded by `seed`); with kind="full" and N·O > projection_dim the posterior
     is computed in the projected parameter space, a k × k system (Σ(x) = Φ(x)(ΨᵀΨ + δI)⁻¹Φ(x)ᵀ,
@@ -108,6 +120,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
     _parameter_constraints: dict = {
         "model": [nn.Module],
         "kind": [str],
+        "curvature": [str],
         "likelihood": [str],
         "prior_precision": [Real, str],
         "noise": [Real, str],
@@ -126,6 +139,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         model: nn.Module | None = None,
         *,
         kind: str = "full",
+        curvature: str = "exact",
         likelihood: str = "classification",
         prior_precision: float | str = "auto",
         noise: float | str = "auto",
@@ -140,6 +154,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
     ):
         self.model = model
         self.kind = kind
+        self.curvature = curvature
         self.likelihood = likelihood
         self.prior_precision = prior_precision
         self.noise = noise
@@ -162,7 +177,12 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
     # -- checks ----------------------------------------------------------------------------------
     def _check_params(self) -> None:
         self._validate_params()  # types, from _parameter_constraints
-        for name, valid in (("kind", KINDS), ("likelihood", LIKELIHOODS), ("link", LINKS)):
+        for name, valid in (
+            ("kind", KINDS),
+            ("curvature", CURVATURES),
+            ("likelihood", LIKELIHOODS),
+            ("link", LINKS),
+        ):
             if getattr(self, name) not in valid:
                 raise ValueError(
                     f"{name} must be one of {', '.join(valid)}, got {getattr(self, name)!r}"
@@ -178,6 +198,11 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
                 raise ValueError(f"{name} must be a positive finite number, got {value!r}")
         if self.mc_samples < 1:
             raise ValueError(f"mc_samples must be at least 1, got {self.mc_samples}")
+        if self.curvature != "exact" and (self.kind != "full" or self.projection_dim is not None):
+            raise ValueError(
+                f"curvature={self.curvature!r} is the Kronecker-factored curvature of the full "
+                "Jacobians: it needs kind='full' and projection_dim=None"
+            )
 
     def _inputs(self, x):
         """numpy arrays as tensors (floating ones in the model's parameter dtype)."""
@@ -231,12 +256,25 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             )
         self.n_outputs_, self.x_train_, self.root_ = o, x_train, root
         k = self.projection_dim
-        if k is None:
-            exact_parameters = PARAMETER_SPACE_RATIO * n * o >= ModelView(self.model).num_params
-            self.parameter_space_ = self.kind == "full" and exact_parameters
+        if self.curvature != "exact":
+            self.parameter_space_ = True
+            self.curvature_ = KroneckerCurvature(
+                self.model,
+                strategy=self.curvature,
+                batch_size=self.batch_size,
+                device=self.device,
+                output_fn=self.output_fn,
+                dtype=self.dtype,
+            ).fit_roots(x_train, root)
+            a = None
         else:
-            self.parameter_space_ = self.kind == "full" and n * o > k
-        a = self._system()
+            if k is None:
+                exact_parameters = PARAMETER_SPACE_RATIO * n * o >= ModelView(self.model).num_params
+                self.parameter_space_ = self.kind == "full" and exact_parameters
+            else:
+                self.parameter_space_ = self.kind == "full" and n * o > k
+            self.curvature_ = None
+            a = self._system()
         self.sq_norm_ = sum(
             float(p.detach().double().pow(2).sum())
             for p in self.model.parameters()
@@ -252,8 +290,11 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             self.prior_precision_ = self._maximise_evidence(a)
         else:
             self.prior_precision_ = float(self.prior_precision)
-        self.factor_, logdet = _factor(a, self.prior_precision_, copy=False)
-        self.evidence_ = self._evidence(self.prior_precision_, logdet, a.shape[0])
+        if a is None:
+            self.factor_, logdet = None, self._logdet(a, self.prior_precision_)
+        else:
+            self.factor_, logdet = _factor(a, self.prior_precision_, copy=False)
+        self.evidence_ = self._evidence(self.prior_precision_, logdet, self._size(a))
         return self
 
     def _system(self) -> torch.Tensor:
@@ -272,9 +313,22 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
     def _keep_effective_parameters(self, a: torch.Tensor) -> float:
         """The δ with γ(δ) = EFFECTIVE_PARAMETERS for the system `a` (`_damping`; the rank of
         SΘS is N·(O − 1) for the softmax, N·O for the Gaussian likelihood)."""
+        if a is None:  # the factored curvature's whole spectrum
+            return _damping.damping_for(self.curvature_.eigenvalues, EFFECTIVE_PARAMETERS)
         n, o = self.root_.shape[0], self.n_outputs_
         rank = n * (o - 1 if self.likelihood == "classification" else o)
         return _damping.damping_keeping(a, rank, EFFECTIVE_PARAMETERS)
+
+    def _size(self, a: torch.Tensor | None) -> int:
+        """The dimension of the system: N·O or the features' (kernel or parameter space), P
+        for the factored curvature (a None)."""
+        return self.curvature_.eigenvalues.numel() if a is None else a.shape[0]
+
+    def _logdet(self, a: torch.Tensor | None, delta: float) -> float:
+        """log det(A + δI) of the system, from the factored curvature's eigenvalues (a None)."""
+        if a is None:
+            return float((self.curvature_.eigenvalues + delta).log().sum())
+        return _factor(a, delta, copy=True)[1]
 
     def _evidence(self, delta: float, logdet: float, count: int) -> float:
         """log Z(δ) from log det(A + δI) of the count × count system A (SΘS, or ΨᵀΨ in parameter
@@ -292,11 +346,12 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             raise ValueError(
                 "prior_precision='evidence' needs trainable parameters with nonzero norm"
             )
-        top = math.log10(a.shape[0] / self.sq_norm_)
+        size = self._size(a)
+        top = math.log10(size / self.sq_norm_)
 
         def negative(log_delta: float) -> float:
             delta = 10.0**log_delta
-            return -self._evidence(delta, _factor(a, delta, copy=True)[1], a.shape[0])
+            return -self._evidence(delta, self._logdet(a, delta), size)
 
         best = scipy.optimize.minimize_scalar(
             negative,
@@ -321,12 +376,15 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             if self.likelihood == "classification"
             else _targets(y_val, m, o)
         )
-        _, covariance = self._spectral_covariance(a, x_val)
+        if a is None:
+            covariance = self.curvature_.covariance_function(x_val)
+        else:
+            covariance = self._spectral_covariance(a, x_val)[1]
 
         def loss(log_delta: float) -> float:
             return -float(self._log_density(mean, covariance(10.0**log_delta), y_val).mean())
 
-        centre = math.log10(a.shape[0] / self.sq_norm_)
+        centre = math.log10(self._size(a) / self.sq_norm_)
         span = VALIDATION_DECADES
         grid = np.linspace(centre - span, centre + span, VALIDATION_GRID)
         values = [loss(g) for g in grid]
@@ -365,6 +423,8 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         """Σ(x) [N, O, O], in blocks of PREDICT_BLOCK samples, with L the Cholesky factor of the
         damped system and W = L⁻¹ B(x) (`_columns`, `_assemble`)."""
         x = self._inputs(x)
+        if self.curvature_ is not None:
+            return self.curvature_.output_covariance(x, self.prior_precision_)
         n = inputs.validate(x, "x")
         out = []
         for s in range(0, n, PREDICT_BLOCK):

@@ -116,11 +116,20 @@ class KroneckerCurvature:
     cross-entropy (module docstring).
 
     strategy: "ekfac" (eigenvalue-corrected) or "kfac". batch_size: samples per pass (None: from
-    free memory). The model is used read-only through a functional view (eval mode required).
+    free memory). output_fn maps the model's output to the logits [B, O]; dtype: the per-sample
+    derivatives' (None: the model's). The model is used read-only through a functional view
+    (eval mode required).
     """
 
     def __init__(
-        self, model, *, strategy: str = "ekfac", batch_size: int | None = None, device=None
+        self,
+        model,
+        *,
+        strategy: str = "ekfac",
+        batch_size: int | None = None,
+        device=None,
+        output_fn=None,
+        dtype: torch.dtype | None = None,
     ):
         if strategy not in STRATEGIES:
             raise ValueError(
@@ -129,11 +138,12 @@ class KroneckerCurvature:
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"batch_size must be None or a positive integer, got {batch_size!r}")
         check_eval_mode(model)
-        self.view = ModelView(model, device=device)
+        self.view = ModelView(model, output_fn=output_fn, device=device, dtype=dtype)
         self.strategy = strategy
         self.batch_size = batch_size
+        self.dtype = dtype  # floating inputs are cast to it (None: left as given)
         self.blocks: dict[tuple[str, str], _Kronecker | _Dense] = {}
-        self.num_train = 0
+        self.num_train = self.num_outputs = 0
 
     # -- per-batch gradients -----------------------------------------------------------------
 
@@ -189,31 +199,42 @@ class KroneckerCurvature:
     # -- fitting ---------------------------------------------------------------------------
 
     def fit(self, x, logits: torch.Tensor) -> KroneckerCurvature:
-        """Fit the factors (and, for EK-FAC, the corrected eigenvalues) on training inputs `x`
-        and the network's logits on them [N, O]."""
+        """Fit the factors (and, for EK-FAC, the corrected eigenvalues) of the cross-entropy's
+        curvature on training inputs `x` and the network's logits on them [N, O]."""
         n = inputs.validate(x, "x_train")
         logits = torch.as_tensor(logits)
         if logits.dim() != 2 or logits.shape[0] != n:
             raise ValueError(
                 f"logits must be [N, O] for the {n} training inputs, got {tuple(logits.shape)}"
             )
-        x = inputs.convert(x, self.view.device, None)
-        o = logits.shape[1]
+        p = logits.to(torch.float64).softmax(1)
+        return self.fit_roots(x, _softmax_roots(p))
+
+    def fit_roots(self, x, roots: torch.Tensor) -> KroneckerCurvature:
+        """Fit the curvature G = Σ_i J_iᵀ R_i R_iᵀ J_i of any loss whose Hessian with respect to
+        sample i's outputs is Λ_i = R_i R_iᵀ, given roots [N, O, C] (the softmax's L_i of the
+        module docstring; I/σ for a Gaussian likelihood)."""
+        n = inputs.validate(x, "x_train")
+        roots = torch.as_tensor(roots)
+        if roots.dim() != 3 or roots.shape[0] != n:
+            raise ValueError(
+                f"roots must be [N, O, C] for the {n} training inputs, got {tuple(roots.shape)}"
+            )
         self._dtype = next(iter(self.view.params.values())).dtype
-        self.plan = structured.plan(self.view, x, "full", o, 1, factor_all=True)
-        p = logits.to(self.view.device, torch.float64).softmax(1)
-        self.num_train = n
+        x = inputs.convert(x, self.view.device, self.dtype)
+        cot = roots.permute(2, 0, 1).to(self.view.device, self._dtype)  # [C, N, O]
+        self.plan = structured.plan(self.view, x, "full", roots.shape[1], 1, factor_all=True)
+        self.num_train, self.num_outputs = n, roots.shape[1]
         self.blocks = {}
-        batches = list(self._batches(x, self._per_sample_bytes(o)))
+        batches = list(self._batches(x, self._per_sample_bytes(cot.shape[0])))
         for sl in batches:
-            terms = self._terms(inputs.take(x, sl), _curvature_cotangents(p[sl], self._dtype))
-            for key, value in terms.items():
+            for key, value in self._terms(inputs.take(x, sl), cot[:, sl]).items():
                 self._accumulate(key, value)
         corrected = self.strategy == "ekfac"
         for block in self.blocks.values():
             block.decompose(corrected)
         if corrected:
-            self._correct_eigenvalues(x, p, batches)
+            self._correct_eigenvalues(x, cot, batches)
         return self
 
     def _accumulate(self, key, value) -> None:
@@ -238,7 +259,7 @@ class KroneckerCurvature:
         block.g += (d2.T @ d2).double()
         block.count += a2.shape[0]
 
-    def _correct_eigenvalues(self, x, p: torch.Tensor, batches) -> None:
+    def _correct_eigenvalues(self, x, cot: torch.Tensor, batches) -> None:
         """Λ_W = Σ_i Σ_c (Q_Gᵀ g_ic Q_A)²: the exact diagonal of each block in its eigenbasis."""
         kron = {k: b for k, b in self.blocks.items() if k[0] == "kron"}
         for block in kron.values():
@@ -247,7 +268,7 @@ class KroneckerCurvature:
             )
         rotations = {k: (b.qa.to(self._dtype), b.qg.to(self._dtype)) for k, b in kron.items()}
         for sl in batches:
-            terms = self._terms(inputs.take(x, sl), _curvature_cotangents(p[sl], self._dtype))
+            terms = self._terms(inputs.take(x, sl), cot[:, sl])
             for key, block in kron.items():
                 a, d = terms[key]
                 qa, qg = rotations[key]
@@ -257,6 +278,58 @@ class KroneckerCurvature:
                 else:
                     sq = (torch.einsum("cbso,bsi->cboi", d_rot, a_rot) ** 2).sum((0, 1))
                 block.eigenvalues += sq.double()
+
+    # -- the posterior of the linearised network (attribution.NTKPosterior) ----------------
+
+    @property
+    def eigenvalues(self) -> torch.Tensor:
+        """Every eigenvalue of the block-diagonal factored curvature [P] (float64, CPU)."""
+        self._check_fitted()
+        return torch.cat([b.eigenvalues.flatten().cpu() for b in self.blocks.values()])
+
+    def _rotated(self, x) -> list[_Rotated]:
+        """Per block, the Jacobian of every output in the block's eigenbasis, J_W(x)(Q_G ⊗ Q_A)
+        (float64): as its two factors for a weight used at one position, else [O, B, P_W]."""
+        o = self.num_outputs
+        b = inputs.count(x)
+        eye = torch.eye(o, dtype=self._dtype, device=self.view.device)
+        terms = self._terms(x, eye[:, None, :].expand(o, b, o))
+        out = []
+        for key, block in self.blocks.items():
+            if isinstance(block, _Kronecker):
+                a, d = terms[key]
+                a, d = a.double() @ block.qa, d.double() @ block.qg
+                if a.shape[1] == 1:  # one position: the outer product δ̃_o ã
+                    out.append(_Rotated(block.eigenvalues, d[:, :, 0], a[:, 0] ** 2))
+                    continue
+                g = torch.einsum("cbso,bsi->cboi", d, a).flatten(2)
+            else:
+                g = terms[key][0].double() @ block.q
+            out.append(_Rotated(block.eigenvalues.flatten(), g=g))
+        return out
+
+    def _output_batches(self, x):
+        """Batches of `x` for `_rotated` (its per-sample memory: at most O·P float64 values)."""
+        inputs.validate(x, "x")
+        x = inputs.convert(x, self.view.device, self.dtype)
+        o = self.num_outputs
+        for sl in self._batches(x, self._per_sample_bytes(o) + 8 * o * self.view.num_params):
+            yield inputs.take(x, sl)
+
+    def output_covariance(self, x, damping: float) -> torch.Tensor:
+        """Σ(x) = J(x)(G + δI)⁻¹J(x)ᵀ [M, O, O] (float64, CPU) with the factored G and δ =
+        `damping`: per block Σ_k (J_W(x) q_k)(J_W(x) q_k)ᵀ / (e_k + δ) over its eigenpairs."""
+        self._check_fitted()
+        return torch.cat(
+            [_covariance(self._rotated(xb), damping) for xb in self._output_batches(x)]
+        )
+
+    def covariance_function(self, x):
+        """δ ↦ Σ(x) for many δ from one pass over `x` (its rotated Jacobians, M·O·P values, are
+        kept)."""
+        self._check_fitted()
+        rotated = [self._rotated(xb) for xb in self._output_batches(x)]
+        return lambda damping: torch.cat([_covariance(r, damping) for r in rotated])
 
     # -- influence -------------------------------------------------------------------------
 
@@ -275,7 +348,7 @@ class KroneckerCurvature:
         n = inputs.validate(x, "x")
         if cot.shape[0] != n:
             raise ValueError(f"{cot.shape[0]} cotangents for {n} inputs")
-        x = inputs.convert(x, self.view.device, None)
+        x = inputs.convert(x, self.view.device, self.dtype)
         cot = cot.to(self.view.device, self._dtype)
         for sl in self._batches(x, self._per_sample_bytes(1)):
             yield sl, self._terms(inputs.take(x, sl), cot[sl].unsqueeze(0))
@@ -305,9 +378,33 @@ class KroneckerCurvature:
         return scores.cpu()
 
 
-def _curvature_cotangents(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Columns of L_i = diag(√p_i) − p_i √p_iᵀ (L_i L_iᵀ = Λ_i) as cotangents [O, B, O]:
-    entry [c, i, o] = √p_ic (δ_co − p_io)."""
+@dataclass
+class _Rotated:
+    """One block's output Jacobians in its eigenbasis: g [O, B, P_W], or for a weight used at
+    one position its factors d [O, B, F_out] and the squared inputs a2 [B, F_in]
+    (g[c, b, (o, i)] = d[c, b, o] · √a2[b, i])."""
+
+    eigenvalues: torch.Tensor  # [P_W], or [F_out, F_in] with the factors
+    d: torch.Tensor | None = None
+    a2: torch.Tensor | None = None
+    g: torch.Tensor | None = None
+
+
+def _covariance(rotated: list[_Rotated], damping: float) -> torch.Tensor:
+    """Σ_blocks G̃ diag(1/(e + δ)) G̃ᵀ per sample [B, O, O] from `_rotated`'s blocks; with the
+    factors, Σ_(o,i) d_co d_eo a_i² / (e_oi + δ) = Σ_o d_co d_eo v_o with v = a² (1/(e + δ))ᵀ."""
+    total = 0.0
+    for block in rotated:
+        w = 1.0 / (block.eigenvalues + damping)
+        if block.g is None:
+            total = total + torch.einsum("cbo,ebo->bce", block.d * (block.a2 @ w.T), block.d)
+        else:
+            total = total + torch.einsum("cbp,ebp->bce", block.g * w, block.g)
+    return total.cpu()
+
+
+def _softmax_roots(p: torch.Tensor) -> torch.Tensor:
+    """L_i = diag(√p_i) − p_i √p_iᵀ for each row of p [N, O] (L_i L_iᵀ = Λ_i), as [N, O, O]:
+    column c is √p_ic (e_c − p_i)."""
     eye = torch.eye(p.shape[1], dtype=p.dtype, device=p.device)
-    cot = p.sqrt().T[:, :, None] * (eye[:, None, :] - p[None])
-    return cot.to(dtype)
+    return (eye[None] - p[:, :, None]) * p.sqrt()[:, None, :]

@@ -1,6 +1,6 @@
 """Which prior precision should `NTKPosterior` use when the user has no held-out data?
 
-    python benchmarks/posterior_prior.py [--settings a,b] [--json out.json]
+    python benchmarks/posterior_prior.py [--settings a,b] [--json out.json] [--curvature ekfac]
     python benchmarks/posterior_prior.py --smoke          # tiny data, two settings
 
 The rule family: δ such that the damped Gauss–Newton system keeps a fixed effective number of
@@ -76,17 +76,21 @@ def case(name: str, smoke: bool) -> tuple[torch.nn.Module, dict[str, torch.Tenso
     return model, dict(d, ood=d["ood_permuted"])
 
 
-def curves(model, d: dict[str, torch.Tensor]) -> dict:
-    """Test NLL / ECE / OOD AUROC at every γ of GAMMAS, the validation NLL, and the MAP's."""
-    post = NTKPosterior(model, prior_precision=1.0).fit(d["x_train"], d["y_train"])
-    a = post._system()
+def curves(model, d: dict[str, torch.Tensor], curvature: str = "exact") -> dict:
+    """Test NLL / ECE / OOD AUROC at every γ of GAMMAS, the validation NLL, and the MAP's, for
+    the posterior of NTKPosterior(curvature=curvature)."""
+    post = NTKPosterior(model, curvature=curvature, prior_precision=1.0)
+    post.fit(d["x_train"], d["y_train"])
     n, o = len(d["y_train"]), post.n_outputs_
     parts = ("x_val", "x_test", "ood")
     x = torch.cat([d[k] for k in parts])
     sizes = [len(d[k]) for k in parts]
     mean = post._mean(x)
-    eigenvalues, covariance = post._spectral_covariance(a, x)
-    del a
+    if curvature == "exact":
+        eigenvalues, covariance = post._spectral_covariance(post._system(), x)
+    else:  # the factored curvature's spectrum and δ ↦ Σ(x)
+        eigenvalues = post.curvature_.eigenvalues
+        covariance = post.curvature_.covariance_function(x)
 
     def scores(p: torch.Tensor) -> dict:
         val, test, ood = p.split(sizes)
@@ -105,7 +109,8 @@ def curves(model, d: dict[str, torch.Tensor]) -> dict:
         rows.append(
             dict(gamma=float(gamma), delta=delta, **scores(post._proba(mean, covariance(delta))))
         )
-    default = NTKPosterior(model).fit(d["x_train"], d["y_train"])  # the library's own path
+    default = NTKPosterior(model, curvature=curvature)  # the library's own path
+    default.fit(d["x_train"], d["y_train"])
     library = scores(torch.as_tensor(default.predict_proba(x)))
     return dict(n=n, o=o, map=scores(mean.softmax(-1)), rows=rows, library=library)
 
@@ -154,6 +159,9 @@ def main() -> None:
     parser.add_argument("--settings", default=None, help="comma-separated; default: all")
     parser.add_argument("--smoke", action="store_true", help="tiny data, two settings")
     parser.add_argument("--json", help="also write every number to this file")
+    parser.add_argument(
+        "--curvature", default="exact", help="NTKPosterior's curvature: exact, ekfac or kfac"
+    )
     args = parser.parse_args()
     names = args.settings.split(",") if args.settings else list(SMOKE if args.smoke else SETTINGS)
     for name in names:
@@ -162,7 +170,7 @@ def main() -> None:
     results = {}
     for name in names:
         torch.manual_seed(0)
-        results[name] = curves(*case(name, args.smoke))
+        results[name] = curves(*case(name, args.smoke), curvature=args.curvature)
         print(f"{name}: done", flush=True)
     folds = held_out(results)
     print()

@@ -204,3 +204,24 @@ def test_bad_inputs(mlp):
     wide = nn.Sequential(nn.Linear(5, MAX_DENSE), nn.LayerNorm(MAX_DENSE), nn.Linear(MAX_DENSE, O))
     with pytest.raises(ValueError, match="without Kronecker structure"):
         influence(wide.double().eval(), x[:4], y[:4], xt, yt, method="ekfac")
+
+
+class _DictOutput(nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return {"logits": self.net(x)}
+
+
+@pytest.mark.parametrize("method", ["ekfac", "kfac"])
+def test_output_fn_reaches_the_factored_curvature(mlp, method):
+    """influence(method="ekfac"/"kfac", output_fn=...) on a model returning a dict equals the
+    plain model's scores (the curvature's passes go through output_fn too)."""
+    model, x, y, xt, yt = mlp
+    plain = influence(model, x, y, xt, yt, method=method)
+    mapped = influence(
+        _DictOutput(model), x, y, xt, yt, method=method, output_fn=lambda out: out["logits"]
+    )
+    torch.testing.assert_close(mapped, plain, rtol=1e-10, atol=1e-12)

@@ -140,11 +140,12 @@ def test_influence_on_device_equals_cpu(name, options):
     assert unchanged(model, before)
 
 
+@pytest.mark.parametrize("curvature", ["exact", "ekfac"])
 @pytest.mark.parametrize("name", ["mlp", "cnn"])
-def test_posterior_on_device_equals_cpu(name):
+def test_posterior_on_device_equals_cpu(name, curvature):
     model, x, y = _classifier(name)
-    here = attribution.NTKPosterior(model, device="cpu").fit(x, y)
-    there = attribution.NTKPosterior(model, device=DEVICE).fit(x, y)
+    here = attribution.NTKPosterior(model, curvature=curvature, device="cpu").fit(x, y)
+    there = attribution.NTKPosterior(model, curvature=curvature, device=DEVICE).fit(x, y)
     assert abs(there.prior_precision_ - here.prior_precision_) <= 1e-8 * here.prior_precision_
     p, q = here.predict_proba(x[:3]), there.predict_proba(x[:3])
     assert rel_err(torch.as_tensor(q), torch.as_tensor(p)) <= 1e-8
