@@ -54,13 +54,13 @@ from ntk.core.model import ModelView
 
 from . import _damping, _kernels
 from ._outputs import labels, logits, psd_root, softmax_curvature
-from .curvature import STRATEGIES, KroneckerCurvature
+from .curvature import STRATEGIES, KroneckerCurvature, UnfactorableModelError
 
 LIKELIHOODS = ("classification", "regression")
 LINKS = ("probit", "mc")
 KINDS = _kernels.OUTPUT_KINDS
 PRIORS = ("auto", "evidence")
-CURVATURES = ("exact", *STRATEGIES)
+CURVATURES = ("auto", "exact", *STRATEGIES)
 # prior_precision="auto" without validation data: δ with γ(δ) = EFFECTIVE_PARAMETERS (≈ 2.37).
 # Chosen leave-one-setting-out on seven trained networks (`python benchmarks/posterior_prior.py`,
 # results/posterior_prior.md): every fold picks 10^0.25–10^0.5; held out, the test NLL against
@@ -89,10 +89,12 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
     "regression" (Gaussian with variance `noise`: a float, or "auto" for the mean squared
     training residual). kind: the covariance, "full" (exact, [N, N, O, O]) or a scalar kind
     ("trace", "sum_logits": the cheaper stand-in k(x, x') ⊗ I_O of `_kernels.output_kernel`).
-    curvature: "exact" (the kernel or parameter-space forms below), or "ekfac" / "kfac": the
-    block-diagonal Kronecker-factored Gauss–Newton curvature of `attribution.curvature` (the one
-    `influence(method="ekfac")` uses), Σ(x) = J(x)(Ĝ + δI)⁻¹J(x)ᵀ from each block's eigenbasis:
-    memory O(Σ_l d_in² + d_out²) and cost linear in N (kind="full", exact Jacobians only).
+    curvature: "ekfac" / "kfac", the block-diagonal Kronecker-factored Gauss–Newton curvature
+    of `attribution.curvature` (the one `influence(method="ekfac")` uses), Σ(x) =
+    J(x)(Ĝ + δI)⁻¹J(x)ᵀ from each block's eigenbasis: memory O(Σ_l d_in² + d_out²), cost linear
+    in N (kind="full", exact Jacobians only); "exact", the kernel or parameter-space forms below;
+    "auto" (default), EK-FAC where kind="full", projection_dim=None and every parameter block
+    fits it (`UnfactorableModelError` otherwise), else exact. The fitted `curvature_` says which.
     projection_dim: None for exact kernels, else a random projection of that dimension
     (`projections`, seeded by `seed`); with kind="full" and N·O > projection_dim the posterior
     is computed in the projected parameter space, a k × k system (Σ(x) = Φ(x)(ΨᵀΨ + δI)⁻¹Φ(x)ᵀ,
@@ -139,7 +141,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         model: nn.Module | None = None,
         *,
         kind: str = "full",
-        curvature: str = "exact",
+        curvature: str = "auto",
         likelihood: str = "classification",
         prior_precision: float | str = "auto",
         noise: float | str = "auto",
@@ -198,7 +200,8 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
                 raise ValueError(f"{name} must be a positive finite number, got {value!r}")
         if self.mc_samples < 1:
             raise ValueError(f"mc_samples must be at least 1, got {self.mc_samples}")
-        if self.curvature != "exact" and (self.kind != "full" or self.projection_dim is not None):
+        factored = self.curvature in STRATEGIES
+        if factored and (self.kind != "full" or self.projection_dim is not None):
             raise ValueError(
                 f"curvature={self.curvature!r} is the Kronecker-factored curvature of the full "
                 "Jacobians: it needs kind='full' and projection_dim=None"
@@ -255,26 +258,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
                 math.log(2 * math.pi * noise)
             )
         self.n_outputs_, self.x_train_, self.root_ = o, x_train, root
-        k = self.projection_dim
-        if self.curvature != "exact":
-            self.parameter_space_ = True
-            self.curvature_ = KroneckerCurvature(
-                self.model,
-                strategy=self.curvature,
-                batch_size=self.batch_size,
-                device=self.device,
-                output_fn=self.output_fn,
-                dtype=self.dtype,
-            ).fit_roots(x_train, root)
-            a = None
-        else:
-            if k is None:
-                exact_parameters = PARAMETER_SPACE_RATIO * n * o >= ModelView(self.model).num_params
-                self.parameter_space_ = self.kind == "full" and exact_parameters
-            else:
-                self.parameter_space_ = self.kind == "full" and n * o > k
-            self.curvature_ = None
-            a = self._system()
+        a = self._fit_curvature(x_train, root)
         self.sq_norm_ = sum(
             float(p.detach().double().pow(2).sum())
             for p in self.model.parameters()
@@ -297,6 +281,39 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         self.evidence_ = self._evidence(self.prior_precision_, logdet, self._size(a))
         return self
 
+    def _fit_curvature(self, x_train, root: torch.Tensor) -> torch.Tensor | None:
+        """Resolve `curvature` into curvature_ and fit it: the Kronecker-factored curvature
+        (kronecker_; returns None), or the exact system `a` (`_system`). "auto" takes EK-FAC
+        for kind="full" with exact Jacobians when every parameter block of the model fits it,
+        else the exact forms."""
+        n, o = root.shape[0], self.n_outputs_
+        self.kronecker_ = None
+        auto = self.curvature == "auto" and self.kind == "full" and self.projection_dim is None
+        if auto or self.curvature in STRATEGIES:
+            strategy = "ekfac" if auto else self.curvature
+            try:
+                self.kronecker_ = KroneckerCurvature(
+                    self.model,
+                    strategy=strategy,
+                    batch_size=self.batch_size,
+                    device=self.device,
+                    output_fn=self.output_fn,
+                    dtype=self.dtype,
+                ).fit_roots(x_train, root)
+            except UnfactorableModelError:
+                if not auto:
+                    raise
+        if self.kronecker_ is not None:
+            self.curvature_, self.parameter_space_ = strategy, True
+            return None
+        self.curvature_ = "exact"
+        if self.projection_dim is None:
+            exact_parameters = PARAMETER_SPACE_RATIO * n * o >= ModelView(self.model).num_params
+            self.parameter_space_ = self.kind == "full" and exact_parameters
+        else:
+            self.parameter_space_ = self.kind == "full" and n * o > self.projection_dim
+        return self._system()
+
     def _system(self) -> torch.Tensor:
         """The Gauss–Newton system of the fitted training set: SΘS [N·O, N·O] in kernel form, or
         with kind="full" and N·O above the features' dimension (projection_dim, or P for exact
@@ -314,7 +331,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         """The δ with γ(δ) = EFFECTIVE_PARAMETERS for the system `a` (`_damping`; the rank of
         SΘS is N·(O − 1) for the softmax, N·O for the Gaussian likelihood)."""
         if a is None:  # the factored curvature's whole spectrum
-            return _damping.damping_for(self.curvature_.eigenvalues, EFFECTIVE_PARAMETERS)
+            return _damping.damping_for(self.kronecker_.eigenvalues, EFFECTIVE_PARAMETERS)
         n, o = self.root_.shape[0], self.n_outputs_
         rank = n * (o - 1 if self.likelihood == "classification" else o)
         return _damping.damping_keeping(a, rank, EFFECTIVE_PARAMETERS)
@@ -322,12 +339,12 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
     def _size(self, a: torch.Tensor | None) -> int:
         """The dimension of the system: N·O or the features' (kernel or parameter space), P
         for the factored curvature (a None)."""
-        return self.curvature_.eigenvalues.numel() if a is None else a.shape[0]
+        return self.kronecker_.eigenvalues.numel() if a is None else a.shape[0]
 
     def _logdet(self, a: torch.Tensor | None, delta: float) -> float:
         """log det(A + δI) of the system, from the factored curvature's eigenvalues (a None)."""
         if a is None:
-            return float((self.curvature_.eigenvalues + delta).log().sum())
+            return float((self.kronecker_.eigenvalues + delta).log().sum())
         return _factor(a, delta, copy=True)[1]
 
     def _evidence(self, delta: float, logdet: float, count: int) -> float:
@@ -377,7 +394,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             else _targets(y_val, m, o)
         )
         if a is None:
-            covariance = self.curvature_.covariance_function(x_val)
+            covariance = self.kronecker_.covariance_function(x_val)
         else:
             covariance = self._spectral_covariance(a, x_val)[1]
 
@@ -423,8 +440,8 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         """Σ(x) [N, O, O], in blocks of PREDICT_BLOCK samples, with L the Cholesky factor of the
         damped system and W = L⁻¹ B(x) (`_columns`, `_assemble`)."""
         x = self._inputs(x)
-        if self.curvature_ is not None:
-            return self.curvature_.output_covariance(x, self.prior_precision_)
+        if self.kronecker_ is not None:
+            return self.kronecker_.output_covariance(x, self.prior_precision_)
         n = inputs.validate(x, "x")
         out = []
         for s in range(0, n, PREDICT_BLOCK):

@@ -45,6 +45,7 @@ from ntk.core.model import ModelView
 from . import _figures
 from ._outputs import labels, logits
 from ._posterior import EFFECTIVE_PARAMETERS, NTKPosterior, entropy
+from .curvature import UnfactorableModelError
 from .evaluation import calibration_metrics, reliability
 from .layers import DEFAULT_SCORE, layer_importance
 from .surrogate import KernelSurrogate, cancellation
@@ -61,7 +62,8 @@ STAGES = (
     "figures",
 )
 # The calibration section is on by default when the posterior's (N·O)² system is this small
-# (N kernel samples, O classes: one Cholesky of 4096² takes about a second on one core).
+# (N kernel samples, O classes: one Cholesky of 4096² takes about a second on one core), and
+# beyond it when the model fits the Kronecker-factored curvature (cost linear in N).
 POSTERIOR_AUTO_MAX = 4096
 VALIDATION_MIN = 20  # labelled test samples needed to tune the posterior's prior precision
 # Readable names of `KernelSurrogate.faithfulness` entries (others are shown as they are named).
@@ -119,8 +121,9 @@ def report(
     retrain: optional callable (x, y) -> trained network, for each card's sanity strip (`_sanity`):
     the network is retrained once on all of x_train and once per card without its top
     proponents (cheap only on small demos). posterior: include the calibration section (an
-    `NTKPosterior` fitted on the kernel samples and their training labels); None: only when its
-    (N·O)² system has N·O ≤ POSTERIOR_AUTO_MAX (otherwise the page says how to turn it on).
+    `NTKPosterior` fitted on the kernel samples and their training labels); None: when the model
+    fits its default Kronecker-factored curvature or its exact (N·O)² system has
+    N·O ≤ POSTERIOR_AUTO_MAX (otherwise the page says how to turn it on).
     The model is never modified.
     """
     if not isinstance(model, nn.Module):
@@ -411,26 +414,31 @@ def _calibration(model, fit, test, enabled: bool | None, top: int, opts: dict) -
     size = n * classes
     if y_fit is None:
         return {"enabled": False, "note": "needs training labels (y_train)"}
-    if enabled is None:
-        enabled = size <= POSTERIOR_AUTO_MAX
-        if not enabled:
-            return {
-                "enabled": False,
-                "note": (
-                    f"off by default: the posterior solves an (N·O)² system with N·O = {size:,} "
-                    f"> {POSTERIOR_AUTO_MAX:,}; turn it on with posterior=True (ntk report "
-                    "--posterior) or lower the kernel samples"
-                ),
-            }
-    if not enabled:
+    if enabled is False:
         return {"enabled": False, "note": "turned off (posterior=False)"}
+    factored_only = enabled is None and size > POSTERIOR_AUTO_MAX
+    if factored_only:  # large: only the factored curvature, whose cost is linear in N
+        opts = dict(opts, curvature="ekfac")
     # with enough labelled test samples δ minimises the NLL of the even-numbered ones and the
     # metrics are measured on the odd-numbered ones (`NTKPosterior.fit(validation=...)`);
     # otherwise δ is NTKPosterior's default (EFFECTIVE_PARAMETERS effective parameters)
     tuned = y_test is not None and len(y_test) >= VALIDATION_MIN
     tune, held = slice(0, None, 2), slice(1, None, 2)
     validation = (inputs.take(x_test, tune), y_test[tune]) if tuned else None
-    post = NTKPosterior(model, **opts).fit(x_fit, y_fit, validation=validation)
+    try:
+        post = NTKPosterior(model, **opts).fit(x_fit, y_fit, validation=validation)
+    except UnfactorableModelError as err:
+        if not factored_only:
+            raise
+        return {
+            "enabled": False,
+            "note": (
+                f"off by default: the model does not fit the factored curvature ({err}), and "
+                f"the exact posterior solves an (N·O)² system with N·O = {size:,} > "
+                f"{POSTERIOR_AUTO_MAX:,}; turn it on with posterior=True (ntk report "
+                "--posterior) or lower the kernel samples"
+            ),
+        }
     q_test = torch.as_tensor(post.predict_proba(x_test))
     uncertainty = entropy(q_test)
     net_pred, post_pred = p_test.argmax(1), q_test.argmax(1)
@@ -451,6 +459,7 @@ def _calibration(model, fit, test, enabled: bool | None, top: int, opts: dict) -
         "note": None,
         "samples": n,
         "kind": post.kind,
+        "curvature": post.curvature_,
         "prior_precision": post.prior_precision_,
         "prior_precision_by": (
             "validation NLL on the even-numbered test samples"

@@ -20,8 +20,11 @@ formed one batch at a time, never for all N at once.
 
 `KroneckerCurvature.influence` gives τ(z, i) = u_zᵀ J_z (G + λI)⁻¹ J_iᵀ r_i, the Gauss–Newton
 influence of `attribution.influence` with the block-diagonal factored G, with
-(G_W + λI)⁻¹ g = Q_G [(Q_Gᵀ g Q_A) / (Λ_W + λ)] Q_Aᵀ. Per-sample derivatives are computed in the
-model's dtype; factors, eigendecompositions and preconditioning in float64.
+(G_W + λI)⁻¹ g = Q_G [(Q_Gᵀ g Q_A) / (Λ_W + λ)] Q_Aᵀ. `output_covariance` gives the linearised
+Laplace posterior's J(x)(G + δI)⁻¹J(x)ᵀ (`attribution.NTKPosterior`, whose Gaussian likelihood
+enters through `fit_roots`: any Λ_i = R_i R_iᵀ, not only the softmax's). Per-sample
+derivatives are computed in the model's dtype; factors, eigendecompositions and preconditioning
+in float64.
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ from ntk.core.model import ModelView, check_eval_mode
 
 STRATEGIES = ("kfac", "ekfac")
 MAX_DENSE = 8192  # most parameters of a block without Kronecker structure (kept dense)
+
+
+class UnfactorableModelError(ValueError):
+    """The model has a parameter block the factored curvature cannot hold (a dense block or an
+    embedding's input factor over MAX_DENSE)."""
 
 
 @dataclass
@@ -158,7 +166,7 @@ class KroneckerCurvature:
                 if t.index:  # an embedding: one-hot inputs
                     size = self.plan.modules[t.layer].num_embeddings
                     if size > MAX_DENSE:
-                        raise ValueError(
+                        raise UnfactorableModelError(
                             f"embedding '{t.layer}' has {size} rows; the Kronecker curvature "
                             f"handles at most {MAX_DENSE} (its input factor is dense)"
                         )
@@ -171,7 +179,7 @@ class KroneckerCurvature:
         for layer, parts in dense.items():
             g = torch.cat(parts, dim=-1)
             if g.shape[-1] > MAX_DENSE:
-                raise ValueError(
+                raise UnfactorableModelError(
                     f"module '{layer}' has {g.shape[-1]} parameters without Kronecker structure "
                     f"(not a Linear, Conv1d/2d or Embedding weight); at most {MAX_DENSE} are kept "
                     "as an exact dense block"

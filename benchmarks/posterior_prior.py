@@ -89,8 +89,8 @@ def curves(model, d: dict[str, torch.Tensor], curvature: str = "exact") -> dict:
     if curvature == "exact":
         eigenvalues, covariance = post._spectral_covariance(post._system(), x)
     else:  # the factored curvature's spectrum and δ ↦ Σ(x)
-        eigenvalues = post.curvature_.eigenvalues
-        covariance = post.curvature_.covariance_function(x)
+        eigenvalues = post.kronecker_.eigenvalues
+        covariance = post.kronecker_.covariance_function(x)
 
     def scores(p: torch.Tensor) -> dict:
         val, test, ood = p.split(sizes)

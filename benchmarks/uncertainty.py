@@ -24,9 +24,10 @@ Metrics on the test split (`attribution.calibration_metrics`): accuracy, NLL, EC
 Brier (scikit-learn's); OOD AUROC of the predictive entropy (test = negative, shifted =
 positive); fit + predict seconds (median of --repeats in a fresh process with one thread; a
 first run over SLOW seconds is not repeated) and the peak resident-memory increase of the first
-repeat. Methods: the MAP softmax (baseline), NTKPosterior (kind full / trace / sum_logits, probit
-link; full with the MC link; "last layer": kind full on a copy of the network whose other layers
-are frozen, the counterpart of laplace-torch's last-layer Laplace), and laplace-torch
+repeat. Methods: the MAP softmax (baseline), NTKPosterior (the default, EK-FAC curvature; K-FAC;
+the exact curvature with kind full, trace or sum_logits, probit link, and full with the MC link;
+"last layer": the exact posterior of a copy of the network whose other layers are frozen, the
+counterpart of laplace-torch's last-layer Laplace), and laplace-torch
 (interpreter from --peer-python or NTK_LAPLACE_PYTHON; all weights with a full or a Kronecker
 Hessian, last layer with a Kronecker Hessian; GLM predictive, probit link;
 benchmarks/peers/laplace_predictive.py). laplace-torch imports torchvision, which must match its
@@ -70,15 +71,15 @@ HELD_OUT_CLASS = 9  # digits: trained on 0–8, the 9s are one of the shifts
 OOD_SAMPLES = 300
 RECIPE = dict(epochs=300, batch_size=64, lr=3e-3, weight_decay=0.0)  # trained to convergence
 OURS = {  # name: (NTKPosterior settings, δ from the validation split); "subset" is ours
-    "NTKPosterior full (default)": (dict(kind="full"), False),
-    "NTKPosterior last layer": (dict(subset="last_layer"), False),
-    "NTKPosterior last layer/validation": (dict(subset="last_layer"), True),
-    "NTKPosterior ekfac": (dict(curvature="ekfac"), False),
+    "NTKPosterior (default: EK-FAC)": (dict(), False),
     "NTKPosterior kfac": (dict(curvature="kfac"), False),
-    "NTKPosterior ekfac/validation": (dict(curvature="ekfac"), True),
-    "NTKPosterior full/evidence": (dict(kind="full", prior_precision="evidence"), False),
-    "NTKPosterior full/validation": (dict(kind="full"), True),
-    "NTKPosterior full/validation/MC link": (dict(kind="full", link="mc"), True),
+    "NTKPosterior EK-FAC/validation": (dict(), True),
+    "NTKPosterior exact": (dict(curvature="exact"), False),
+    "NTKPosterior exact/evidence": (dict(curvature="exact", prior_precision="evidence"), False),
+    "NTKPosterior exact/validation": (dict(curvature="exact"), True),
+    "NTKPosterior exact/validation/MC link": (dict(curvature="exact", link="mc"), True),
+    "NTKPosterior last layer": (dict(subset="last_layer", curvature="exact"), False),
+    "NTKPosterior last layer/validation": (dict(subset="last_layer", curvature="exact"), True),
     "NTKPosterior trace/validation": (dict(kind="trace"), True),
     "NTKPosterior sum_logits/validation": (dict(kind="sum_logits"), True),
 }

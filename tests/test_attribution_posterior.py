@@ -4,6 +4,7 @@ and the error paths."""
 
 import copy
 import math
+from functools import partial
 
 import numpy as np
 import pytest
@@ -13,8 +14,13 @@ from sklearn.exceptions import NotFittedError
 from torch import nn
 from torch.func import functional_call, jacrev
 
-from attribution import NTKPosterior
+import attribution
 from ntk import demo
+
+# This file checks the exact posterior (kernel and parameter-space forms) against the Laplace
+# posterior written out; the Kronecker-factored one (the default "auto") is checked in
+# test_attribution_posterior_factored.py.
+NTKPosterior = partial(attribution.NTKPosterior, curvature="exact")
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from torch.func import functional_call, jacrev
 
 from attribution import NTKPosterior
 from attribution._posterior import EFFECTIVE_PARAMETERS, EVIDENCE_TOL
+from attribution.curvature import MAX_DENSE, UnfactorableModelError
 from ntk import demo
 
 FACTORED = ["ekfac", "kfac"]
@@ -45,7 +46,7 @@ def _layer_jacobians(model, x) -> dict[str, torch.Tensor]:
 def _dense_curvature(post) -> dict[str, torch.Tensor]:
     """Each block of the fitted factored curvature as a dense matrix (Q_G ⊗ Q_A) diag(e) (·)ᵀ."""
     dense = {}
-    for (_, layer), block in post.curvature_.blocks.items():
+    for (_, layer), block in post.kronecker_.blocks.items():
         q = torch.kron(block.qg, block.qa)
         dense[layer] = q @ torch.diag(block.eigenvalues.flatten()) @ q.T
     return dense
@@ -160,3 +161,30 @@ def test_output_fn_and_bad_input(small):
         NTKPosterior(model, curvature="ekfac", kind="trace").fit(x, y)
     with pytest.raises(ValueError, match="needs kind='full' and projection_dim=None"):
         NTKPosterior(model, curvature="kfac", projection_dim=16).fit(x, y)
+
+
+class _WideScale(nn.Module):
+    """An elementwise scale read from the first entries of a parameter with more than MAX_DENSE
+    entries and no Kronecker structure: the factored curvature cannot hold its dense block."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.d = d
+        self.weight = nn.Parameter(torch.ones(MAX_DENSE + 1, dtype=torch.float64))
+
+    def forward(self, x):
+        return x * self.weight[: self.d]
+
+
+def test_auto_takes_ekfac_where_it_applies_and_the_exact_forms_elsewhere(small):
+    model, x, y, xt, _ = small
+    auto = NTKPosterior(model).fit(x, y)
+    assert auto.curvature == "auto" and auto.curvature_ == "ekfac"
+    ekfac = NTKPosterior(model, curvature="ekfac").fit(x, y)
+    np.testing.assert_array_equal(auto.predict_proba(xt), ekfac.predict_proba(xt))
+    assert NTKPosterior(model, kind="trace").fit(x, y).curvature_ == "exact"
+    assert NTKPosterior(model, projection_dim=32).fit(x, y).curvature_ == "exact"
+    wide = nn.Sequential(_WideScale(8), model).eval()
+    assert NTKPosterior(wide, prior_precision=1.0).fit(x, y).curvature_ == "exact"
+    with pytest.raises(UnfactorableModelError, match="without Kronecker structure"):
+        NTKPosterior(wide, curvature="ekfac").fit(x, y)

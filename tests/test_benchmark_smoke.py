@@ -121,16 +121,16 @@ def _table_rows(out: str, title: str) -> dict[str, list[str]]:
 
 
 def test_uncertainty_benchmark_smoke_run_scores_the_map_and_the_posterior():
-    methods = "NTKPosterior full/validation,NTKPosterior last layer"
+    methods = "NTKPosterior (default: EK-FAC),NTKPosterior exact/validation,NTKPosterior last layer"
     out = _run_benchmark("uncertainty.py", "--settings", "breast_cancer", "--methods", methods)
     rows = _table_rows(out, "breast_cancer")
     assert set(rows) == {"MAP softmax", *methods.split(",")}
     for cells in rows.values():
         accuracy, nll, ece, brier = (float(c) for c in cells[:4])
         assert 0.5 < accuracy <= 1 and nll > 0 and 0 <= ece <= 1 and 0 <= brier <= 2
-    assert float(rows["NTKPosterior full/validation"][-3]) > 0  # seconds measured
+    assert float(rows["NTKPosterior exact/validation"][-3]) > 0  # seconds measured
     # paired-bootstrap intervals of the NLL and ECE differences to the MAP: ordered bounds
-    intervals = [c for c in rows["NTKPosterior full/validation"] if c.startswith("[")]
+    intervals = [c for c in rows["NTKPosterior exact/validation"] if c.startswith("[")]
     assert len(intervals) == 2
     for cell in intervals:
         low, high = (float(v) for v in cell.strip("[]").split(","))

@@ -10,11 +10,13 @@ import browser
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 import ntk
 from attribution import NTKPosterior, expected_calibration_error
 from attribution._report import _calibration, choose_examples, effective_rank, report
 from attribution.cli import main
+from attribution.curvature import MAX_DENSE
 from attribution.surrogate import KernelSurrogate
 from ntk import demo
 
@@ -155,6 +157,19 @@ def test_calibration_section_matches_a_direct_posterior(setup, built):
     assert c["least_sure"][0]["entropy"] == pytest.approx(entropy.max(), rel=1e-6)
 
 
+class _WideScale(nn.Module):
+    """An elementwise scale read from a parameter with more than MAX_DENSE entries and no
+    Kronecker structure (the factored curvature cannot hold its dense block)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.d = d
+        self.weight = nn.Parameter(torch.ones(MAX_DENSE + 1))
+
+    def forward(self, x):
+        return x * self.weight[: self.d]
+
+
 def test_calibration_section_off_by_choice_or_by_size(setup, tmp_path):
     model, x_train, y_train, x_test, y_test = setup
     opts = dict(examples=1, top=1, kernel_samples=20)
@@ -164,12 +179,17 @@ def test_calibration_section_off_by_choice_or_by_size(setup, tmp_path):
     assert off["calibration"] == {"enabled": False, "note": "turned off (posterior=False)"}
     assert 'id="calibration"' in (tmp_path / "a.html").read_text()
     assert "Calibration section turned off" in (tmp_path / "a.html").read_text()
-    # 500 samples × 10 classes > POSTERIOR_AUTO_MAX: off by default, and the note says how to
-    # turn it on (decided before any posterior is fitted)
+    # 500 samples × 10 classes > POSTERIOR_AUTO_MAX: on by default with the factored curvature
+    # (linear in N); off for a model that does not fit it, and the note says how to turn it on
     p_test = torch.full((4, 10), 0.1, dtype=torch.float64)
-    fit = (torch.zeros(500, 64), torch.zeros(500, dtype=torch.long))
-    big = _calibration(model, fit, (x_test[:4], y_test[:4], p_test), None, 1, {})
-    assert not big["enabled"] and "5,000 > 4,096" in big["note"] and "--posterior" in big["note"]
+    fit = (torch.randn(500, 64), torch.arange(500) % 10)
+    test = (x_test[:4], y_test[:4], p_test)
+    big = _calibration(model, fit, test, None, 1, {})
+    assert big["enabled"] and big["curvature"] == "ekfac"
+    wide = nn.Sequential(_WideScale(64), model).eval()
+    off = _calibration(wide, fit, test, None, 1, {})
+    assert not off["enabled"] and "5,000 > 4,096" in off["note"] and "--posterior" in off["note"]
+    assert "without Kronecker structure" in off["note"]
 
 
 def test_example_choice():

@@ -95,7 +95,9 @@ from .common import (
     default=None,
     help="calibration section: an NTKPosterior fitted on the kernel samples, its reliability "
     "diagram, NLL/ECE against the network's, and the least sure test examples (default: on when "
-    f"kernel samples × classes ≤ {POSTERIOR_AUTO_MAX}; its cost grows as the cube of that)",
+    "the model fits the Kronecker-factored curvature, whose cost is linear in the kernel samples, "
+    f"or kernel samples × classes ≤ {POSTERIOR_AUTO_MAX}: the exact posterior's cost grows as "
+    "the cube of that)",
 )
 def report(
     model_spec,
