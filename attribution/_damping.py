@@ -99,14 +99,14 @@ def auto_damping(
 
 
 def damped_cholesky(
-    a: torch.Tensor, damping: str | float, n: int, o: int
+    a: torch.Tensor, damping: str | float, n: int, o: int, fraction: float = DOF_FRACTION
 ) -> tuple[torch.Tensor, float]:
     """(Cholesky factor of a + λI, λ), in place on a; λ = damping or, for "auto", the λ keeping
-    DOF_FRACTION · N·(O − 1) effective parameters (`auto_damping`, from a's spectrum:
-    `damping_keeping`; N samples, O outputs)."""
+    fraction · N·(O − 1) effective parameters (`damping_keeping`, from a's spectrum; N samples,
+    O outputs)."""
     rank = n * max(o - 1, 1)
     if damping == "auto":
-        lam = damping_keeping(a, rank, DOF_FRACTION * rank)
+        lam = damping_keeping(a, rank, fraction * rank)
     else:
         lam = float(damping)
     a.diagonal().add_(lam)

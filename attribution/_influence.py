@@ -13,8 +13,9 @@ r_i = e_{y_i} − p_i the descent direction of example i's cross-entropy in logi
 - `surrogate`: the counterfactual of the Gauss–Newton `KernelSurrogate` (`machine="gauss_newton"`,
   the Gauss–Newton model of kernel logistic regression at the network's logits) fitted to the
   training labels, u_zᵀ (d(z) − d_{−i}(z)), the exact change of its decision when example i is
-  removed and the kernel machine refitted (`KernelSurrogate.influence`, closed form; its λ the
-  effective-parameter rule of `damping="auto"`; an (N·O)² system like the exact path's, refused
+  removed and the kernel machine refitted (`KernelSurrogate.influence`, closed form; its λ keeps
+  `surrogate.GAUSS_NEWTON_DOF_FRACTION` of the rank as effective parameters, a damping chosen for
+  faithfulness and counterfactual LDS at once; an (N·O)² system like the exact path's, refused
   with a MemoryError when it does not fit). Chosen over the centred ridge's counterfactual
   by `python benchmarks/surrogate_settings.py` (label-fitted counterfactual LDS).
 - `trak`: TRAK as published (`attribution.trak`).

@@ -86,6 +86,15 @@ GRID = np.logspace(-6, 2, 9)
 # variants that meet 7 of 12 targets held out (this default meets 10 of 12), so it was kept.
 DEFAULT_ALPHA = 0.1
 DEFAULT_REFERENCE = 0.25
+# machine="gauss_newton", alpha=None: λ keeping this fraction of the rank N·(O − 1) as effective
+# parameters. Chosen for issue 11's two targets at once, label-fitted τ ≥ 0.85 and counterfactual
+# LDS ≥ 0.60 (`python benchmarks/surrogate_settings.py --cache-dir … --fractions
+# 0.015,0.02,0.025,0.03,0.04,0.05`, results/surrogate.md): the most settings meeting both, then
+# the best mean min(τ/0.85, LDS/0.60). In sample f = 0.025: τ / LDS 0.855 / 0.632 (digits MLP,
+# both met), 0.633 / 0.588 (CNN), 0.846 / 0.500 (breast_cancer), 0.796 / 0.697 (wine). Held out,
+# three folds pick 0.025; the digits-MLP fold picks 0.05 (wine meets both there), 0.904 / 0.439
+# on the MLP. Influence's DOF_FRACTION (0.015, chosen for LDS alone) gave 0.755 / 0.694 on the MLP.
+GAUSS_NEWTON_DOF_FRACTION = 0.025
 
 
 class KernelSurrogate(ClassifierMixin, BaseEstimator):
@@ -340,7 +349,9 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         root = psd_root(softmax_curvature(g))
         system = torch.einsum("iop,ij,jpq->iojq", root, torch.as_tensor(k), root)
         damping = "auto" if self.alpha is None else float(self.alpha)
-        factor, self.alpha_ = damped_cholesky(system.reshape(n * o, n * o), damping, n, o)
+        factor, self.alpha_ = damped_cholesky(
+            system.reshape(n * o, n * o), damping, n, o, GAUSS_NEWTON_DOF_FRACTION
+        )
         target = torch.einsum("iop,ip->io", root, g + step).reshape(-1, 1)
         beta = torch.cholesky_solve(target, factor).reshape(n, o)
         self.root_, self.beta_, self.factor_ = root.numpy(), beta.numpy(), factor.numpy()

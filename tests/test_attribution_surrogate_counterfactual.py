@@ -318,3 +318,20 @@ def test_gauss_newton_machine_that_does_not_fit_is_refused(small, monkeypatch):
     monkeypatch.setattr("attribution.surrogate.available_bytes", lambda device: 10_000)
     with pytest.raises(MemoryError, match=r"\(N·O\)² = 75² system.*machine='ridge'"):
         KernelSurrogate(model, machine="gauss_newton").fit(x, torch.arange(len(x)) % 3)
+
+
+def test_gauss_newton_damping_keeps_the_chosen_effective_number_of_parameters(small):
+    """machine="gauss_newton" with alpha=None: λ solves Σ_k e_k/(e_k + λ) =
+    GAUSS_NEWTON_DOF_FRACTION · N·(O − 1), e the eigenvalues of SΘS (written out here)."""
+    from attribution.surrogate import GAUSS_NEWTON_DOF_FRACTION
+
+    model, x, _ = small
+    y = torch.arange(len(x)) % 3
+    s = KernelSurrogate(model, machine="gauss_newton").fit(x, y)
+    n, o = len(x), 3
+    k = ntk.empirical_ntk(model, x, kind="trace").numpy()
+    k = k / k.diagonal().mean()  # the machine's kernel: unit mean diagonal
+    a = np.einsum("iop,ij,jpq->iojq", s.root_, k, s.root_).reshape(n * o, n * o)
+    e = np.linalg.eigvalsh(a).clip(min=0)
+    gamma = float((e / (e + s.alpha_)).sum())
+    assert gamma == pytest.approx(GAUSS_NEWTON_DOF_FRACTION * n * (o - 1), rel=1e-6)
