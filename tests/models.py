@@ -124,6 +124,30 @@ class DictInput(nn.Module):
         return self.out(torch.tanh(self.a(a) + self.b(b)))
 
 
+class DictOutput(nn.Module):
+    """`net` returning its logits in a dict, as HuggingFace models do (read with output_fn)."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return {"logits": self.net(x)}
+
+
+class WideScale(nn.Module):
+    """An elementwise scale of d features read from a parameter with `size` entries and no
+    Kronecker structure (the factored curvature holds at most attribution.curvature.MAX_DENSE)."""
+
+    def __init__(self, d: int, size: int):
+        super().__init__()
+        self.d = d
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x):
+        return x * self.weight[: self.d]
+
+
 def make(name: str, dtype=torch.float64, seed: int = 0):
     """(model in eval mode, x1, x2) for a named case."""
     torch.manual_seed(seed)

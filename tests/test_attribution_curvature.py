@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from models import DictOutput
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
@@ -206,15 +207,6 @@ def test_bad_inputs(mlp):
         influence(wide.double().eval(), x[:4], y[:4], xt, yt, method="ekfac")
 
 
-class _DictOutput(nn.Module):
-    def __init__(self, net):
-        super().__init__()
-        self.net = net
-
-    def forward(self, x):
-        return {"logits": self.net(x)}
-
-
 @pytest.mark.parametrize("method", ["ekfac", "kfac"])
 def test_output_fn_reaches_the_factored_curvature(mlp, method):
     """influence(method="ekfac"/"kfac", output_fn=...) on a model returning a dict equals the
@@ -222,6 +214,6 @@ def test_output_fn_reaches_the_factored_curvature(mlp, method):
     model, x, y, xt, yt = mlp
     plain = influence(model, x, y, xt, yt, method=method)
     mapped = influence(
-        _DictOutput(model), x, y, xt, yt, method=method, output_fn=lambda out: out["logits"]
+        DictOutput(model), x, y, xt, yt, method=method, output_fn=lambda out: out["logits"]
     )
     torch.testing.assert_close(mapped, plain, rtol=1e-10, atol=1e-12)

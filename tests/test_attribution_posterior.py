@@ -9,6 +9,7 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
+from models import DictOutput
 from sklearn.base import clone, is_classifier, is_regressor
 from sklearn.exceptions import NotFittedError
 from torch import nn
@@ -251,29 +252,18 @@ def test_bad_input(small):
         NTKPosterior("not a model").fit(x, y)
 
 
-class _DictOutput(nn.Module):
-    """The same network returning its logits in a dict, as HuggingFace models do."""
-
-    def __init__(self, net):
-        super().__init__()
-        self.net = net
-
-    def forward(self, x):
-        return {"logits": self.net(x)}
-
-
 def test_output_fn_maps_the_models_output_to_the_logits(small):
     model, x, y, xt, _ = small
     plain = NTKPosterior(model, prior_precision=1.0).fit(x, y)
     mapped = NTKPosterior(
-        _DictOutput(model), prior_precision=1.0, output_fn=lambda out: out["logits"]
+        DictOutput(model), prior_precision=1.0, output_fn=lambda out: out["logits"]
     ).fit(x, y)
     np.testing.assert_allclose(mapped.predict_proba(xt), plain.predict_proba(xt), rtol=1e-10)
     np.testing.assert_allclose(
         mapped.predict_variance(xt), plain.predict_variance(xt), rtol=1e-8, atol=1e-12
     )
     with pytest.raises(TypeError, match="output_fn"):
-        NTKPosterior(_DictOutput(model), prior_precision=1.0).fit(x, y)
+        NTKPosterior(DictOutput(model), prior_precision=1.0).fit(x, y)
 
 
 def test_cross_val_score_and_grid_search(small):

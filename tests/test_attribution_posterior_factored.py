@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from models import DictOutput, WideScale
 from torch import nn
 from torch.func import functional_call, jacrev
 
@@ -142,14 +143,6 @@ def test_evidence_and_validation_choose_the_prior_precision(small):
 def test_output_fn_and_bad_input(small):
     model, x, y, xt, _ = small
 
-    class DictOutput(nn.Module):
-        def __init__(self, net):
-            super().__init__()
-            self.net = net
-
-        def forward(self, x):
-            return {"logits": self.net(x)}
-
     plain = NTKPosterior(model, curvature="ekfac", prior_precision=1.0).fit(x, y)
     mapped = NTKPosterior(
         DictOutput(model), curvature="ekfac", prior_precision=1.0, output_fn=lambda o: o["logits"]
@@ -163,19 +156,6 @@ def test_output_fn_and_bad_input(small):
         NTKPosterior(model, curvature="kfac", projection_dim=16).fit(x, y)
 
 
-class _WideScale(nn.Module):
-    """An elementwise scale read from the first entries of a parameter with more than MAX_DENSE
-    entries and no Kronecker structure: the factored curvature cannot hold its dense block."""
-
-    def __init__(self, d: int):
-        super().__init__()
-        self.d = d
-        self.weight = nn.Parameter(torch.ones(MAX_DENSE + 1, dtype=torch.float64))
-
-    def forward(self, x):
-        return x * self.weight[: self.d]
-
-
 def test_auto_takes_ekfac_where_it_applies_and_the_exact_forms_elsewhere(small):
     model, x, y, xt, _ = small
     auto = NTKPosterior(model).fit(x, y)
@@ -184,7 +164,7 @@ def test_auto_takes_ekfac_where_it_applies_and_the_exact_forms_elsewhere(small):
     np.testing.assert_array_equal(auto.predict_proba(xt), ekfac.predict_proba(xt))
     assert NTKPosterior(model, kind="trace").fit(x, y).curvature_ == "exact"
     assert NTKPosterior(model, projection_dim=32).fit(x, y).curvature_ == "exact"
-    wide = nn.Sequential(_WideScale(8), model).eval()
+    wide = nn.Sequential(WideScale(8, MAX_DENSE + 1), model).double().eval()
     assert NTKPosterior(wide, prior_precision=1.0).fit(x, y).curvature_ == "exact"
     with pytest.raises(UnfactorableModelError, match="without Kronecker structure"):
         NTKPosterior(wide, curvature="ekfac").fit(x, y)

@@ -10,6 +10,7 @@ import browser
 import numpy as np
 import pytest
 import torch
+from models import WideScale
 from torch import nn
 
 import ntk
@@ -157,19 +158,6 @@ def test_calibration_section_matches_a_direct_posterior(setup, built):
     assert c["least_sure"][0]["entropy"] == pytest.approx(entropy.max(), rel=1e-6)
 
 
-class _WideScale(nn.Module):
-    """An elementwise scale read from a parameter with more than MAX_DENSE entries and no
-    Kronecker structure (the factored curvature cannot hold its dense block)."""
-
-    def __init__(self, d: int):
-        super().__init__()
-        self.d = d
-        self.weight = nn.Parameter(torch.ones(MAX_DENSE + 1))
-
-    def forward(self, x):
-        return x * self.weight[: self.d]
-
-
 def test_calibration_section_off_by_choice_or_by_size(setup, tmp_path):
     model, x_train, y_train, x_test, y_test = setup
     opts = dict(examples=1, top=1, kernel_samples=20)
@@ -186,7 +174,7 @@ def test_calibration_section_off_by_choice_or_by_size(setup, tmp_path):
     test = (x_test[:4], y_test[:4], p_test)
     big = _calibration(model, fit, test, None, 1, {})
     assert big["enabled"] and big["curvature"] == "ekfac"
-    wide = nn.Sequential(_WideScale(64), model).eval()
+    wide = nn.Sequential(WideScale(64, MAX_DENSE + 1), model).eval()
     off = _calibration(wide, fit, test, None, 1, {})
     assert not off["enabled"] and "5,000 > 4,096" in off["note"] and "--posterior" in off["note"]
     assert "without Kronecker structure" in off["note"]
