@@ -16,24 +16,11 @@ from torch import nn
 from torch.func import functional_call, jacrev
 
 import attribution
-from ntk import demo
 
 # This file checks the exact posterior (kernel and parameter-space forms) against the Laplace
 # posterior written out; the Kronecker-factored one (the default "auto") is checked in
 # test_attribution_posterior_factored.py.
 NTKPosterior = partial(attribution.NTKPosterior, curvature="exact")
-
-
-@pytest.fixture(scope="module")
-def small():
-    """A 3-class MLP (P = 8·6 + 6 + 6·3 + 3 = 75 > N·O = 60: the kernel form) trained on 20
-    points."""
-    torch.manual_seed(0)
-    x = torch.randn(28, 8, dtype=torch.float64)
-    y = torch.arange(28) % 3
-    model = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 3)).double()
-    model = demo.train(model, x[:20], y[:20], epochs=40, batch_size=10, lr=1e-2)
-    return model, x[:20], y[:20], x[20:], y[20:]
 
 
 def _jacobian(model, x):
@@ -59,8 +46,8 @@ def _sq_norm(model):
 
 
 @pytest.mark.parametrize("delta", [0.05, 2.0])
-def test_classification_equals_parameter_space_laplace(small, delta):
-    model, x, y, xt, _ = small
+def test_classification_equals_parameter_space_laplace(small_classifier, delta):
+    model, x, y, xt, _ = small_classifier
     post = NTKPosterior(model, prior_precision=delta).fit(x, y)
     g = model(x).detach()
     p = g.softmax(1)
@@ -73,8 +60,8 @@ def test_classification_equals_parameter_space_laplace(small, delta):
     assert post.log_marginal_likelihood() == pytest.approx(evidence, rel=1e-9, abs=1e-9)
 
 
-def test_regression_equals_parameter_space_laplace(small):
-    model, x, _, xt, _ = small
+def test_regression_equals_parameter_space_laplace(small_classifier):
+    model, x, _, xt, _ = small_classifier
     targets = torch.randn(
         len(x), 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1)
     )
@@ -102,8 +89,8 @@ def test_regression_equals_parameter_space_laplace(small):
     assert post.score(xt, yt) == pytest.approx(expected)
 
 
-def test_evidence_prior_precision_maximises_the_evidence(small):
-    model, x, y, _, _ = small
+def test_evidence_prior_precision_maximises_the_evidence(small_classifier):
+    model, x, y, _, _ = small_classifier
     auto = NTKPosterior(model, prior_precision="evidence").fit(x, y)
     grid = 10.0 ** np.arange(-4.0, 3.01, 0.1)
     evidence = [
@@ -115,13 +102,13 @@ def test_evidence_prior_precision_maximises_the_evidence(small):
     assert auto.log_marginal_likelihood() >= max(evidence) - 1e-6
 
 
-def test_auto_prior_precision_keeps_the_chosen_effective_number_of_parameters(small):
+def test_auto_prior_precision_keeps_the_chosen_effective_number_of_parameters(small_classifier):
     """Without validation data δ solves Σ_k e_k/(e_k + δ) = EFFECTIVE_PARAMETERS, with e the
     eigenvalues of the parameter-space Gauss–Newton matrix Σ_i J_iᵀ Λ_i J_i (the same nonzero
     eigenvalues as SΘS), computed here from per-sample Jacobians."""
     from attribution._posterior import EFFECTIVE_PARAMETERS
 
-    model, x, y, _, _ = small
+    model, x, y, _, _ = small_classifier
     post = NTKPosterior(model).fit(x, y)
     j = _jacobian(model, x)
     with torch.no_grad():
@@ -134,10 +121,10 @@ def test_auto_prior_precision_keeps_the_chosen_effective_number_of_parameters(sm
     assert post.prior_precision_ != pytest.approx(evidence.prior_precision_, rel=0.1)
 
 
-def test_validation_data_choose_the_prior_precision_minimising_their_nll(small):
+def test_validation_data_choose_the_prior_precision_minimising_their_nll(small_classifier):
     """fit(..., validation=) picks δ whose validation NLL (= −score, computed by the ordinary
     Cholesky path) is the smallest of a brute-force grid, up to the search tolerance."""
-    model, x, y, xt, yt = small
+    model, x, y, xt, yt = small_classifier
     tuned = NTKPosterior(model).fit(x, y, validation=(xt, yt))
     grid = 10.0 ** np.arange(-4.0, 4.01, 0.1)
     losses = [-NTKPosterior(model, prior_precision=d).fit(x, y).score(xt, yt) for d in grid]
@@ -154,8 +141,8 @@ def test_validation_data_choose_the_prior_precision_minimising_their_nll(small):
         NTKPosterior(model).fit(x, y, validation=(xt, yt + 5))
 
 
-def test_links_and_uncertainty(small):
-    model, x, y, xt, yt = small
+def test_links_and_uncertainty(small_classifier):
+    model, x, y, xt, yt = small_classifier
     probit = NTKPosterior(model, prior_precision=1.0).fit(x, y)
     p = probit.predict_proba(xt)
     errors = []
@@ -182,9 +169,9 @@ def test_links_and_uncertainty(small):
     assert probit.score(xt, yt) == pytest.approx(logp)
 
 
-def test_common_mode_covariance_does_not_change_probit(small):
+def test_common_mode_covariance_does_not_change_probit(small_classifier):
     """A covariance along (1, …, 1) shifts all logits together, which no softmax sees."""
-    model, x, y, xt, _ = small
+    model, x, y, xt, _ = small_classifier
     post = NTKPosterior(model, prior_precision=1.0).fit(x, y)
     mean = torch.as_tensor(model(xt).detach())
     cov = torch.as_tensor(post.predict_variance(xt))
@@ -193,8 +180,8 @@ def test_common_mode_covariance_does_not_change_probit(small):
 
 
 @pytest.mark.parametrize("kind", ["trace", "sum_logits"])
-def test_scalar_kinds(small, kind):
-    model, x, y, xt, _ = small
+def test_scalar_kinds(small_classifier, kind):
+    model, x, y, xt, _ = small_classifier
     post = NTKPosterior(model, kind=kind, prior_precision=1.0).fit(x, y)
     cov = post.predict_variance(xt)
     assert cov.shape == (len(xt), 3, 3)
@@ -203,8 +190,8 @@ def test_scalar_kinds(small, kind):
     assert not np.allclose(cov, full)
 
 
-def test_estimator_contract_and_model_untouched(small):
-    model, x, y, xt, _ = small
+def test_estimator_contract_and_model_untouched(small_classifier):
+    model, x, y, xt, _ = small_classifier
     before = [p.detach().clone() for p in model.parameters()]
     post = NTKPosterior(model, kind="trace", prior_precision=0.5, link="mc")
     assert is_classifier(post)
@@ -221,8 +208,8 @@ def test_estimator_contract_and_model_untouched(small):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-def test_bad_input(small):
-    model, x, y, _, _ = small
+def test_bad_input(small_classifier):
+    model, x, y, _, _ = small_classifier
     with pytest.raises(ValueError, match="outside 0..2"):
         NTKPosterior(model).fit(x, y + 1)
     with pytest.raises(ValueError, match="integer class labels"):
@@ -252,8 +239,8 @@ def test_bad_input(small):
         NTKPosterior("not a model").fit(x, y)
 
 
-def test_output_fn_maps_the_models_output_to_the_logits(small):
-    model, x, y, xt, _ = small
+def test_output_fn_maps_the_models_output_to_the_logits(small_classifier):
+    model, x, y, xt, _ = small_classifier
     plain = NTKPosterior(model, prior_precision=1.0).fit(x, y)
     mapped = NTKPosterior(
         DictOutput(model), prior_precision=1.0, output_fn=lambda out: out["logits"]
@@ -266,22 +253,22 @@ def test_output_fn_maps_the_models_output_to_the_logits(small):
         NTKPosterior(DictOutput(model), prior_precision=1.0).fit(x, y)
 
 
-def test_cross_val_score_and_grid_search(small):
+def test_cross_val_score_and_grid_search(small_classifier):
     from sklearn.model_selection import GridSearchCV, cross_val_score
 
-    model, x, y, _, _ = small
+    model, x, y, _, _ = small_classifier
     scores = cross_val_score(NTKPosterior(model, prior_precision=1.0), x.numpy(), y.numpy(), cv=2)
     assert scores.shape == (2,) and np.all(scores <= 0)  # mean log predictive density
     search = GridSearchCV(NTKPosterior(model), {"prior_precision": [0.1, 10.0]}, cv=2).fit(x, y)
     assert search.best_params_["prior_precision"] in (0.1, 10.0)
 
 
-def test_projected_parameter_space_posterior_equals_the_kernel_form(small):
+def test_projected_parameter_space_posterior_equals_the_kernel_form(small_classifier):
     """N·O = 60 > projection_dim = 32: the k × k parameter-space system gives the kernel form's
     covariance and evidence with the projected kernel Θ = ΦΦᵀ (push-through identity)."""
     import projections
 
-    model, x, y, xt, yt = small
+    model, x, y, xt, yt = small_classifier
     delta, k = 0.7, 32
     post = NTKPosterior(model, prior_precision=delta, projection_dim=k, seed=3).fit(x, y)
     assert post.parameter_space_
@@ -315,13 +302,13 @@ def test_projected_parameter_space_posterior_equals_the_kernel_form(small):
     assert not kernel_form.parameter_space_  # N·O = 60 ≤ 64
 
 
-def test_exact_parameter_space_when_parameters_are_few(small):
+def test_exact_parameter_space_when_parameters_are_few(small_classifier):
     """P = 75 ≤ N·O/2 = 90: the exact posterior runs as a P × P system on the per-sample
     Jacobians, with the kernel form's covariance, evidence and effective-parameter prior (all
     checked against the parameter-space Laplace written out); frozen parameters stay out of P."""
     from attribution._posterior import EFFECTIVE_PARAMETERS
 
-    model, x20, _, xt, yt = small
+    model, x20, _, xt, yt = small_classifier
     x = torch.cat(
         [x20, torch.randn(40, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(4))]
     )

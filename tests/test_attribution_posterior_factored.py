@@ -15,20 +15,8 @@ from torch.func import functional_call, jacrev
 from attribution import NTKPosterior
 from attribution._posterior import EFFECTIVE_PARAMETERS, EVIDENCE_TOL
 from attribution.curvature import MAX_DENSE, UnfactorableModelError
-from ntk import demo
 
 FACTORED = ["ekfac", "kfac"]
-
-
-@pytest.fixture(scope="module")
-def small():
-    """A 3-class MLP trained on 20 points (float64)."""
-    torch.manual_seed(0)
-    x = torch.randn(28, 8, dtype=torch.float64)
-    y = torch.arange(28) % 3
-    model = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 3)).double()
-    model = demo.train(model, x[:20], y[:20], epochs=40, batch_size=10, lr=1e-2)
-    return model, x[:20], y[:20], x[20:], y[20:]
 
 
 def _layer_jacobians(model, x) -> dict[str, torch.Tensor]:
@@ -55,12 +43,12 @@ def _dense_curvature(post) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("curvature", FACTORED)
 def test_covariance_evidence_and_prior_are_those_of_the_factored_laplace_posterior(
-    small, curvature
+    small_classifier, curvature
 ):
     """Σ(x) = Σ_W J_W(x)(Ĝ_W + δI)⁻¹J_W(x)ᵀ, the evidence with log det(Ĝ + δI), and the "auto"
     δ keeping EFFECTIVE_PARAMETERS effective parameters of Ĝ's spectrum, each computed here from
     the blocks written out densely and autograd Jacobians."""
-    model, x, y, xt, _ = small
+    model, x, y, xt, _ = small_classifier
     delta = 0.7
     post = NTKPosterior(model, curvature=curvature, prior_precision=delta).fit(x, y)
     blocks = _dense_curvature(post)
@@ -125,10 +113,10 @@ def test_equals_the_exact_posterior_where_kfac_is_exact(curvature, likelihood):
     )
 
 
-def test_evidence_and_validation_choose_the_prior_precision(small):
+def test_evidence_and_validation_choose_the_prior_precision(small_classifier):
     """ "evidence" maximises the factored posterior's evidence and validation data minimise their
     NLL, both against a brute-force grid of fits."""
-    model, x, y, xt, yt = small
+    model, x, y, xt, yt = small_classifier
     grid = 10.0 ** np.arange(-4.0, 3.01, 0.1)
     fits = [NTKPosterior(model, curvature="ekfac", prior_precision=d).fit(x, y) for d in grid]
     evidence = [f.log_marginal_likelihood() for f in fits]
@@ -140,8 +128,8 @@ def test_evidence_and_validation_choose_the_prior_precision(small):
     assert -tuned.score(xt, yt) <= min(-f.score(xt, yt) for f in fits) + 1e-6
 
 
-def test_output_fn_and_bad_input(small):
-    model, x, y, xt, _ = small
+def test_output_fn_and_bad_input(small_classifier):
+    model, x, y, xt, _ = small_classifier
 
     plain = NTKPosterior(model, curvature="ekfac", prior_precision=1.0).fit(x, y)
     mapped = NTKPosterior(
@@ -156,8 +144,8 @@ def test_output_fn_and_bad_input(small):
         NTKPosterior(model, curvature="kfac", projection_dim=16).fit(x, y)
 
 
-def test_auto_takes_ekfac_where_it_applies_and_the_exact_forms_elsewhere(small):
-    model, x, y, xt, _ = small
+def test_auto_takes_ekfac_where_it_applies_and_the_exact_forms_elsewhere(small_classifier):
+    model, x, y, xt, _ = small_classifier
     auto = NTKPosterior(model).fit(x, y)
     assert auto.curvature == "auto" and auto.curvature_ == "ekfac"
     ekfac = NTKPosterior(model, curvature="ekfac").fit(x, y)
