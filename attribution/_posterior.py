@@ -200,12 +200,16 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
                 raise ValueError(f"{name} must be a positive finite number, got {value!r}")
         if self.mc_samples < 1:
             raise ValueError(f"mc_samples must be at least 1, got {self.mc_samples}")
-        factored = self.curvature in STRATEGIES
-        if factored and (self.kind != "full" or self.projection_dim is not None):
+        if self.curvature in STRATEGIES and not self._full_exact_jacobians():
             raise ValueError(
                 f"curvature={self.curvature!r} is the Kronecker-factored curvature of the full "
                 "Jacobians: it needs kind='full' and projection_dim=None"
             )
+
+    def _full_exact_jacobians(self) -> bool:
+        """Whether the posterior is of the full kernel from unprojected Jacobians: what the
+        Kronecker-factored curvatures need."""
+        return self.kind == "full" and self.projection_dim is None
 
     def _inputs(self, x):
         """numpy arrays as tensors (floating ones in the model's parameter dtype)."""
@@ -288,7 +292,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         else the exact forms."""
         n, o = root.shape[0], self.n_outputs_
         self.kronecker_ = None
-        auto = self.curvature == "auto" and self.kind == "full" and self.projection_dim is None
+        auto = self.curvature == "auto" and self._full_exact_jacobians()
         if auto or self.curvature in STRATEGIES:
             strategy = "ekfac" if auto else self.curvature
             try:
