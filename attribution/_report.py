@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 import ntk
 from ntk.core import inputs
 from ntk.core.model import ModelView
+from ntk.spectrum import condition_from_eigenvalues
 
 from . import _figures
 from ._outputs import labels, logits
@@ -182,7 +183,7 @@ def report(
             "kind": kind,
             "samples": n_kernel,
             "eigenvalues": eigenvalues,
-            "condition_number": ntk.condition_number(k),
+            "condition_number": condition_from_eigenvalues(eigenvalues),
             "effective_rank": effective_rank(eigenvalues),
             "trace": float(eigenvalues.sum()),
             "label_alignment": ntk.kernel_alignment(k, y_kernel) if k.dim() == 2 else None,

@@ -44,7 +44,12 @@ def eigenvalues(kernel) -> torch.Tensor:
 
 def condition_number(kernel) -> float:
     """κ = λmax / λmin; inf when the kernel is singular or indefinite (λmin ≤ 0)."""
-    ev = eigenvalues(kernel)
+    return condition_from_eigenvalues(eigenvalues(kernel))
+
+
+def condition_from_eigenvalues(ev) -> float:
+    """`condition_number` from eigenvalues already computed in descending order (`eigenvalues`),
+    so that a caller that shows both decomposes the kernel once."""
     lo = float(ev[-1])
     return float(ev[0]) / lo if lo > 0 else float("inf")
 

@@ -47,6 +47,7 @@ def kernel(
     rank and per-layer trace shares."""
     import ntk
     from ntk.core import inputs
+    from ntk.spectrum import condition_from_eigenvalues
 
     kinds = kinds or KERNEL_KINDS
     if save is not None and len(kinds) != 1:
@@ -75,7 +76,7 @@ def kernel(
         seconds = time.perf_counter() - start
         with step(f"spectrum of the {kind} kernel"):
             ev = ntk.eigenvalues(k)
-            kappa = ntk.condition_number(k)
+            kappa = condition_from_eigenvalues(ev)
         size = len(ev)
         rank = numerical_rank(ev, size)
         rows.append(
