@@ -40,7 +40,7 @@ from ntk.core.memory import available_bytes
 from ntk.core.model import ModelView
 
 from . import _kernels, curvature
-from ._damping import damped_cholesky
+from ._damping import damped_cholesky, scalar_kernel_system
 from ._outputs import (
     labels,
     logits,
@@ -230,7 +230,9 @@ def _one_model(
     if train_features is not None:
         store = feature_store(train_features, model, x_train, dim, o, output_fn)
         dim = store["dim"]
-    fits = dim is not None or _exact_fits(n, u.shape[0], o, ModelView(model, device=device).device)
+    fits = dim is not None or _exact_fits(
+        n, u.shape[0], o, kind, ModelView(model, device=device).device
+    )
     if method in curvature.STRATEGIES:
         curv = curvature.KroneckerCurvature(
             model,
@@ -272,18 +274,24 @@ def _one_model(
         output_fn=output_fn,
         dtype=dtype,
     )
+    # Θ [·, N, O, O], or a scalar kind's factor [·, N] with Θ = that ⊗ I_O (never expanded)
     if method == "grad_dot":
-        cross = _kernels.output_kernel(model, x_test, x_train, **opts)
+        cross = _kernels.output_kernel_factor(model, x_test, x_train, **opts)
+        if cross.dim() == 2:
+            return cross * (u @ r.T)
         return (torch.einsum("mo,mioq->miq", u, cross) * r).sum(-1)
     if dim is None and u.shape[0] <= n:
         # one symmetric kernel of train + test: each sample's Jacobian is formed once (the
         # test × test block it adds is at most the size of the test × train one)
-        joint = _kernels.output_kernel(model, _joined(x_train, x_test), **opts)
+        joint = _kernels.output_kernel_factor(model, _joined(x_train, x_test), **opts)
         theta, cross = joint[:n, :n], joint[n:, :n]
     else:
-        theta = _kernels.output_kernel(model, x_train, **opts)
-        cross = _kernels.output_kernel(model, x_test, x_train, **opts)
-    left = torch.einsum("mo,mioq->miq", u, cross)
+        theta = _kernels.output_kernel_factor(model, x_train, **opts)
+        cross = _kernels.output_kernel_factor(model, x_test, x_train, **opts)
+    if cross.dim() == 2:
+        left = cross[:, :, None] * u[:, None, :]
+    else:
+        left = torch.einsum("mo,mioq->miq", u, cross)
     return gauss_newton(left, theta, g_train, y_train, damping)
 
 
@@ -291,12 +299,12 @@ def _joined(x_train, x_test):
     return inputs.cat(inputs.from_numpy(x_train, "x_train"), inputs.from_numpy(x_test, "x_test"))
 
 
-def _exact_fits(n_train: int, n_test: int, o: int, device: torch.device) -> bool:
-    """Whether the exact kernels (at most one of train + test) and the (N·O)² system (float64,
-    with working copies) fit in half the free memory of `device`, where they are computed and
-    solved."""
-    kernels = (n_train + n_test) ** 2 + 2 * n_train * n_train
-    return 8 * o * o * kernels < 0.5 * available_bytes(device)
+def _exact_fits(n_train: int, n_test: int, o: int, kind: str, device: torch.device) -> bool:
+    """Whether the exact kernels (at most one of train + test; a scalar kind's without its
+    O × O identity) and the (N·O)² system (float64, with a working copy) fit in half the free
+    memory of `device`, where they are computed and solved."""
+    kernels = (n_train + n_test) ** 2 * (o * o if kind == "full" else 1)
+    return 8 * (kernels + 2 * (n_train * o) ** 2) < 0.5 * available_bytes(device)
 
 
 def default_dim(model: nn.Module) -> int:
@@ -315,7 +323,8 @@ def gauss_newton(
     damping: str | float = "auto",
 ) -> torch.Tensor:
     """τ(z, i) = B (ΛΘ + λI)⁻¹ R over (sample, output) pairs, with B [M, N, O] = u_zᵀ Θ(z, x_i),
-    Θ [N, N, O, O] the training kernel, Λ the softmax curvature and R's column i holding r_i.
+    Θ the training kernel ([N, N, O, O], or a scalar kind's factor k [N, N] for Θ = k ⊗ I_O),
+    Λ the softmax curvature and R's column i holding r_i.
 
     Solved as a symmetric positive-definite system: r_i = Λ_i w_i with w_i = e_{y_i}/p_{i,y_i},
     and (ΛΘ + λI)⁻¹Λ = S (SΘS + λI)⁻¹ S with S = Λ^½, so τ = (BS)(SΘS + λI)⁻¹(S w) (Cholesky).
@@ -324,8 +333,11 @@ def gauss_newton(
     p = g_train.softmax(1)
     s = psd_root(softmax_curvature(g_train))  # [N, O, O]
     v = s[torch.arange(n), :, y_train] / p[torch.arange(n), y_train][:, None]  # S_i w_i
-    a = torch.einsum("iop,ijpr,jrq->iojq", s, theta, s).reshape(n * o, n * o)
-    factor, _ = damped_cholesky(a, damping, n, o)
+    if theta.dim() == 2:
+        a, product = scalar_kernel_system(theta, s)
+    else:
+        a, product = torch.einsum("iop,ijpr,jrq->iojq", s, theta, s).reshape(n * o, n * o), None
+    factor, _ = damped_cholesky(a, damping, n, o, product=product)
     bs = torch.einsum("miq,iqo->mio", left, s).reshape(left.shape[0], n * o)
     y = torch.cholesky_solve(bs.T, factor).T
     return (y.reshape(-1, n, o) * v).sum(-1)

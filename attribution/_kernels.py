@@ -101,6 +101,38 @@ def output_kernel(
     """Θ [N1, N2, O, O]: the full kernel, or a scalar kind as k(x, x') ⊗ I_O on the scale of Θ's
     diagonal (trace / O; sum_logits as is: the pseudo-NTK approximates Θ ≈ k ⊗ I_O, Mohamadi et
     al., ICML 2023)."""
+    k = output_kernel_factor(
+        model,
+        x1,
+        x2,
+        kind=kind,
+        num_outputs=num_outputs,
+        dim=dim,
+        seed=seed,
+        batch_size=batch_size,
+        device=device,
+        output_fn=output_fn,
+        dtype=dtype,
+    )
+    return k if kind == "full" else k[:, :, None, None] * torch.eye(num_outputs, dtype=k.dtype)
+
+
+def output_kernel_factor(
+    model,
+    x1,
+    x2=None,
+    *,
+    kind: str,
+    num_outputs: int,
+    dim: int | None = None,
+    seed: int = 0,
+    batch_size: int | None = None,
+    device=None,
+    output_fn: Callable | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """`output_kernel` with a scalar kind left unexpanded: the full Θ [N1, N2, O, O], or the
+    [N1, N2] factor c·k of a scalar kind's Θ = c·k ⊗ I_O (c = 1/O for trace, 1 for sum_logits)."""
     if kind not in OUTPUT_KINDS:
         raise ValueError(f"kind must be one of {', '.join(OUTPUT_KINDS)}, got {kind!r}")
     k = compute(
@@ -115,15 +147,12 @@ def output_kernel(
         output_fn=output_fn,
         dtype=dtype,
     )
-    if kind == "full":
-        return k
-    return k[:, :, None, None] * _output_identity(kind, num_outputs)
+    return k if kind == "full" else k * _scalar_scale(kind, num_outputs)
 
 
-def _output_identity(kind: str, num_outputs: int) -> torch.Tensor:
-    """The O × O factor of a scalar kind's stand-in k ⊗ I_O (trace / O; sum_logits as is)."""
-    scale = 1.0 / num_outputs if kind == "trace" else 1.0
-    return scale * torch.eye(num_outputs, dtype=torch.float64)
+def _scalar_scale(kind: str, num_outputs: int) -> float:
+    """c of a scalar kind's stand-in c·k ⊗ I_O (trace / O; sum_logits as is)."""
+    return 1.0 / num_outputs if kind == "trace" else 1.0
 
 
 def output_self_blocks(
@@ -155,7 +184,9 @@ def output_self_blocks(
     )
     if kind != "full":
         k = self_similarity(model, x, block=block, **opts)
-        return k[:, None, None] * _output_identity(kind, num_outputs)
+        return k[:, None, None] * (
+            _scalar_scale(kind, num_outputs) * torch.eye(num_outputs, dtype=k.dtype)
+        )
     n = inputs.count(x)
     blocks = []
     for s in range(0, n, block):

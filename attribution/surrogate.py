@@ -69,7 +69,7 @@ from torch import nn
 from ntk.core.memory import available_bytes
 
 from . import _kernels
-from ._damping import damped_cholesky
+from ._damping import damped_cholesky, scalar_kernel_system
 from ._outputs import labels, logits, psd_root, softmax_curvature
 
 MACHINES = ("ridge", "svm", "logistic", "representer", "gauss_newton")
@@ -347,10 +347,10 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             rows, y = torch.arange(n), torch.as_tensor(y)
             step[rows, y] = 1 / g.softmax(1)[rows, y]
         root = psd_root(softmax_curvature(g))
-        system = torch.einsum("iop,ij,jpq->iojq", root, torch.as_tensor(k), root)
+        system, product = scalar_kernel_system(torch.as_tensor(k), root)
         damping = "auto" if self.alpha is None else float(self.alpha)
         factor, self.alpha_ = damped_cholesky(
-            system.reshape(n * o, n * o), damping, n, o, GAUSS_NEWTON_DOF_FRACTION
+            system, damping, n, o, GAUSS_NEWTON_DOF_FRACTION, product=product
         )
         target = torch.einsum("iop,ip->io", root, g + step).reshape(-1, 1)
         beta = torch.cholesky_solve(target, factor).reshape(n, o)

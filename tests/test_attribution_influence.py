@@ -326,3 +326,28 @@ def test_randomized_spectrum_gives_the_exact_damping(monkeypatch):
     assert _damping.auto_damping(spectrum, n, o) == pytest.approx(exact, rel=0.02)
     # the library's path (influence's damped Cholesky) sees that same spectrum
     assert _damping.damping_keeping(a, d, target) == _damping.auto_damping(spectrum, n, o)
+
+
+def test_scalar_kernel_system_and_its_product(monkeypatch):
+    """A scalar kind's system S(k ⊗ I)S equals the one built from the expanded kernel, its
+    structured product equals the dense one, and the randomized spectrum (hence λ) is the same
+    through either product."""
+    from attribution import _damping
+    from attribution._outputs import psd_root, softmax_curvature
+
+    gen = torch.Generator().manual_seed(1)
+    n, o = 60, 4
+    x = torch.randn(n, 5, generator=gen, dtype=torch.float64)
+    k = x @ x.T
+    s = psd_root(softmax_curvature(3 * torch.randn(n, o, generator=gen, dtype=torch.float64)))
+    a, product = _damping.scalar_kernel_system(k, s)
+    theta = k[:, :, None, None] * torch.eye(o, dtype=torch.float64)
+    dense = torch.einsum("iop,ijpr,jrq->iojq", s, theta, s).reshape(n * o, n * o)
+    torch.testing.assert_close(a, dense, rtol=1e-12, atol=1e-12)
+    y = torch.randn(n * o, 9, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(product(y), dense @ y, rtol=1e-10, atol=1e-10)
+    monkeypatch.setattr(_damping, "EXACT_SPECTRUM", 50)
+    rank = n * (o - 1)
+    structured, plain = _damping.spectrum(a, rank, 40, product), _damping.spectrum(a, rank, 40)
+    assert len(plain) == rank  # the randomized route, not the exact eigenvalues
+    torch.testing.assert_close(structured, plain, rtol=0, atol=1e-10 * float(plain.max()))
