@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 import torch
 
 from attribution import layer_importance
@@ -125,14 +124,6 @@ def test_weights_are_loaded(tmp_path):
     rows = json.loads(out.stdout)["rows"]
     assert rows[0]["layer"] == "3" and rows[0]["share"] == 1.0
     assert all(r["share"] == 0 for r in rows[1:])
-
-
-@pytest.mark.slow
-def test_no_arguments_runs_the_digits_demo():
-    out = run()
-    assert out.returncode == 0, out.stderr
-    assert "layer importance by sensitivity (1000 samples" in out.stdout
-    assert "Linear" in out.stdout and "Traceback" not in out.stderr
 
 
 def test_usage_errors_exit_2_with_one_line(tmp_path):
