@@ -21,9 +21,10 @@ import torch
 from scipy.stats import spearmanr
 from sklearn.metrics import brier_score_loss, log_loss, roc_auc_score
 from torch import nn
-from torch.func import functional_call, stack_module_state
+from torch.func import stack_module_state
 
 from ntk.core import inputs
+from ntk.core.model import functional_forward
 
 from ._outputs import margins
 
@@ -184,7 +185,7 @@ def train_on_subsets(
 def _call(base: nn.Module, params: dict, buffers: dict, x, output_fn: Callable | None):
     """The functional forward of `base` with (params, buffers) on inputs x, through output_fn."""
     args, kwargs = inputs.as_call(x)
-    out = functional_call(base, (params, buffers), args, kwargs)
+    out = functional_forward(base, {**params, **buffers}, args, kwargs)
     return out if output_fn is None else output_fn(out)
 
 

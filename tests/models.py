@@ -80,7 +80,7 @@ class SharedPositions(nn.Module):
 
 class Tied(nn.Module):
     """A weight registered in two modules, an embedding matrix reused as an output projection
-    outside its module, and a module called twice."""
+    outside its module, and a module called twice, once under each of its two names."""
 
     def __init__(self):
         super().__init__()
@@ -88,11 +88,12 @@ class Tied(nn.Module):
         self.dec = nn.Linear(4, 4)
         self.dec.weight = self.enc.weight
         self.twice = nn.Linear(4, 4)
+        self.again = self.twice  # one module, two names
         self.emb = nn.Embedding(3, 4)
 
     def forward(self, x):
         h = torch.tanh(self.enc(x))
-        h = torch.tanh(self.twice(torch.tanh(self.twice(h))))
+        h = torch.tanh(self.again(torch.tanh(self.twice(h))))
         h = self.dec(h)
         return F.linear(h, self.emb.weight)  # [B, 3]
 

@@ -158,3 +158,22 @@ def test_expected_calibration_error_on_a_hand_computed_case():
         expected_calibration_error([0.5, 0.5], [0, 1])
     with pytest.raises(ValueError, match="n_bins"):
         expected_calibration_error(probs, labels, n_bins=0)
+
+
+def test_train_on_subsets_with_a_module_registered_under_two_names():
+    """A module reachable by two names (self.again = self.twice) and a weight tied across two
+    modules: the stacked models train, and each one's outputs are those of the factory's model
+    loaded with its parameters (the functional calls leave no copy behind in the base module)."""
+    from models import Tied
+
+    torch.manual_seed(0)
+    x = torch.randn(40, 4, dtype=torch.float64)
+    y = torch.arange(40) % 3
+    subsets = random_subsets(40, 3)
+    stack = train_on_subsets(lambda: Tied().double(), x, y, subsets, epochs=3, seeds=1)
+    assert isinstance(stack.base.again.weight, torch.nn.Parameter)
+    outputs = stack.outputs(x[:5])  # [S, seeds, 5, 3]
+    for s in range(len(subsets)):
+        model = Tied().double().eval()
+        model.load_state_dict({**model.state_dict(), **{k: v[s] for k, v in stack.params.items()}})
+        torch.testing.assert_close(outputs[s, 0], model(x[:5]).detach(), rtol=1e-12, atol=1e-12)

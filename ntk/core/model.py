@@ -130,6 +130,43 @@ def check_eval_mode(model: nn.Module) -> None:
             )
 
 
+def tensor_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """{name: other names} of every parameter or buffer reachable under several names through
+    distinct (module, attribute) slots: the tied weights of two modules (dec.weight =
+    enc.weight). Names as `named_parameters()` / `named_buffers()` give them (the first one). A
+    module registered under two names (self.b = self.a) reaches one slot twice: not an alias."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    slots: dict[int, dict[tuple[int, str], str]] = {}
+    named = [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+    for name, tensor in named:
+        prefix, _, attribute = name.rpartition(".")
+        slot = (id(modules[prefix]), attribute)
+        slots.setdefault(id(tensor), {}).setdefault(slot, name)
+    groups = [list(names.values()) for names in slots.values()]
+    return {names[0]: names[1:] for names in groups if len(names) > 1}
+
+
+def functional_forward(
+    model: nn.Module, tensors: dict[str, torch.Tensor], args, kwargs, aliases: dict | None = None
+):
+    """`model(*args, **kwargs)` with `tensors` ({name: tensor}, first names as
+    `named_parameters()` / `named_buffers()` give them) in place of its parameters and buffers,
+    leaving the model exactly as it was. aliases: `tensor_aliases(model)`, if already computed.
+
+    torch.func.functional_call's own tying (tie_weights=True) swaps each name of a tied tensor in
+    and, afterwards, back in turn; a module registered under two names gives two names for one
+    attribute, so the second records the first's replacement as its original and the model keeps
+    a detached copy instead of its Parameter. Here every (module, attribute) slot is set once."""
+    full = dict(tensors)
+    for name, others in (tensor_aliases(model) if aliases is None else aliases).items():
+        if name in full:
+            full.update(dict.fromkeys(others, full[name]))
+    return functional_call(model, full, args, kwargs, tie_weights=False)
+
+
 class ModelView:
     """Trainable parameters (grouped into layers) and a pure forward function of a module.
 
@@ -189,6 +226,7 @@ class ModelView:
         # Buffers are cloned so that nothing a forward pass does can reach the model's own state.
         self.buffers = {n: convert(b).clone() for n, b in model.named_buffers()}
         self.shared = self._registered_more_than_once(model)
+        self.aliases = tensor_aliases(model)
 
     @staticmethod
     def _registered_more_than_once(model: nn.Module) -> set[str]:
@@ -241,7 +279,7 @@ class ModelView:
         trainable parameters (frozen parameters and buffers stay constant)."""
         args, kwargs = inputs.as_call(x)
         tensors = {**self.constants, **self.buffers, **params}
-        out = functional_call(self.model, tensors, args, kwargs)
+        out = functional_forward(self.model, tensors, args, kwargs, self.aliases)
         return self.to_matrix(out)
 
     def forward_checked(self, x: inputs.Inputs, name: str) -> torch.Tensor:
@@ -250,7 +288,7 @@ class ModelView:
         args, kwargs = inputs.as_call(x)
         tensors = {**self.constants, **self.buffers, **self.params}
         with naming_failures(self.model, x, name):
-            out = functional_call(self.model, tensors, args, kwargs)
+            out = functional_forward(self.model, tensors, args, kwargs, self.aliases)
         return self.to_matrix(out)
 
     def to_matrix(self, out) -> torch.Tensor:
