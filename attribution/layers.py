@@ -47,7 +47,7 @@ from torch.func import grad
 import ntk
 import projections
 from ntk.core import inputs
-from ntk.core.model import ModelView
+from ntk.core.model import ModelView, check_eval_mode
 from ntk.core.persample import map_samples
 from ntk.spectrum import as_matrix
 
@@ -283,6 +283,7 @@ def layer_importance(
     groups = layer_groups(model, group)
     view = ModelView(model, output_fn=output_fn, device=device)
     if y is not None:
+        check_eval_mode(model)  # before the label scores' per-sample forward passes
         _check_targets(view, x, y)
     common = dict(
         kind=kind,

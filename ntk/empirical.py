@@ -297,8 +297,9 @@ def check_outputs(view: ModelView, xs: list, names: list | None = None) -> int:
             )
         if not torch.allclose(batch[:1], alone, rtol=1e-4, atol=1e-5 * scale):
             raise ValueError(
-                "a sample's output depends on the rest of the batch (e.g. BatchNorm "
-                "in training mode); call model.eval() before computing a kernel"
+                "a sample's output depends on the rest of the batch (e.g. BatchNorm in training "
+                "mode, or statistics taken over the batch in forward): each sample needs an "
+                "output of its own; call model.eval() if a layer in training mode causes it"
             )
     return num_outputs
 

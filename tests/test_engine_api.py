@@ -311,3 +311,43 @@ def test_spectral_helpers_refuse_a_cross_kernel():
             summary(cross)
     own = ntk.empirical_ntk(net, x1, kind="trace")
     assert ntk.condition_number(own) >= 1.0 and ntk.eigenvalues(own).shape == (5,)
+
+
+class Recurrent(nn.Module):
+    def __init__(self, cell):
+        super().__init__()
+        self.rnn = cell(4, 6, batch_first=True)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU])
+def test_recurrent_models_in_float32(cell):
+    """oneDNN's LSTM backward cannot be batched by vmap (per-sample Jacobians of projections and
+    forward-mode products failed inside torch); the methods agree and the flag is restored."""
+    import projections
+
+    torch.manual_seed(0)
+    model, x = Recurrent(cell).eval(), torch.randn(6, 5, 4)
+    enabled = torch.backends.mkldnn.enabled
+    reference = ntk.empirical_ntk(model, x, kind="trace", method="jacobian")
+    for method in ("ntk_vp", "structured"):
+        k = ntk.empirical_ntk(model, x, kind="trace", method=method)
+        torch.testing.assert_close(k, reference, rtol=1e-4, atol=1e-5)
+    phi = projections.features(model, x, dim=64, kind="trace")
+    assert phi.shape == (6, 3, 64) and bool(torch.isfinite(phi).all())
+    assert torch.backends.mkldnn.enabled == enabled
+
+
+def test_ntk_vp_names_an_operation_without_forward_mode():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.utils.parametrizations.weight_norm(nn.Linear(4, 5)), nn.Tanh(), nn.Linear(5, 2)
+    ).eval()
+    x = torch.randn(4, 4)
+    with pytest.raises(NotImplementedError, match="method='ntk_vp' needs forward-mode"):
+        ntk.empirical_ntk(model, x, method="ntk_vp")
+    ntk.empirical_ntk(model, x, method="jacobian")  # the suggested method works

@@ -247,3 +247,13 @@ def test_bad_input_is_refused_with_a_clear_message():
         layer_importance(model, x, y, score="block_influence")
     rows = layer_importance(model, x)  # no labels: label scores None
     assert rows[0]["alignment"] is None and rows[0]["fisher"] is None
+
+
+def test_a_batchnorm_in_training_mode_is_named():
+    """The label scores' per-sample passes must not hide the real problem behind a shape error."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    model.train()
+    x, y = torch.randn(10, 6), torch.arange(10) % 3
+    with pytest.raises(ValueError, match="BatchNorm that uses batch statistics"):
+        layer_importance(model, x, y)

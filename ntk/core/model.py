@@ -164,7 +164,23 @@ def functional_forward(
     for name, others in (tensor_aliases(model) if aliases is None else aliases).items():
         if name in full:
             full.update(dict.fromkeys(others, full[name]))
-    return functional_call(model, full, args, kwargs, tie_weights=False)
+    with _vmappable_kernels(model):
+        return functional_call(model, full, args, kwargs, tie_weights=False)
+
+
+@contextmanager
+def _vmappable_kernels(model: nn.Module):
+    """The oneDNN (mkldnn) CPU kernels of LSTM/GRU/RNN have a backward that vmap cannot batch
+    (per-sample Jacobians fail inside it): models with recurrent modules run without them."""
+    if not any(isinstance(m, nn.RNNBase) for m in model.modules()):
+        yield
+        return
+    previous = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = previous
 
 
 class ModelView:

@@ -46,10 +46,24 @@ def tile(
             def push(t, primals=primals, rest=rest):
                 return jvp(lambda q: view.forward({**rest, **q}, x2), (primals,), (t,))[1]
 
-            with _forward_mode_attention():
+            with _forward_mode_attention(), _naming_missing_forward_mode():
                 r = vmap(push)({n: tangents[n] for n in names})  # [C, B2, O]: J(x_j) J(x_i)ᵀ u_c
             rows[key].append(kind.reduce(r, u2))
     return {key: torch.stack(r) for key, r in rows.items()}
+
+
+@contextmanager
+def _naming_missing_forward_mode():
+    """An operation of the model without forward-mode derivatives (torch raises
+    NotImplementedError: e.g. oneDNN LSTM, weight_norm, EmbeddingBag) refused with the fix."""
+    try:
+        yield
+    except NotImplementedError as error:
+        first = (str(error).strip().splitlines() or [""])[0]
+        raise NotImplementedError(
+            "method='ntk_vp' needs forward-mode derivatives of every operation of the model, "
+            f"and one has none ({first}); use method='jacobian' or 'structured'"
+        ) from error
 
 
 @contextmanager
