@@ -44,6 +44,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -120,6 +121,14 @@ _ACTIVATIONS = (
 )
 
 Candidate = nn.Module | Callable[[], nn.Module]
+
+
+class MetricUndefinedError(ValueError):
+    """A metric that does not apply to a model (naswot without activation modules)."""
+
+
+class VoteMemberDroppedWarning(UserWarning):
+    """A metric of a `rank` vote did not apply to every candidate and was left out of the vote."""
 
 
 @dataclass(frozen=True)
@@ -218,7 +227,10 @@ def rank(
     (`mean_rank`; the score is then that mean rank, 1 = worst). The default, the vote of
     `label_condition` and `naswot` on batches of 64 samples, has the best worst-space τ over
     the project's five NAS spaces (`python benchmarks/nas/nb201.py --cached`); it needs
-    y. return_details=True gives (name, ProxyScore) pairs.
+    y. A member of a vote that does not apply to some candidate (naswot on a model without
+    activation modules: MetricUndefinedError) is left out of the vote for every candidate, with
+    a VoteMemberDroppedWarning; a single metric raises. return_details=True gives
+    (name, ProxyScore) pairs.
     """
     metrics = [metric] if isinstance(metric, str) else list(metric)
     if not metrics:
@@ -238,13 +250,14 @@ def rank(
                 f"candidate {name!r} is a {type(candidate).__name__}, not an nn.Module "
                 "or a factory returning one"
             )
-    details = {}
+    details: dict[str, dict] = {}
     for name, candidate in tqdm(
         candidates.items(), disable=not progress, desc=f"{'+'.join(metrics)} proxy", unit="arch"
     ):
-        try:
-            details[name] = {
-                m: score(
+        details[name] = {}
+        for m in list(metrics):
+            try:
+                details[name][m] = score(
                     candidate,
                     x,
                     y,
@@ -253,11 +266,20 @@ def rank(
                     return_details=True,
                     **options,
                 )
-                for m in metrics
-            }
-        except (ValueError, TypeError, RuntimeError) as exc:  # name the candidate that failed
-            kind = next(k for k in (ValueError, TypeError, RuntimeError) if isinstance(exc, k))
-            raise kind(f"candidate {name!r}: {exc}") from exc
+            except MetricUndefinedError as exc:
+                if len(metrics) == 1:
+                    raise MetricUndefinedError(f"candidate {name!r}: {exc}") from exc
+                metrics.remove(m)  # a vote of the metrics defined for every candidate
+                warnings.warn(
+                    f"{m} is left out of the vote ({'+'.join(metrics)} ranks the candidates): "
+                    f"candidate {name!r}: {exc}",
+                    VoteMemberDroppedWarning,
+                    stacklevel=2,
+                )
+            except (ValueError, TypeError, RuntimeError) as exc:  # name the failed candidate
+                kind = next(k for k in (ValueError, TypeError, RuntimeError) if isinstance(exc, k))
+                raise kind(f"candidate {name!r}: {exc}") from exc
+    details = {n: {m: d[m] for m in metrics} for n, d in details.items()}
     names = list(details)
     if len(metrics) == 1:
         results = [details[n][metrics[0]] for n in names]
@@ -585,7 +607,10 @@ def _naswot(net, x, y, **_):
     record = lambda module, inp, out: codes.append(inp[0].reshape(n, -1) > 0)  # noqa: E731
     hooks = [m.register_forward_hook(record) for m in net.modules() if isinstance(m, _ACTIVATIONS)]
     if not hooks:
-        raise ValueError("naswot needs activation modules (nn.ReLU, nn.GELU, ...) in the model")
+        raise MetricUndefinedError(
+            "naswot needs activation modules (nn.ReLU, nn.GELU, ...) in the model; functional "
+            "activations (torch.relu, F.gelu) cannot be observed"
+        )
     with torch.no_grad():
         _forward(net, x)
     for h in hooks:

@@ -27,6 +27,16 @@ def broken():
     raise ZeroDivisionError("no luck")
 bad = {"ok": lambda: net(3), "broken": broken}
 not_a_dict = [net(3)]
+
+class Functional(nn.Module):  # its activation is a function: naswot cannot see it
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+mixed = {"w6": lambda: net(6), "functional": Functional}
 """
 
 
@@ -185,3 +195,13 @@ def test_failures_name_the_candidate(tmp_path, monkeypatch, capsys):
     write_inputs(tmp_path, features=7)  # data that the networks cannot read
     code, _, err = run_here(capsys, "--candidates", "cands.py:space", "--data", "data.npz")
     assert code == 2 and "candidate 'w3'" in err
+
+
+def test_the_default_vote_without_naswot_says_so(tmp_path, monkeypatch, capsys):
+    write_inputs(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_here(capsys, "--candidates", "cands.py:mixed", "--data", "data.npz")
+    assert code == 0, err
+    words = " ".join(out.split())  # notes are folded to the terminal's width
+    assert "label_condition (" in words and "naswot is left out of the vote" in words
+    assert "candidate 'functional': naswot needs activation modules" in words

@@ -316,3 +316,29 @@ def test_float_input_metrics_are_exactly_those_refusing_token_ids():
             assert "floating-point input tensor" in str(error), metric
             refusing.add(metric)
     assert refusing == set(proxies.FLOAT_INPUT_METRICS)
+
+
+class FunctionalRelu(nn.Module):
+    """Activations as functions (torch.relu), as nn.TransformerEncoderLayer and many user models
+    write them: naswot cannot observe them."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.a, self.b = nn.Linear(D, width), nn.Linear(width, O)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_a_vote_leaves_out_a_metric_undefined_for_a_candidate(data):
+    """The default vote ranks models with functional activations by its other member (with a
+    warning naming the candidate); the metric alone still refuses them."""
+    x, y = data
+    candidates = {"modules": lambda: tiny(width=5), "functional": lambda: FunctionalRelu(7)}
+    with pytest.warns(proxies.VoteMemberDroppedWarning, match="naswot.*'functional'"):
+        ranked = proxies.rank(candidates, x, y, return_details=True)
+    alone = dict(proxies.rank(candidates, x, y, metric="label_condition"))
+    assert {name: s.value for name, s in ranked} == alone
+    assert all(s.metric == "label_condition" and s.parts is None for _, s in ranked)
+    with pytest.raises(proxies.MetricUndefinedError, match="'functional'.*activation modules"):
+        proxies.rank(candidates, x, y, metric="naswot")

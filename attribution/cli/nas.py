@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 
 import click
@@ -89,25 +90,36 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
     else:
         x, y = load_arrays(data)
     metrics = list(metrics or DEFAULT_RANKING)
-    ranked = proxies.rank(
-        candidates,
-        x,
-        y,
-        metric=metrics,
-        kind=kind,
-        batch_size=batch_size,
-        repeats=repeats,
-        warmup_steps=warmup_steps,
-        seed=seed,
-        device=device,
-        progress=interactive(),
-        return_details=True,
-    )
+    # a vote member undefined for some candidate is left out; the table says why
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ranked = proxies.rank(
+            candidates,
+            x,
+            y,
+            metric=metrics,
+            kind=kind,
+            batch_size=batch_size,
+            repeats=repeats,
+            warmup_steps=warmup_steps,
+            seed=seed,
+            device=device,
+            progress=interactive(),
+            return_details=True,
+        )
+    dropped = []
+    for w in caught:
+        if issubclass(w.category, proxies.VoteMemberDroppedWarning):
+            dropped.append(str(w.message))
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     rows = [
         {"rank": position, "candidate": name, **_columns(s), "seconds": round(s.seconds, 4)}
         for position, (name, s) in enumerate(ranked, 1)
     ]
-    label = " + ".join(metrics)
+    first = ranked[0][1]
+    used = list(first.parts) if first.parts is not None else [first.metric]
+    metrics, label = used, " + ".join(used)
     undefined = sorted({k for r in rows for k, v in r.items() if v is None and k in PROXY_METRICS})
     notes = [
         "↑ higher is better; the rank column orders the candidates, 1 = best",
@@ -121,6 +133,7 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
             if undefined
             else []
         ),
+        *dropped,
     ]
     emit(
         rows,
