@@ -84,36 +84,11 @@ def cosine(k: torch.Tensor, diag1: torch.Tensor, diag2: torch.Tensor) -> torch.T
     return k / torch.sqrt(diag1[:, None] * diag2[None, :])
 
 
-def output_kernel(
-    model,
-    x1,
-    x2=None,
-    *,
-    kind: str,
-    num_outputs: int,
-    dim: int | None = None,
-    seed: int = 0,
-    batch_size: int | None = None,
-    device=None,
-    output_fn: Callable | None = None,
-    dtype: torch.dtype | None = None,
-) -> torch.Tensor:
+def output_kernel(model, x1, x2=None, *, kind: str, num_outputs: int, **options) -> torch.Tensor:
     """Θ [N1, N2, O, O]: the full kernel, or a scalar kind as k(x, x') ⊗ I_O on the scale of Θ's
     diagonal (trace / O; sum_logits as is: the pseudo-NTK approximates Θ ≈ k ⊗ I_O, Mohamadi et
-    al., ICML 2023)."""
-    k = output_kernel_factor(
-        model,
-        x1,
-        x2,
-        kind=kind,
-        num_outputs=num_outputs,
-        dim=dim,
-        seed=seed,
-        batch_size=batch_size,
-        device=device,
-        output_fn=output_fn,
-        dtype=dtype,
-    )
+    al., ICML 2023). options: those of `output_kernel_factor`."""
+    k = output_kernel_factor(model, x1, x2, kind=kind, num_outputs=num_outputs, **options)
     return k if kind == "full" else k[:, :, None, None] * torch.eye(num_outputs, dtype=k.dtype)
 
 
