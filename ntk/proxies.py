@@ -348,7 +348,7 @@ def _check_data(x, y, metric, warmup_steps, kind):
             needs += "on kind 'lpntk' " if kind == "lpntk" else ""
             raise ValueError(f"metric {metric!r} {needs}needs class labels y")
         return x, None
-    y = torch.as_tensor(y)
+    y = inputs.targets(y)
     if y.dim() != 1 or y.is_floating_point() or y.is_complex():
         raise ValueError(
             f"y must be a 1-D tensor of integer class labels, got "
@@ -373,7 +373,8 @@ def _prepare(candidate: Candidate, seed: int) -> nn.Module:
         try:
             net = candidate()
         except Exception as exc:
-            raise RuntimeError(f"the factory raised {type(exc).__name__}: {exc}") from exc
+            # the caller's factory is bad input, as a module that fails on x is
+            raise ValueError(f"the factory raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(net, nn.Module):
         raise TypeError(f"the factory returned a {type(net).__name__}, not an nn.Module")
     return net

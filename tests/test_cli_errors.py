@@ -134,3 +134,38 @@ def test_kernel_of_two_samples(files, capsys):
     )
     assert code == 0, err
     assert "2x2x3x3" in out and "trace" in out
+
+
+def test_files_found_by_fuzzing_get_exit_2_and_the_right_flag(files, capsys):
+    model = ["--model", f"{files}/factory.py:build"]
+    (files / "afile").write_text("not a store")
+    err = usage_error(
+        capsys,
+        "featurize",
+        *model,
+        "--data",
+        f"{files}/train.npz",
+        "--dim",
+        "8",
+        str(files / "afile"),
+    )
+    assert "STORE:" in err and "is a file" in err
+    (files / "garbage.pt").write_bytes(b"not a pickle")
+    err = usage_error(capsys, "layers", *model, "--weights", f"{files}/garbage.pt")
+    assert "--weights:" in err and "torch.save" in err and "weights_only" not in err
+    x = np.random.default_rng(0).normal(size=(10, 4)).astype(np.float32)
+    np.savez(files / "names.npz", x=x, y=np.array(list("abcabcabca")))
+    err = usage_error(capsys, "report", *model, "--train", f"{files}/names.npz")
+    assert err.startswith("ntk: error: --train:") and "must hold numbers" in err
+    # featurize never reads the labels: string labels do not stop it
+    code, _, err = run(
+        capsys,
+        "featurize",
+        *model,
+        "--data",
+        f"{files}/names.npz",
+        "--dim",
+        "8",
+        str(files / "store"),
+    )
+    assert code == 0, err

@@ -189,7 +189,7 @@ def test_failures_name_the_candidate(tmp_path, monkeypatch, capsys):
     write_inputs(tmp_path)
     monkeypatch.chdir(tmp_path)
     code, _, err = run_here(capsys, "--candidates", "cands.py:bad", "--data", "data.npz")
-    assert code == 1
+    assert code == 2  # bad input, as a --model factory that raises
     assert "candidate 'broken': the factory raised ZeroDivisionError: no luck" in err
 
     write_inputs(tmp_path, features=7)  # data that the networks cannot read

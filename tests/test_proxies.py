@@ -202,7 +202,7 @@ def test_clear_errors(data):
     def broken():
         raise ZeroDivisionError("no luck")
 
-    with pytest.raises(RuntimeError, match="candidate 'bad': the factory raised ZeroDivisionError"):
+    with pytest.raises(ValueError, match="candidate 'bad': the factory raised ZeroDivisionError"):
         proxies.rank({"good": tiny, "bad": broken}, x, y, metric="params")
     with pytest.raises(TypeError, match="candidate 'num'"):
         proxies.rank({"num": 3}, x, y)

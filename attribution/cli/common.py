@@ -100,6 +100,17 @@ def load_model(spec: str, weights: str | None = None, device: str | None = None)
     return model.eval()
 
 
+def _load_failure(exc: BaseException) -> str:
+    """Why torch.load refused a file, without torch's advice to load it with weights_only=False
+    (unsafe for a file of unknown origin, and useless for one that is not a torch file)."""
+    if "weights_only" in str(exc):
+        return (
+            "not a file of tensors written by torch.save (or it holds Python objects, which "
+            "are not loaded)"
+        )
+    return _first_line(exc)
+
+
 def load_weights(model: nn.Module, weights: str, option: str = "--weights") -> None:
     """Load a state_dict file into `model`; a checkpoint that does not fit names the tensors and
     shapes (errors name the command-line `option` the file came from)."""
@@ -111,7 +122,7 @@ def load_weights(model: nn.Module, weights: str, option: str = "--weights") -> N
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise UsageProblem(f"{option}: cannot read {weights}: {_first_line(exc)}") from None
+        raise UsageProblem(f"{option}: cannot read {weights}: {_load_failure(exc)}") from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
@@ -154,7 +165,9 @@ def load_output_fn(spec: str | None) -> Callable | None:
     return operator.attrgetter(spec)
 
 
-def load_arrays(path: str, option: str = "data") -> tuple[Any, torch.Tensor | None]:
+def load_arrays(
+    path: str, option: str = "data", labels: bool = True
+) -> tuple[Any, torch.Tensor | None]:
     """Inputs `x` and optional labels `y` from an .npz or .pt file. `x` is one array, or several
     model inputs passed by keyword: arrays named x.<name> (e.g. x.input_ids and
     x.attention_mask), or in a .pt file a dict of tensors under x."""
@@ -177,7 +190,12 @@ def load_arrays(path: str, option: str = "data") -> tuple[Any, torch.Tensor | No
             with np.load(file, allow_pickle=False) as z:
                 content = {k: z[k] for k in z.files}
         else:
-            content = torch.load(file, map_location="cpu", weights_only=True)
+            try:
+                content = torch.load(file, map_location="cpu", weights_only=True)
+            except Exception as exc:
+                raise UsageProblem(
+                    f"--{option}: cannot read {path}: {_load_failure(exc)}"
+                ) from None
             if isinstance(content, torch.Tensor):
                 content = {"x": content}
     except UsageProblem:
@@ -209,8 +227,8 @@ def load_arrays(path: str, option: str = "data") -> tuple[Any, torch.Tensor | No
 
     try:
         x = {k: tensor(v) for k, v in x.items()} if isinstance(x, dict) else tensor(x)
-        y = content.get("y")
-        y = None if y is None else torch.as_tensor(y)
+        y = content.get("y") if labels else None
+        y = None if y is None else inputs.targets(y)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise UsageProblem(f"--{option}: {path}: {_first_line(exc)}") from None
     if isinstance(x, torch.Tensor) and (x.dim() == 0 or len(x) == 0):
@@ -466,9 +484,17 @@ def demo_model():
 
 
 def resolve_model_and_data(
-    model_spec, weights, data, samples, device, default_samples: int | None = DEMO_SAMPLES
+    model_spec,
+    weights,
+    data,
+    samples,
+    device,
+    default_samples: int | None = DEMO_SAMPLES,
+    option: str = "data",
+    labels: bool = True,
 ):
-    """The model and (x, y) a subcommand works on; no --model means the trained demo network."""
+    """The model and (x, y) a subcommand works on; no --model means the trained demo network.
+    option: the command-line name of `data` in errors; labels=False: y is not read (None)."""
     if model_spec is None:
         if weights is not None:
             raise UsageProblem("--weights needs --model")
@@ -481,7 +507,7 @@ def resolve_model_and_data(
         x, y = digits.x_train, digits.y_train
     else:
         if data != "digits":
-            x, y = load_arrays(data)
+            x, y = load_arrays(data, option, labels)
         model = load_model(model_spec, weights, device)
         if data == "digits":
             from ntk import demo

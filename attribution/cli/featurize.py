@@ -92,10 +92,12 @@ def featurize(
         parent = None if path is None else os.path.dirname(os.path.abspath(path))
         if parent is not None and not os.path.isdir(parent):
             raise UsageProblem(f"{option}: directory {parent} does not exist (for {path})")
+    if os.path.exists(store) and not os.path.isdir(store):
+        raise UsageProblem(f"STORE: {store} is a file; a feature store is a directory")
     device, joined = _join_process_group(device)
     rank, world = rank_and_world()
     model, x, _ = resolve_model_and_data(
-        model_spec, weights, data, samples, device, default_samples=None
+        model_spec, weights, data, samples, device, default_samples=None, labels=False
     )
     untrained = untrained_note(model_spec, weights)
     start = time.perf_counter()

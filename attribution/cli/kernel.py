@@ -54,7 +54,7 @@ def kernel(
         raise UsageProblem("--save needs exactly one --kind")
     check_output_path(save, "--save")
     model, x, _ = resolve_model_and_data(
-        model_spec, weights, data, samples, device, default_samples=DEFAULT_SAMPLES
+        model_spec, weights, data, samples, device, default_samples=DEFAULT_SAMPLES, labels=False
     )
     untrained = untrained_note(model_spec, weights)
     n = inputs.count(x)

@@ -141,7 +141,13 @@ def report(
     if model_spec is None and data != "digits":
         raise UsageProblem("a training data file needs --model (the built-in demo uses digits)")
     model, x_train, y_train = resolve_model_and_data(
-        model_spec, weights, data, samples, device, default_samples=None
+        model_spec,
+        weights,
+        data,
+        samples,
+        device,
+        default_samples=None,
+        option="data" if train_file is None else "train",
     )
     n_train = inputs.count(x_train)
     kernel_samples = kernel_samples or min(n_train, DEMO_SAMPLES)
