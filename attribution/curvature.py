@@ -60,6 +60,11 @@ class _Kronecker:
     rotated: bool = False  # scores are computed in the eigenbasis (`choose_basis`)
 
     def decompose(self, corrected: bool) -> None:
+        if not (bool(torch.isfinite(self.a).all()) and bool(torch.isfinite(self.g).all())):
+            raise ValueError(
+                "the Kronecker factors of the curvature are not finite: the model's activations "
+                "or output gradients overflow on the training inputs (check their scale)"
+            )
         ea, self.qa = torch.linalg.eigh(self.a)
         eg, self.qg = torch.linalg.eigh(self.g)
         self.eigenvalues = None if corrected else torch.outer(eg, ea).clamp_min(0) / self.count

@@ -32,6 +32,8 @@ from ._outputs import margins
 def random_subsets(n: int, num_subsets: int, alpha: float = 0.5, *, seed: int = 0) -> torch.Tensor:
     """`num_subsets` random subsets of size round(α·n) of range(n), as a bool mask [num_subsets,
     n]."""
+    if num_subsets < 1:
+        raise ValueError(f"num_subsets must be at least 1, got {num_subsets}")
     if not 0 < alpha < 1:
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
     size = round(alpha * n)
@@ -74,6 +76,10 @@ def lds(scores, subsets, subset_outputs) -> float:
         )
     if not (bool(torch.isfinite(scores).all()) and bool(torch.isfinite(outputs).all())):
         raise ValueError("scores and subset_outputs must be finite")
+    if mask.shape[0] < 3:
+        raise ValueError(
+            f"the LDS is a rank correlation over subsets: it needs at least 3, got {mask.shape[0]}"
+        )
     predicted = (mask.double() @ scores.T).numpy()
     rhos = []
     for z in range(scores.shape[0]):
@@ -287,6 +293,8 @@ def calibration_metrics(probs, labels, n_bins: int = 15) -> dict[str, float]:
     if p.ndim == 2:
         p = p / p.sum(1, keepdims=True)
     y = np.asarray(labels)
+    if y.shape != p.shape[:1]:
+        raise ValueError(f"labels must be [{len(p)}], one per row of probs, got {y.shape}")
     classes = list(range(p.shape[-1]))
     return {
         "accuracy": float((p.argmax(-1) == y).mean()),

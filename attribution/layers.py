@@ -143,7 +143,9 @@ def sample_losses(outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def check_labels(y, n: int) -> torch.Tensor:
-    y = torch.as_tensor(y)
+    """Integer class labels (as long, what cross_entropy indexes with) or real targets."""
+    y = inputs.targets(y)
+    y = y if y.is_floating_point() else y.long()
     if y.dim() == 0 or y.shape[0] != n:
         raise ValueError(f"y must have one entry per sample ({n}), got shape {tuple(y.shape)}")
     return y

@@ -66,6 +66,7 @@ from sklearn.utils._param_validation import Interval, StrOptions
 from sklearn.utils.validation import check_is_fitted, validate_data
 from torch import nn
 
+from ntk.core import inputs
 from ntk.core.memory import available_bytes
 
 from . import _kernels
@@ -95,6 +96,9 @@ DEFAULT_REFERENCE = 0.25
 # three folds pick 0.025; the digits-MLP fold picks 0.05 (wine meets both there), 0.904 / 0.439
 # on the MLP. Influence's DOF_FRACTION (0.015, chosen for LDS alone) gave 0.755 / 0.694 on the MLP.
 GAUSS_NEWTON_DOF_FRACTION = 0.025
+
+
+_EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)  # models that take integer ids
 
 
 class KernelSurrogate(ClassifierMixin, BaseEstimator):
@@ -228,12 +232,23 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         return (k / self.scale_).numpy()
 
     def _inputs(self, x, reset: bool):
-        """The model's inputs: tensors, tuples or dicts of tensors as they are; anything else
-        (numpy arrays, lists) is validated by scikit-learn as a dense 2-D array and becomes a tensor
-        of the model's dtype; `n_features_in_` is set (reset) or checked for 2-D inputs."""
+        """The model's inputs: tensors, tuples or dicts of tensors as they are; a numpy array of
+        more than two dimensions (images), or of integers for a model with embeddings (token
+        ids), as a tensor of its shape and dtype (floating ones in the model's); anything else
+        (feature tables, lists) is validated by scikit-learn as a dense 2-D array and becomes a
+        tensor of the model's dtype; `n_features_in_` is set (reset) or checked for 2-D inputs."""
+        dtype = next(self.model.parameters(), torch.empty(0)).dtype
+        if isinstance(x, np.ndarray) and (
+            x.ndim > 2
+            or (
+                x.dtype.kind in "iu"
+                and any(isinstance(m, _EMBEDDINGS) for m in self.model.modules())
+            )
+        ):
+            x = inputs.from_numpy(x, "x")
+            x = x.to(dtype) if x.is_floating_point() else x
         if not isinstance(x, (torch.Tensor, tuple, dict)):
             x = validate_data(self, x, reset=reset, dtype=np.float64)
-            dtype = next(self.model.parameters(), torch.empty(0)).dtype
             return torch.tensor(x, dtype=dtype)
         if isinstance(x, torch.Tensor) and x.dim() == 2:
             if reset:
@@ -558,6 +573,11 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         accuracies, their gap and the Jaccard overlap of the misclassified sets.
         """
         x_test = self._inputs(x_test, reset=False)
+        if inputs.count(x_test) < 2:
+            raise ValueError(
+                "faithfulness compares rankings over test samples: it needs at least 2, got "
+                f"{inputs.count(x_test)}"
+            )
         g = logits(self.model, x_test, output_fn=self.output_fn, name="x_test").numpy()
         k = self._test_kernel(x_test)
         d = self._decision(k)

@@ -191,11 +191,16 @@ class _Computation:
             raise KernelTooLargeError(
                 f"the {kind} kernel of shape {list(shape)}"
                 f"{f' × {n_components} layers' if n_components > 1 else ''} needs "
-                f"{human(out_bytes)} but only {human(avail)} is available. Use a smaller kind "
-                "('trace' or 'sum_logits' are [N1, N2]), random projections "
-                "(projections.projected_ntk, or projections.featurize for an on-disk store), or "
-                "pass out= a memory-mapped array on disk (numpy.lib.format.open_memmap) to "
-                "receive it tile by tile."
+                f"{human(out_bytes)} but only {human(avail)} is available. "
+                + (
+                    "Use "
+                    if len(shape) == 2
+                    else "Use a smaller kind ('trace' or 'sum_logits' are [N1, N2]), "
+                )
+                + "fewer samples or random projections (projections.projected_ntk, "
+                "projections.featurize for an on-disk store, or the projection_dim of the "
+                "function you called), or pass out= a memory-mapped array on disk "
+                "(numpy.lib.format.open_memmap) to receive it tile by tile."
             )
 
         planned_tile = self.tile_size or min(max(n1, n2), 256)  # the cost model's tile size

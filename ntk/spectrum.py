@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .core import inputs
+
 
 def as_matrix(kernel) -> torch.Tensor:
     """A square kernel as a symmetric matrix: [N, N] as is, `full` [N, N, O, O] flattened to
@@ -57,7 +59,7 @@ def condition_from_eigenvalues(ev) -> float:
 def label_matrix(y) -> torch.Tensor:
     """Targets as a kernel: ±1 label agreement for integer class labels, y yᵀ for real targets
     (one column per output for a 2-D y)."""
-    y = torch.as_tensor(np.asarray(y) if not isinstance(y, torch.Tensor) else y)
+    y = inputs.targets(y)
     if y.dim() == 1 and not y.is_floating_point():
         return (y[:, None] == y[None, :]).to(torch.float64) * 2 - 1
     y = y.to(torch.float64).reshape(y.shape[0], -1)
@@ -72,6 +74,8 @@ def kernel_alignment(kernel, y, *, centering: str = "kernel") -> float:
     Label-Gradient Alignment (Mok et al., CVPR 2022). Integer labels give L_ij = ±1.
     """
     k = as_matrix(kernel).to(torch.float64)
+    if not bool(torch.isfinite(k).all()):
+        raise ValueError("the kernel contains non-finite values")
     if k.shape[0] != (n := len(y)) and k.dim() == 2:
         raise ValueError(f"kernel is {k.shape[0]} × {k.shape[0]} but y has {n} entries")
     if k.shape[0] != n:

@@ -177,3 +177,13 @@ def test_train_on_subsets_with_a_module_registered_under_two_names():
         model = Tied().double().eval()
         model.load_state_dict({**model.state_dict(), **{k: v[s] for k, v in stack.params.items()}})
         torch.testing.assert_close(outputs[s, 0], model(x[:5]).detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_evaluation_inputs_found_by_fuzzing_are_refused_clearly():
+    with pytest.raises(ValueError, match="num_subsets must be at least 1"):
+        random_subsets(16, 0)
+    subsets = random_subsets(16, 2)
+    with pytest.raises(ValueError, match="needs at least 3"):
+        lds(torch.randn(4, 16), subsets, torch.randn(2, 4))
+    with pytest.raises(ValueError, match="one per row of probs"):
+        calibration_metrics(np.full((4, 3), 1 / 3), [0, 1, 2])

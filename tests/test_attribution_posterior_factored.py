@@ -156,3 +156,14 @@ def test_auto_takes_ekfac_where_it_applies_and_the_exact_forms_elsewhere(small_c
     assert NTKPosterior(wide, prior_precision=1.0).fit(x, y).curvature_ == "exact"
     with pytest.raises(UnfactorableModelError, match="without Kronecker structure"):
         NTKPosterior(wide, curvature="ekfac").fit(x, y)
+
+
+def test_overflowing_activations_are_named_not_a_failed_eigh():
+    """Finite inputs whose activations overflow float32 make the Kronecker factors non-finite;
+    the fit says so instead of LAPACK's "failed to converge"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).eval()
+    x, y = torch.randn(16, 8), torch.arange(16) % 3
+    x[3, 2] = 1e30
+    with pytest.raises(ValueError, match="Kronecker factors of the curvature are not finite"):
+        NTKPosterior(model, curvature="ekfac").fit(x, y)

@@ -176,3 +176,27 @@ def test_ill_conditioned_kernel_warns(trained):
     dup = torch.cat([x[:40], x[:40]])
     with pytest.warns(RuntimeWarning, match="ill-conditioned"):
         KernelSurrogate(model, alpha=1e-18).fit(dup)
+
+
+def test_numpy_images_and_token_ids_are_taken_as_the_model_takes_them():
+    """numpy arrays that are not a 2-D feature table (images, integer ids) reach the model as
+    tensors of their own shape and dtype, as they do in the other entry points; faithfulness
+    needs two test samples to rank."""
+    torch.manual_seed(0)
+    cnn = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 2, 3), torch.nn.Tanh(), torch.nn.Flatten(), torch.nn.Linear(32, 3)
+    ).eval()
+    images = np.random.default_rng(0).normal(size=(12, 1, 6, 6)).astype(np.float32)
+    from_numpy = KernelSurrogate(cnn, alpha=0.1).fit(images).decision_function(images[:3])
+    from_torch = KernelSurrogate(cnn, alpha=0.1).fit(torch.as_tensor(images))
+    np.testing.assert_allclose(
+        from_numpy, from_torch.decision_function(torch.as_tensor(images[:3]))
+    )
+    embed = torch.nn.Sequential(
+        torch.nn.Embedding(7, 4), torch.nn.Flatten(), torch.nn.Linear(12, 3)
+    ).eval()
+    ids = np.random.default_rng(1).integers(0, 7, size=(10, 3))
+    surrogate = KernelSurrogate(embed, alpha=0.1).fit(ids)
+    assert surrogate.decision_function(ids[:2]).shape == (2, 3)
+    with pytest.raises(ValueError, match="needs at least 2"):
+        surrogate.faithfulness(ids[:1])

@@ -351,3 +351,25 @@ def test_ntk_vp_names_an_operation_without_forward_mode():
     with pytest.raises(NotImplementedError, match="method='ntk_vp' needs forward-mode"):
         ntk.empirical_ntk(model, x, method="ntk_vp")
     ntk.empirical_ntk(model, x, method="jacobian")  # the suggested method works
+
+
+def test_inputs_found_by_fuzzing_are_refused_with_their_name():
+    from ntk import proxies
+
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(6, 5)
+    bad = torch.eye(6)
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        ntk.kernel_alignment(bad, torch.arange(6) % 2)
+    for dtype in ("float64", torch.int32):
+        with pytest.raises(TypeError, match="dtype must be a floating torch.dtype"):
+            ntk.empirical_ntk(model, x, dtype=dtype)
+    names = np.array(list("abcabc"))
+    for call, name in [
+        (lambda: ntk.kernel_alignment(torch.eye(6), names), "y"),
+        (lambda: ntk.empirical_ntk(model, x, kind="lpntk", labels=names), "labels"),
+        (lambda: proxies.score(model, x, names), "y"),
+    ]:
+        with pytest.raises(TypeError, match=f"{name} must hold numbers"):
+            call()

@@ -257,3 +257,15 @@ def test_a_batchnorm_in_training_mode_is_named():
     x, y = torch.randn(10, 6), torch.arange(10) % 3
     with pytest.raises(ValueError, match="BatchNorm that uses batch statistics"):
         layer_importance(model, x, y)
+
+
+def test_small_integer_labels_are_class_labels(recwarn):
+    """uint8 labels (as images datasets store them) index the outputs like int64 ones, with the
+    vmapped path (no per-sample fallback blaming the model)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).eval()
+    x, y = torch.randn(12, 6), torch.arange(12) % 3
+    expected = layer_importance(model, x, y, score="grad_norm")
+    got = layer_importance(model, x, y.to(torch.uint8).numpy(), score="grad_norm")
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in expected])
+    assert not [w for w in recwarn if "vmapped" in str(w.message)]

@@ -42,6 +42,21 @@ def from_numpy(x, name: str):
     return one(x)
 
 
+def targets(y, name: str = "y") -> torch.Tensor:
+    """Labels or targets (a tensor, numpy array or list) as a tensor; anything that is not numbers
+    or booleans (strings, objects) refused with a message naming `name`."""
+    if isinstance(y, torch.Tensor):
+        return y
+    array = np.asarray(y)
+    if array.dtype.kind not in "biuf":
+        raise TypeError(
+            f"{name} must hold numbers (integer class labels or real targets), got "
+            f"{array.dtype.name} values such as {array.reshape(-1)[:1].tolist()}; map class "
+            "names to 0..C−1 first"
+        )
+    return torch.as_tensor(array)
+
+
 def validate(x: Inputs, name: str) -> int:
     """Check structure, a shared sample axis and finiteness; return the number of samples."""
     leaves = _leaves(x)

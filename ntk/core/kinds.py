@@ -24,6 +24,8 @@ import math
 
 import torch
 
+from . import inputs
+
 
 class Kind:
     """A kernel kind whose cotangent features are summed over c: K = Σ_c u_cᵀ Θ u'_c [N1, N2]."""
@@ -279,7 +281,7 @@ def rows(cot: torch.Tensor, index) -> torch.Tensor:
 
 def class_labels(y, n: int, num_outputs: int, name: str = "y") -> torch.Tensor:
     """Class labels (a tensor, numpy array or list) as a long tensor [n] in 0..num_outputs−1."""
-    y = torch.as_tensor(y)
+    y = inputs.targets(y, name)
     if y.dim() != 1 or y.shape[0] != n:
         raise ValueError(
             f"{name} must be a 1-d tensor of {n} class labels, got shape {tuple(y.shape)}"

@@ -201,6 +201,10 @@ class ModelView:
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(
+                f"dtype must be a floating torch.dtype (torch.float64...), got {dtype!r}"
+            )
         self.model = model
         self.output_fn = output_fn
         first = next(iter(model.parameters()), None)
