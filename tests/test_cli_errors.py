@@ -19,6 +19,14 @@ def build():
 
 def broken():
     raise ZeroDivisionError("no luck")
+
+class Bag(nn.Module):  # token ids of any length, mean-pooled
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(10, 4), nn.Linear(4, 3)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids).mean(1))
 """
 
 
@@ -169,3 +177,21 @@ def test_files_found_by_fuzzing_get_exit_2_and_the_right_flag(files, capsys):
         str(files / "store"),
     )
     assert code == 0, err
+
+
+def test_an_output_fn_that_fails_on_the_output_is_bad_input(files, capsys):
+    model = ["--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
+    code, _, err = run(capsys, "kernel", *model, "--output-fn", "logits")  # a tensor has none
+    assert code == 2 and "Traceback" not in err
+    assert "--output-fn logits failed on the model's output (a Tensor): AttributeError" in err
+    code, _, err = run(capsys, "kernel", *model, "--output-fn", "grad")  # None on a tensor
+    assert code == 2 and "--output-fn grad gave None" in err
+
+
+def test_test_inputs_unlike_the_training_inputs_are_refused_before_any_work(files, capsys):
+    ids = np.random.default_rng(0).integers(0, 10, size=(8, 5))
+    np.savez(files / "ids5.npz", x=ids, y=np.arange(8) % 3)
+    np.savez(files / "ids7.npz", x=np.concatenate([ids, ids[:, :2]], 1))
+    model = ["--model", f"{files}/factory.py:Bag", "--data", f"{files}/ids5.npz"]
+    code, _, err = run(capsys, "attribute", *model, "--test", f"{files}/ids7.npz")
+    assert code == 2 and "--test: its inputs differ from the training data's: (5,) vs (7,)" in err

@@ -37,6 +37,19 @@ class Functional(nn.Module):  # its activation is a function: naswot cannot see 
         return self.b(torch.relu(self.a(x)))
 
 mixed = {"w6": lambda: net(6), "functional": Functional}
+
+class Pair(nn.Module):  # returns (logits, features), read with --output-fn
+    def __init__(self):
+        super().__init__()
+        self.net = net(5)
+
+    def forward(self, x):
+        return self.net(x), x
+
+def first(out):
+    return out[0]
+
+pairs = {"a": Pair, "b": Pair}
 """
 
 
@@ -205,3 +218,14 @@ def test_the_default_vote_without_naswot_says_so(tmp_path, monkeypatch, capsys):
     words = " ".join(out.split())  # notes are folded to the terminal's width
     assert "label_condition (" in words and "naswot is left out of the vote" in words
     assert "candidate 'functional': naswot needs activation modules" in words
+
+
+def test_output_fn_and_the_samples_actually_scored(tmp_path, monkeypatch, capsys):
+    write_inputs(tmp_path)  # 20 samples: fewer than the batch size asked for
+    monkeypatch.chdir(tmp_path)
+    args = ["--candidates", "cands.py:pairs", "--data", "data.npz", "--batch-size", "64"]
+    code, _, err = run_here(capsys, *args)
+    assert code == 2 and "pass output_fn" in err
+    code, out, err = run_here(capsys, *args, "--output-fn", "cands.py:first", "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["batch_size"] == 20  # what was scored, not what was asked

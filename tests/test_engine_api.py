@@ -362,6 +362,8 @@ def test_inputs_found_by_fuzzing_are_refused_with_their_name():
     bad[0, 0] = float("nan")
     with pytest.raises(ValueError, match="non-finite"):
         ntk.kernel_alignment(bad, torch.arange(6) % 2)
+    with pytest.raises(TypeError, match="output_fn returned a NoneType"):
+        ntk.empirical_ntk(model, x, output_fn=lambda out: None)
     for dtype in ("float64", torch.int32):
         with pytest.raises(TypeError, match="dtype must be a floating torch.dtype"):
             ntk.empirical_ntk(model, x, dtype=dtype)

@@ -89,7 +89,7 @@ def attribute(
     model, x_train, y_train = resolve_model_and_data(model_spec, weights, data, samples, device)
     if y_train is None:
         raise UsageProblem("--data must hold training labels y for attribution")
-    x_test, y_test = resolve_test_data(test_file, data, test_samples, model)
+    x_test, y_test = resolve_test_data(test_file, data, test_samples, model, x_train)
     untrained = untrained_note(model_spec, weights)
     output_fn = load_output_fn(output_fn)
     checkpoints = []

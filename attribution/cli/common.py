@@ -156,13 +156,36 @@ def load_output_fn(spec: str | None) -> Callable | None:
         fn = load_object(spec, "output-fn")
         if not callable(fn):
             raise UsageProblem(f"--output-fn: {spec} is not callable")
-        return fn
+        return OutputFn(fn, spec)
     if not spec.isidentifier():
         raise UsageProblem(
             f"--output-fn must be an attribute name (e.g. logits) or package.module:function, "
             f"got {spec!r}"
         )
-    return operator.attrgetter(spec)
+    return OutputFn(operator.attrgetter(spec), spec)
+
+
+class OutputFn:
+    """--output-fn: a failure on the model's output (a misspelt attribute, a field the model
+    leaves None) is bad input naming the flag, not an error from inside the library."""
+
+    def __init__(self, fn: Callable, spec: str):
+        self.fn, self.spec = fn, spec
+
+    def __call__(self, out):
+        try:
+            result = self.fn(out)
+        except Exception as exc:
+            raise ValueError(
+                f"--output-fn {self.spec} failed on the model's output (a "
+                f"{type(out).__name__}): {type(exc).__name__}: {exc}"
+            ) from exc
+        if result is None:
+            raise ValueError(
+                f"--output-fn {self.spec} gave None for the model's output (a "
+                f"{type(out).__name__}); name the field that holds the logits"
+            )
+        return result
 
 
 def load_arrays(
@@ -534,7 +557,9 @@ def untrained_note(model_spec, weights) -> str:
     return f" [{UNTRAINED}]"
 
 
-def resolve_test_data(test_file: str | None, data: str, test_samples: int | None, model=None):
+def resolve_test_data(
+    test_file: str | None, data: str, test_samples: int | None, model=None, x_train=None
+):
     """Test inputs and labels: a --test file, or the digits test split when training on digits;
     checked against the model like --data."""
     if test_file is not None:
@@ -552,6 +577,14 @@ def resolve_test_data(test_file: str | None, data: str, test_samples: int | None
     y_test = None if y_test is None else y_test[:test_samples]
     if model is not None:
         check_fits(model, x_test, "test")
+    if x_train is not None:  # before any work: inputs the model takes but not like --data's
+        try:
+            inputs.check_compatible(x_train, x_test)
+        except ValueError as exc:
+            detail = str(exc).split(": ", 1)[-1]
+            raise UsageProblem(
+                f"--test: its inputs differ from the training data's: {detail}"
+            ) from None
     return x_test, y_test
 
 

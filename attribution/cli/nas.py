@@ -8,7 +8,15 @@ from functools import partial
 import click
 
 from .choices import DEFAULT_RANKING, PROXY_METRICS, RANKING_BATCH_SIZE
-from .common import UsageProblem, emit, interactive, load_arrays, load_object, output_options
+from .common import (
+    UsageProblem,
+    emit,
+    interactive,
+    load_arrays,
+    load_object,
+    load_output_fn,
+    output_options,
+)
 
 
 def demo_space() -> dict:
@@ -73,10 +81,17 @@ def demo_space() -> dict:
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default=None, help="torch device, e.g. cpu or cuda")
+@click.option(
+    "--output-fn",
+    default=None,
+    help="map each candidate's output to logits: an attribute name (logits) or "
+    "package.module:function",
+)
 @output_options
-def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, device, out):
+def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, device, output_fn, out):
     """Rank candidate architectures by NTK and zero-cost proxies (higher is better), best first."""
     from ntk import demo, proxies
+    from ntk.core import inputs
 
     candidates = demo_space() if spec is None else load_object(spec, "candidates")
     if not isinstance(candidates, dict):
@@ -104,6 +119,7 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
             warmup_steps=warmup_steps,
             seed=seed,
             device=device,
+            output_fn=load_output_fn(output_fn),
             progress=interactive(),
             return_details=True,
         )
@@ -117,6 +133,7 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
         {"rank": position, "candidate": name, **_columns(s), "seconds": round(s.seconds, 4)}
         for position, (name, s) in enumerate(ranked, 1)
     ]
+    used_batch = min(batch_size, inputs.count(x))  # every sample when there are fewer
     first = ranked[0][1]
     used = list(first.parts) if first.parts is not None else [first.metric]
     metrics, label = used, " + ".join(used)
@@ -125,7 +142,7 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
         "↑ higher is better; the rank column orders the candidates, 1 = best",
         *(
             [f"vote ↑: the mean of each proxy's rank (1 = worst, {len(rows)} = best)"]
-            if len(metrics) > 1
+            if len(metrics) > 1 and len(rows) > 1
             else []
         ),
         *(
@@ -138,12 +155,12 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
     emit(
         rows,
         out,
-        title=f"{label} ({repeats} × {batch_size} samples, higher is better)",
+        title=f"{label} ({repeats} × {used_batch} samples, higher is better)",
         meta={
             "metric": metrics if len(metrics) > 1 else metrics[0],
             "kind": kind,
             "repeats": repeats,
-            "batch_size": batch_size,
+            "batch_size": used_batch,
             "warmup_steps": warmup_steps,
         },
         headers={

@@ -151,7 +151,7 @@ def report(
     )
     n_train = inputs.count(x_train)
     kernel_samples = kernel_samples or min(n_train, DEMO_SAMPLES)
-    x_test, y_test = resolve_test_data(test_file, data, test_samples, model)
+    x_test, y_test = resolve_test_data(test_file, data, test_samples, model, x_train)
     untrained = untrained_note(model_spec, weights)
     output_fn = load_output_fn(output_fn)
     if shape is None and data == "digits":

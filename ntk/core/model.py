@@ -316,8 +316,10 @@ class ModelView:
             out = self.output_fn(out)
         if not isinstance(out, torch.Tensor):
             raise TypeError(
-                f"the model output is a {type(out).__name__}, not a tensor: pass output_fn to map "
-                "it to a [B, O] tensor"
+                f"output_fn returned a {type(out).__name__}, not a [B, O] tensor"
+                if self.output_fn is not None
+                else f"the model output is a {type(out).__name__}, not a tensor: pass output_fn "
+                "to map it to a [B, O] tensor"
             )
         if out.dim() == 1:
             return out.unsqueeze(1)
