@@ -24,7 +24,7 @@ from torch import nn
 from torch.func import stack_module_state
 
 from ntk.core import inputs
-from ntk.core.model import functional_forward
+from ntk.core.model import FunctionalCall
 
 from ._outputs import margins
 
@@ -114,7 +114,8 @@ class SubsetModels:
         axis): [S, seeds, N, O]."""
         x = inputs.from_numpy(x, "x")
         inputs.validate(x, "x")
-        call = lambda p, b: _call(self.base, p, b, x, self.output_fn)  # noqa: E731
+        forward = FunctionalCall(self.base)
+        call = lambda p, b: _call(forward, p, b, x, self.output_fn)  # noqa: E731
         with torch.no_grad():
             out = torch.vmap(call)(self.params, self.buffers)
         return out.reshape(self.num_subsets, self.seeds, *out.shape[1:])
@@ -188,10 +189,11 @@ def train_on_subsets(
     return SubsetModels(base, params, buffers, len(members), seeds, output_fn)
 
 
-def _call(base: nn.Module, params: dict, buffers: dict, x, output_fn: Callable | None):
-    """The functional forward of `base` with (params, buffers) on inputs x, through output_fn."""
+def _call(forward: FunctionalCall, params: dict, buffers: dict, x, output_fn: Callable | None):
+    """The functional forward of the base module with (params, buffers) on inputs x, through
+    output_fn."""
     args, kwargs = inputs.as_call(x)
-    out = functional_forward(base, {**params, **buffers}, args, kwargs)
+    out = forward({**params, **buffers}, args, kwargs)
     return out if output_fn is None else output_fn(out)
 
 
@@ -210,7 +212,8 @@ def _train_chunk(
     gens = {r: torch.Generator().manual_seed(r) for r in {r for _, r in jobs}}
     rows = torch.tensor([s for s, _ in jobs])
     seed_of = [r for _, r in jobs]
-    call = lambda p, b, xb: _call(base, p, b, xb, output_fn)  # noqa: E731
+    forward = FunctionalCall(base)
+    call = lambda p, b, xb: _call(forward, p, b, xb, output_fn)  # noqa: E731
     for _ in range(epochs):
         orders = {r: torch.randperm(m, generator=g) for r, g in gens.items()}
         order = torch.stack([orders[r] for r in seed_of])  # [K, m]

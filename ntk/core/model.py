@@ -5,7 +5,7 @@ state."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -149,32 +149,35 @@ def tensor_aliases(model: nn.Module) -> dict[str, list[str]]:
     return {names[0]: names[1:] for names in groups if len(names) > 1}
 
 
-def functional_forward(
-    model: nn.Module, tensors: dict[str, torch.Tensor], args, kwargs, aliases: dict | None = None
-):
-    """`model(*args, **kwargs)` with `tensors` ({name: tensor}, first names as
+class FunctionalCall:
+    """`model(*args, **kwargs)` with given tensors ({name: tensor}, first names as
     `named_parameters()` / `named_buffers()` give them) in place of its parameters and buffers,
-    leaving the model exactly as it was. aliases: `tensor_aliases(model)`, if already computed.
+    leaving the model exactly as it was. What the call needs from the module tree (tied names,
+    recurrent modules) is found once, here, not on every forward pass.
 
     torch.func.functional_call's own tying (tie_weights=True) swaps each name of a tied tensor in
     and, afterwards, back in turn; a module registered under two names gives two names for one
     attribute, so the second records the first's replacement as its original and the model keeps
-    a detached copy instead of its Parameter. Here every (module, attribute) slot is set once."""
-    full = dict(tensors)
-    for name, others in (tensor_aliases(model) if aliases is None else aliases).items():
-        if name in full:
-            full.update(dict.fromkeys(others, full[name]))
-    with _vmappable_kernels(model):
-        return functional_call(model, full, args, kwargs, tie_weights=False)
+    a detached copy instead of its Parameter. Here every (module, attribute) slot is set once.
+    The oneDNN (mkldnn) CPU kernels of LSTM/GRU/RNN have a backward that vmap cannot batch
+    (per-sample Jacobians fail inside it): models with recurrent modules run without them."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.aliases = tensor_aliases(model)
+        self.recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
+
+    def __call__(self, tensors: dict[str, torch.Tensor], args, kwargs):
+        full = dict(tensors)
+        for name, others in self.aliases.items():
+            if name in full:
+                full.update(dict.fromkeys(others, full[name]))
+        with _without_onednn() if self.recurrent else nullcontext():
+            return functional_call(self.model, full, args, kwargs, tie_weights=False)
 
 
 @contextmanager
-def _vmappable_kernels(model: nn.Module):
-    """The oneDNN (mkldnn) CPU kernels of LSTM/GRU/RNN have a backward that vmap cannot batch
-    (per-sample Jacobians fail inside it): models with recurrent modules run without them."""
-    if not any(isinstance(m, nn.RNNBase) for m in model.modules()):
-        yield
-        return
+def _without_onednn():
     previous = torch.backends.mkldnn.enabled
     torch.backends.mkldnn.enabled = False
     try:
@@ -246,7 +249,7 @@ class ModelView:
         # Buffers are cloned so that nothing a forward pass does can reach the model's own state.
         self.buffers = {n: convert(b).clone() for n, b in model.named_buffers()}
         self.shared = self._registered_more_than_once(model)
-        self.aliases = tensor_aliases(model)
+        self.call = FunctionalCall(model)
 
     @staticmethod
     def _registered_more_than_once(model: nn.Module) -> set[str]:
@@ -299,7 +302,7 @@ class ModelView:
         trainable parameters (frozen parameters and buffers stay constant)."""
         args, kwargs = inputs.as_call(x)
         tensors = {**self.constants, **self.buffers, **params}
-        out = functional_forward(self.model, tensors, args, kwargs, self.aliases)
+        out = self.call(tensors, args, kwargs)
         return self.to_matrix(out)
 
     def forward_checked(self, x: inputs.Inputs, name: str) -> torch.Tensor:
@@ -308,7 +311,7 @@ class ModelView:
         args, kwargs = inputs.as_call(x)
         tensors = {**self.constants, **self.buffers, **self.params}
         with naming_failures(self.model, x, name):
-            out = functional_forward(self.model, tensors, args, kwargs, self.aliases)
+            out = self.call(tensors, args, kwargs)
         return self.to_matrix(out)
 
     def to_matrix(self, out) -> torch.Tensor:
