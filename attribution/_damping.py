@@ -89,6 +89,16 @@ def scalar_kernel_system(k: torch.Tensor, root: torch.Tensor) -> tuple[torch.Ten
     return a, product
 
 
+def kernel_system(theta: torch.Tensor, root: torch.Tensor) -> tuple[torch.Tensor, Product | None]:
+    """The Gauss–Newton system SΘS [N·O, N·O] of a training kernel Θ [N, N, O, O], or of a scalar
+    kind's factor k [N, N] (Θ = k ⊗ I_O, never expanded) with its structured product
+    (`scalar_kernel_system`); per-sample curvature roots S_i [N, O, O]."""
+    if theta.dim() == 2:
+        return scalar_kernel_system(theta, root)
+    n, o, _ = root.shape
+    return torch.einsum("iop,ijpr,jrq->iojq", root, theta, root).reshape(n * o, n * o), None
+
+
 def spectrum(a: torch.Tensor, rank: int, top: int, product: Product | None = None) -> torch.Tensor:
     """The eigenvalues of the symmetric PSD system `a` of known rank that `damping_for` needs:
     all of them up to EXACT_SPECTRUM rows; beyond, the `top` largest by a randomized range finder

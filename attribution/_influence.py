@@ -40,7 +40,7 @@ from ntk.core.memory import available_bytes
 from ntk.core.model import ModelView
 
 from . import _kernels, curvature
-from ._damping import damped_cholesky, scalar_kernel_system
+from ._damping import damped_cholesky, kernel_system
 from ._outputs import (
     labels,
     logits,
@@ -333,10 +333,7 @@ def gauss_newton(
     p = g_train.softmax(1)
     s = psd_root(softmax_curvature(g_train))  # [N, O, O]
     v = s[torch.arange(n), :, y_train] / p[torch.arange(n), y_train][:, None]  # S_i w_i
-    if theta.dim() == 2:
-        a, product = scalar_kernel_system(theta, s)
-    else:
-        a, product = torch.einsum("iop,ijpr,jrq->iojq", s, theta, s).reshape(n * o, n * o), None
+    a, product = kernel_system(theta, s)
     factor, _ = damped_cholesky(a, damping, n, o, product=product)
     bs = torch.einsum("miq,iqo->mio", left, s).reshape(left.shape[0], n * o)
     y = torch.cholesky_solve(bs.T, factor).T

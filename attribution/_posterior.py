@@ -328,8 +328,8 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             phi = self._features(x_train)
             psi = torch.einsum("iop,ipk->iok", root, phi).reshape(n * o, phi.shape[-1])
             return psi.T @ psi
-        theta = _kernels.output_kernel(self.model, x_train, **self._opts())
-        return torch.einsum("iop,ijpr,jrq->iojq", root, theta, root).reshape(n * o, n * o)
+        theta = _kernels.output_kernel_factor(self.model, x_train, **self._opts())
+        return _damping.kernel_system(theta, root)[0]
 
     def _keep_effective_parameters(self, a: torch.Tensor) -> float:
         """The δ with γ(δ) = EFFECTIVE_PARAMETERS for the system `a` (`_damping`; the rank of
