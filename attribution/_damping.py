@@ -10,6 +10,9 @@ With the eigenvalues e_k of A, the effective number of parameters
 falls from the rank of A at λ → 0 to 0 as λ → ∞; it counts the directions the data determine
 against the damping. Choosing λ by a target γ is scale-free (it does not change when the loss or
 the outputs are rescaled), which a fixed λ is not.
+
+The damped system is then factored and solved here too (`cholesky`, `cholesky_solve`), without
+the copies of the (N·O)² matrix that torch's factorisation and solve make.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import scipy.linalg
 import scipy.optimize
 import torch
 
@@ -151,9 +155,30 @@ def damped_cholesky(
     else:
         lam = float(damping)
     a.diagonal().add_(lam)
-    factor, info = torch.linalg.cholesky_ex(a)
-    if int(info) != 0:
+    factor = cholesky(a)
+    if factor is None:
         raise ValueError(
             f"the damped Gauss–Newton system is singular (damping λ={lam:.3g}); increase damping"
         )
     return factor, lam
+
+
+def cholesky(a: torch.Tensor) -> torch.Tensor | None:
+    """The lower Cholesky factor L (a = L Lᵀ) of the symmetric positive-definite `a`, or None
+    when it is not positive definite; `a` is consumed. On the CPU, LAPACK's potrf (through scipy)
+    writes L over a's own memory: a's row-major storage is the column-major storage of aᵀ = a,
+    and L comes back as a column-major view of it. torch's factorisation works on a copy, which
+    for a Gauss–Newton system is another (N·O)²·8 bytes. Other devices: torch's."""
+    if a.device.type == "cpu" and a.is_contiguous() and not a.requires_grad:
+        (potrf,) = scipy.linalg.get_lapack_funcs(("potrf",), (a.numpy(),))
+        factor, info = potrf(a.numpy().T, lower=True, overwrite_a=True, clean=True)
+        return torch.from_numpy(factor) if info == 0 else None
+    factor, info = torch.linalg.cholesky_ex(a)
+    return factor if int(info) == 0 else None
+
+
+def cholesky_solve(b: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """(L Lᵀ)⁻¹ b for the lower Cholesky factor L [D, D] and b [D, M]: two triangular solves,
+    which read L where it lies (torch.cholesky_solve copies it)."""
+    y = torch.linalg.solve_triangular(factor, b, upper=False)
+    return torch.linalg.solve_triangular(factor.mT, y, upper=True)

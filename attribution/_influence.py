@@ -40,7 +40,7 @@ from ntk.core.memory import available_bytes
 from ntk.core.model import ModelView
 
 from . import _kernels, curvature
-from ._damping import damped_cholesky, kernel_system
+from ._damping import cholesky_solve, damped_cholesky, kernel_system
 from ._outputs import (
     labels,
     logits,
@@ -263,7 +263,7 @@ def _one_model(
         h, w = _parameter_space(train, g_train, r, gram=method != "grad_dot")
         if method == "grad_dot":
             return left @ w.T
-        return torch.cholesky_solve(left.T, damped_cholesky(h, damping, n, o)[0]).T @ w.T
+        return cholesky_solve(left.T, damped_cholesky(h, damping, n, o)[0]).T @ w.T
     opts = dict(
         kind=kind,
         num_outputs=o,
@@ -301,10 +301,12 @@ def _joined(x_train, x_test):
 
 def _exact_fits(n_train: int, n_test: int, o: int, kind: str, device: torch.device) -> bool:
     """Whether the exact kernels (at most one of train + test; a scalar kind's without its
-    O × O identity) and the (N·O)² system (float64, with a working copy) fit in half the free
-    memory of `device`, where they are computed and solved."""
+    O × O identity) and the (N·O)² system (float64; factored in place on the CPU, with torch's
+    working copy elsewhere: `_damping.cholesky`) fit in half the free memory of `device`, where
+    they are computed and solved."""
     kernels = (n_train + n_test) ** 2 * (o * o if kind == "full" else 1)
-    return 8 * (kernels + 2 * (n_train * o) ** 2) < 0.5 * available_bytes(device)
+    systems = 1 if device.type == "cpu" else 2
+    return 8 * (kernels + systems * (n_train * o) ** 2) < 0.5 * available_bytes(device)
 
 
 def default_dim(model: nn.Module) -> int:
@@ -336,7 +338,7 @@ def gauss_newton(
     a, product = kernel_system(theta, s)
     factor, _ = damped_cholesky(a, damping, n, o, product=product)
     bs = torch.einsum("miq,iqo->mio", left, s).reshape(left.shape[0], n * o)
-    y = torch.cholesky_solve(bs.T, factor).T
+    y = cholesky_solve(bs.T, factor).T
     return (y.reshape(-1, n, o) * v).sum(-1)
 
 

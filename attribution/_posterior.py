@@ -591,8 +591,8 @@ def _factor(a: torch.Tensor, delta: float, *, copy: bool) -> tuple[torch.Tensor,
     """The Cholesky factor of SΘS + δI (in place on `a` unless copy) and its log-determinant."""
     m = a.clone() if copy else a
     m.diagonal().add_(delta)
-    factor, info = torch.linalg.cholesky_ex(m)
-    if int(info) != 0:
+    factor = _damping.cholesky(m)
+    if factor is None:
         raise ValueError(
             f"SΘS + δI is not positive definite at prior_precision δ={delta:.3g} (the kernel is "
             "not positive semi-definite in float64); use a larger prior_precision"

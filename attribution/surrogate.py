@@ -70,7 +70,7 @@ from ntk.core import inputs
 from ntk.core.memory import available_bytes
 
 from . import _kernels
-from ._damping import damped_cholesky, scalar_kernel_system
+from ._damping import cholesky_solve, damped_cholesky, scalar_kernel_system
 from ._outputs import labels, logits, psd_root, softmax_curvature
 
 MACHINES = ("ridge", "svm", "logistic", "representer", "gauss_newton")
@@ -350,12 +350,12 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         `influence`."""
         g = g.double()
         n, o = g.shape
-        need = 3 * 8 * (n * o) ** 2  # the system, its factor and a working copy, float64
+        need = 2 * 8 * (n * o) ** 2  # the system, factored in place, and `influence`'s inverse
         if need > available_bytes(torch.device("cpu")):
             raise MemoryError(
                 f"machine='gauss_newton' solves an (N·O)² = {n * o:,}² system ({need / 2**30:.1f} "
-                "GiB with its factor) that does not fit in the free memory; fit fewer training "
-                "samples, or use machine='ridge' (an N² system)"
+                "GiB with the inverse `influence` forms) that does not fit in the free memory; "
+                "fit fewer training samples, or use machine='ridge' (an N² system)"
             )
         step = torch.zeros_like(g)
         if y is not None:
@@ -368,7 +368,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             system, damping, n, o, GAUSS_NEWTON_DOF_FRACTION, product=product
         )
         target = torch.einsum("iop,ip->io", root, g + step).reshape(-1, 1)
-        beta = torch.cholesky_solve(target, factor).reshape(n, o)
+        beta = cholesky_solve(target, factor).reshape(n, o)
         self.root_, self.beta_, self.factor_ = root.numpy(), beta.numpy(), factor.numpy()
         self.dual_ = torch.einsum("iop,ip->io", root, beta).numpy()
         self.intercept_, self.classes_, self.machine_ = np.zeros(o), np.arange(o), None
@@ -538,7 +538,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         rows = (gone[:, None] * o + torch.arange(o)).reshape(-1)
         unit = torch.zeros(n * o, len(rows), dtype=factor.dtype)
         unit[rows, torch.arange(len(rows))] = 1.0
-        columns = torch.cholesky_solve(unit, factor)  # H_{:,I}
+        columns = cholesky_solve(unit, factor)  # H_{:,I}
         v = (columns @ torch.linalg.solve(columns[rows], beta[gone].reshape(-1))).reshape(n, o)
         return (k @ torch.einsum("jcp,jp->jc", root, v)).numpy()
 

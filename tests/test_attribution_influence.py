@@ -351,3 +351,27 @@ def test_scalar_kernel_system_and_its_product(monkeypatch):
     structured, plain = _damping.spectrum(a, rank, 40, product), _damping.spectrum(a, rank, 40)
     assert len(plain) == rank  # the randomized route, not the exact eigenvalues
     torch.testing.assert_close(structured, plain, rtol=0, atol=1e-10 * float(plain.max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_cholesky_overwrites_the_system_on_the_cpu(dtype):
+    """`_damping.cholesky` gives torch's factor, written over the system's own memory on the CPU
+    (no second (N·O)² matrix), None for a matrix that is not positive definite; `cholesky_solve`
+    solves with it."""
+    from attribution import _damping
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(40, 70, generator=gen, dtype=torch.float64)
+    a = (x @ x.T).to(dtype)
+    expected = torch.linalg.cholesky(a)
+    storage = a.data_ptr()
+    factor = _damping.cholesky(a)
+    assert factor.data_ptr() == storage
+    torch.testing.assert_close(factor, expected)
+    b = torch.randn(40, 3, generator=gen, dtype=torch.float64).to(dtype)
+    torch.testing.assert_close(
+        _damping.cholesky_solve(b, factor), torch.cholesky_solve(b, expected)
+    )
+    singular = x[:, :5] @ x[:, :5].T
+    singular.diagonal().sub_(1.0)
+    assert _damping.cholesky(singular) is None
