@@ -223,7 +223,9 @@ def _one_model(
             output_fn=output_fn,
             dtype=dtype,
         ).fit(x_train, y_train)
-        return torch.einsum("mio,mo->mi", torch.as_tensor(surrogate.influence(x_test)), u)
+        return torch.einsum(
+            "mio,mo->mi", torch.as_tensor(surrogate.influence(x_test, output="all")), u
+        )
     n, o = g_train.shape
     r = nn.functional.one_hot(y_train, o).double() - g_train.softmax(1)  # [N, O]
     store = None

@@ -392,7 +392,7 @@ def _sanity(surrogate, x_train, own, x_one, cls, c_row, sides, retrain, baseline
         "network_change": None,
     }
     if surrogate.removable_ and len(gone) < len(own):
-        card["surrogate_change"] = -float(surrogate.influence(x_one, gone)[0, cls])
+        card["surrogate_change"] = -float(surrogate.influence(x_one, gone, output=cls)[0])
     if retrain is not None:
         keep = torch.ones(len(own), dtype=torch.bool)
         keep[torch.as_tensor(gone)] = False

@@ -10,7 +10,8 @@ precomputed kernels.
 
 Default (`center=True`, ridge): kernel ridge with an unpenalised intercept in feature space,
 min_{w,b} Σ_i ‖t_i − ⟨w, φ(x_i)⟩ − b‖² + α‖w‖², fitted to the per-sample centred logits
-t_i = g(x_i) − mean_o g_o(x_i) (softmax is unchanged by the shift). Its dual solves the bordered
+t_i = g(x_i) − mean_o g_o(x_i) (softmax is unchanged by the shift; a single-output model's
+output is its own target). Its dual solves the bordered
 system [[K + αI, 1], [1ᵀ, 0]] [A; b] = [T; 0], so Σ_i A_i = 0 and, with the centred kernel
 K_c(x, x_i) = K(x, x_i) − mean_j K(x, x_j) − mean_j K(x_j, x_i) + mean K,
 d(x) = Σ_i K_c(x, x_i) A_i + mean_i t_i = Σ_i K(x, x_i) A_i + b with b = mean_i t_i −
@@ -289,12 +290,17 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             raise ValueError(
                 f"cv={self.cv} folds need at least {self.cv} training samples; got {n} sample(s)"
             )
+        if o == 1 and self.machine != "ridge":
+            raise ValueError(
+                f"machine={self.machine!r} needs a classifier with two or more outputs; a "
+                "single-output model is fitted with machine='ridge'"
+            )
         self.center_ = self._centred()
         self.removable_ = self.center_ or self.machine == "gauss_newton"  # has `influence`
         if y is None:
             if self.machine != "ridge":
                 targets = g.argmax(1).numpy()
-            elif self.center_:
+            elif self.center_ and o > 1:
                 targets = (g - g.mean(1, keepdim=True)).numpy()
             else:
                 targets = g.numpy()
@@ -386,6 +392,12 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
                 GroupKFold(self.cv)
                 if groups is not None
                 else KFold(self.cv, shuffle=True, random_state=self.seed)
+            )
+        elif len(np.unique(targets)) < 2:
+            raise ValueError(
+                f"machine={self.machine!r} needs two or more classes among the training labels; "
+                f"got only class {targets[0]} (with y=None: the network predicts it for every "
+                "training sample): pass labels y or use machine='ridge'"
             )
         elif self.machine == "svm":
             estimator, grid = (
@@ -491,21 +503,48 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         idx = np.argsort(-chosen, axis=1, kind="stable")[:, :k]
         return idx, np.take_along_axis(chosen, idx, 1) * sign
 
-    def influence(self, x_test, remove=None) -> np.ndarray:
+    def influence(self, x_test, remove=None, output=None) -> np.ndarray:
         """Counterfactual (not the contribution): d(x) − d_{−S}(x), how much `decision_function`
         drops when the training points S are removed and the machine (same kernel, scale and α)
-        is refitted, in closed form (module docstring). remove=None: every single point, [N_test,
-        N_train, C]; else a boolean mask [N_train] or indices of one set S, [N_test, C]. Needs the
+        is refitted, in closed form (module docstring). remove=None: every single point,
+        [N_test, N_train]; else a boolean mask [N_train] or indices of one set S, [N_test].
+        output: the column of d whose drop is given (None: each test example's predicted class,
+        the surrogate's prediction; "all": every column, one more axis [..., C]). Needs the
         default ridge machine with `center=True` (an unpenalised intercept keeps the refit a
         bordered solve) or machine='gauss_newton'."""
         check_is_fitted(self, "dual_")
-        if self.machine == "gauss_newton":
-            return self._gauss_newton_removal(self._test_kernel(x_test), remove)
         if not self.removable_:
             raise ValueError(
                 "influence needs machine='ridge' with center=True (the default) or "
                 "machine='gauss_newton'"
             )
+        k = self._test_kernel(x_test, centred=False)
+        columns = self._columns(k, output)
+        drop = self._removal(k, remove)
+        if columns is None:
+            return drop
+        rows = np.arange(len(k))
+        return drop[rows, :, columns] if remove is None else drop[rows, columns]
+
+    def _columns(self, k: np.ndarray, output) -> np.ndarray | None:
+        """The column of d per test row for `influence`'s output (None for "all")."""
+        if isinstance(output, str) and output == "all":
+            return None
+        c = self.num_outputs_
+        if output is None:
+            if self.center_:
+                k = k - np.quantile(k, self.reference, axis=1, keepdims=True)
+            return self._decision(k).argmax(1)
+        if not isinstance(output, Integral) or not 0 <= output < c:
+            raise ValueError(
+                f"output must be 'all', None or a column in 0..{c - 1}, got {output!r}"
+            )
+        return np.full(len(k), int(output))
+
+    def _removal(self, k: np.ndarray, remove) -> np.ndarray:
+        """d(x) − d_{−S}(x) for the uncentred test kernel rows k [M, N]: [M, N, C] or [M, C]."""
+        if self.machine == "gauss_newton":
+            return self._gauss_newton_removal(k, remove)
         n = self.dual_.shape[0]
         h = np.linalg.inv(
             np.block(
@@ -515,7 +554,6 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
                 ]
             )
         )
-        k = self._test_kernel(x_test, centred=False)
         w = np.hstack([k, np.ones((len(k), 1))]) @ h  # [M, N + 1]
         if remove is None:
             return w[:, :n, None] * (self.dual_ / h.diagonal()[:n, None])[None]
@@ -570,7 +608,9 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         (softmax of `decision_function`) probability of the network's predicted class;
         tau_logits / spearman_logits / r2_logits: over all outputs, both centred per sample
         (when the decision has one column per output); label_agreement; with y_test also the
-        accuracies, their gap and the Jaccard overlap of the misclassified sets.
+        accuracies, their gap and the Jaccard overlap of the misclassified sets. A single-output
+        model has no classes: tau_logits / spearman_logits / r2_logits of the outputs themselves,
+        and nothing else.
         """
         x_test = self._inputs(x_test, reset=False)
         if inputs.count(x_test) < 2:
@@ -581,6 +621,10 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         g = logits(self.model, x_test, output_fn=self.output_fn, name="x_test").numpy()
         k = self._test_kernel(x_test)
         d = self._decision(k)
+        if g.shape[1] == 1:
+            if y_test is not None:
+                raise ValueError("y_test needs a classifier; the model has a single output")
+            return _rank_agreement(g.ravel(), d.ravel())
         pred_net = g.argmax(1)
         pred_sur = (
             self.classes_[d.argmax(1)]
@@ -596,9 +640,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             result.update(
                 tau_prob=float(kendalltau(p_net, p_sur).statistic),
                 spearman_prob=float(spearmanr(p_net, p_sur).statistic),
-                tau_logits=float(kendalltau(gc, dc).statistic),
-                spearman_logits=float(spearmanr(gc, dc).statistic),
-                r2_logits=float(r2_score(gc, dc)),
+                **_rank_agreement(gc, dc),
             )
         if y_test is not None:
             y = labels(y_test, len(g), g.shape[1], "y_test").numpy()
@@ -612,6 +654,15 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
                 ),
             )
         return result
+
+
+def _rank_agreement(net: np.ndarray, surrogate: np.ndarray) -> dict:
+    """Kendall τ, Spearman ρ and R² of the surrogate's outputs against the network's."""
+    return {
+        "tau_logits": float(kendalltau(net, surrogate).statistic),
+        "spearman_logits": float(spearmanr(net, surrogate).statistic),
+        "r2_logits": float(r2_score(net, surrogate)),
+    }
 
 
 def cancellation(c: np.ndarray) -> np.ndarray:

@@ -84,14 +84,14 @@ def measure(s, options: dict) -> dict:
     )
     if sur.removable_:
         row["lds_counterfactual"] = lds(
-            np.einsum("mio,mo->mi", sur.influence(s.xt), u), s.subsets, s.truth
+            np.einsum("mio,mo->mi", sur.influence(s.xt, output="all"), u), s.subsets, s.truth
         )
     labelled = KernelSurrogate(model, **options).fit(s.x, s.y)
     row["tau_labels"] = labelled.faithfulness(s.xt)["tau_prob"]
     row["lds_counterfactual_labels"] = float("nan")
     if labelled.removable_:
         row["lds_counterfactual_labels"] = lds(
-            np.einsum("mio,mo->mi", labelled.influence(s.xt), u), s.subsets, s.truth
+            np.einsum("mio,mo->mi", labelled.influence(s.xt, output="all"), u), s.subsets, s.truth
         )
     return row
 
@@ -118,7 +118,9 @@ def fractions(names: list[str], values: list[float], cache_dir, smoke: bool) -> 
             attribution.surrogate.GAUSS_NEWTON_DOF_FRACTION = f
             sur = KernelSurrogate(s.model, machine="gauss_newton").fit(s.x, s.y)
             tau = sur.faithfulness(s.xt)["tau_prob"]
-            score = lds(np.einsum("mio,mo->mi", sur.influence(s.xt), u), s.subsets, s.truth)
+            score = lds(
+                np.einsum("mio,mo->mi", sur.influence(s.xt, output="all"), u), s.subsets, s.truth
+            )
             rows[name, f] = (tau, score)
             both = tau >= BOTH["tau_labels"] and score >= BOTH["lds"]
             print(f"| {name} | {f:g} | {sur.alpha_:.3g} | {tau:.3f} | {score:.3f} | {both} |")

@@ -30,7 +30,7 @@ def _refit(s, model, x, xt, keep):
     k = ntk.empirical_ntk(model, x, kind="trace", dtype=torch.float64).numpy() / s.scale_
     kt = ntk.empirical_ntk(model, xt, x, kind="trace", dtype=torch.float64).numpy() / s.scale_
     g = model(x).detach().numpy()
-    t = (g - g.mean(1, keepdims=True))[keep]
+    t = (g - g.mean(1, keepdims=True) if g.shape[1] > 1 else g)[keep]
     k, kt = k[np.ix_(keep, keep)], kt[:, keep]
     r = k.mean(0)
     ridge = KernelRidge(alpha=s.alpha_, kernel="precomputed").fit(
@@ -63,7 +63,7 @@ def test_default_is_refit_of_all_points(small):
 def test_removal_equals_refitting_without_the_points(small):
     model, x, xt = small
     s = KernelSurrogate(model, alpha=0.01).fit(x)
-    d, single = s.decision_function(xt), s.influence(xt)
+    d, single = s.decision_function(xt), s.influence(xt, output="all")
     assert single.shape == (len(xt), len(x), 3)
     for i in (0, 7, 24):
         keep = np.delete(np.arange(len(x)), i)
@@ -71,14 +71,23 @@ def test_removal_equals_refitting_without_the_points(small):
     mask = np.zeros(len(x), bool)
     mask[[1, 4, 9, 16]] = True
     expected = d - _refit(s, model, x, xt, np.flatnonzero(~mask))
-    np.testing.assert_allclose(s.influence(xt, mask), expected, atol=1e-8)
-    np.testing.assert_allclose(s.influence(xt, np.array([16, 1, 9, 4])), expected, atol=1e-8)
+    np.testing.assert_allclose(s.influence(xt, mask, output="all"), expected, atol=1e-8)
+    np.testing.assert_allclose(
+        s.influence(xt, np.array([16, 1, 9, 4]), output="all"), expected, atol=1e-8
+    )
+    # the default output is the drop of each test example's predicted column, [N_test, N_train]
+    rows, predicted = np.arange(len(xt)), d.argmax(1)
+    np.testing.assert_allclose(s.influence(xt), single[rows, :, predicted], atol=1e-12)
+    np.testing.assert_allclose(s.influence(xt, mask), expected[rows, predicted], atol=1e-8)
+    np.testing.assert_allclose(s.influence(xt, mask, output=2), expected[:, 2], atol=1e-8)
     # removing all but one point leaves the intercept alone: d_{−S} = that point's target
     keep_one = np.ones(len(x), bool)
     keep_one[3] = False
     g = model(x[3:4]).detach().numpy()
     np.testing.assert_allclose(
-        d - s.influence(xt, keep_one), np.repeat(g - g.mean(), len(xt), 0), atol=1e-8
+        d - s.influence(xt, keep_one, output="all"),
+        np.repeat(g - g.mean(), len(xt), 0),
+        atol=1e-8,
     )
 
 
@@ -93,6 +102,8 @@ def test_removal_errors(small):
         s.influence(xt, np.zeros(len(x), bool))
     with pytest.raises(ValueError, match="indices must be in"):
         s.influence(xt, np.array([3, 25]))
+    with pytest.raises(ValueError, match=r"output must be 'all', None or a column in 0\.\.2"):
+        s.influence(xt, output=3)
     with pytest.raises(ValueError, match="center=True"):
         KernelSurrogate(model, center=False, alpha=0.1).fit(x).influence(xt)
     with pytest.raises(ValueError, match="center=True needs"):
@@ -296,8 +307,10 @@ def test_gauss_newton_removal_equals_refitting_without_the_points(small):
     y = (torch.arange(len(x)) * 7) % 3
     s = KernelSurrogate(model, machine="gauss_newton", alpha=0.05).fit(x, y)
     assert s.alpha_ == 0.05
-    d, single = s.decision_function(xt), s.influence(xt)
+    d, single = s.decision_function(xt), s.influence(xt, output="all")
     assert single.shape == (len(xt), len(x), 3)
+    rows = np.arange(len(xt))
+    np.testing.assert_allclose(s.influence(xt), single[rows, :, d.argmax(1)], atol=1e-12)
     for i in (0, 7, 24):
         keep = np.delete(np.arange(len(x)), i)
         expected = d - _gauss_newton_refit(s, model, x, xt, y.numpy(), keep)
@@ -305,8 +318,10 @@ def test_gauss_newton_removal_equals_refitting_without_the_points(small):
     mask = np.zeros(len(x), bool)
     mask[[1, 4, 9, 16]] = True
     expected = d - _gauss_newton_refit(s, model, x, xt, y.numpy(), np.flatnonzero(~mask))
-    np.testing.assert_allclose(s.influence(xt, mask), expected, atol=1e-8)
-    np.testing.assert_allclose(s.influence(xt, np.array([16, 1, 9, 4])), expected, atol=1e-8)
+    np.testing.assert_allclose(s.influence(xt, mask, output="all"), expected, atol=1e-8)
+    np.testing.assert_allclose(
+        s.influence(xt, np.array([16, 1, 9, 4]), output=1), expected[:, 1], atol=1e-8
+    )
     with pytest.raises(ValueError, match="every training point"):
         s.influence(xt, np.ones(len(x), bool))
     with pytest.raises(ValueError, match="machine='gauss_newton' needs"):
@@ -335,3 +350,41 @@ def test_gauss_newton_damping_keeps_the_chosen_effective_number_of_parameters(sm
     e = np.linalg.eigvalsh(a).clip(min=0)
     gamma = float((e / (e + s.alpha_)).sum())
     assert gamma == pytest.approx(GAUSS_NEWTON_DOF_FRACTION * n * (o - 1), rel=1e-6)
+
+
+def test_single_output_model_is_fitted_to_its_output():
+    """A model with one output ([B] or [B, 1]): the default surrogate fits the output itself
+    (centring over outputs would leave zeros), its faithfulness compares the outputs, its
+    removal effect equals refitting; classification machines are refused with the reason."""
+    torch.manual_seed(3)
+    body = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    x, xt = torch.randn(30, 4, dtype=torch.float64), torch.randn(9, 4, dtype=torch.float64)
+    for model, output_fn in ((body, None), (body, lambda out: out.squeeze(-1))):
+        s = KernelSurrogate(model, output_fn=output_fn).fit(x)
+        d = s.decision_function(xt)
+        assert d.shape == (9, 1) and np.abs(d).max() > 1e-3
+        np.testing.assert_allclose(s.attribute(xt).sum(1) + s.intercept_, d, atol=1e-10)
+        net = body(xt).detach().numpy()
+        np.testing.assert_allclose(d, net, atol=0.5 * np.abs(net).max())
+        f = s.faithfulness(xt)
+        assert set(f) == {"tau_logits", "spearman_logits", "r2_logits"}
+        assert f["tau_logits"] > 0.5 and f["r2_logits"] < 1
+        keep = np.delete(np.arange(30), [2, 5])
+        expected = d - _refit(s, body, x, xt, keep)
+        np.testing.assert_allclose(s.influence(xt, np.array([2, 5])), expected[:, 0], atol=1e-8)
+    with pytest.raises(ValueError, match="machine='svm' needs a classifier with two or more"):
+        KernelSurrogate(body, machine="svm").fit(x)
+
+
+def test_classification_machine_with_one_predicted_class_is_refused(small):
+    model, x, _ = small
+    shifted = nn.Sequential(model, _Shift())
+    with pytest.raises(ValueError, match="two or more classes.*pass labels y"):
+        KernelSurrogate(shifted, machine="logistic").fit(x)
+
+
+class _Shift(nn.Module):
+    """Adds 100 to the first output: every sample is predicted as class 0."""
+
+    def forward(self, g):
+        return g + torch.tensor([100.0, 0.0, 0.0], dtype=g.dtype)

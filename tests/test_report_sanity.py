@@ -42,7 +42,9 @@ def test_sanity_strip_numbers(tmp_path):
         gone = np.argsort(-c, kind="stable")[:3]
         assert sorted(p["index"] for p in card["proponents"]) == sorted(gone.tolist())
         assert strip["proponent_label_share"] == np.mean(y.numpy()[gone] == cls)
-        assert np.isclose(strip["surrogate_change"], -s.influence(xt[i : i + 1], gone)[0, cls])
+        assert np.isclose(
+            strip["surrogate_change"], -s.influence(xt[i : i + 1], gone, output="all")[0, cls]
+        )
         keep = np.setdiff1d(np.arange(150), gone)
         nets = [retrain(xs, ys) for xs, ys in ((x, y), (x[keep], y[keep]))]
         with torch.no_grad():
@@ -75,5 +77,5 @@ def test_sanity_strip_of_the_gauss_newton_machine(tmp_path):
     for card in result["attribution"]["examples"]:
         i, cls = card["index"], card["network_prediction"]
         gone = np.array([p["index"] for p in card["proponents"]])
-        expected = -s.influence(xt[i : i + 1], gone)[0, cls]
+        expected = -s.influence(xt[i : i + 1], gone, output="all")[0, cls]
         assert np.isclose(card["sanity"]["surrogate_change"], expected)
