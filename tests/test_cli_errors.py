@@ -195,3 +195,36 @@ def test_test_inputs_unlike_the_training_inputs_are_refused_before_any_work(file
     model = ["--model", f"{files}/factory.py:Bag", "--data", f"{files}/ids5.npz"]
     code, _, err = run(capsys, "attribute", *model, "--test", f"{files}/ids7.npz")
     assert code == 2 and "--test: its inputs differ from the training data's: (5,) vs (7,)" in err
+
+
+def interrupted(*_):
+    raise KeyboardInterrupt
+
+
+def test_featurize_refuses_a_directory_of_other_files_but_resumes_a_partial_store(
+    files, capsys, monkeypatch
+):
+    import projections._format
+
+    args = ["featurize", "--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
+    args += ["--dim", "8"]
+    (files / "mine").mkdir()
+    (files / "mine" / "notes.txt").write_text("keep me")
+    err = usage_error(capsys, *args, str(files / "mine"))
+    assert "STORE:" in err and f"{files}/mine" in err and "notes.txt" in err
+    assert [p.name for p in (files / "mine").iterdir()] == ["notes.txt"]
+    (files / "empty").mkdir()
+    assert run(capsys, *args, str(files / "empty"))[0] == 0
+    # a writer stopped after preallocating features.npy, before its first manifest
+    with monkeypatch.context() as m:
+        m.setattr(projections._format, "write_manifest", interrupted)
+        assert run(capsys, *args, str(files / "partial"))[0] == 1
+    (files / "partial" / "manifest.json.999.tmp").write_text("{")  # another one's leftovers
+    assert sorted(p.name for p in (files / "partial").iterdir()) == [
+        "features.npy",
+        "lock",
+        "manifest.json.999.tmp",
+    ]
+    code, out, err = run(capsys, *args, str(files / "partial"))
+    assert code == 0, err
+    assert projections.open_store(files / "partial").shape == (10, 3, 8)

@@ -86,6 +86,7 @@ def featurize(
 
     import projections
     import projections.distributed
+    import projections.store
     from ntk.distributed import rank_and_world
 
     for path, option in ((store, "STORE"), (kernel_tiles, "--kernel-tiles")):
@@ -94,6 +95,12 @@ def featurize(
             raise UsageProblem(f"{option}: directory {parent} does not exist (for {path})")
     if os.path.exists(store) and not os.path.isdir(store):
         raise UsageProblem(f"STORE: {store} is a file; a feature store is a directory")
+    foreign = projections.store.foreign_files(store) if os.path.isdir(store) else []
+    if foreign:
+        raise UsageProblem(
+            f"STORE: {store} is a directory of other files ({', '.join(foreign[:3])}"
+            f"{', …' if len(foreign) > 3 else ''}), not a feature store; name a new or empty one"
+        )
     device, joined = _join_process_group(device)
     rank, world = rank_and_world()
     model, x, _ = resolve_model_and_data(
