@@ -228,3 +228,22 @@ def test_featurize_refuses_a_directory_of_other_files_but_resumes_a_partial_stor
     code, out, err = run(capsys, *args, str(files / "partial"))
     assert code == 0, err
     assert projections.open_store(files / "partial").shape == (10, 3, 8)
+
+
+def test_kernel_tiles_into_an_existing_folder_are_refused_before_any_work(files, capsys):
+    (files / "tiles").mkdir()
+    (files / "tiles" / "notes.txt").write_text("keep me")
+    model = ["--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
+    err = usage_error(
+        capsys,
+        "featurize",
+        *model,
+        "--dim",
+        "8",
+        str(files / "store"),
+        "--kernel-tiles",
+        str(files / "tiles"),
+    )
+    assert err.startswith(f"ntk: error: --kernel-tiles: path {files}/tiles exists"), err
+    assert [p.name for p in (files / "tiles").iterdir()] == ["notes.txt"]
+    assert not (files / "store").exists() and not (files / "built").exists()
