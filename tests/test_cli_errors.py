@@ -1,6 +1,8 @@
 """Bad input to the CLI: exit 2 with one line that names the flag, before any computation; no
 traceback and no advice from numpy or torch."""
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -247,3 +249,25 @@ def test_kernel_tiles_into_an_existing_folder_are_refused_before_any_work(files,
     assert err.startswith(f"ntk: error: --kernel-tiles: path {files}/tiles exists"), err
     assert [p.name for p in (files / "tiles").iterdir()] == ["notes.txt"]
     assert not (files / "store").exists() and not (files / "built").exists()
+
+
+def test_module_specs_find_modules_in_the_working_directory(files, capsys, monkeypatch):
+    (files / "cwd_models.py").write_text(FACTORY + "\ndef first(out):\n    return out[:, :2]\n")
+    monkeypatch.chdir(files)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the CLI may add the working directory
+    code, out, err = run(
+        capsys,
+        "kernel",
+        "--model",
+        "cwd_models:build",
+        "--output-fn",
+        "cwd_models:first",
+        "--data",
+        "train.npz",
+        "--kind",
+        "full",
+        "--samples",
+        "2",
+    )
+    assert code == 0, err
+    assert "2x2x2x2" in out  # the kernel of the two outputs that --output-fn keeps

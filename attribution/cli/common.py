@@ -14,6 +14,7 @@ import io
 import json
 import math
 import operator
+import os
 import sys
 import zipfile
 from collections.abc import Callable, Sequence
@@ -52,8 +53,9 @@ def _first_line(exc: BaseException) -> str:
 
 
 def load_object(spec: str, what: str = "model") -> Any:
-    """Resolve `package.module:attr` or `path/to/file.py:attr`; any failure to import is a
-    usage error naming the option."""
+    """Resolve `package.module:attr` (modules in the working directory included, as with
+    `python -m`) or `path/to/file.py:attr`; any failure to import is a usage error naming the
+    option."""
     if ":" not in spec:
         raise UsageProblem(
             f"--{what} must look like package.module:attr or path/file.py:attr, got {spec!r}"
@@ -71,6 +73,8 @@ def load_object(spec: str, what: str = "model") -> Any:
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
         else:
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
             module = importlib.import_module(target)
     except Exception as exc:
         raise UsageProblem(f"--{what}: cannot import {target}: {_first_line(exc)}") from None
