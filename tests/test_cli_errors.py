@@ -22,6 +22,8 @@ def build():
 def broken():
     raise ZeroDivisionError("no luck")
 
+CANDIDATES = {"one": build}
+
 class Bag(nn.Module):  # token ids of any length, mean-pooled
     def __init__(self):
         super().__init__()
@@ -271,3 +273,39 @@ def test_module_specs_find_modules_in_the_working_directory(files, capsys, monke
     )
     assert code == 0, err
     assert "2x2x2x2" in out  # the kernel of the two outputs that --output-fn keeps
+
+
+@pytest.fixture
+def labelled(files):
+    """Labels of 10 classes for a model of 3 outputs, labels of the wrong shape, and weights."""
+    x = np.random.default_rng(0).normal(size=(10, 4)).astype(np.float32)
+    np.savez(files / "labels.npz", x=x, y=np.arange(10))
+    np.savez(files / "pairs.npz", x=x, y=np.zeros((10, 2), int))
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    torch.save(net.state_dict(), files / "w.pt")
+    return files
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ("attribute --data {f}/labels.npz --test {f}/train.npz", "--data: y holds labels outside"),
+        ("attribute --data {f}/train.npz --test {f}/pairs.npz", "--test: y must be a 1-d tensor"),
+        ("report --train {f}/labels.npz --test {f}/train.npz", "--train: y holds labels outside"),
+        ("report --train {f}/train.npz --test {f}/labels.npz", "--test: y holds labels outside"),
+        ("report --train {f}/train.npz --test {f}/train.npz --image-shape 3x3", "--image-shape (3"),
+    ],
+)
+def test_bad_labels_and_image_shapes_name_the_flag(labelled, capsys, args, message):
+    f = labelled
+    args = args.format(f=f).split() + ["--model", f"{f}/factory.py:build", "--weights", f"{f}/w.pt"]
+    err = usage_error(capsys, *args, *(["--out", f"{f}/r.html"] if args[0] == "report" else []))
+    assert message in err
+    assert not any(name in err for name in ("y_train", "y_test", "image_shape"))
+
+
+def test_nas_names_the_labels_of_data(labelled, capsys):
+    candidates = f"{labelled}/factory.py:CANDIDATES"
+    err = usage_error(capsys, "nas", "--data", f"{labelled}/labels.npz", "--candidates", candidates)
+    assert "candidate 'one': --data's y holds labels outside 0..2" in err

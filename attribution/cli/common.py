@@ -15,6 +15,7 @@ import json
 import math
 import operator
 import os
+import re
 import sys
 import zipfile
 from collections.abc import Callable, Sequence
@@ -267,6 +268,34 @@ def load_arrays(
     if y is not None and (y.dim() == 0 or len(y) != n):
         raise UsageProblem(f"--{option}: x has {n} samples but y has shape {tuple(y.shape)}")
     return x, y
+
+
+def class_labels(model: nn.Module, x, y, option: str, output_fn: Callable | None):
+    """Labels y of --option's file checked as class labels of the model's outputs (None stays
+    None), before any work; errors name the flag."""
+    if y is None:
+        return None
+    from ntk.core import inputs
+
+    from .._outputs import labels, logits
+
+    one = logits(model, inputs.take(x, slice(0, 1)), output_fn=output_fn, name=f"--{option}: x")
+    try:
+        return labels(y, inputs.count(x), one.shape[1], f"--{option}: y")
+    except (TypeError, ValueError) as exc:
+        raise UsageProblem(str(exc)) from None
+
+
+@contextlib.contextmanager
+def flag_names(**names: str):
+    """Library errors that start with an argument's name (alone or after a prefix such as
+    "candidate 'a': ") name what the user gave instead: flag_names(image_shape="--image-shape")."""
+    try:
+        yield
+    except (TypeError, ValueError) as exc:
+        pattern = rf"(^|: )({'|'.join(map(re.escape, names))})\b"
+        exc.args = (re.sub(pattern, lambda m: m[1] + names[m[2]], str(exc)),)
+        raise
 
 
 def check_output_path(path: str | None, option: str) -> None:
