@@ -134,7 +134,7 @@ def empirical_ntk(
             in_memory=path is None and rank == 0,
         )
         if path is not None and rank == 0:
-            _check_empty(Path(path))
+            check_empty(Path(path))
     except (ValueError, TypeError, MemoryError) as e:
         error = e
     return run_grid(grid, path=path, out=out, progress=progress, error=error)
@@ -234,7 +234,8 @@ def load_tiles(path: str | os.PathLike, *, out=None) -> Kernel:
     return grid.result(results)
 
 
-def _check_empty(root: Path) -> None:
+def check_empty(root: Path) -> None:
+    """Refuse a path for kernel tiles that exists and is not an empty directory."""
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise ValueError(
             f"path {root} exists and is not an empty directory; kernel tiles need "

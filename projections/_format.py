@@ -25,6 +25,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -40,7 +41,11 @@ from ntk.core.kinds import KINDS
 from ._projectors import PROJECTORS
 
 FORMAT = "ntk-feature-store/2"
-MANIFEST, ARRAY, LOCK = "manifest.json", "features.npy", "lock"
+MANIFEST, ARRAY, LOCK, JOURNAL = "manifest.json", "features.npy", "lock", "journal"
+# every entry a writer makes, its temporary files (named by the writer's pid) included
+_WRITTEN = re.compile(
+    rf"(?:{re.escape(MANIFEST)}|{re.escape(ARRAY)})(?:\.\d+\.tmp)?|{LOCK}|{JOURNAL}"
+)
 STORE_DTYPES = ("float16", "float32", "float64")
 _FIELDS = {  # the manifest's fields and their JSON types, besides "blocks"
     "format": str,
@@ -286,6 +291,15 @@ def open_store(path: str | os.PathLike, *, verify: bool = True) -> np.ndarray:
     if verify:
         verify_features(array, manifest, root)
     return array
+
+
+def foreign_files(path: str | os.PathLike) -> list[str]:
+    """The entries of the directory `path` that no store writer makes: none in a store (complete,
+    or partly written by a process killed before its manifest) or in an empty directory."""
+    root = Path(path)
+    if (root / MANIFEST).exists():
+        return []
+    return sorted(p.name for p in root.iterdir() if not _WRITTEN.fullmatch(p.name))
 
 
 def store_info(path: str | os.PathLike) -> dict:

@@ -34,8 +34,6 @@ from ntk.distributed import agree, barrier, rank_and_world, run_grid, shard
 from . import _format
 from .projected import Featurizer, kernel_grid
 
-_JOURNAL = "journal"
-
 
 def featurize_shard(fz: Featurizer, blocks, root: Path, settings: dict, batch_size, show: bool):
     """This rank's share of `projections.featurize` (called by it with the store's settings)."""
@@ -51,7 +49,7 @@ def featurize_shard(fz: Featurizer, blocks, root: Path, settings: dict, batch_si
                     lock.enter_context(_format.writer_lock(root))
                     manifest = _format.load_or_create(root, settings, batch_size, fz)
                     _merge_journal(root, manifest)
-                    (root / _JOURNAL).mkdir()
+                    (root / _format.JOURNAL).mkdir()
         except (ValueError, TypeError, OSError) as e:
             error = e
         agree({"settings": settings, "batch_size": batch_size}, error)
@@ -60,12 +58,12 @@ def featurize_shard(fz: Featurizer, blocks, root: Path, settings: dict, batch_si
         mine = [todo[t] for t in shard(len(todo), rank, world)]
 
         def record(i: int, digests: dict) -> None:
-            tmp = root / _JOURNAL / f"{i}.sha256.part"
+            tmp = root / _format.JOURNAL / f"{i}.sha256.part"
             with open(tmp, "w") as f:
                 json.dump(digests, f)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, root / _JOURNAL / f"{i}.sha256")
+            os.replace(tmp, root / _format.JOURNAL / f"{i}.sha256")
 
         error = None
         try:
@@ -91,7 +89,7 @@ def _merge_journal(root: Path, manifest: dict) -> None:
     order, as one process writes it) and delete the journal. Each entry was journalled only
     after its rank had matched every complete block against its data, so the merged blocks
     belong to the same data as the manifest's."""
-    journal = root / _JOURNAL
+    journal = root / _format.JOURNAL
     if not journal.is_dir():
         return
     array = _format.open_array(root, manifest)

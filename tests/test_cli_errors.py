@@ -1,6 +1,8 @@
 """Bad input to the CLI: exit 2 with one line that names the flag, before any computation; no
 traceback and no advice from numpy or torch."""
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -19,6 +21,8 @@ def build():
 
 def broken():
     raise ZeroDivisionError("no luck")
+
+CANDIDATES = {"one": build}
 
 class Bag(nn.Module):  # token ids of any length, mean-pooled
     def __init__(self):
@@ -195,3 +199,113 @@ def test_test_inputs_unlike_the_training_inputs_are_refused_before_any_work(file
     model = ["--model", f"{files}/factory.py:Bag", "--data", f"{files}/ids5.npz"]
     code, _, err = run(capsys, "attribute", *model, "--test", f"{files}/ids7.npz")
     assert code == 2 and "--test: its inputs differ from the training data's: (5,) vs (7,)" in err
+
+
+def interrupted(*_):
+    raise KeyboardInterrupt
+
+
+def test_featurize_refuses_a_directory_of_other_files_but_resumes_a_partial_store(
+    files, capsys, monkeypatch
+):
+    import projections._format
+
+    args = ["featurize", "--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
+    args += ["--dim", "8"]
+    (files / "mine").mkdir()
+    (files / "mine" / "notes.txt").write_text("keep me")
+    err = usage_error(capsys, *args, str(files / "mine"))
+    assert "STORE:" in err and f"{files}/mine" in err and "notes.txt" in err
+    assert [p.name for p in (files / "mine").iterdir()] == ["notes.txt"]
+    (files / "empty").mkdir()
+    assert run(capsys, *args, str(files / "empty"))[0] == 0
+    # a writer stopped after preallocating features.npy, before its first manifest
+    with monkeypatch.context() as m:
+        m.setattr(projections._format, "write_manifest", interrupted)
+        assert run(capsys, *args, str(files / "partial"))[0] == 1
+    (files / "partial" / "manifest.json.999.tmp").write_text("{")  # another one's leftovers
+    assert sorted(p.name for p in (files / "partial").iterdir()) == [
+        "features.npy",
+        "lock",
+        "manifest.json.999.tmp",
+    ]
+    code, out, err = run(capsys, *args, str(files / "partial"))
+    assert code == 0, err
+    assert projections.open_store(files / "partial").shape == (10, 3, 8)
+
+
+def test_kernel_tiles_into_an_existing_folder_are_refused_before_any_work(files, capsys):
+    (files / "tiles").mkdir()
+    (files / "tiles" / "notes.txt").write_text("keep me")
+    model = ["--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
+    err = usage_error(
+        capsys,
+        "featurize",
+        *model,
+        "--dim",
+        "8",
+        str(files / "store"),
+        "--kernel-tiles",
+        str(files / "tiles"),
+    )
+    assert err.startswith(f"ntk: error: --kernel-tiles: path {files}/tiles exists"), err
+    assert [p.name for p in (files / "tiles").iterdir()] == ["notes.txt"]
+    assert not (files / "store").exists() and not (files / "built").exists()
+
+
+def test_module_specs_find_modules_in_the_working_directory(files, capsys, monkeypatch):
+    (files / "cwd_models.py").write_text(FACTORY + "\ndef first(out):\n    return out[:, :2]\n")
+    monkeypatch.chdir(files)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the CLI may add the working directory
+    code, out, err = run(
+        capsys,
+        "kernel",
+        "--model",
+        "cwd_models:build",
+        "--output-fn",
+        "cwd_models:first",
+        "--data",
+        "train.npz",
+        "--kind",
+        "full",
+        "--samples",
+        "2",
+    )
+    assert code == 0, err
+    assert "2x2x2x2" in out  # the kernel of the two outputs that --output-fn keeps
+
+
+@pytest.fixture
+def labelled(files):
+    """Labels of 10 classes for a model of 3 outputs, labels of the wrong shape, and weights."""
+    x = np.random.default_rng(0).normal(size=(10, 4)).astype(np.float32)
+    np.savez(files / "labels.npz", x=x, y=np.arange(10))
+    np.savez(files / "pairs.npz", x=x, y=np.zeros((10, 2), int))
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    torch.save(net.state_dict(), files / "w.pt")
+    return files
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ("attribute --data {f}/labels.npz --test {f}/train.npz", "--data: y holds labels outside"),
+        ("attribute --data {f}/train.npz --test {f}/pairs.npz", "--test: y must be a 1-d tensor"),
+        ("report --train {f}/labels.npz --test {f}/train.npz", "--train: y holds labels outside"),
+        ("report --train {f}/train.npz --test {f}/labels.npz", "--test: y holds labels outside"),
+        ("report --train {f}/train.npz --test {f}/train.npz --image-shape 3x3", "--image-shape (3"),
+    ],
+)
+def test_bad_labels_and_image_shapes_name_the_flag(labelled, capsys, args, message):
+    f = labelled
+    args = args.format(f=f).split() + ["--model", f"{f}/factory.py:build", "--weights", f"{f}/w.pt"]
+    err = usage_error(capsys, *args, *(["--out", f"{f}/r.html"] if args[0] == "report" else []))
+    assert message in err
+    assert not any(name in err for name in ("y_train", "y_test", "image_shape"))
+
+
+def test_nas_names_the_labels_of_data(labelled, capsys):
+    candidates = f"{labelled}/factory.py:CANDIDATES"
+    err = usage_error(capsys, "nas", "--data", f"{labelled}/labels.npz", "--candidates", candidates)
+    assert "candidate 'one': --data's y holds labels outside 0..2" in err

@@ -7,10 +7,14 @@ import json
 import subprocess
 import sys
 
+import matplotlib.image
 import numpy as np
+import pytest
 import torch
+from matplotlib.figure import Figure
 
 from attribution import layer_importance
+from attribution.cli import main
 
 
 def run(*args, cwd=None):
@@ -142,3 +146,44 @@ def test_usage_errors_exit_2_with_one_line(tmp_path):
         assert out.returncode == 2, (args, out.stderr)
         assert "Traceback" not in out.stderr
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+LONG_NAMES = """
+from torch import nn
+
+class Long(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.input_projection_of_the_encoder = nn.Linear(4, 6)
+        self.output_head_mapping_features_to_logits = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.output_head_mapping_features_to_logits(
+            self.input_projection_of_the_encoder(x).tanh()
+        )
+"""
+
+
+def test_the_plot_holds_its_title_and_long_layer_names(tmp_path, monkeypatch, capsys):
+    (tmp_path / "long.py").write_text(LONG_NAMES)
+    _, _, common = setup(tmp_path)
+    common[1] = str(tmp_path / "long.py:Long")
+    saved = []
+    original = Figure.savefig
+    monkeypatch.setattr(
+        Figure, "savefig", lambda fig, *a, **k: saved.append(fig) or original(fig, *a, **k)
+    )
+    with pytest.raises(SystemExit) as stop:
+        main(["layers", *common, "--plot", str(tmp_path / "p.png")])
+    assert stop.value.code == 0, capsys.readouterr().err
+    (fig,) = saved
+    texts = [*fig.texts, fig.axes[0].title]  # a figure title or the axes'
+    title = [t for t in texts if t.get_text() == "layer importance (sensitivity)"]
+    box, bounds = title[0].get_window_extent(), fig.bbox
+    assert (
+        bounds.x0 <= box.x0 and box.x1 <= bounds.x1 and bounds.y0 <= box.y0 <= box.y1 <= bounds.y1
+    )
+    # the saved image is as wide as the title and every name (in inches; saved at dpi 120)
+    boxes = [t.get_window_extent() for t in title + fig.axes[0].get_yticklabels()]
+    span = (max(b.x1 for b in boxes) - min(b.x0 for b in boxes)) / fig.dpi
+    assert matplotlib.image.imread(tmp_path / "p.png").shape[1] / 120 >= span

@@ -164,6 +164,14 @@ from torch import nn
 def build():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 2))
+
+class Branchy(nn.Module):  # data-dependent control flow: cannot be vmapped
+    def __init__(self):
+        super().__init__()
+        self.lin = build()
+
+    def forward(self, x):
+        return self.lin(x) if float(x.sum()) > -1e9 else -self.lin(x)
 """
 
 
@@ -210,6 +218,17 @@ def test_random_weights_are_warned_about(tmp_path, capsys):
     torch.save(namespace["build"]().state_dict(), tmp_path / "w.pt")
     code, out, err = run(capsys, "layers", *common, "--weights", str(tmp_path / "w.pt"))
     assert code == 0 and "warning" not in err and "untrained" not in out
+
+
+def test_library_warnings_are_one_line_without_source(tmp_path, capsys):
+    common = write_model(tmp_path, samples=2)
+    common[1] = common[1].replace(":build", ":Branchy")
+    code, _, err = run(capsys, "kernel", *common, "--kind", "trace", "--method", "jacobian")
+    assert code == 0, err
+    lines = err.splitlines()
+    assert any(line.startswith("ntk: warning: Branchy cannot be vmapped") for line in lines), err
+    assert all(line.startswith("ntk: warning: ") for line in lines), err  # no file, no source
+    assert "Warning" not in err
 
 
 def test_undefined_scores_are_named(capsys):

@@ -8,6 +8,7 @@ import click
 from .choices import INFLUENCE_METHODS
 from .common import (
     UsageProblem,
+    class_labels,
     emit,
     load_output_fn,
     load_weights,
@@ -90,8 +91,10 @@ def attribute(
     if y_train is None:
         raise UsageProblem("--data must hold training labels y for attribution")
     x_test, y_test = resolve_test_data(test_file, data, test_samples, model, x_train)
-    untrained = untrained_note(model_spec, weights)
     output_fn = load_output_fn(output_fn)
+    y_train = class_labels(model, x_train, y_train, "data", output_fn)
+    y_test = class_labels(model, x_test, y_test, "test", output_fn)
+    untrained = untrained_note(model_spec, weights)
     checkpoints = []
     for path in checkpoint_files:
         checkpoints.append(copy.deepcopy(model))
@@ -110,7 +113,7 @@ def attribute(
             device=device,
             output_fn=output_fn,
         )
-    predicted = logits(model, x_test, output_fn=output_fn, name="x_test").argmax(1).tolist()
+    predicted = logits(model, x_test, output_fn=output_fn, name="--test: x").argmax(1).tolist()
     rows = []
     for t in range(n_test):
         order = torch.argsort(scores[t], descending=True)

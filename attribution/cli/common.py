@@ -14,6 +14,8 @@ import io
 import json
 import math
 import operator
+import os
+import re
 import sys
 import zipfile
 from collections.abc import Callable, Sequence
@@ -52,8 +54,9 @@ def _first_line(exc: BaseException) -> str:
 
 
 def load_object(spec: str, what: str = "model") -> Any:
-    """Resolve `package.module:attr` or `path/to/file.py:attr`; any failure to import is a
-    usage error naming the option."""
+    """Resolve `package.module:attr` (modules in the working directory included, as with
+    `python -m`) or `path/to/file.py:attr`; any failure to import is a usage error naming the
+    option."""
     if ":" not in spec:
         raise UsageProblem(
             f"--{what} must look like package.module:attr or path/file.py:attr, got {spec!r}"
@@ -71,6 +74,8 @@ def load_object(spec: str, what: str = "model") -> Any:
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
         else:
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
             module = importlib.import_module(target)
     except Exception as exc:
         raise UsageProblem(f"--{what}: cannot import {target}: {_first_line(exc)}") from None
@@ -263,6 +268,34 @@ def load_arrays(
     if y is not None and (y.dim() == 0 or len(y) != n):
         raise UsageProblem(f"--{option}: x has {n} samples but y has shape {tuple(y.shape)}")
     return x, y
+
+
+def class_labels(model: nn.Module, x, y, option: str, output_fn: Callable | None):
+    """Labels y of --option's file checked as class labels of the model's outputs (None stays
+    None), before any work; errors name the flag."""
+    if y is None:
+        return None
+    from ntk.core import inputs
+
+    from .._outputs import labels, logits
+
+    one = logits(model, inputs.take(x, slice(0, 1)), output_fn=output_fn, name=f"--{option}: x")
+    try:
+        return labels(y, inputs.count(x), one.shape[1], f"--{option}: y")
+    except (TypeError, ValueError) as exc:
+        raise UsageProblem(str(exc)) from None
+
+
+@contextlib.contextmanager
+def flag_names(**names: str):
+    """Library errors that start with an argument's name (alone or after a prefix such as
+    "candidate 'a': ") name what the user gave instead: flag_names(image_shape="--image-shape")."""
+    try:
+        yield
+    except (TypeError, ValueError) as exc:
+        pattern = rf"(^|: )({'|'.join(map(re.escape, names))})\b"
+        exc.args = (re.sub(pattern, lambda m: m[1] + names[m[2]], str(exc)),)
+        raise
 
 
 def check_output_path(path: str | None, option: str) -> None:

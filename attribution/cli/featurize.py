@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import click
 
@@ -56,7 +57,7 @@ from .common import (
 @click.option(
     "--kernel-tiles",
     default=None,
-    help="also write the projected kernel Φ Φᵀ as tiles into this new directory",
+    help="also write the projected kernel Φ Φᵀ as tiles into this new (or empty) directory",
 )
 def featurize(
     store,
@@ -86,7 +87,8 @@ def featurize(
 
     import projections
     import projections.distributed
-    from ntk.distributed import rank_and_world
+    import projections.store
+    from ntk.distributed import check_empty, rank_and_world
 
     for path, option in ((store, "STORE"), (kernel_tiles, "--kernel-tiles")):
         parent = None if path is None else os.path.dirname(os.path.abspath(path))
@@ -94,6 +96,17 @@ def featurize(
             raise UsageProblem(f"{option}: directory {parent} does not exist (for {path})")
     if os.path.exists(store) and not os.path.isdir(store):
         raise UsageProblem(f"STORE: {store} is a file; a feature store is a directory")
+    foreign = projections.store.foreign_files(store) if os.path.isdir(store) else []
+    if foreign:
+        raise UsageProblem(
+            f"STORE: {store} is a directory of other files ({', '.join(foreign[:3])}"
+            f"{', …' if len(foreign) > 3 else ''}), not a feature store; name a new or empty one"
+        )
+    if kernel_tiles is not None:
+        try:
+            check_empty(Path(kernel_tiles))
+        except ValueError as exc:
+            raise UsageProblem(f"--kernel-tiles: {exc}") from None
     device, joined = _join_process_group(device)
     rank, world = rank_and_world()
     model, x, _ = resolve_model_and_data(

@@ -19,16 +19,17 @@ from .common import (
 
 def _plot(rows: list[dict], score: str, path: str) -> None:
     """Horizontal bar chart of `score`, most important at the top (rows where it is undefined
-    are left out); a matplotlib `Figure`, no pyplot state."""
+    are left out); a matplotlib `Figure`, no pyplot state. The title is centred on the figure,
+    not over the axes that long layer names narrow, and the image grows to hold long names."""
     from .._figures import bar_chart
 
     rows = [r for r in rows if r[score] is not None]
     fig = bar_chart(
         [f"{r['layer'] or '(root)'}  [{r['type']}]" for r in rows], [r[score] for r in rows], score
     )
-    fig.axes[0].set_title(f"layer importance ({score})")
+    fig.suptitle(f"layer importance ({score})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
 @click.command()

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import click
 
 from .attribute import attribute
+from .common import warn
 from .featurize import featurize
 from .kernel import kernel
 from .layers import layers
@@ -28,8 +30,19 @@ cli.add_command(nas)
 cli.add_command(report)
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one line on stderr, without the source file and line."""
+    warn(str(message))
+
+
 def main(argv=None) -> None:
     """Console entry point: one-line messages instead of tracebacks (NTK_DEBUG=1 shows them)."""
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        _run(argv)
+
+
+def _run(argv) -> None:
     try:
         cli.main(args=argv, prog_name="ntk", standalone_mode=False)
     except click.exceptions.Abort:

@@ -11,6 +11,7 @@ from .choices import DEFAULT_RANKING, PROXY_METRICS, RANKING_BATCH_SIZE
 from .common import (
     UsageProblem,
     emit,
+    flag_names,
     interactive,
     load_arrays,
     load_object,
@@ -106,7 +107,7 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
         x, y = load_arrays(data)
     metrics = list(metrics or DEFAULT_RANKING)
     # a vote member undefined for some candidate is left out; the table says why
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, flag_names(labels="--data's y"):
         warnings.simplefilter("always")
         ranked = proxies.rank(
             candidates,

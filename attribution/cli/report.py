@@ -11,7 +11,9 @@ from .common import (
     DEMO_SAMPLES,
     UsageProblem,
     check_output_path,
+    class_labels,
     emit,
+    flag_names,
     interactive,
     load_output_fn,
     model_options,
@@ -140,6 +142,7 @@ def report(
         data = train_file
     if model_spec is None and data != "digits":
         raise UsageProblem("a training data file needs --model (the built-in demo uses digits)")
+    option = "data" if train_file is None else "train"
     model, x_train, y_train = resolve_model_and_data(
         model_spec,
         weights,
@@ -147,13 +150,15 @@ def report(
         samples,
         device,
         default_samples=None,
-        option="data" if train_file is None else "train",
+        option=option,
     )
     n_train = inputs.count(x_train)
     kernel_samples = kernel_samples or min(n_train, DEMO_SAMPLES)
     x_test, y_test = resolve_test_data(test_file, data, test_samples, model, x_train)
-    untrained = untrained_note(model_spec, weights)
     output_fn = load_output_fn(output_fn)
+    y_train = class_labels(model, x_train, y_train, option, output_fn)
+    y_test = class_labels(model, x_test, y_test, "test", output_fn)
+    untrained = untrained_note(model_spec, weights)
     if shape is None and data == "digits":
         shape = (8, 8)
     chosen = {
@@ -167,30 +172,31 @@ def report(
         device=device,
         output_fn=output_fn,
     )
-    result = build_report(
-        model,
-        x_train,
-        y_train,
-        x_test,
-        y_test,
-        path=html,
-        surrogate=surrogate,
-        examples=examples,
-        top=top,
-        kernel_samples=kernel_samples,
-        image_shape=shape,
-        batch_size=batch_size,
-        device=device,
-        output_fn=output_fn,
-        progress=interactive(),
-        retrain=_demo_retrain if model_spec is None and data == "digits" else None,
-        posterior=posterior,
-        settings={
-            "data": "digits (scikit-learn, built-in)" if data == "digits" else data,
-            "test data": test_file or "digits test split",
-            "model spec": model_spec or "built-in demo MLP",
-        },
-    )
+    with flag_names(image_shape="--image-shape"):
+        result = build_report(
+            model,
+            x_train,
+            y_train,
+            x_test,
+            y_test,
+            path=html,
+            surrogate=surrogate,
+            examples=examples,
+            top=top,
+            kernel_samples=kernel_samples,
+            image_shape=shape,
+            batch_size=batch_size,
+            device=device,
+            output_fn=output_fn,
+            progress=interactive(),
+            retrain=_demo_retrain if model_spec is None and data == "digits" else None,
+            posterior=posterior,
+            settings={
+                "data": "digits (scikit-learn, built-in)" if data == "digits" else data,
+                "test data": test_file or "digits test split",
+                "model spec": model_spec or "built-in demo MLP",
+            },
+        )
     faith, kernel, layers = result["faithfulness"], result["kernel"], result["layers"]
     n_test, n_kernel = inputs.count(x_test), kernel["samples"]
     rows = [
