@@ -31,6 +31,7 @@ from .empirical import Kernel, _Computation
 
 TILES_FORMAT = "ntk-kernel-tiles/1"
 _INDEX, _TILES = "index.json", "tiles"
+_WRITTEN = {_INDEX, _INDEX + ".part", _TILES}  # everything `_write_tiles` makes
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -234,12 +235,17 @@ def load_tiles(path: str | os.PathLike, *, out=None) -> Kernel:
     return grid.result(results)
 
 
-def check_empty(root: Path) -> None:
-    """Refuse a path for kernel tiles that exists and is not an empty directory."""
-    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+def check_empty(root: Path, rewrite: bool = False) -> None:
+    """Refuse a path for kernel tiles that exists and is not an empty directory (rewrite: or a
+    directory of earlier tiles, which `_write_tiles` makes incomplete before writing anew)."""
+    if not root.exists():
+        return
+    entries = {p.name for p in root.iterdir()} if root.is_dir() else None
+    if entries is None or (entries and not (rewrite and entries <= _WRITTEN)):
         raise ValueError(
-            f"path {root} exists and is not an empty directory; kernel tiles need "
-            "a new or empty directory"
+            f"path {root} exists and is not an empty directory"
+            f"{' or earlier kernel tiles' if rewrite else ''}; kernel tiles need a new or empty "
+            "directory"
         )
 
 
@@ -248,7 +254,8 @@ def _write_tiles(grid: Grid, mine: list, root: Path, summary: dict, progress: bo
     rank 0 writes the index once every tile is present."""
     rank, _ = rank_and_world()
     folder = root / _TILES
-    if rank == 0:
+    if rank == 0:  # earlier tiles being rewritten no longer look complete
+        (root / _INDEX).unlink(missing_ok=True)
         folder.mkdir(parents=True, exist_ok=True)
     barrier()
     for i, j, values in grid.compute(mine, progress=progress):

@@ -253,6 +253,29 @@ def test_kernel_tiles_into_an_existing_folder_are_refused_before_any_work(files,
     assert not (files / "store").exists() and not (files / "built").exists()
 
 
+def test_a_device_the_machine_lacks_is_a_usage_error_before_any_work(capsys):
+    err = usage_error(capsys, "layers", "--device", "foo")
+    assert "'foo' is not a torch device" in err, err
+    err = usage_error(capsys, "nas", "--device", f"cuda:{torch.cuda.device_count()}")
+    assert "--device" in err and "cuda device(s)" in err, err
+
+
+def test_kernel_tiles_of_an_earlier_run_are_rewritten(files, capsys):
+    """The README's "killed half-way? the same line resumes": rerunning a featurize line with
+    --kernel-tiles rewrites the tiles (and the index) it wrote before."""
+    import ntk.distributed
+
+    line = ["featurize", "--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
+    line += ["--dim", "8", "--block", "4", str(files / "store"), "--kernel-tiles"]
+    line += [str(files / "tiles")]
+    assert run(capsys, *line)[0] == 0
+    first = ntk.distributed.load_tiles(files / "tiles")
+    (files / "tiles" / "index.json").write_text("{}")  # as if a different, older kernel
+    code, _, err = run(capsys, *line)
+    assert code == 0, err
+    torch.testing.assert_close(ntk.distributed.load_tiles(files / "tiles"), first)
+
+
 def test_module_specs_find_modules_in_the_working_directory(files, capsys, monkeypatch):
     (files / "cwd_models.py").write_text(FACTORY + "\ndef first(out):\n    return out[:, :2]\n")
     monkeypatch.chdir(files)

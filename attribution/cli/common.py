@@ -482,6 +482,34 @@ def step(text: str):
         yield
 
 
+def check_device(ctx, param, value: str | None) -> str | None:
+    """--device: a torch device this machine has, refused before any work otherwise."""
+    if value is None:
+        return None
+    import torch
+
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        raise click.BadParameter(
+            f"{value!r} is not a torch device (e.g. cpu, cuda, cuda:1, mps)"
+        ) from None
+    if device.type == "cpu":
+        return value
+    backend = getattr(torch, device.type, None)
+    count = getattr(backend, "device_count", lambda: 0)() if backend is not None else 0
+    if count == 0 or (device.index is not None and device.index >= count):
+        raise click.BadParameter(
+            f"{value}: this machine has {count or 'no'} {device.type} device(s)"
+        )
+    return value
+
+
+DEVICE_OPTION = click.option(
+    "--device", default=None, callback=check_device, help="torch device, e.g. cpu or cuda"
+)
+
+
 def model_options(f):
     """--model, --weights, --data, --samples, --device, --output-fn, --batch-size and
     `output_options`."""
@@ -505,7 +533,7 @@ def model_options(f):
         click.option(
             "--samples", type=click.IntRange(min=1), default=None, help="use the first N samples"
         ),
-        click.option("--device", default=None, help="torch device, e.g. cpu or cuda"),
+        DEVICE_OPTION,
         click.option(
             "--output-fn",
             default=None,

@@ -57,7 +57,8 @@ from .common import (
 @click.option(
     "--kernel-tiles",
     default=None,
-    help="also write the projected kernel Φ Φᵀ as tiles into this new (or empty) directory",
+    help="also write the projected kernel Φ Φᵀ as tiles into this new or empty directory (or "
+    "rewrite the tiles an earlier run wrote there)",
 )
 def featurize(
     store,
@@ -104,7 +105,7 @@ def featurize(
         )
     if kernel_tiles is not None:
         try:
-            check_empty(Path(kernel_tiles))
+            check_empty(Path(kernel_tiles), rewrite=True)  # the same line reruns
         except ValueError as exc:
             raise UsageProblem(f"--kernel-tiles: {exc}") from None
     device, joined = _join_process_group(device)

@@ -9,6 +9,7 @@ import click
 
 from .choices import DEFAULT_RANKING, PROXY_METRICS, RANKING_BATCH_SIZE
 from .common import (
+    DEVICE_OPTION,
     UsageProblem,
     emit,
     flag_names,
@@ -81,7 +82,7 @@ def demo_space() -> dict:
     help="Adam steps on a copy of each candidate before scoring",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--device", default=None, help="torch device, e.g. cpu or cuda")
+@DEVICE_OPTION
 @click.option(
     "--output-fn",
     default=None,
