@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ntk.core import inputs, structured
-from ntk.core.memory import available_bytes
+from ntk.core.memory import available_bytes, check_size
 from ntk.core.model import ModelView, check_eval_mode
 
 STRATEGIES = ("kfac", "ekfac")
@@ -148,8 +148,7 @@ class KroneckerCurvature:
             raise ValueError(
                 f"unknown strategy {strategy!r}; valid strategies are {', '.join(STRATEGIES)}"
             )
-        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
-            raise ValueError(f"batch_size must be None or a positive integer, got {batch_size!r}")
+        batch_size = check_size(batch_size, "batch_size", optional=True)
         check_eval_mode(model)
         self.view = ModelView(model, output_fn=output_fn, device=device, dtype=dtype)
         self.strategy = strategy

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .core import inputs, kinds, ntk_vp, persample, structured
-from .core.memory import KernelTooLargeError, available_bytes, block_size, human
+from .core.memory import KernelTooLargeError, available_bytes, block_size, check_size, human
 from .core.model import ModelView, check_eval_mode, check_output_rows
 from .core.tiles import Grid
 
@@ -127,8 +127,7 @@ class _Computation:
         self.kind = kinds.get(kind)
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; valid methods are {', '.join(METHODS)}")
-        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
-            raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
+        batch_size = check_size(batch_size, "batch_size", optional=True)
         if isinstance(layers, str) and layers != "all":
             raise ValueError(
                 f"layers must be None, 'all' or a list of module names, got {layers!r}"

@@ -14,6 +14,7 @@ Engel et al. (ICLR 2024), applied to factors instead of materialised gradients.
 from __future__ import annotations
 
 import hashlib
+import numbers
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -22,7 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ntk.core import inputs, kinds, structured
-from ntk.core.memory import available_bytes, block_size
+from ntk.core.memory import available_bytes, block_size, check_size
 from ntk.core.model import ModelView, check_eval_mode
 from ntk.core.tiles import Grid, require_finite
 from ntk.empirical import check_outputs, check_per_layer
@@ -57,10 +58,10 @@ class Featurizer:
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"dim must be a positive integer, got {dim!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
+        dim = check_size(dim, "dim")
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
             raise TypeError(f"seed must be an integer, got {seed!r}")
+        seed = int(seed)
         self.kind = kinds.get(kind)
         check_projector(projector)
         check_eval_mode(model)
@@ -144,10 +145,7 @@ class Featurizer:
     ):
         """(rows, features of x[rows]) batch by batch, `batch_size` samples at a time (None: from
         the free memory): the features of a whole set without holding them all."""
-        if batch_size is not None and (
-            isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
-        ):
-            raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
+        batch_size = check_size(batch_size, "batch_size", optional=True)
         self.prepare(x, name)  # validates x
         n = inputs.count(x)
         y = self.kind.check_labels(labels, n, self.num_outputs, labels_name)
@@ -307,8 +305,7 @@ def kernel(phi1, phi2=None, *, kind: str, out=None, tile: int = 4096, progress: 
 def kernel_grid(phi1, phi2=None, *, kind: str, tile: int = 4096) -> Grid:
     """The tile grid of Φ1 Φ2ᵀ (shared with `projections.distributed.kernel`)."""
     kind = kinds.get(kind)
-    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
-        raise ValueError(f"tile must be a positive integer, got {tile!r}")
+    tile = check_size(tile, "tile")
     sym = phi2 is None
     phi2 = phi1 if sym else phi2
     want = kind.feature_axes()

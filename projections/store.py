@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 
 from ntk.core import inputs
+from ntk.core.memory import check_size
 from ntk.distributed import rank_and_world
 
 from . import _format
@@ -64,12 +65,8 @@ def featurize(
     rank calling with the same arguments (None: whenever a group of more than one process is
     initialised); see `projections.distributed`.
     """
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise ValueError(f"block must be a positive integer, got {block!r}")
-    if batch_size is not None and (
-        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
-    ):
-        raise ValueError(f"batch_size must be a positive integer or None, got {batch_size!r}")
+    block = check_size(block, "block")
+    batch_size = check_size(batch_size, "batch_size", optional=True)
     store_dtype = np.dtype(store_dtype).name
     if store_dtype not in _format.STORE_DTYPES:
         raise ValueError(f"store_dtype must be float16, float32 or float64, got {store_dtype!r}")
@@ -93,9 +90,9 @@ def featurize(
         "format": _format.FORMAT,
         "model": fz.fingerprint(),
         "kind": kind,
-        "dim": dim,
+        "dim": fz.dim,
         "projector": projector,
-        "seed": seed,
+        "seed": fz.seed,
         "samples": n,
         "block": block,
         "num_outputs": fz.num_outputs,

@@ -4,6 +4,7 @@ determinism, the structured (Kronecker) and dense paths, and input checks."""
 import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 from models import make
@@ -240,6 +241,24 @@ def test_embedding_padding_rows_contribute_nothing():
     only = projections.features(emb, x, dim=32, kind="sum_logits", layers=["0"])["0"]
     assert torch.count_nonzero(only[0]) == 0
     assert torch.count_nonzero(only[2]) > 0
+
+
+def test_numpy_integer_sizes_are_sizes(tmp_path):
+    """Sizes from numpy (np.int64: array lengths, arithmetic on shapes) act as Python ints
+    everywhere a size is taken; bools and non-positive sizes are refused."""
+    model, x, _ = make("mlp")
+    size = np.int64(3)
+    torch.testing.assert_close(
+        ntk.empirical_ntk(model, x, kind="trace", batch_size=size),
+        ntk.empirical_ntk(model, x, kind="trace", batch_size=3),
+    )
+    phi = projections.features(model, x, dim=np.int64(8), batch_size=size, seed=np.int64(1))
+    torch.testing.assert_close(phi, projections.features(model, x, dim=8, seed=1))
+    projections.featurize(model, x, tmp_path / "s", dim=np.int64(8), block=size)
+    assert projections.open_store(tmp_path / "s").shape == phi.shape
+    for bad in (True, 0, 2.0):
+        with pytest.raises(ValueError, match="batch_size must be a positive integer or None"):
+            ntk.empirical_ntk(model, x, batch_size=bad)
 
 
 def test_bad_input_is_refused_and_model_untouched():
