@@ -90,6 +90,14 @@ def test_bad_inputs_are_refused_with_clear_messages():
         ntk.empirical_ntk(model, x1, method="nope")
     with pytest.raises(ValueError, match=r"unknown layer name.*\['fc1', 'fc2', 'head'\]"):
         ntk.empirical_ntk(model, x1, layers=["fc9"])
+    tied, x, _ = make("tied")
+    with pytest.raises(
+        ValueError, match=r"'again' shares its trainable parameters with \['twice'\]"
+    ):
+        ntk.empirical_ntk(tied, x, layers=["again"])
+    seq = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 2))
+    with pytest.raises(ValueError, match="'1' owns no trainable parameters; layers owning"):
+        ntk.empirical_ntk(seq, torch.randn(2, 3), layers=["1"])
     bad = x1.clone()
     bad[1, 2] = float("nan")
     with pytest.raises(ValueError, match="non-finite"):
@@ -116,6 +124,13 @@ def test_training_mode_randomness_and_batch_dependence_are_refused(module):
     with pytest.raises(ValueError, match=r"model\.eval\(\)"):
         ntk.empirical_ntk(model, torch.randn(6, 5))
     assert same(before, snapshot(model))
+
+
+def test_batch_norm_without_running_statistics_is_refused_even_in_eval_mode():
+    norm = nn.BatchNorm1d(7, track_running_stats=False)
+    model = nn.Sequential(nn.Linear(5, 7), norm, nn.Linear(7, 2)).eval()
+    with pytest.raises(ValueError, match="track_running_stats=False, so it does even in eval"):
+        ntk.empirical_ntk(model, torch.randn(6, 5))
 
 
 def test_batch_dependence_of_an_unknown_module_is_detected():
@@ -375,3 +390,16 @@ def test_inputs_found_by_fuzzing_are_refused_with_their_name():
     ]:
         with pytest.raises(TypeError, match=f"{name} must hold numbers"):
             call()
+
+
+@pytest.mark.parametrize("method", ["jacobian", "ntk_vp", "structured"])
+def test_kernel_of_one_set_is_exactly_symmetric(method):
+    """x2=None gives K(a, b) == K(b, a) to the bit in float32 (the diagonal tiles too, where
+    both entries are computed and rounded along different paths)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3)).eval()
+    x = torch.randn(40, 5)
+    for kind, perm in (("full", (1, 0, 3, 2)), ("diagonal", (1, 0, 2)), ("trace", (1, 0))):
+        for batch_size in (None, 16):
+            k = ntk.empirical_ntk(model, x, kind=kind, method=method, batch_size=batch_size)
+            assert torch.equal(k, k.permute(*perm)), (kind, batch_size)

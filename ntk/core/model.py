@@ -118,10 +118,15 @@ def check_eval_mode(model: nn.Module) -> None:
                 "before computing a kernel."
             )
         if isinstance(module, _BATCHNORM) and (module.training or not module.track_running_stats):
+            fix = (
+                "Call model.eval() before computing a kernel."
+                if module.track_running_stats
+                else "It has track_running_stats=False, so it does even in eval mode: replace it "
+                "(e.g. by a LayerNorm or GroupNorm, which normalise each sample on its own)."
+            )
             raise ValueError(
                 f"module '{label}' is a BatchNorm that uses batch statistics, so each sample's "
-                "output depends on the rest of the batch. Call model.eval() before computing a "
-                "kernel (and keep track_running_stats=True)."
+                f"output depends on the rest of the batch. {fix}"
             )
         if isinstance(module, nn.MultiheadAttention) and module.training and module.dropout > 0:
             raise ValueError(
@@ -275,10 +280,34 @@ class ModelView:
         unknown = [n for n in names if n not in self.layers]
         if unknown:
             raise ValueError(
-                f"unknown layer name(s) {unknown}; layers owning trainable parameters "
+                f"{self._not_layers(unknown)}; layers owning trainable parameters "
                 f"are {list(self.layers)}"
             )
         return names
+
+    def _not_layers(self, names: list[str]) -> str:
+        """Why each of `names` is not a layer: not a module, a module whose trainable parameters
+        are all registered first under another (tied weights: counted there) or one without
+        trainable parameters of its own."""
+        modules = dict(self.model.named_modules(remove_duplicate=False))
+        first = {id(p): self.owner[n] for n, p in self.model.named_parameters() if n in self.owner}
+        reasons = []
+        for name in names:
+            if name not in modules:
+                reasons.append(f"unknown layer name {name!r}")
+                continue
+            owners = {
+                first[id(p)]
+                for p in modules[name].parameters(recurse=False)
+                if p.requires_grad and id(p) in first
+            }
+            reasons.append(
+                f"{name!r} shares its trainable parameters with {sorted(owners)} (tied weights: "
+                "their kernel is counted there)"
+                if owners
+                else f"{name!r} owns no trainable parameters"
+            )
+        return "; ".join(reasons)
 
     def selection(self, layers, per_layer: bool | None = None):
         """(the parameter names that `layers` keeps, None for all; the layers the kernel splits

@@ -96,6 +96,8 @@ class Grid:
                 for j in js:
                     right = left if self.symmetric and i == j else col(j)
                     values = self.contract(left, right)
+                    if self.symmetric and i == j:  # K(a, b) and K(b, a) rounded alike
+                        values = {k: (v + self.kind.transpose(v)) / 2 for k, v in values.items()}
                     for value in values.values():
                         require_finite(
                             value,
