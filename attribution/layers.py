@@ -54,6 +54,7 @@ from ntk.spectrum import as_matrix
 NTK_SCORES = ("sensitivity", "share", "alignment", "top_eigenvalue")
 BASELINES = ("param_norm", "grad_norm", "fisher", "block_influence")
 SCORES = NTK_SCORES + BASELINES
+LABEL_SCORES = ("alignment", "grad_norm", "fisher")  # scores that need labels y
 # Chosen leave-one-family-out on 14 trained models in 4 families (MLPs, CNNs with BatchNorm,
 # residual MLPs, transformers) against re-initialisation damage (mean of 20 redraws), by the best
 # worst-family mean Spearman ρ: every fold picks it, held-out ρ 0.82 / 0.99 / 0.89 / 0.94 (mean
@@ -143,11 +144,16 @@ def sample_losses(outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def check_labels(y, n: int) -> torch.Tensor:
-    """Integer class labels (as long, what cross_entropy indexes with) or real targets."""
+    """Integer class labels [N] (as long, what cross_entropy indexes with) or real targets."""
     y = inputs.targets(y)
     y = y if y.is_floating_point() else y.long()
     if y.dim() == 0 or y.shape[0] != n:
         raise ValueError(f"y must have one entry per sample ({n}), got shape {tuple(y.shape)}")
+    if not y.is_floating_point() and y.dim() != 1:
+        raise ValueError(
+            f"y holds integer class labels of shape {tuple(y.shape)}; class labels are one per "
+            f"sample, shape ({n},) (real-valued targets are floats)"
+        )
     return y
 
 
@@ -160,13 +166,13 @@ def _check_targets(view: ModelView, x, y: torch.Tensor) -> None:
     if not y.is_floating_point():
         if int(y.min()) < 0 or int(y.max()) >= outputs:
             raise ValueError(
-                f"class labels must lie in 0..{outputs - 1} for a model with {outputs} "
-                f"outputs, got labels {int(y.min())}..{int(y.max())}"
+                f"y holds labels {int(y.min())}..{int(y.max())}; class labels must lie in "
+                f"0..{outputs - 1} for a model with {outputs} outputs"
             )
     elif y[0].numel() != outputs:
         raise ValueError(
-            f"real-valued targets need {outputs} value(s) per sample (one per model "
-            f"output), got {y[0].numel()}"
+            f"y holds {y[0].numel()} real value(s) per sample; real-valued targets need "
+            f"{outputs} (one per model output)"
         )
 
 
@@ -280,7 +286,7 @@ def layer_importance(
     n = inputs.validate(x, "x")
     if y is not None:
         y = check_labels(y, n)
-    elif score in ("alignment", "grad_norm", "fisher"):
+    elif score in LABEL_SCORES:
         raise ValueError(f"score {score!r} needs labels y")
     groups = layer_groups(model, group)
     view = ModelView(model, output_fn=output_fn, device=device)

@@ -304,6 +304,7 @@ def labelled(files):
     x = np.random.default_rng(0).normal(size=(10, 4)).astype(np.float32)
     np.savez(files / "labels.npz", x=x, y=np.arange(10))
     np.savez(files / "pairs.npz", x=x, y=np.zeros((10, 2), int))
+    np.savez(files / "nolabels.npz", x=x)
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
     torch.save(net.state_dict(), files / "w.pt")
@@ -318,6 +319,9 @@ def labelled(files):
         ("report --train {f}/labels.npz --test {f}/train.npz", "--train: y holds labels outside"),
         ("report --train {f}/train.npz --test {f}/labels.npz", "--test: y holds labels outside"),
         ("report --train {f}/train.npz --test {f}/train.npz --image-shape 3x3", "--image-shape (3"),
+        ("layers --data {f}/labels.npz", "--data: y holds labels 0..9; class labels must lie"),
+        ("layers --data {f}/pairs.npz", "--data: y holds integer class labels of shape (10, 2)"),
+        ("layers --data {f}/nolabels.npz --score fisher", "--score fisher needs labels: --data"),
     ],
 )
 def test_bad_labels_and_image_shapes_name_the_flag(labelled, capsys, args, message):

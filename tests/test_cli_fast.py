@@ -40,6 +40,7 @@ def test_choices_are_the_librarys():
     assert choices.KERNEL_METHODS == ntk.METHODS
     assert choices.INFLUENCE_METHODS == _influence.METHODS
     assert choices.LAYER_SCORES == layers.SCORES
+    assert choices.LABEL_SCORES == layers.LABEL_SCORES
     assert choices.DEFAULT_LAYER_SCORE == layers.DEFAULT_SCORE
     assert choices.PROXY_METRICS == proxies.METRICS
     assert choices.DEFAULT_RANKING == proxies.DEFAULT_RANKING

@@ -241,6 +241,8 @@ def test_bad_input_is_refused_with_a_clear_message():
         layer_importance(model, x, y[:3])
     with pytest.raises(ValueError, match="class labels must lie in 0..2"):
         layer_importance(model, x, y + 5)
+    with pytest.raises(ValueError, match=r"labels of shape \(10, 2\); class labels are one per"):
+        layer_importance(model, x, torch.stack([y, y], 1))
     with pytest.raises(ValueError, match="group must be"):
         layer_importance(model, x, y, group="heads")
     with pytest.raises(ValueError, match="undefined for every row"):

@@ -15,6 +15,7 @@ LAYER_SCORES = (  # attribution.layers.SCORES
     "fisher",
     "block_influence",
 )
+LABEL_SCORES = ("alignment", "grad_norm", "fisher")  # attribution.layers.LABEL_SCORES
 DEFAULT_LAYER_SCORE = "sensitivity"
 PROXY_METRICS = (  # ntk.proxies.METRICS
     "lga",

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import click
 
-from .choices import DEFAULT_LAYER_SCORE, KERNEL_KINDS, LAYER_SCORES
+from .choices import DEFAULT_LAYER_SCORE, KERNEL_KINDS, LABEL_SCORES, LAYER_SCORES
 from .common import (
     UsageProblem,
     check_output_path,
     emit,
+    flag_names,
     interactive,
     load_output_fn,
     model_options,
@@ -96,21 +97,24 @@ def layers(
     check_output_path(plot, "--plot")
     grouping: object | None = None if group == "layers" else (depth or "blocks")
     model, x, y = resolve_model_and_data(model_spec, weights, data, samples, device)
+    if y is None and score in LABEL_SCORES:
+        raise UsageProblem(f"--score {score} needs labels: --data must hold an array y")
     untrained = untrained_note(model_spec, weights)
     n = inputs.count(x)
-    rows = layer_importance(
-        model,
-        x,
-        y,
-        score=score,
-        kind=kind,
-        group=grouping,
-        projection_dim=projection_dim,
-        batch_size=batch_size,
-        device=device,
-        output_fn=load_output_fn(output_fn),
-        progress=interactive(),
-    )
+    with flag_names(y="--data: y"):
+        rows = layer_importance(
+            model,
+            x,
+            y,
+            score=score,
+            kind=kind,
+            group=grouping,
+            projection_dim=projection_dim,
+            batch_size=batch_size,
+            device=device,
+            output_fn=load_output_fn(output_fn),
+            progress=interactive(),
+        )
     if plot is not None:
         _plot(rows, score, plot)
     meta = {
