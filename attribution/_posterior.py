@@ -212,11 +212,9 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         return self.kind == "full" and self.projection_dim is None
 
     def _inputs(self, x):
-        """numpy arrays as tensors (floating ones in the model's parameter dtype)."""
-        if not isinstance(x, np.ndarray):
-            return x
-        dtype = next(self.model.parameters()).dtype
-        return torch.as_tensor(x, dtype=dtype if np.issubdtype(x.dtype, np.floating) else None)
+        """numpy arrays, alone or in a tuple/dict, as tensors (floating ones in the model's
+        parameter dtype)."""
+        return inputs.from_numpy(x, "x", next(self.model.parameters()).dtype)
 
     def _opts(self) -> dict:
         return dict(

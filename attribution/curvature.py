@@ -213,6 +213,7 @@ class KroneckerCurvature:
     def fit(self, x, logits: torch.Tensor) -> KroneckerCurvature:
         """Fit the factors (and, for EK-FAC, the corrected eigenvalues) of the cross-entropy's
         curvature on training inputs `x` and the network's logits on them [N, O]."""
+        x = inputs.from_numpy(x, "x_train")
         n = inputs.validate(x, "x_train")
         logits = torch.as_tensor(logits)
         if logits.dim() != 2 or logits.shape[0] != n:
@@ -226,6 +227,7 @@ class KroneckerCurvature:
         """Fit the curvature G = Σ_i J_iᵀ R_i R_iᵀ J_i of any loss whose Hessian with respect to
         sample i's outputs is Λ_i = R_i R_iᵀ, given roots [N, O, C] (the softmax's L_i of the
         module docstring; I/σ for a Gaussian likelihood)."""
+        x = inputs.from_numpy(x, "x_train")
         n = inputs.validate(x, "x_train")
         roots = torch.as_tensor(roots)
         if roots.dim() != 3 or roots.shape[0] != n:
@@ -322,6 +324,7 @@ class KroneckerCurvature:
 
     def _output_batches(self, x):
         """Batches of `x` for `_rotated` (its per-sample memory: at most O·P float64 values)."""
+        x = inputs.from_numpy(x, "x")
         inputs.validate(x, "x")
         x = inputs.convert(x, self.view.device, self.dtype)
         o = self.num_outputs
@@ -373,6 +376,7 @@ class KroneckerCurvature:
         self._check_fitted()
         if not (isinstance(damping, (int, float)) and damping > 0):
             raise ValueError(f"damping must be a positive number, got {damping!r}")
+        x_train, x_test = inputs.from_numpy(x_train, "x_train"), inputs.from_numpy(x_test, "x_test")
         n_train, n_test = inputs.count(x_train), inputs.count(x_test)
         for block in self.blocks.values():
             if isinstance(block, _Kronecker):

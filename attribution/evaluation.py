@@ -122,7 +122,7 @@ class SubsetModels:
 
     def margins(self, x, y: torch.Tensor) -> torch.Tensor:
         """Margins g_y − logsumexp_{j≠y} g_j on (x, y), averaged over seeds: [S, N]."""
-        return margins(self.outputs(x).double(), y).mean(1)
+        return margins(self.outputs(x).double(), inputs.targets(y).long()).mean(1)
 
 
 def train_on_subsets(
@@ -142,7 +142,7 @@ def train_on_subsets(
 ) -> SubsetModels:
     """Train one model per (subset, seed) with Adam, all at once with `torch.func.vmap`.
 
-    Model (s, r) is `factory()` built after `torch.manual_seed(r)` (the same initialisation for
+    Model (s, r) is `factory()` built after seeding torch with r (the same initialisation for
     every subset, so that subsets differ only in their data) and sees its subset in a random order
     drawn from seed r, in minibatches of `batch_size`, for `epochs` epochs — the recipe of
     `ntk.demo.train`. Adam is elementwise, so one Adam over the stacked parameters is exactly an
@@ -155,6 +155,7 @@ def train_on_subsets(
     """
     x = inputs.from_numpy(x, "x")
     n = inputs.validate(x, "x")
+    y = inputs.targets(y)
     if len(y) != n:
         raise ValueError(f"x holds {n} samples but y holds {len(y)}")
     mask = _as_mask(subsets, n)
@@ -163,6 +164,8 @@ def train_on_subsets(
         raise ValueError("every subset must be non-empty and of the same size")
     if loss not in ("cross_entropy", "mse"):
         raise ValueError(f"loss must be 'cross_entropy' or 'mse', got {loss!r}")
+    if loss == "cross_entropy":
+        y = y.long()  # class labels of any integer dtype index the outputs
     if seeds < 1:
         raise ValueError(f"seeds must be a positive integer, got {seeds}")
     members = torch.stack([torch.nonzero(row).squeeze(1) for row in mask])  # [S, m]
@@ -202,8 +205,9 @@ def _train_chunk(
 ):
     models = []
     for _, r in jobs:
-        torch.manual_seed(r)
-        models.append(factory())
+        with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
+            torch.manual_seed(r)
+            models.append(factory())
     base = copy.deepcopy(models[0]).train()
     params, buffers = stack_module_state(models)
     params = {k: v.detach().requires_grad_() for k, v in params.items()}

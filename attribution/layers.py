@@ -273,7 +273,8 @@ def layer_importance(
     influence outside residual blocks), and ``rank`` (1 = highest `score`; None, and listed
     last, where `score` is undefined).
     `pandas.DataFrame(rows)` makes a table of it. The layerwise kernels are
-    ``ntk.empirical_ntk(model, x, kind=kind, layers="all")`` summed within each group, or with
+    ``ntk.empirical_ntk(model, x, kind=kind, layers="all")`` (kind="lpntk": labels=y) summed
+    within each group, or with
     `projection_dim` k their unbiased estimates ``projections.projected_ntk(..., dim=k)`` (per-layer
     random projections, for models too large for exact kernels). `group` is None, "blocks" or a
     name depth (see `layer_groups`). batch_size: the kernels' tile size (projections: samples
@@ -288,6 +289,8 @@ def layer_importance(
         y = check_labels(y, n)
     elif score in LABEL_SCORES:
         raise ValueError(f"score {score!r} needs labels y")
+    if kind == "lpntk" and (y is None or y.is_floating_point()):
+        raise ValueError("kind='lpntk' weights the kernel by class labels: pass them as y")
     groups = layer_groups(model, group)
     view = ModelView(model, output_fn=output_fn, device=device)
     if y is not None:
@@ -295,6 +298,7 @@ def layer_importance(
         _check_targets(view, x, y)
     common = dict(
         kind=kind,
+        labels=y if kind == "lpntk" else None,  # the label-aware kernel's s(y)
         layers="all",
         batch_size=batch_size,
         device=device,

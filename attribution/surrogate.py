@@ -246,8 +246,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
                 and any(isinstance(m, _EMBEDDINGS) for m in self.model.modules())
             )
         ):
-            x = inputs.from_numpy(x, "x")
-            x = x.to(dtype) if x.is_floating_point() else x
+            x = inputs.from_numpy(x, "x", dtype)
         if not isinstance(x, (torch.Tensor, tuple, dict)):
             x = validate_data(self, x, reset=reset, dtype=np.float64)
             return torch.tensor(x, dtype=dtype)

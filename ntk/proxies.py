@@ -466,13 +466,22 @@ def _calibrate_norms(net: nn.Module, x) -> nn.Module:
 # --------------------------------------------------------------------------------------------
 
 
+def _lpntk_labels(net, x, y, kind, output_fn):
+    """The labels `empirical_ntk` takes for `kind`: y for lpntk, checked against the outputs."""
+    if kind != "lpntk":
+        return None
+    with torch.no_grad():
+        _check_labels(_forward(net, inputs.take(x, slice(0, 1)), output_fn), y)
+    return y
+
+
 def _kernel(net, x, y, kind, layers, output_fn):
     """The batch's [N, N] kernel; the label-aware kind (lpntk) takes the batch's labels y."""
     return empirical_ntk(
         net,
         x,
         kind=kind,
-        labels=y if kind == "lpntk" else None,
+        labels=_lpntk_labels(net, x, y, kind, output_fn),
         layers=None if layers is None else list(layers),
         per_layer=False,
         output_fn=output_fn,
@@ -537,7 +546,7 @@ def _layer_condition(net, x, y, *, kind, layers, output_fn):
         net,
         x,
         kind=kind,
-        labels=y if kind == "lpntk" else None,
+        labels=_lpntk_labels(net, x, y, kind, output_fn),
         layers="all" if layers is None else list(layers),
         per_layer=True,
         output_fn=output_fn,

@@ -97,6 +97,24 @@ def test_harness_classification_shapes_and_seeds():
         train_on_subsets(lambda: torch.nn.Linear(3, 3), x, y, uneven)
 
 
+def test_harness_takes_numpy_and_leaves_the_callers_random_state():
+    """numpy data (int32 labels) train and score as tensors do; seeding each model's
+    initialisation does not reset the caller's torch random state."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(20, 3, generator=gen), torch.randint(0, 3, (20,), generator=gen)
+    subsets = random_subsets(20, 3, 0.5)
+    factory = lambda: torch.nn.Linear(3, 3)  # noqa: E731
+    as_tensors = train_on_subsets(factory, x, y, subsets, epochs=2, batch_size=4)
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    as_arrays = train_on_subsets(
+        factory, x.numpy(), y.numpy().astype(np.int32), subsets, epochs=2, batch_size=4
+    )
+    torch.testing.assert_close(torch.rand(3), expected)
+    torch.testing.assert_close(as_arrays.margins(x.numpy(), y.numpy()), as_tensors.margins(x, y))
+
+
 class _TwoInputNet(torch.nn.Module):
     """Called HuggingFace-style: keyword tensors in, an object with .logits out."""
 

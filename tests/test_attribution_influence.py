@@ -376,3 +376,11 @@ def test_cholesky_overwrites_the_system_on_the_cpu(dtype):
     singular = x[:, :5] @ x[:, :5].T
     singular.diagonal().sub_(1.0)
     assert _damping.cholesky(singular) is None
+
+
+@pytest.mark.parametrize("method", ["ekfac", "kfac", "gauss_newton"])
+def test_numpy_inputs_give_the_scores_of_tensors(setup, method):
+    model, x, y, xt, yt = setup
+    expected = influence(model, x, y, xt, yt, method=method)
+    got = influence(model, x.numpy(), y.numpy(), xt.numpy(), yt.numpy(), method=method)
+    torch.testing.assert_close(got, expected)

@@ -352,3 +352,28 @@ def test_exact_parameter_space_when_parameters_are_few(small_classifier):
     h = torch.einsum("iop,ioq,iqr->pr", j20, lam20, j20) + 0.5 * torch.eye(21, dtype=torch.float64)
     cov = torch.einsum("mop,pq,mrq->mor", jt, torch.linalg.inv(h), jt)
     assert np.allclose(post.predict_variance(xt), cov.numpy(), atol=1e-9, rtol=1e-8)
+
+
+@pytest.mark.parametrize("curvature", ["auto", "exact"])
+def test_tuples_and_dicts_of_numpy_arrays_are_inputs(curvature):
+    """numpy arrays inside a tuple or dict (positional or keyword inputs) are converted like a
+    bare array, for fitting and prediction, with every curvature."""
+
+    class TwoInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 4), nn.Linear(2, 4)
+
+        def forward(self, xa, xb):
+            return torch.tanh(self.a(xa)) + self.b(xb)
+
+    torch.manual_seed(0)
+    model = TwoInputs().double().eval()
+    xa, xb, y = np.random.default_rng(0).normal(size=(24, 3)), np.ones((24, 2)), np.arange(24) % 4
+    tensors = (torch.as_tensor(xa), torch.as_tensor(xb))
+    expected = attribution.NTKPosterior(model, curvature=curvature).fit(tensors, y)
+    for given in ((xa, xb), {"xa": xa, "xb": xb}):
+        fitted = attribution.NTKPosterior(model, curvature=curvature).fit(given, y)
+        np.testing.assert_allclose(
+            fitted.predict_proba(given), expected.predict_proba(tensors), rtol=1e-10
+        )

@@ -335,4 +335,4 @@ def test_bad_labels_and_image_shapes_name_the_flag(labelled, capsys, args, messa
 def test_nas_names_the_labels_of_data(labelled, capsys):
     candidates = f"{labelled}/factory.py:CANDIDATES"
     err = usage_error(capsys, "nas", "--data", f"{labelled}/labels.npz", "--candidates", candidates)
-    assert "candidate 'one': --data's y holds labels outside 0..2" in err
+    assert "candidate 'one': --data's y holds class 9 but the model has 3 outputs" in err

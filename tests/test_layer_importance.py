@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+import ntk
 from attribution import layer_importance
 from attribution.layer_validation import agreement, finetune_gain, reinit_damage
 from attribution.layers import layer_groups
@@ -249,6 +250,18 @@ def test_bad_input_is_refused_with_a_clear_message():
         layer_importance(model, x, y, score="block_influence")
     rows = layer_importance(model, x)  # no labels: label scores None
     assert rows[0]["alignment"] is None and rows[0]["fisher"] is None
+
+
+def test_the_label_aware_kernel_takes_y_as_its_labels():
+    model = TwoBranch().eval()
+    x, y = data()
+    rows = layer_importance(model, x, y, kind="lpntk", score="share")
+    parts = ntk.empirical_ntk(model, x, kind="lpntk", labels=y, layers="all")
+    total = sum(float(k.diagonal().sum()) for k in parts.values())
+    for row in rows:
+        assert row["share"] == pytest.approx(float(parts[row["layer"]].diagonal().sum()) / total)
+    with pytest.raises(ValueError, match="kind='lpntk' weights the kernel by class labels"):
+        layer_importance(model, x, kind="lpntk")
 
 
 def test_a_batchnorm_in_training_mode_is_named():

@@ -108,7 +108,7 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
         x, y = load_arrays(data)
     metrics = list(metrics or DEFAULT_RANKING)
     # a vote member undefined for some candidate is left out; the table says why
-    with warnings.catch_warnings(record=True) as caught, flag_names(labels="--data's y"):
+    with warnings.catch_warnings(record=True) as caught, flag_names(y="--data's y"):
         warnings.simplefilter("always")
         ranked = proxies.rank(
             candidates,

@@ -24,16 +24,18 @@ def _leaves(x: Inputs) -> list[torch.Tensor]:
     )
 
 
-def from_numpy(x, name: str):
+def from_numpy(x, name: str, dtype: torch.dtype | None = None):
     """`x` with numpy arrays (alone, in a tuple/list or in a dict) turned into tensors of the
-    same dtype, so that arrays are accepted wherever tensors are; tensors pass through."""
+    same dtype (floating ones in `dtype` when given), so that arrays are accepted wherever
+    tensors are; tensors pass through."""
 
     def one(leaf):
         if not isinstance(leaf, np.ndarray):
             return leaf
         if leaf.dtype.kind not in "biufc":
             raise TypeError(f"{name} holds a numpy array of dtype {leaf.dtype}, not numbers")
-        return torch.as_tensor(np.ascontiguousarray(leaf))
+        t = torch.as_tensor(np.ascontiguousarray(leaf))
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
     if isinstance(x, (tuple, list)):
         return tuple(one(v) for v in x)
