@@ -249,6 +249,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             self.log_likelihood_ = -float(nn.functional.cross_entropy(g, y, reduction="sum"))
             self.classes_ = np.arange(o)
         else:
+            self.flat_targets_ = np.ndim(y_train) == 1  # predict then returns [N], as sklearn's
             y = _targets(y_train, n, o)
             residual = ((y - g) ** 2).mean()
             noise = float(residual) if self.noise == "auto" else float(self.noise)
@@ -538,10 +539,12 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         return mean + torch.einsum("npq,snq->snp", psd_root(cov), eps)
 
     def predict(self, x) -> np.ndarray:
-        """The most probable class (classification) or the posterior mean f_θ*(x) (regression)."""
+        """The most probable class (classification) or the posterior mean f_θ*(x) (regression;
+        [N] when fitted to targets [N], else [N, O])."""
         check_is_fitted(self, "factor_")
         if self.likelihood == "regression":
-            return self._mean(x).numpy()
+            mean = self._mean(x).numpy()
+            return mean[:, 0] if self.flat_targets_ else mean
         return self.classes_[self.predict_proba(x).argmax(1)]
 
     def uncertainty(self, x) -> dict[str, np.ndarray]:

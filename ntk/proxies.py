@@ -26,7 +26,9 @@ input, in float64 (Tanaka et al., NeurIPS 2020); `jacob_cov` −Σ_i log(v_i + k
 v the eigenvalues of the correlation matrix of the input Jacobians ∂(Σ_o f_o)/∂x, k = 1e-5
 (Mellor et al., 2021); `naswot` log |det K_H|, K_H the sum over activation layers of the number of
 units on which two samples' activation patterns (sign of the activation's input) agree (Mellor et
-al., ICML 2021); `params` the number of trainable parameters.
+al., ICML 2021; −inf when the batch exceeds the rank of K_H, at most twice the number of
+activation units: very narrow candidates then tie last); `params` the number of trainable
+parameters.
 
 `rank` orders a candidate set by one metric, or by the mean rank over several (a vote, as in
 Abdelfattah et al.'s majority vote of proxies). The defaults (`score`: `label_condition` on 256

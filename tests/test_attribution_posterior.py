@@ -377,3 +377,16 @@ def test_tuples_and_dicts_of_numpy_arrays_are_inputs(curvature):
         np.testing.assert_allclose(
             fitted.predict_proba(given), expected.predict_proba(tensors), rtol=1e-10
         )
+
+
+def test_regression_predictions_have_the_targets_shape():
+    """Fitted to targets [N] (one output), predict gives [N] as scikit-learn's regressors do;
+    fitted to [N, 1], [N, 1]."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 1)).double().eval()
+    x = torch.randn(20, 3, dtype=torch.float64)
+    y = torch.randn(20, dtype=torch.float64)
+    flat = NTKPosterior(model, likelihood="regression").fit(x, y)
+    column = NTKPosterior(model, likelihood="regression").fit(x, y[:, None])
+    assert flat.predict(x).shape == (20,) and column.predict(x).shape == (20, 1)
+    np.testing.assert_allclose(flat.predict(x), column.predict(x)[:, 0])

@@ -279,6 +279,8 @@ def test_cli_on_files(tmp_path, capsys):
     saved = _strict_json(out.with_suffix(".json"))
     assert printed["html"] == str(out) and saved["settings"]["test_samples"] == 20
     assert saved["settings"]["surrogate"]["alpha"] == 0.5
+    assert saved["settings"]["weights"] == "the factory's (untrained: no --weights)"
+    assert "the factory's (untrained: no --weights)" in out.read_text()
     agreement = next(r["value"] for r in printed["rows"] if r["measure"] == "label_agreement")
     assert agreement == pytest.approx(saved["faithfulness"]["surrogate"]["label_agreement"])
     assert "accuracy_net" not in saved["faithfulness"]["surrogate"]  # the test file has no labels

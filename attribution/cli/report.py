@@ -9,6 +9,7 @@ import click
 from .choices import POSTERIOR_AUTO_MAX, SURROGATE_KINDS, SURROGATE_MACHINES
 from .common import (
     DEMO_SAMPLES,
+    UNTRAINED,
     UsageProblem,
     check_output_path,
     class_labels,
@@ -195,6 +196,14 @@ def report(
                 "data": "digits (scikit-learn, built-in)" if data == "digits" else data,
                 "test data": test_file or "digits test split",
                 "model spec": model_spec or "built-in demo MLP",
+                "weights": (
+                    weights
+                    or (
+                        "the demo's, trained"
+                        if model_spec is None
+                        else f"the factory's ({UNTRAINED})"
+                    )
+                ),
             },
         )
     faith, kernel, layers = result["faithfulness"], result["kernel"], result["layers"]
