@@ -469,11 +469,14 @@ def _calibrate_norms(net: nn.Module, x) -> nn.Module:
 
 
 def _lpntk_labels(net, x, y, kind, output_fn):
-    """The labels `empirical_ntk` takes for `kind`: y for lpntk, checked against the outputs."""
+    """The labels `empirical_ntk` takes for `kind`: y for lpntk, checked against the outputs
+    (outputs that are not a tensor are left to `empirical_ntk`, which says to pass output_fn)."""
     if kind != "lpntk":
         return None
     with torch.no_grad():
-        _check_labels(_forward(net, inputs.take(x, slice(0, 1)), output_fn), y)
+        out = _forward(net, inputs.take(x, slice(0, 1)), output_fn)
+    if isinstance(out, torch.Tensor):
+        _check_labels(out, y)
     return y
 
 

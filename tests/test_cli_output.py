@@ -239,3 +239,22 @@ def test_undefined_scores_are_named(capsys):
     assert rows["mlp-8x1"]["naswot"] is None and rows["mlp-8x1"]["rank"] == 6
     code, out, err = run(capsys, "nas", "--metric", "naswot", "--repeats", "1")
     assert "-inf" not in out and "– undefined (naswot" in out and "naswot ↑" in out
+
+
+def test_data_cut_to_a_default_size_is_said(tmp_path, capsys):
+    """No silent truncation: a data file longer than the command's default sample count, or a
+    test file longer than --test-samples, is used in part with a warning saying so."""
+    common = write_model(tmp_path, samples=300)  # `ntk kernel` takes 256 by default
+    code, out, err = run(capsys, "kernel", *common, "--kind", "trace")
+    assert code == 0, err
+    assert "ntk: warning: using the first 256 of the 300 samples of --data (--samples N" in err
+    code, _, err = run(capsys, "kernel", *common, "--kind", "trace", "--samples", "300")
+    assert code == 0 and "first" not in err
+    weights = tmp_path / "w.pt"
+    namespace = {}
+    exec(FACTORY, namespace)
+    torch.save(namespace["build"]().state_dict(), weights)
+    args = ["attribute", *common, "--weights", str(weights), "--samples", "20"]
+    code, _, err = run(capsys, *args, "--test", common[3], "--test-samples", "2", "--top", "1")
+    assert code == 0, err
+    assert "using the first 2 of the 300 samples of --test (--test-samples N to change)" in err

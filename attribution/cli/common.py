@@ -601,14 +601,31 @@ def resolve_model_and_data(
     from ntk.core import inputs
 
     n = samples or default_samples
+    total = inputs.count(x)
+    if samples is None and n is not None and total > n and data != "digits":
+        warn_later(
+            f"using the first {n} of the {total} samples of --{option} (--samples N to change)"
+        )
     x, y = inputs.take(x, slice(0, n)), (None if y is None else y[:n])
     check_fits(model, x, "data")
     return model, x, y
 
 
+_LATER = "ntk.warnings_after_checks"  # click's per-invocation meta key of `warn_later`
+
+
+def warn_later(message: str) -> None:
+    """A warning printed once the inputs are checked (by `untrained_note`, which every command
+    calls then), so that a usage error found before stays the only line."""
+    click.get_current_context().meta.setdefault(_LATER, []).append(message)
+
+
 def untrained_note(model_spec, weights) -> str:
-    """Warn (once the inputs are checked) that a --model without --weights keeps the factory's
-    own weights, random unless it loads some; returns the suffix that says so in the title."""
+    """Once the inputs are checked: print the warnings kept for then (`warn_later`), and warn that
+    a --model without --weights keeps the factory's own weights, random unless it loads some;
+    returns the suffix that says so in the title."""
+    for message in click.get_current_context().meta.pop(_LATER, []):
+        warn(message)
     if model_spec is None or weights is not None:
         return ""
     warn(
@@ -634,6 +651,12 @@ def resolve_test_data(
         raise UsageProblem("--test is needed with a training data file")
     from ntk.core import inputs
 
+    total = inputs.count(x_test)
+    if test_file is not None and test_samples is not None and total > test_samples:
+        warn_later(
+            f"using the first {test_samples} of the {total} samples of --test "
+            "(--test-samples N to change)"
+        )
     x_test = inputs.take(x_test, slice(0, test_samples))
     y_test = None if y_test is None else y_test[:test_samples]
     if model is not None:
