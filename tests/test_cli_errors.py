@@ -336,3 +336,21 @@ def test_nas_names_the_labels_of_data(labelled, capsys):
     candidates = f"{labelled}/factory.py:CANDIDATES"
     err = usage_error(capsys, "nas", "--data", f"{labelled}/labels.npz", "--candidates", candidates)
     assert "candidate 'one': --data's y holds class 9 but the model has 3 outputs" in err
+
+
+def test_top_that_would_list_an_example_on_both_sides_is_refused(labelled, capsys):
+    args = ["attribute", "--model", f"{labelled}/factory.py:build", "--weights"]
+    args += [f"{labelled}/w.pt", "--data", f"{labelled}/train.npz", "--test"]
+    args += [f"{labelled}/train.npz", "--top", "6"]
+    err = usage_error(capsys, *args)
+    assert "--top 6 with 10 training samples" in err and "at most 5" in err
+
+
+def test_a_dict_without_x_names_the_layouts_that_work(files, capsys):
+    torch.save(
+        {"input_ids": torch.zeros(4, 3, dtype=torch.long), "y": torch.zeros(4)}, files / "t.pt"
+    )
+    err = usage_error(
+        capsys, "kernel", "--model", f"{files}/factory.py:build", "--data", f"{files}/t.pt"
+    )
+    assert "arrays x.<name>" in err and "{'x': {name: tensor}, 'y': labels}" in err

@@ -94,6 +94,11 @@ def attribute(
     output_fn = load_output_fn(output_fn)
     y_train = class_labels(model, x_train, y_train, "data", output_fn)
     y_test = class_labels(model, x_test, y_test, "test", output_fn)
+    if 2 * top > inputs.count(x_train):
+        raise UsageProblem(
+            f"--top {top} with {inputs.count(x_train)} training samples: the proponents and "
+            f"opponents would share examples; at most {inputs.count(x_train) // 2}"
+        )
     untrained = untrained_note(model_spec, weights)
     checkpoints = []
     for path in checkpoint_files:

@@ -244,8 +244,9 @@ def load_arrays(
     )
     if not isinstance(content, dict) or ("x" not in content and not named):
         raise UsageProblem(
-            f"--{option}: {path} must hold an array named 'x' (or arrays x.<name>, one per "
-            "keyword input) and optionally 'y'"
+            f"--{option}: {path} must hold an array named 'x' and optionally 'y'; for a model "
+            "taking keyword inputs, arrays x.<name> (x.input_ids, x.attention_mask) or, in a .pt "
+            "file, a dict {'x': {name: tensor}, 'y': labels}"
         )
     x = content["x"] if "x" in content else named
 
@@ -528,7 +529,8 @@ def model_options(f):
             "--data",
             default="digits",
             show_default=True,
-            help="'digits' or an .npz/.pt file with arrays x (and optionally y)",
+            help="'digits' or an .npz/.pt file with arrays x (and optionally y); keyword "
+            "inputs as arrays x.<name> (x.input_ids, ...) or a .pt dict {'x': {...}, 'y': ...}",
         ),
         click.option(
             "--samples", type=click.IntRange(min=1), default=None, help="use the first N samples"
