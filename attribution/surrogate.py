@@ -271,9 +271,13 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
                 k, _kernels.self_similarity(self.model, x, **self._opts()), self.diag_
             )
         k = self._as_matrix(k)
-        if self.center_ and centred:
-            k = k - np.quantile(k, self.reference, axis=1, keepdims=True)
-        return k
+        return self._levelled(k) if centred else k
+
+    def _levelled(self, k: np.ndarray) -> np.ndarray:
+        """Test kernel rows as the machine sees them: K(x, x_i) − κ(x) when `center_`."""
+        if not self.center_:
+            return k
+        return k - np.quantile(k, self.reference, axis=1, keepdims=True)
 
     # -- fitting ---------------------------------------------------------------------------------
     def fit(self, x_train, y=None) -> KernelSurrogate:
@@ -531,9 +535,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             return None
         c = self.num_outputs_
         if output is None:
-            if self.center_:
-                k = k - np.quantile(k, self.reference, axis=1, keepdims=True)
-            return self._decision(k).argmax(1)
+            return self._decision(self._levelled(k)).argmax(1)
         if not isinstance(output, Integral) or not 0 <= output < c:
             raise ValueError(
                 f"output must be 'all', None or a column in 0..{c - 1}, got {output!r}"

@@ -94,17 +94,17 @@ def attribute(
     output_fn = load_output_fn(output_fn)
     y_train = class_labels(model, x_train, y_train, "data", output_fn)
     y_test = class_labels(model, x_test, y_test, "test", output_fn)
-    if 2 * top > inputs.count(x_train):
+    n_train, n_test = inputs.count(x_train), inputs.count(x_test)
+    if 2 * top > n_train:
         raise UsageProblem(
-            f"--top {top} with {inputs.count(x_train)} training samples: the proponents and "
-            f"opponents would share examples; at most {inputs.count(x_train) // 2}"
+            f"--top {top} with {n_train} training samples: the proponents and opponents would "
+            f"share examples; at most {n_train // 2}"
         )
     untrained = untrained_note(model_spec, weights)
     checkpoints = []
     for path in checkpoint_files:
         checkpoints.append(copy.deepcopy(model))
         load_weights(checkpoints[-1], path, "--checkpoint")
-    n_train, n_test = inputs.count(x_train), inputs.count(x_test)
     with step(f"influence ({method}) of {n_train} training examples on {n_test} predictions"):
         scores = influence(
             model,

@@ -484,10 +484,13 @@ def step(text: str):
 
 
 def check_device(ctx, param, value: str | None) -> str | None:
-    """--device: a torch device this machine has, refused before any work otherwise."""
+    """--device: a torch device this machine has (the library's `resolve_device` decides),
+    refused before any work otherwise."""
     if value is None:
         return None
     import torch
+
+    from ntk.core.model import resolve_device
 
     try:
         device = torch.device(value)
@@ -495,14 +498,14 @@ def check_device(ctx, param, value: str | None) -> str | None:
         raise click.BadParameter(
             f"{value!r} is not a torch device (e.g. cpu, cuda, cuda:1, mps)"
         ) from None
-    if device.type == "cpu":
-        return value
-    backend = getattr(torch, device.type, None)
-    count = getattr(backend, "device_count", lambda: 0)() if backend is not None else 0
-    if count == 0 or (device.index is not None and device.index >= count):
+    try:
+        resolve_device(device)
+    except ValueError:
+        backend = getattr(torch, device.type, None)
+        count = getattr(backend, "device_count", lambda: 0)() if backend is not None else 0
         raise click.BadParameter(
             f"{value}: this machine has {count or 'no'} {device.type} device(s)"
-        )
+        ) from None
     return value
 
 
