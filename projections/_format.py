@@ -40,7 +40,8 @@ from ntk.core.kinds import KINDS
 
 from ._projectors import PROJECTORS
 
-FORMAT = "ntk-feature-store/2"
+# /3: Rademacher signs drawn as random bits (other values than /2 for the same seed)
+FORMAT = "ntk-feature-store/3"
 MANIFEST, ARRAY, LOCK, JOURNAL = "manifest.json", "features.npy", "lock", "journal"
 # every entry a writer makes, its temporary files (named by the writer's pid) included
 _WRITTEN = re.compile(

@@ -25,8 +25,9 @@ with variance (‖g‖²‖g'‖² + (g·g')² + (κ − 3) Σ_i g_i² g'_i²)/k
 term is (‖g‖²‖g'‖² + (g·g')²)/k, Rademacher removes 2 Σ_i g_i² g'_i²/k of it, and the sparse
 projector adds (s − 3) Σ_i g_i² g'_i²/k, which is small when g is spread over many coordinates.
 
-Matrices are generated in float64 on the CPU (Rademacher signs as integers, scaled in the target
-dtype by the float64 scale rounded to it: the same values without float64 arithmetic on the
+Matrices are generated on the CPU (Gaussian and sparse entries in float64, then cast; Rademacher
+signs as random bytes, one bit per entry, expanded on the target device to ±the float64 scale
+rounded once to the target dtype: the same values everywhere without float64 arithmetic on the
 whole chunk), in chunks of rows whose boundaries depend only on the number of columns (so a chunk
 is the same whichever rows are needed), then cast. Chunks are cached up to a memory budget, so a
 projection used on many batches is generated once.
@@ -61,12 +62,29 @@ def stable_seed(*key) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+# row v: the bits of the byte v, lowest first, as signs: bit 1 → +1, bit 0 → −1
+_BYTE_SIGNS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1) * 2.0 - 1
+
+
+def _signs(rows: int, cols: int, seed: int, scale: float, dtype, device) -> torch.Tensor:
+    """[rows, cols] entries ±scale (the float64 scale rounded once to `dtype`), one random bit
+    each: entry 8i + j (row-major) is bit j of the i-th random byte. The bytes are drawn on the
+    CPU and expanded on `device` by a table lookup, 1/8 of a draw per entry."""
+    gen = torch.Generator().manual_seed(seed)
+    size = rows * cols
+    packed = torch.randint(0, 256, (-(-size // 8),), generator=gen, dtype=torch.uint8)
+    scaled = torch.tensor(scale, dtype=torch.float64).to(dtype)
+    table = (_BYTE_SIGNS.to(dtype) * scaled).to(device)
+    out = torch.empty((packed.numel(), 8), dtype=dtype, device=device)
+    torch.index_select(table, 0, packed.to(device=device, dtype=torch.int32), out=out)
+    return out.reshape(-1)[:size].reshape(rows, cols)
+
+
 def _sample(projector: str, rows: int, cols: int, total_rows: int, seed: int) -> torch.Tensor:
+    """Gaussian or sparse entries in float64."""
     gen = torch.Generator().manual_seed(seed)
     if projector == "gaussian":
         return torch.randn(rows, cols, generator=gen, dtype=torch.float64)
-    if projector in ("rademacher", "srht"):  # srht: the gathered rows of embeddings
-        return torch.randint(0, 2, (rows, cols), generator=gen, dtype=torch.int8) * 2 - 1
     s = max(3.0, math.sqrt(total_rows))
     u = torch.rand(rows, cols, generator=gen, dtype=torch.float64)
     return math.sqrt(s) * ((u < 0.5 / s).to(torch.float64) - (u > 1 - 0.5 / s).to(torch.float64))
@@ -84,12 +102,13 @@ class RandomMatrix:
         return self.bank.chunk(self, i)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., rows] @ R → [..., cols]."""
-        out = None
-        for i, start in enumerate(range(0, self.rows, self.chunk)):
-            part = x[..., start : start + self.chunk] @ self._chunk(i)
-            out = part if out is None else out + part
-        return out
+        """x [..., rows] @ R → [..., cols], one matrix product per chunk of R accumulated in
+        place."""
+        flat = x.reshape(-1, self.rows)
+        out = flat[:, : self.chunk] @ self._chunk(0)
+        for i, start in enumerate(range(self.chunk, self.rows, self.chunk), start=1):
+            out.addmm_(flat[:, start : start + self.chunk], self._chunk(i))
+        return out.reshape(*x.shape[:-1], self.cols)
 
     def dense(self) -> torch.Tensor:
         """The whole matrix [rows, cols]."""
@@ -216,11 +235,10 @@ class MatrixBank:
             return hit
         rows = min(m.chunk, m.rows - i * m.chunk)
         seed = stable_seed(self.projector, self.seed, m.key, m.rows, m.cols, i)
-        value = _sample(self.projector, rows, m.cols, m.rows, seed)
-        if value.dtype == torch.int8:  # ±1: exact in any dtype, so scale after the cast
-            scale = torch.tensor(m.scale, dtype=torch.float64).to(self.dtype)
-            value = value.to(dtype=self.dtype, device=self.device) * scale.to(self.device)
+        if self.projector in ("rademacher", "srht"):  # srht: the gathered rows of embeddings
+            value = _signs(rows, m.cols, seed, m.scale, self.dtype, self.device)
         else:
+            value = _sample(self.projector, rows, m.cols, m.rows, seed)
             value = (value * m.scale).to(dtype=self.dtype, device=self.device)
         size = value.numel() * value.element_size()
         if self._cached + size <= self.cache_bytes:

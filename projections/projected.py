@@ -127,9 +127,23 @@ class Featurizer:
         itemsize = torch.empty((), dtype=self.param_dtype).element_size()
         explicit = sum(self.view.params[n].numel() for n in p.fallback)
         outputs = 1 if self.layers is None else len(self.layers)
-        s_max = max(p.positions.values(), default=1)
+        # the factored layers are projected one at a time: the largest one's route
+        routes = (
+            self._sketcher.elements_per_sample(
+                layer,
+                p.positions[layer],
+                *p.factor_sizes(layer),
+                c,
+                index=isinstance(module, nn.Embedding),
+            )
+            for layer, module in p.modules.items()
+            if layer in p.factored
+        )
         per_sample = itemsize * (
-            2 * p.activations * (1 + c) + c * explicit + c * self.dim * (outputs + 2 * s_max)
+            2 * p.activations * (1 + c)
+            + c * explicit
+            + c * self.dim * outputs
+            + max(routes, default=0)
         )
         budget = max(0.25 * available_bytes(self.view.device), 64 << 20)
         return max(1, min(512, block_size(n, per_sample, 0.0, budget)))

@@ -164,6 +164,10 @@ def test_projector_entries_have_zero_mean_and_unit_variance(projector):
     assert abs(float(r.pow(2).mean()) - 1) < 0.02
     if projector == "sparse":
         assert float((r != 0).double().mean()) == pytest.approx(1 / 20, rel=0.05)  # s = √400
+    else:  # independent entries: rows and columns uncorrelated (each product has variance 1)
+        for gram, n in ((r @ r.T, r.shape[1]), (r.T @ r, r.shape[0])):
+            off = (gram / n - torch.eye(gram.shape[0], dtype=gram.dtype)).abs().max()
+            assert float(off) < 6.5 / math.sqrt(n), projector
 
 
 @pytest.mark.parametrize("projector", PROJECTORS)
@@ -368,3 +372,26 @@ def test_each_weights_route_follows_the_projectors_cost():
         dense = sketch.explicit("w", "weight", grad)
         assert torch.allclose(phi, dense) == via_gradient, projector
     torch.testing.assert_close(phi[0] @ phi[0].T, grad[0] @ grad[0].T)  # srht: exact here
+
+
+def test_default_batch_counts_the_route_each_weight_takes(monkeypatch):
+    """A convolution over 28 × 28 positions is projected through its small per-sample gradient
+    (`Sketcher.via_gradient`), so the memory of projecting its factors at every position
+    (S·k per sample, 25 MiB here) does not throttle the batch: under a 4 GiB free memory, the
+    largest default batch."""
+    monkeypatch.setattr("projections.projected.available_bytes", lambda device: 4 << 30)
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(32 * 14 * 14, 10),
+    ).eval()
+    x = torch.randn(8, 1, 28, 28)
+    fz = projections.Featurizer(model, dim=4096, kind="sum_logits").prepare(x)
+    assert fz.default_batch(4096) == 512
+    ref = projections.features(model, x, dim=4096, kind="sum_logits", batch_size=3)
+    torch.testing.assert_close(projections.features(model, x, dim=4096, kind="sum_logits"), ref)

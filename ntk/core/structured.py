@@ -106,10 +106,12 @@ class Factored:
         return gram.reshape(b1, s1, b2, s2)
 
 
-def _linear_factors(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Inputs seen by the weight at each position: [B, S, F_in]."""
+def _linear_factors(module: nn.Module, x: torch.Tensor, bias: bool = False) -> torch.Tensor:
+    """Inputs seen by the weight at each position: [B, S, F_in], or with bias=True [B, S, F_in + 1]
+    whose last feature is 1 (y_s = W a_s + b = [W b] [a_s; 1]), written in one pass."""
     if isinstance(module, nn.Linear) or _is_hf_conv1d(module):
-        return x.reshape(x.shape[0], -1, x.shape[-1])
+        x = x.reshape(x.shape[0], -1, x.shape[-1])
+        return _with_ones(x, x.shape[-1]) if bias else x
     if isinstance(module, nn.Conv1d):
         x = x.unsqueeze(2)
         kernel, stride, dilation = (
@@ -127,7 +129,19 @@ def _linear_factors(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     for axis, (k, s, d) in enumerate(zip(kernel, stride, dilation), start=2):
         x = x.unfold(axis, d * (k - 1) + 1, s)[..., ::d]
     b, c, h, w, kh, kw = x.shape
-    return x.permute(0, 2, 3, 1, 4, 5).reshape(b, h * w, c * kh * kw)  # [B, L, Cin·kh·kw]
+    windows = x.permute(0, 2, 3, 1, 4, 5)  # [B, h, w, Cin, kh, kw]
+    if bias:
+        return _with_ones(windows, c * kh * kw)
+    return windows.reshape(b, h * w, c * kh * kw)  # [B, L, Cin·kh·kw]
+
+
+def _with_ones(x: torch.Tensor, features: int) -> torch.Tensor:
+    """x [B, …], whose other axes read in order as S positions × `features`, copied into a new
+    [B, S, features + 1] tensor whose last feature is 1 (one copy, no concatenation)."""
+    out = x.new_empty((x.shape[0], x[0].numel() // features, features + 1))
+    out[..., :features].view(x.shape).copy_(x)
+    out[..., features] = 1
+    return out
 
 
 def _normalised(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -191,6 +205,16 @@ class Plan:
     @property
     def empty(self) -> bool:
         return not self.modules
+
+    def bias_input(self, layer: str) -> bool:
+        """Whether the weight and the bias of `layer` are covered: its inputs a_s then carry one
+        more feature, 1, for the bias (y_s = W a_s + b = [W b] [a_s; 1])."""
+        covered = self.covered[layer]
+        return _qualified(layer, "weight") in covered and _qualified(layer, "bias") in covered
+
+    def factor_sizes(self, layer: str) -> tuple[int, int]:
+        """(F_in, F_out) of the `Factored` term of `layer`, its bias feature included."""
+        return factor_sizes(self.modules[layer], self.bias_input(layer))
 
     @classmethod
     def autodiff(cls, other: Plan) -> Plan:
@@ -367,6 +391,17 @@ def _prefer_factors(module: nn.Module, s: int, kind: str | Kind, c: int, tile_si
 COPY_COST = {"cpu": 8, "cuda": 0}
 
 
+def factor_sizes(module: nn.Module, bias: bool = False) -> tuple[int, int]:
+    """(F_in, F_out): the features per position of a factored weight's inputs a_s and output
+    signals δ_s (`Factored`); an embedding's input is one token id. bias: the bias is covered with
+    the weight, as one more input feature."""
+    if isinstance(module, nn.Embedding):
+        return 1, module.embedding_dim
+    w = module.weight
+    f_in, f_out = (w.shape[0], w.shape[1]) if _is_hf_conv1d(module) else (w[0].numel(), w.shape[0])
+    return f_in + int(bias), f_out
+
+
 def _layer_costs(module: nn.Module, s: int, kf: int, c: int, b: int) -> tuple[float, float, float]:
     """Costs of one b × b tile for a weight with S positions: (explicit, factored, copies).
 
@@ -376,15 +411,11 @@ def _layer_costs(module: nn.Module, s: int, kf: int, c: int, b: int) -> tuple[fl
     gradients (the inputs seen at each position and the rearranged output signals,
     2·B·S·(F_in + C·F_out)); autodiff forms the same gradients inside the backward pass without
     them."""
+    f_in, f_out = factor_sizes(module)
     if isinstance(module, nn.Embedding):
-        f_in, f_out, build = 1, module.embedding_dim, c * s * module.embedding_dim
-        dense = module.num_embeddings * module.embedding_dim
+        build, dense = c * s * f_out, module.num_embeddings * f_out
     else:
-        w = module.weight
-        f_out, f_in = w.shape[0], w[0].numel()
-        if _is_hf_conv1d(module):
-            f_in, f_out = w.shape
-        dense = w.numel()
+        dense = module.weight.numel()
         build = c * s * dense
     explicit = 2 * b * build + kf * b * b * dense
     factors = b * b * s * s * (f_in + kf * f_out + kf)
@@ -448,7 +479,7 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor, name: str | Non
             elif isinstance(module, _NORMS):
                 layer_inputs[name] = _normalised(module, x_in)
             else:
-                layer_inputs[name] = _linear_factors(module, x_in)
+                layer_inputs[name] = _linear_factors(module, x_in, plan_.bias_input(name))
             eps = torch.zeros_like(out, requires_grad=True)
             perturbations[name] = eps
             return out + eps
@@ -530,8 +561,7 @@ def _module_terms(layer: str, plan_: Plan, a: torch.Tensor, d: torch.Tensor) -> 
         index = valid.clamp(min=0)[None, :, :, None].expand(c, b, a.shape[1], d.shape[-1])
         grad.scatter_add_(2, index, d * mask[None, :, :, None])
         return [Explicit(layer, grad.reshape(c, b, -1))]
-    if bias:  # y_s = W a_s + b = [W b] [a_s; 1]: the bias is one more input feature
-        a = torch.cat([a, a.new_ones(a.shape[:-1] + (1,))], dim=-1)
+    # with the bias covered, `a` ends with the feature 1 (`Plan.bias_input`)
     if layer in plan_.factored:
         return [Factored(layer, a, d)]
     return [Explicit(layer, torch.einsum("cbso,bsi->cboi", d, a).reshape(c, b, -1))]
