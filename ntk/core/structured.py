@@ -501,14 +501,15 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor, name: str | Non
         grad_out = (cot[:, None, :] if cot.dim() == 2 else cot).expand(cot.shape[0], b, o)
         grad_out = grad_out.contiguous()
         layers = list(perturbations)
-        with quiet_batching_notes():
-            signals = torch.autograd.grad(
-                out,
-                [perturbations[n] for n in layers],
-                grad_outputs=grad_out,
-                is_grads_batched=True,
-                allow_unused=True,
-            )
+        targets = [perturbations[n] for n in layers]
+        if grad_out.shape[0] == 1:  # one cotangent: a plain backward pass, no vmap over it
+            signals = torch.autograd.grad(out, targets, grad_out[0], allow_unused=True)
+            signals = [None if s is None else s.unsqueeze(0) for s in signals]
+        else:
+            with quiet_batching_notes():
+                signals = torch.autograd.grad(
+                    out, targets, grad_outputs=grad_out, is_grads_batched=True, allow_unused=True
+                )
         for layer, d in zip(layers, signals):
             if d is None:
                 d = torch.zeros(
