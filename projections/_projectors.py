@@ -97,6 +97,7 @@ class RandomMatrix:
         self.bank, self.key, self.rows, self.cols, self.scale = bank, key, rows, cols, scale
         self.chunk = max(1, _CHUNK_ENTRIES // cols)
         self.cost = rows * cols  # multiply-adds per projected vector
+        self.work = cols  # elements held per projected vector (products accumulate in place)
 
     def _chunk(self, i: int) -> torch.Tensor:
         return self.bank.chunk(self, i)
@@ -184,6 +185,8 @@ class HadamardSketch:
         self.signs = (signs.to(dtype=bank.dtype) * scaled).to(bank.device)  # [blocks, rows]
         # multiply-adds per projected vector: the signs, then `hadamard`'s products, per block
         self.cost = blocks * self.d * (1 + sum(hadamard_factors(self.d)))
+        # elements held per vector: the signed, padded copy, its transform, the kept columns
+        self.work = 2 * blocks * self.d + cols
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., rows] @ R → [..., cols]."""
@@ -220,7 +223,8 @@ class MatrixBank:
     ) -> RandomMatrix | HadamardSketch:
         """A projection of vectors (whole gradients, Kronecker factors): a `HadamardSketch` for
         the srht projector, else a `RandomMatrix` of the projector's entries. Both have
-        `matmul`, `dense` and `cost` (multiply-adds per vector)."""
+        `matmul`, `dense`, `cost` (multiply-adds per vector) and `work` (elements held per
+        vector)."""
         if self.projector != "srht":
             return RandomMatrix(self, key, rows, cols, scale)
         ident = (key, rows, cols, scale)

@@ -71,13 +71,16 @@ class Sketcher:
         """g [C, B, P] → g R/√k [C, B, k]; `part` names the term within the layer."""
         return self._dense(layer, part, g.shape[-1]).matmul(g)
 
+    def _factor(self, side: str, layer: str, rows: int):
+        """The projection of a factored weight's inputs (side "in") or output signals ("out")."""
+        return self.bank.projection((side, layer), rows, self.r * self.m, 1 / math.sqrt(self.m))
+
     def via_gradient(self, layer: str, s: int, f_in: int, f_out: int, c: int) -> bool:
         """Whether a factored weight (not an embedding) with S positions is projected through its
         per-sample gradient G = Σ_s δ_s a_sᵀ and a dense R rather than through its factors: the
         route with fewer multiply-adds per sample, counting each projection's own cost."""
-        m, n = self.m, self.route_count or c
-        r_in = self.bank.projection(("in", layer), f_in, self.r * m, 1 / math.sqrt(m))
-        r_out = self.bank.projection(("out", layer), f_out, self.r * m, 1 / math.sqrt(m))
+        n = self.route_count or c
+        r_in, r_out = self._factor("in", layer, f_in), self._factor("out", layer, f_out)
         via_factors = s * (r_in.cost + n * r_out.cost) + n * s * self.dim
         dense = self._dense(layer, "weight", f_out * f_in)
         return n * (s * f_out * f_in + dense.cost) < via_factors
@@ -86,20 +89,21 @@ class Sketcher:
         self, layer: str, s: int, f_in: int, f_out: int, c: int, index: bool = False
     ) -> int:
         """Elements that projecting one sample's factored term of `layer` (C cotangents)
-        holds at once, on the route `factored` takes."""
+        holds at once, on the route `factored` takes (`work`: a projection's elements per
+        vector)."""
         if not index and self.via_gradient(layer, s, f_in, f_out, c):
-            return c * (f_out * f_in + self.dim)  # G, then G R
-        width = self.r * self.m  # columns of each factor's projection
-        products = c * s * width if self.m == 1 else c * self.dim
-        return s * width * (1 + c) + products
+            return c * (f_out * f_in + self._dense(layer, "weight", f_out * f_in).work)
+        # an embedding's projected inputs are gathered rows of its own [vocabulary, r·m] matrix
+        inputs = self.r * self.m if index else self._factor("in", layer, f_in).work
+        products = c * s * self.r if self.m == 1 else c * self.dim
+        return s * (inputs + c * self._factor("out", layer, f_out).work) + products
 
     def factored(self, t: Factored) -> torch.Tensor:
         """Σ_s δ_s ⊗ a_s projected with the stacked Kronecker projector → [C, B, k]."""
         c, b, s, f_out = t.d.shape
         m, r = self.m, self.r
-        scale = 1 / math.sqrt(m)
         if t.index:
-            r_in = self.bank.matrix(("in", t.layer), self.vocab[t.layer], r * m, scale)
+            r_in = self.bank.matrix(("in", t.layer), self.vocab[t.layer], r * m, 1 / math.sqrt(m))
             a_proj = r_in.gather(t.a.clamp(min=0))
             if t.padding_idx is not None:
                 a_proj = a_proj * (t.a != t.padding_idx).unsqueeze(-1).to(a_proj.dtype)
@@ -109,9 +113,8 @@ class Sketcher:
                 g = torch.einsum("cbso,bsi->cboi", t.d, t.a).reshape(c, b, f_out * f_in)
                 # the projection `explicit(t.layer, "weight", g)` uses
                 return self._dense(t.layer, "weight", f_out * f_in).matmul(g)
-            a_proj = self.bank.projection(("in", t.layer), f_in, r * m, scale).matmul(t.a)
-        r_out = self.bank.projection(("out", t.layer), f_out, r * m, scale)
-        d_proj = r_out.matmul(t.d).reshape(c, b, s, r, m)
+            a_proj = self._factor("in", t.layer, f_in).matmul(t.a)  # [B, S, r·m]
+        d_proj = self._factor("out", t.layer, f_out).matmul(t.d).reshape(c, b, s, r, m)
         a_proj = a_proj.reshape(b, s, r, m)
         phi = (
             (d_proj * a_proj).sum(2)
