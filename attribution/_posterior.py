@@ -21,7 +21,15 @@ a large ‖θ*‖² (its initialisation scale), so the evidence's δ = γ/‖θ*
 predictive is underconfident (`prior_precision="evidence"`). The default ("auto") instead keeps a
 fixed effective number of parameters γ(δ) = Σ_k e_k/(e_k + δ) = EFFECTIVE_PARAMETERS of the
 eigenvalues e of SΘS (`_damping`; the scale-free rule `influence` uses for its damping), chosen
-leave-one-setting-out on trained networks (the constant's comment). Given held-out data the
+leave-one-setting-out on trained networks (the constant's comment). For regression the
+softmax's bounded curvature is gone: the curvature scales as 1/σ², and σ² from the training
+residual of a network that interpolates is orders of magnitude too small, so the rule's δ is
+huge and the predictive as overconfident as the network. There "auto" maximises the evidence
+over σ² and δ together (MacKay's evidence framework; laplace-torch's joint marginal-likelihood
+fit of the prior precision and σ): with λ = σ²δ the log-determinant depends on λ alone and the
+best σ² for a given λ is (RSS + λ‖θ*‖²)/(N·O), a one-dimensional search
+(`benchmarks/posterior_regression.py`: chosen leave-one-setting-out on seven regression
+networks, every fold). Given held-out data the
 network did not train on, `fit(..., validation=(x_val, y_val))` instead picks δ minimising their
 negative log predictive density (laplace-torch's "gridsearch" on a validation set), cheaply for
 every δ from one eigendecomposition SΘS = U diag(e) Uᵀ: with Z = Uᵀ S Θ(X, x),
@@ -86,7 +94,8 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
     """Calibrated probabilities and uncertainty from the eNTK of a trained `model`.
 
     likelihood: "classification" (softmax over the model's O ≥ 2 outputs, integer labels) or
-    "regression" (Gaussian with variance `noise`: a float, or "auto" for the mean squared
+    "regression" (Gaussian with variance `noise`: a float, or "auto": with prior_precision "auto"
+    or "evidence", the σ² that maximises the evidence together with δ, else the mean squared
     training residual). kind: the covariance, "full" (exact, [N, N, O, O]) or a scalar kind
     ("trace", "sum_logits": the cheaper stand-in k(x, x') ⊗ I_O of `_kernels.output_kernel`).
     curvature: "ekfac" / "kfac", the block-diagonal Kronecker-factored Gauss–Newton curvature
@@ -103,9 +112,10 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
     parameters P as N·O (PARAMETER_SPACE_RATIO), the same parameter-space form runs on the exact
     per-sample Jacobians (Φ = J: a P × P system instead of the N·O × N·O one, the same Σ(x) to
     rounding). prior_precision: δ > 0; "auto" for the δ that keeps EFFECTIVE_PARAMETERS
-    effective parameters (module docstring) or, when `fit` is given validation data, the δ
-    minimising their negative log predictive density; "evidence" to maximise the Laplace evidence
-    `log_marginal_likelihood` (bounded Brent search on log δ).
+    effective parameters (classification; module docstring) or maximises the evidence
+    (regression), or, when `fit` is given validation data, the δ minimising their negative log
+    predictive density; "evidence" to maximise the Laplace evidence `log_marginal_likelihood`
+    (bounded Brent search on log δ).
     link (classification):
     "probit" — p ≈ softmax(μ_o / √(1 + π/8 · s_o)) with s the diagonal of the covariance after
     removing its component along (1, …, 1), which no softmax can see — or "mc", the mean softmax of
@@ -239,6 +249,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         x_train = self._inputs(x_train)
         g = logits(self.model, x_train, output_fn=self.output_fn, name="x_train")
         n, o = g.shape
+        joint = False
         if self.likelihood == "classification":
             if o < 2:
                 raise ValueError(
@@ -251,15 +262,17 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         else:
             self.flat_targets_ = np.ndim(y_train) == 1  # predict then returns [N], as sklearn's
             y = _targets(y_train, n, o)
-            residual = ((y - g) ** 2).mean()
-            noise = float(residual) if self.noise == "auto" else float(self.noise)
+            rss = float(((y - g) ** 2).sum())
+            # noise and prior from the evidence together: the system is fitted at unit noise
+            joint = self.noise == "auto" and validation is None and self.prior_precision in PRIORS
+            if joint:
+                noise = 1.0
+            else:
+                noise = rss / (n * o) if self.noise == "auto" else float(self.noise)
             if not noise > 0:
                 raise ValueError("the model fits the targets exactly; pass noise > 0")
             root = torch.eye(o, dtype=torch.float64).expand(n, o, o) / math.sqrt(noise)
-            self.noise_ = noise
-            self.log_likelihood_ = -0.5 * float(((y - g) ** 2).sum() / noise) - 0.5 * n * o * (
-                math.log(2 * math.pi * noise)
-            )
+            self._set_noise(noise, rss, n * o)
         self.n_outputs_, self.x_train_, self.root_ = o, x_train, root
         a = self._fit_curvature(x_train, root)
         self.sq_norm_ = sum(
@@ -269,20 +282,36 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         )
         if validation is not None and self.prior_precision != "auto":
             raise ValueError("validation data choose prior_precision: pass prior_precision='auto'")
-        if self.prior_precision == "auto" and validation is not None:
-            self.prior_precision_ = self._minimise_validation_loss(a, validation)
-        elif self.prior_precision == "auto":
-            self.prior_precision_ = self._keep_effective_parameters(a)
-        elif self.prior_precision == "evidence":
-            self.prior_precision_ = self._maximise_evidence(a)
+        if joint:
+            noise, self.prior_precision_ = self._maximise_joint_evidence(a, rss)
+            self._set_noise(noise, rss, n * o)
+            self.root_ = root / math.sqrt(noise)  # the system scales as 1/σ²
+            a = self._fit_curvature(x_train, self.root_) if a is None else a / noise
         else:
-            self.prior_precision_ = float(self.prior_precision)
+            self.prior_precision_ = self._choose_prior(a, validation)
         if a is None:
             self.factor_, logdet = None, self._logdet(a, self.prior_precision_)
         else:
             self.factor_, logdet = _factor(a, self.prior_precision_, copy=False)
         self.evidence_ = self._evidence(self.prior_precision_, logdet, self._size(a))
         return self
+
+    def _set_noise(self, noise: float, rss: float, count: int) -> None:
+        """The Gaussian likelihood's variance σ² and log p(y | f_θ*(X)) of `count` targets."""
+        self.noise_ = noise
+        self.log_likelihood_ = -0.5 * rss / noise - 0.5 * count * math.log(2 * math.pi * noise)
+
+    def _choose_prior(self, a: torch.Tensor | None, validation) -> float:
+        """δ for a fixed likelihood: the given number; with validation data the δ minimising
+        their negative log predictive density; the evidence's δ ("evidence", and "auto" for
+        regression); else ("auto", classification) the δ keeping EFFECTIVE_PARAMETERS."""
+        if not isinstance(self.prior_precision, str):
+            return float(self.prior_precision)
+        if validation is not None:
+            return self._minimise_validation_loss(a, validation)
+        if self.prior_precision == "evidence" or self.likelihood == "regression":
+            return self._maximise_evidence(a)
+        return self._keep_effective_parameters(a)
 
     def _fit_curvature(self, x_train, root: torch.Tensor) -> torch.Tensor | None:
         """Resolve `curvature` into curvature_ and fit it: the Kronecker-factored curvature
@@ -380,6 +409,38 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             options={"xatol": EVIDENCE_TOL},
         )
         return float(10.0**best.x)
+
+    def _maximise_joint_evidence(self, a: torch.Tensor | None, rss: float) -> tuple[float, float]:
+        """(σ², δ) maximising log Z over the Gaussian noise and the prior together, from the
+        system A₁ fitted at unit noise (A = A₁/σ²). With λ = σ²δ, log det(I + A/δ) =
+        log det(I + A₁/λ), and for a fixed λ the evidence is largest at σ² = (RSS + λ‖θ*‖²)/(N·O),
+        so a bounded search runs over λ alone (coarse grid, then Brent), maximising
+        −(N·O/2) log(RSS + λ‖θ*‖²) − ½ log det(I + A₁/λ)."""
+        if not self.sq_norm_ > 0:
+            raise ValueError(
+                "the evidence needs trainable parameters with nonzero norm; pass noise= and "
+                "prior_precision= explicitly"
+            )
+        size, count = self._size(a), self.root_.shape[0] * self.n_outputs_
+
+        def negative(log_lam: float) -> float:
+            lam = 10.0**log_lam
+            logdet = self._logdet(a, lam) - size * math.log(lam)
+            return 0.5 * count * math.log(rss + lam * self.sq_norm_) + 0.5 * logdet
+
+        centre = math.log10(size / self.sq_norm_)
+        grid = np.linspace(
+            centre - EVIDENCE_DECADES, centre + EVIDENCE_DECADES / 2, VALIDATION_GRID
+        )
+        values = [negative(v) for v in grid]
+        best = int(np.argmin(values))
+        lo, hi = grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]
+        found = scipy.optimize.minimize_scalar(
+            negative, bounds=(lo, hi), method="bounded", options={"xatol": EVIDENCE_TOL}
+        )
+        lam = 10.0 ** (found.x if found.fun <= values[best] else grid[best])
+        noise = (rss + lam * self.sq_norm_) / count
+        return float(noise), float(lam / noise)
 
     def _minimise_validation_loss(self, a: torch.Tensor, validation) -> float:
         """argmin_δ of the mean −log p(y_val | x_val) (coarse grid, then bounded Brent)."""

@@ -183,6 +183,20 @@ def test_posterior_prior_smoke_run_scores_the_library_default():
         assert library == pytest.approx(row, rel=1e-6)
 
 
+def test_posterior_regression_smoke_run():
+    """benchmarks/posterior_regression.py: a row per setting with every rule's test NLL, the
+    default's noise above the training residual (the joint evidence's σ² = (RSS + λ‖θ*‖²)/(N·O)),
+    and a held-out pick among the rules."""
+    out = _run_benchmark("posterior_regression.py")
+    rows = {_cells(line)[0]: _cells(line)[1:] for line in out.splitlines() if line.startswith("|")}
+    assert {"diabetes_30ep", "sine_gap"} <= set(rows)
+    for name in ("diabetes_30ep", "sine_gap"):
+        train_mse = float(rows[name][0].split("/")[0])
+        assert float(rows[name][1]) > train_mse
+        assert all(float(v) == float(v) for v in rows[name][2:8])  # finite NLLs
+        assert rows[name][8].split(" (")[0] in ("previous default", "evidence δ", "default")
+
+
 def test_checkpoints_benchmark_smoke_run_checks_the_library_average():
     """benchmarks/checkpoints.py: influence(checkpoints=...) reproduces the scheme it averages,
     the leave-one-setting-out table has a row per setting, and the ensemble line is printed."""
