@@ -94,10 +94,11 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
     """Calibrated probabilities and uncertainty from the eNTK of a trained `model`.
 
     likelihood: "classification" (softmax over the model's O ≥ 2 outputs, integer labels) or
-    "regression" (Gaussian with variance `noise`: a float, or "auto": with prior_precision "auto"
-    or "evidence", the σ² that maximises the evidence together with δ, else the mean squared
-    training residual). kind: the covariance, "full" (exact, [N, N, O, O]) or a scalar kind
-    ("trace", "sum_logits": the cheaper stand-in k(x, x') ⊗ I_O of `_kernels.output_kernel`).
+    "regression" (Gaussian with variance `noise`: a float, or "auto": chosen together with δ,
+    by the evidence, or by the validation data given to `fit`; with a numeric prior_precision,
+    the mean squared training residual). kind: the covariance, "full" (exact, [N, N, O, O]) or a
+    scalar kind ("trace", "sum_logits": the cheaper stand-in k(x, x') ⊗ I_O of
+    `_kernels.output_kernel`).
     curvature: "ekfac" / "kfac", the block-diagonal Kronecker-factored Gauss–Newton curvature
     of `attribution.curvature` (the one `influence(method="ekfac")` uses), Σ(x) =
     J(x)(Ĝ + δI)⁻¹J(x)ᵀ from each block's eigenbasis: memory O(Σ_l d_in² + d_out²), cost linear
@@ -264,7 +265,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             y = _targets(y_train, n, o)
             rss = float(((y - g) ** 2).sum())
             # noise and prior from the evidence together: the system is fitted at unit noise
-            joint = self.noise == "auto" and validation is None and self.prior_precision in PRIORS
+            joint = self.noise == "auto" and self.prior_precision in PRIORS
             if joint:
                 noise = 1.0
             else:
@@ -283,7 +284,11 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         if validation is not None and self.prior_precision != "auto":
             raise ValueError("validation data choose prior_precision: pass prior_precision='auto'")
         if joint:
-            noise, self.prior_precision_ = self._maximise_joint_evidence(a, rss)
+            noise, self.prior_precision_ = (
+                self._maximise_joint_evidence(a, rss)
+                if validation is None
+                else self._minimise_validation_loss(a, validation, joint=True)
+            )
             self._set_noise(noise, rss, n * o)
             self.root_ = root / math.sqrt(noise)  # the system scales as 1/σ²
             a = self._fit_curvature(x_train, self.root_) if a is None else a / noise
@@ -429,21 +434,18 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             return 0.5 * count * math.log(rss + lam * self.sq_norm_) + 0.5 * logdet
 
         centre = math.log10(size / self.sq_norm_)
-        grid = np.linspace(
-            centre - EVIDENCE_DECADES, centre + EVIDENCE_DECADES / 2, VALIDATION_GRID
+        lam = 10.0 ** _grid_then_brent(
+            negative, centre - EVIDENCE_DECADES, centre + EVIDENCE_DECADES / 2
         )
-        values = [negative(v) for v in grid]
-        best = int(np.argmin(values))
-        lo, hi = grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]
-        found = scipy.optimize.minimize_scalar(
-            negative, bounds=(lo, hi), method="bounded", options={"xatol": EVIDENCE_TOL}
-        )
-        lam = 10.0 ** (found.x if found.fun <= values[best] else grid[best])
         noise = (rss + lam * self.sq_norm_) / count
         return float(noise), float(lam / noise)
 
-    def _minimise_validation_loss(self, a: torch.Tensor, validation) -> float:
-        """argmin_δ of the mean −log p(y_val | x_val) (coarse grid, then bounded Brent)."""
+    def _minimise_validation_loss(self, a: torch.Tensor | None, validation, joint: bool = False):
+        """argmin_δ of the mean −log p(y_val | x_val) (coarse grid, then bounded Brent). joint
+        (regression, `a` fitted at unit noise): (σ², δ) minimising it together. The predictive
+        covariance is then σ²(C(λ) + I), C(λ) the unit-noise Σ at prior precision λ = σ²δ, so for
+        each λ the best σ² is the mean of rᵀ(C(λ) + I)⁻¹r / O over the validation residuals r,
+        and the search runs over λ alone."""
         if not (isinstance(validation, (tuple, list)) and len(validation) == 2):
             raise ValueError("validation must be a pair (x_val, y_val)")
         if not self.sq_norm_ > 0:
@@ -462,20 +464,29 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         else:
             covariance = self._spectral_covariance(a, x_val)[1]
 
-        def loss(log_delta: float) -> float:
-            return -float(self._log_density(mean, covariance(10.0**log_delta), y_val).mean())
+        eye = torch.eye(o, dtype=torch.float64)
+        residual = (y_val - mean).unsqueeze(-1) if joint else None
+
+        def scaled(lam: float) -> tuple[float, torch.Tensor]:  # joint: (σ², C(λ) + I)
+            total = covariance(lam) + eye
+            quadratic = residual.transpose(1, 2) @ torch.linalg.solve(total, residual)
+            return float(quadratic.mean()) / o, total
+
+        def loss(log_value: float) -> float:
+            value = 10.0**log_value
+            if joint:
+                noise, total = scaled(value)
+                return -float(_gaussian_log_density(mean, noise * total, y_val).mean())
+            return -float(self._log_density(mean, covariance(value), y_val).mean())
 
         centre = math.log10(self._size(a) / self.sq_norm_)
-        span = VALIDATION_DECADES
-        grid = np.linspace(centre - span, centre + span, VALIDATION_GRID)
-        values = [loss(g) for g in grid]
-        best = int(np.argmin(values))
-        lo, hi = grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]
-        found = scipy.optimize.minimize_scalar(
-            loss, bounds=(lo, hi), method="bounded", options={"xatol": EVIDENCE_TOL}
+        chosen = 10.0 ** _grid_then_brent(
+            loss, centre - VALIDATION_DECADES, centre + VALIDATION_DECADES
         )
-        chosen = found.x if found.fun <= values[best] else grid[best]
-        return float(10.0**chosen)
+        if not joint:
+            return chosen
+        noise = scaled(chosen)[0]
+        return noise, chosen / noise
 
     def _spectral_covariance(self, a: torch.Tensor, x):
         """The eigenvalues e of the fitted system `a` and δ ↦ Σ(x) [M, O, O], from one
@@ -641,12 +652,32 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             p = self._proba(mean, cov)
             return p[torch.arange(len(y)), y].clamp_min(1e-300).log()
         total = cov + self.noise_ * torch.eye(mean.shape[1], dtype=torch.float64)
-        return torch.distributions.MultivariateNormal(mean, covariance_matrix=total).log_prob(y)
+        return _gaussian_log_density(mean, total, y)
 
     def _check_classification(self, what: str) -> None:
         check_is_fitted(self, "factor_")
         if self.likelihood != "classification":
             raise ValueError(f"{what} needs likelihood='classification'")
+
+
+def _gaussian_log_density(mean: torch.Tensor, covariance: torch.Tensor, y: torch.Tensor):
+    """log N(y_n; mean_n, covariance_n) [N]."""
+    return torch.distributions.MultivariateNormal(mean, covariance_matrix=covariance).log_prob(y)
+
+
+def _grid_then_brent(f, lo: float, hi: float) -> float:
+    """argmin of a scalar f over [lo, hi]: the best of VALIDATION_GRID grid points, refined by a
+    bounded Brent search between its neighbours (kept only if it improves on the grid)."""
+    grid = np.linspace(lo, hi, VALIDATION_GRID)
+    values = [f(g) for g in grid]
+    best = int(np.argmin(values))
+    found = scipy.optimize.minimize_scalar(
+        f,
+        bounds=(grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]),
+        method="bounded",
+        options={"xatol": EVIDENCE_TOL},
+    )
+    return float(found.x if found.fun <= values[best] else grid[best])
 
 
 def _factor(a: torch.Tensor, delta: float, *, copy: bool) -> tuple[torch.Tensor, float]:

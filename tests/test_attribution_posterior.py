@@ -443,3 +443,28 @@ def test_regression_default_chooses_noise_and_prior_by_the_evidence():
     assert abs(math.log10(default.noise_ / grid[best])) <= 0.125
     oracle = 0.5 * math.log(2 * math.pi * test_mse) + 0.5
     assert -default.score(xt, yt) <= oracle + 1.5
+
+
+def test_regression_validation_data_choose_noise_and_prior_together():
+    """With noise="auto", fit(validation=) minimises the validation NLL over (σ², δ) together: no
+    noise of a grid (each with its own validation-tuned δ) does better, and the training
+    residual as σ² (an interpolating network's) does far worse."""
+    model, x, y, xt, yt = _overfit_regression()
+    val, test = (xt[:100], yt[:100]), (xt[100:], yt[100:])
+    tuned = NTKPosterior(model, likelihood="regression").fit(x, y, validation=val)
+    grid = 10.0 ** np.arange(-4.0, 1.01, 0.125)
+    fits = [
+        NTKPosterior(model, likelihood="regression", noise=s2).fit(x, y, validation=val)
+        for s2 in grid
+    ]
+    losses = [-f.score(*val) for f in fits]
+    best = int(np.argmin(losses))
+    assert 0 < best < len(grid) - 1
+    assert -tuned.score(*val) <= min(losses) + 1e-6
+    assert abs(math.log10(tuned.noise_ / grid[best])) <= 0.125
+    with torch.no_grad():
+        residual = float(((model(x) - y) ** 2).mean())
+    at_residual = NTKPosterior(model, likelihood="regression", noise=residual).fit(
+        x, y, validation=val
+    )
+    assert -at_residual.score(*test) > -tuned.score(*test) + 0.5

@@ -193,8 +193,8 @@ def test_posterior_regression_smoke_run():
     for name in ("diabetes_30ep", "sine_gap"):
         train_mse = float(rows[name][0].split("/")[0])
         assert float(rows[name][1]) > train_mse
-        assert all(float(v) == float(v) for v in rows[name][2:8])  # finite NLLs
-        assert rows[name][8].split(" (")[0] in ("previous default", "evidence δ", "default")
+        assert all(float(v) == float(v) for v in rows[name][2:9])  # finite NLLs
+        assert rows[name][9].split(" (")[0] in ("previous default", "evidence δ", "default")
 
 
 def test_checkpoints_benchmark_smoke_run_checks_the_library_average():
