@@ -378,10 +378,22 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         for the factored curvature (a None)."""
         return self.kronecker_.eigenvalues.numel() if a is None else a.shape[0]
 
+    def _factored_spectrum(self) -> torch.Tensor:
+        """The factored curvature's largest eigenvalues, as many as the Gauss–Newton matrix's
+        rank can be (N·(O − 1) for the softmax, N·O for the Gaussian likelihood): its other
+        eigenvalues are artefacts of the Kronecker approximation, whose rank is not bounded by
+        N, and would count in log det(I + Ĝ/δ) as directions the data determine."""
+        e = self.kronecker_.eigenvalues.flatten().double().clamp_min(0)
+        n, o = self.root_.shape[0], self.n_outputs_
+        rank = n * (o - 1 if self.likelihood == "classification" else o)
+        return e.topk(min(rank, e.numel())).values
+
     def _logdet(self, a: torch.Tensor | None, delta: float) -> float:
-        """log det(A + δI) of the system, from the factored curvature's eigenvalues (a None)."""
+        """log det(A + δI) of the system, for the factored curvature (a None) from its
+        `_factored_spectrum` (the remaining eigenvalues taken as 0)."""
         if a is None:
-            return float((self.kronecker_.eigenvalues + delta).log().sum())
+            e = self._factored_spectrum()
+            return float((e + delta).log().sum()) + (self._size(a) - e.numel()) * math.log(delta)
         return _factor(a, delta, copy=True)[1]
 
     def _evidence(self, delta: float, logdet: float, count: int) -> float:
@@ -420,20 +432,22 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         system A₁ fitted at unit noise (A = A₁/σ²). With λ = σ²δ, log det(I + A/δ) =
         log det(I + A₁/λ), and for a fixed λ the evidence is largest at σ² = (RSS + λ‖θ*‖²)/(N·O),
         so a bounded search runs over λ alone (coarse grid, then Brent), maximising
-        −(N·O/2) log(RSS + λ‖θ*‖²) − ½ log det(I + A₁/λ)."""
+        −(N·O/2) log(RSS + λ‖θ*‖²) − ½ Σ_k log(1 + e_k/λ) over the eigenvalues e of A₁
+        (`_factored_spectrum` for the factored curvature)."""
         if not self.sq_norm_ > 0:
             raise ValueError(
                 "the evidence needs trainable parameters with nonzero norm; pass noise= and "
                 "prior_precision= explicitly"
             )
-        size, count = self._size(a), self.root_.shape[0] * self.n_outputs_
+        count = self.root_.shape[0] * self.n_outputs_
+        e = self._factored_spectrum() if a is None else torch.linalg.eigvalsh(a).clamp_min(0)
 
         def negative(log_lam: float) -> float:
             lam = 10.0**log_lam
-            logdet = self._logdet(a, lam) - size * math.log(lam)
+            logdet = float(torch.log1p(e / lam).sum())
             return 0.5 * count * math.log(rss + lam * self.sq_norm_) + 0.5 * logdet
 
-        centre = math.log10(size / self.sq_norm_)
+        centre = math.log10(self._size(a) / self.sq_norm_)
         lam = 10.0 ** _grid_then_brent(
             negative, centre - EVIDENCE_DECADES, centre + EVIDENCE_DECADES / 2
         )
