@@ -22,6 +22,9 @@ def build():
 def broken():
     raise ZeroDivisionError("no luck")
 
+def mismatched():  # a bug inside the model: its second layer does not fit its first
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(5, 3))
+
 CANDIDATES = {"one": build}
 
 class Bag(nn.Module):  # token ids of any length, mean-pooled
@@ -73,6 +76,22 @@ def test_a_failing_model_factory_names_model(files, capsys):
     (files / "typo.py").write_text("def build(:\n    pass\n")
     err = usage_error(capsys, "layers", "--model", f"{files}/typo.py:build")
     assert err.startswith("ntk: error: --model:") and "SyntaxError" in err
+
+
+def test_a_model_failing_inside_its_forward_pass_is_not_blamed_on_the_data(files, capsys):
+    """The data fits the model's first layer, a later layer fails: exit 1 (not a usage error),
+    one line saying that the forward pass failed, where, on what shape, and torch's reason."""
+    model = ["--model", f"{files}/factory.py:mismatched", "--data", f"{files}/train.npz"]
+    for command in ("kernel", "layers", "attribute"):
+        code, _, err = run(capsys, command, *model)
+        assert code == 1, err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert err.startswith("ntk: error: the model's forward pass failed in module '2' (Linear)")
+        assert "shape (4,)" in err and "mat1 and mat2 shapes cannot be multiplied" in err
+        assert "--data:" not in err and "cannot take" not in err
+    # data that the first layer refuses is still the data's fault
+    err = usage_error(capsys, "kernel", *model[:2], "--data", f"{files}/wide.npz")
+    assert "--data: the model cannot take samples of shape (7,)" in err
 
 
 def test_a_file_that_is_not_npz_gets_our_message(files, capsys):

@@ -36,6 +36,12 @@ class UsageProblem(click.ClickException):
     exit_code = 2
 
 
+class ModelFailure(click.ClickException):
+    """The model's own forward pass failed (not its inputs, flags or files): exit 1, one line."""
+
+    exit_code = 1
+
+
 FORMATS = ("table", "json", "csv")
 UNTRAINED = "untrained: no --weights"
 
@@ -678,25 +684,38 @@ def resolve_test_data(
 
 
 def check_fits(model: nn.Module, x, option: str = "data") -> None:
-    """Run one sample through the model so that data of the wrong shape is a usage error."""
+    """Run one sample through the model: data the model cannot take is a usage error naming
+    --option (exit 2); a forward pass that fails once a layer with trainable parameters has
+    taken the data (`ModelForwardError`: inner layers of mismatched sizes...) is a fault of the
+    model, reported with the data's shape but without blaming the data (`ModelFailure`, exit 1)."""
     import torch
 
     from ntk.core import inputs
-    from ntk.core.model import describe_inputs
+    from ntk.core.model import ModelForwardError, ModelInputError, describe_inputs, naming_failures
 
+    got = (
+        f"shape {tuple(x.shape[1:])} ({x.dtype})"
+        if isinstance(x, torch.Tensor)
+        else describe_inputs(x)
+    )
+    one = inputs.take(x, slice(0, 1))
+    first = next(model.parameters(), None)
+    one = one if first is None else inputs.convert(one, first.device, None)
     try:
-        with torch.no_grad():
-            first = next(model.parameters(), None)
-            one = inputs.take(x, slice(0, 1))
-            one = one if first is None else inputs.convert(one, first.device, None)
+        with torch.no_grad(), naming_failures(model, one, f"--{option}"):
             args, kwargs = inputs.as_call(one)
             model(*args, **kwargs)
-    except Exception as exc:
-        got = (
-            f"shape {tuple(x.shape[1:])} ({x.dtype})"
-            if isinstance(x, torch.Tensor)
-            else describe_inputs(x)
-        )
-        raise UsageProblem(
-            f"--{option}: the model cannot take samples of {got}: {_first_line(exc)}"
+    except ModelForwardError as exc:
+        raise ModelFailure(
+            f"the model's forward pass failed in module {exc.module} on one --{option} sample "
+            f"of {got}: {_first_line(exc.__cause__)}"
         ) from None
+    except ModelInputError as exc:
+        if exc.__cause__ is None:  # a message of its own (embedding ids out of range)
+            raise UsageProblem(str(exc)) from None
+        detail = _first_line(exc.__cause__)
+    except Exception as exc:
+        detail = _first_line(exc)
+    else:
+        return
+    raise UsageProblem(f"--{option}: the model cannot take samples of {got}: {detail}")
