@@ -54,6 +54,12 @@ def warn(message: str) -> None:
     click.echo(f"ntk: warning: {message}", err=True)
 
 
+def done(message: str) -> None:
+    """One line on stderr saying what a command wrote besides its output (stdout stays the
+    result, so that json and csv can be piped)."""
+    click.echo(f"ntk: {message}", err=True)
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
@@ -370,18 +376,21 @@ def emit(
     columns: Sequence[str] | None = None,
     headers: dict[str, str] | None = None,
     notes: Sequence[str] = (),
+    append: bool = False,
 ) -> None:
-    """Write rows as JSON or CSV (every column), or as a table of `columns` (default: all) that
-    fits the console: numbers in at most 9 characters, and a table wider than the console is
-    folded into one block per row rather than cut. `headers` relabel columns in the table only;
-    `notes` are printed under it."""
+    """Write rows as JSON or CSV (every column; in CSV the union of the rows' columns, blank
+    where a row has none), or as a table of `columns` (default: all) that fits the console:
+    numbers in at most 9 characters, and a table wider than the console is folded into one
+    block per row rather than cut. `headers` relabel columns in the table only; `notes` are
+    printed under it. append: a second table after a first one in the same --output file."""
     if out.fmt in ("json", "csv"):
         if out.fmt == "json":
             text = json.dumps({**(meta or {}), "rows": list(rows)}, indent=2, default=_jsonable)
             text += "\n"
         else:
             buf = io.StringIO()
-            writer = csv.DictWriter(buf, list(rows[0]) if rows else [], lineterminator="\n")
+            fields = list(dict.fromkeys(k for row in rows for k in row))
+            writer = csv.DictWriter(buf, fields, lineterminator="\n")
             writer.writeheader()
             writer.writerows(rows)
             text = buf.getvalue()
@@ -404,7 +413,7 @@ def emit(
         notes = [*notes, f"{len(hidden)} more columns with --all or --columns, or in json/csv"]
     with contextlib.ExitStack() as stack:
         if out.path:
-            f = stack.enter_context(open(out.path, "w"))
+            f = stack.enter_context(open(out.path, "a" if append else "w"))
             console = Console(file=f, width=120, color_system=None)
         else:
             console = Console(color_system="auto" if interactive() else None)
