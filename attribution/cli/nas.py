@@ -143,7 +143,7 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
     notes = [
         "↑ higher is better; the rank column orders the candidates, 1 = best",
         *(
-            [f"vote ↑: the mean of each proxy's rank (1 = worst, {len(rows)} = best)"]
+            [f"mean_rank ↑: the mean of each proxy's rank (1 = worst, {len(rows)} = best)"]
             if len(metrics) > 1 and len(rows) > 1
             else []
         ),
@@ -166,7 +166,7 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
             "warmup_steps": warmup_steps,
         },
         headers={
-            "mean_rank": "vote ↑",
+            "mean_rank": "mean_rank ↑",
             "kappa": "κ (lower better)",
             **{m: f"{m} ↑" for m in PROXY_METRICS},
         },
