@@ -130,6 +130,31 @@ def test_an_output_into_a_missing_directory_is_refused_before_computing(
     assert not (files / "built").exists()  # refused before the model was even made
 
 
+@pytest.mark.parametrize("command", ["kernel", "layers", "attribute", "nas", "featurize"])
+def test_an_unknown_column_is_refused_before_any_work_with_the_valid_ones(files, capsys, command):
+    args = [command, "--columns", "kind,foo"]
+    if command == "nas":
+        args += ["--candidates", f"{files}/factory.py:CANDIDATES", "--metric", "params"]
+    else:
+        args += ["--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
+    if command == "featurize":
+        args += [str(files / "store")]
+    err = usage_error(capsys, *args)
+    assert err.startswith(
+        "ntk: error: --columns: no column 'kind'"
+        if command != "kernel"
+        else "ntk: error: --columns: no column 'foo'"
+    )
+    assert not (files / "built").exists()  # refused before the model was even made
+    valid = err.split("the columns are ")[1].strip().split(", ")
+    if command == "nas":
+        assert valid == ["rank", "candidate", "params", "std", "seconds"]
+    help_text = " ".join(run(capsys, command, "--help")[1].split())
+    listed = help_text.split("table: the columns to show, comma-separated, of ")[1]
+    assert all(column in listed for column in valid if column != "params")  # nas: a --metric
+    assert "layer,share,rank" not in help_text  # the example once shown for every command
+
+
 def test_weights_that_do_not_fit_name_the_tensor_and_shapes(files, capsys):
     torch.save(
         torch.nn.Sequential(

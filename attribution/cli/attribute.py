@@ -19,9 +19,11 @@ from .common import (
     untrained_note,
 )
 
+COLUMNS = ("test", "label", "predicted", "role", "rank", "train", "train_label", "score")
+
 
 @click.command()
-@model_options
+@model_options(COLUMNS)
 @click.option(
     "--test",
     "test_file",

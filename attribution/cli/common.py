@@ -332,39 +332,57 @@ class Output:
     columns: tuple[str, ...] = ()
 
 
-def output_options(f):
-    """--format, --output, --all and --columns, passed to the command as one `out: Output`."""
+def output_options(columns: Sequence[str] | Callable[[dict], Sequence[str]], describe: str = ""):
+    """--format, --output, --all and --columns, passed to the command as one `out: Output`.
+    columns: the columns of the command's rows, or a function of the command's other parameters
+    (by name) giving them; --columns is checked against them before any work, and its help
+    lists them (or says `describe`)."""
+    valid = columns  # the command's own parameter is called `columns` too
 
-    @functools.wraps(f)
-    def command(*args, fmt, output, all_columns, columns, **kwargs):
-        check_output_path(output, "--output")
-        chosen = tuple(c.strip() for c in columns.split(",") if c.strip()) if columns else ()
-        if all_columns and chosen:
-            raise UsageProblem("--all and --columns exclude each other")
-        return f(*args, out=Output(fmt, output, all_columns, chosen), **kwargs)
+    def decorate(f):
+        @functools.wraps(f)
+        def command(*args, fmt, output, all_columns, columns: str | None, **kwargs):
+            check_output_path(output, "--output")
+            chosen = tuple(c.strip() for c in columns.split(",") if c.strip()) if columns else ()
+            if all_columns and chosen:
+                raise UsageProblem("--all and --columns exclude each other")
+            check_columns(chosen, valid(kwargs) if callable(valid) else valid)
+            return f(*args, out=Output(fmt, output, all_columns, chosen), **kwargs)
 
-    options = [
-        click.option(
-            "--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True
-        ),
-        click.option(
-            "--output", default=None, help="write the result to this file instead of stdout"
-        ),
-        click.option(
-            "--all",
-            "all_columns",
-            is_flag=True,
-            help="table: show every column (json and csv always hold every column)",
-        ),
-        click.option(
-            "--columns",
-            default=None,
-            help="table: the columns to show, comma-separated (e.g. layer,share,rank)",
-        ),
-    ]
-    for option in reversed(options):
-        command = option(command)
-    return command
+        options = [
+            click.option(
+                "--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True
+            ),
+            click.option(
+                "--output", default=None, help="write the result to this file instead of stdout"
+            ),
+            click.option(
+                "--all",
+                "all_columns",
+                is_flag=True,
+                help="table: show every column (json and csv always hold every column)",
+            ),
+            click.option(
+                "--columns",
+                default=None,
+                help="table: the columns to show, comma-separated, of "
+                + (describe or ", ".join(valid)),
+            ),
+        ]
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
+
+
+def check_columns(chosen: Sequence[str], available: Sequence[str]) -> None:
+    """--columns: every chosen column is one of `available`."""
+    unknown = [c for c in chosen if c not in available]
+    if unknown:
+        raise UsageProblem(
+            f"--columns: no column {unknown[0]!r}; the columns are {', '.join(available)}"
+        )
 
 
 def emit(
@@ -403,11 +421,7 @@ def emit(
 
     available = list(rows[0]) if rows else list(columns or ())
     shown = list(out.columns) or (available if out.all_columns or columns is None else columns)
-    unknown = [c for c in shown if c not in available]
-    if unknown:
-        raise UsageProblem(
-            f"--columns: no column {unknown[0]!r}; the columns are {', '.join(available)}"
-        )
+    check_columns(shown, available)  # checked before any work too, where the columns are known
     hidden = [c for c in available if c not in shown]
     if hidden:
         notes = [*notes, f"{len(hidden)} more columns with --all or --columns, or in json/csv"]
@@ -529,9 +543,13 @@ DEVICE_OPTION = click.option(
 )
 
 
-def model_options(f):
+def model_options(columns: Sequence[str] | Callable[[dict], Sequence[str]], describe: str = ""):
     """--model, --weights, --data, --samples, --device, --output-fn, --batch-size and
-    `output_options`."""
+    `output_options(columns, describe)`."""
+    return functools.partial(_model_options, output_options(columns, describe))
+
+
+def _model_options(output: Callable, f):
     options = [
         click.option(
             "--model",
@@ -567,7 +585,7 @@ def model_options(f):
             help="samples per block (default: chosen from free memory)",
         ),
     ]
-    f = output_options(f)
+    f = output(f)
     for option in reversed(options):
         f = option(f)
     return f

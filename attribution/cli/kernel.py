@@ -26,12 +26,22 @@ from .common import (
 
 # The full and diagonal kernels are [N·O, N·O] matrices to eigendecompose: O((N·O)³).
 DEFAULT_SAMPLES = 256
-COLUMNS = ("kind", "shape", "lambda_1", "condition_number", "rank", "seconds")
+COLUMNS = ("kind", "shape", "lambda_1", "condition_number", "rank", "seconds")  # by default
+EVERY_COLUMN = (
+    "kind",
+    "shape",
+    "seconds",
+    "lambda_1",
+    "lambda_2",
+    "lambda_3",
+    "condition_number",
+    "rank",
+)
 HEADERS = {"lambda_1": "λ1", "condition_number": "κ", "rank": "rank"}
 
 
 @click.command()
-@model_options
+@model_options(EVERY_COLUMN)
 @click.option(
     "--kind",
     "kinds",

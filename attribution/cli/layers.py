@@ -17,6 +17,9 @@ from .common import (
     untrained_note,
 )
 
+# The columns of `attribution.layer_importance`'s rows.
+COLUMNS = ("layer", "type", "params", *LAYER_SCORES, "trace", "rank")
+
 
 def _plot(rows: list[dict], score: str, path: str) -> None:
     """Horizontal bar chart of `score`, most important at the top (rows where it is undefined
@@ -34,7 +37,7 @@ def _plot(rows: list[dict], score: str, path: str) -> None:
 
 
 @click.command()
-@model_options
+@model_options(COLUMNS)
 @click.option(
     "--score",
     type=click.Choice(LAYER_SCORES),

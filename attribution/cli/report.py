@@ -25,7 +25,7 @@ from .common import (
 
 
 @click.command()
-@model_options
+@model_options(("measure", "value", "samples"))
 @click.option(
     "--train",
     "train_file",
