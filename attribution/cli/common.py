@@ -394,12 +394,14 @@ def emit(
     columns: Sequence[str] | None = None,
     headers: dict[str, str] | None = None,
     notes: Sequence[str] = (),
+    display: dict[str, Callable[[Any], str]] | None = None,
     append: bool = False,
 ) -> None:
     """Write rows as JSON or CSV (every column; in CSV the union of the rows' columns, blank
     where a row has none), or as a table of `columns` (default: all) that fits the console:
     numbers in at most 9 characters, and a table wider than the console is folded into one
-    block per row rather than cut. `headers` relabel columns in the table only; `notes` are
+    block per row rather than cut. `headers` relabel columns in the table only, as `display` maps
+    the values of some columns (e.g. the root module's layer name "" to "(root)"); `notes` are
     printed under it. append: a second table after a first one in the same --output file."""
     if out.fmt in ("json", "csv"):
         if out.fmt == "json":
@@ -420,9 +422,11 @@ def emit(
     from rich.console import Console
 
     available = list(rows[0]) if rows else list(columns or ())
-    shown = list(out.columns) or (available if out.all_columns or columns is None else columns)
-    check_columns(shown, available)  # checked before any work too, where the columns are known
-    hidden = [c for c in available if c not in shown]
+    chosen = list(out.columns) or (available if out.all_columns or columns is None else columns)
+    check_columns(chosen, available)  # checked before any work too, where the columns are known
+    if display:
+        rows = [{k: display[k](v) if k in display else v for k, v in row.items()} for row in rows]
+    hidden = [c for c in available if c not in chosen]
     if hidden:
         notes = [*notes, f"{len(hidden)} more columns with --all or --columns, or in json/csv"]
     with contextlib.ExitStack() as stack:
@@ -431,7 +435,7 @@ def emit(
             console = Console(file=f, width=120, color_system=None)
         else:
             console = Console(color_system="auto" if interactive() else None)
-        _print_table(console, rows, shown, title, headers or {}, notes)
+        _print_table(console, rows, chosen, title, headers or {}, notes)
 
 
 def _print_table(console, rows, shown, title, headers, notes) -> None:

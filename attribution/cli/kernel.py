@@ -75,6 +75,8 @@ def kernel(
     import ntk
     from ntk.core import inputs
 
+    from ..layers import layer_label
+
     kinds = kinds or KERNEL_KINDS
     if save is not None and len(kinds) != 1:
         raise UsageProblem("--save needs exactly one --kind")
@@ -155,7 +157,13 @@ def kernel(
             notes=notes,
         )
         every = replace(out, columns=(), all_columns=True)  # --columns choose the summary's
-        emit(shares, every, title=f"per-layer trace shares ({n} samples)", append=True)
+        emit(
+            shares,
+            every,
+            title=f"per-layer trace shares ({n} samples)",
+            display={"layer": layer_label},
+            append=True,
+        )
     elif out.fmt == "csv":
         emit([*rows, *({"kind": "trace", **share} for share in shares)], out)
     else:
