@@ -76,6 +76,14 @@ KRONECKER_DAMPING = 3.0
 MAX_DIM = 2048
 
 
+def resolve_method(method: str) -> str:
+    """The method `influence(method=...)` runs: "auto" resolved to `AUTO`, any other valid name
+    as it is; an unknown name is a ValueError listing the valid ones."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; valid methods are {', '.join(METHODS)}")
+    return AUTO if method == "auto" else method
+
+
 def influence(
     model: nn.Module,
     x_train,
@@ -127,9 +135,7 @@ def influence(
     features (None: the model's); the solves, the curvature and the parameter-space Gram are
     float64 either way; torch.float64 computes the kernels in float64 too.
     """
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; valid methods are {', '.join(METHODS)}")
-    method = AUTO if method == "auto" else method
+    method = resolve_method(method)
     if train_features is not None:
         if method not in ("gauss_newton", "grad_dot") or kind not in (None, "full"):
             raise ValueError(

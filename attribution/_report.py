@@ -48,7 +48,7 @@ from ._outputs import labels, logits
 from ._posterior import EFFECTIVE_PARAMETERS, NTKPosterior, entropy
 from .curvature import UnfactorableModelError
 from .evaluation import calibration_metrics, reliability
-from .layers import DEFAULT_SCORE, layer_importance
+from .layers import DEFAULT_SCORE, layer_importance, layer_label
 from .surrogate import KernelSurrogate, cancellation
 
 STAGES = (
@@ -579,7 +579,7 @@ def _figures_for(result: dict, images, top: int) -> dict:
         ),
         "spectrum": _figures.spectrum(kernel["eigenvalues"]),
         "layers": _figures.bars(
-            [f"{r['layer'] or '(root)'} ({r['type']})" for r in layer_rows],
+            [f"{layer_label(r['layer'])} ({r['type']})" for r in layer_rows],
             [r[DEFAULT_SCORE] or 0.0 for r in layer_rows],
             DEFAULT_SCORE,
         ),
@@ -637,6 +637,7 @@ def _render(result: dict, figures: dict) -> str:
         lstrip_blocks=True,
     )
     env.filters["num"] = _number
+    env.filters["layer"] = layer_label
     return env.get_template("report.html.j2").render(
         r=result, fig=figures, score=DEFAULT_SCORE, measures=MEASURES
     )

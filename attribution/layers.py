@@ -69,6 +69,12 @@ Group = None | str | int
 # -- layers and groups --------------------------------------------------------------------------
 
 
+def layer_label(name: str) -> str:
+    """A layer's name as tables, plots and reports show it: the root module (name "", as
+    `named_modules()` gives it, and as the rows keep it) reads "(root)"."""
+    return name or "(root)"
+
+
 def _group_key(layer: str, group: Group) -> str:
     parts = layer.split(".") if layer else []
     if group is None:

@@ -64,8 +64,13 @@ def test_attribute_lists_the_largest_and_smallest_influence(tmp_path):
     x, y, xt = write_files(tmp_path, seed=0, n=30)
     out = run(*files(tmp_path), "--top", "2", "--format", "json")
     assert out.returncode == 0, out.stderr
-    rows = json.loads(out.stdout)["rows"]
+    result = json.loads(out.stdout)
+    rows = result["rows"]
     assert len(rows) == 2 * 2 * 2
+    # --method auto is recorded as the method it ran, and as requested
+    assert result["method"] == "gauss_newton" and result["method_requested"] == "auto"
+    table = run(*files(tmp_path), "--top", "2")
+    assert table.stdout.startswith("influence (auto: gauss_newton) of 30 training examples")
 
     scores = attribution.influence(
         build()().eval(), torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(xt)

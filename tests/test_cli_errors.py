@@ -22,6 +22,9 @@ def build():
 def broken():
     raise ZeroDivisionError("no luck")
 
+def mismatched():  # a bug inside the model: its second layer does not fit its first
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(5, 3))
+
 CANDIDATES = {"one": build}
 
 class Bag(nn.Module):  # token ids of any length, mean-pooled
@@ -75,6 +78,22 @@ def test_a_failing_model_factory_names_model(files, capsys):
     assert err.startswith("ntk: error: --model:") and "SyntaxError" in err
 
 
+def test_a_model_failing_inside_its_forward_pass_is_not_blamed_on_the_data(files, capsys):
+    """The data fits the model's first layer, a later layer fails: exit 1 (not a usage error),
+    one line saying that the forward pass failed, where, on what shape, and torch's reason."""
+    model = ["--model", f"{files}/factory.py:mismatched", "--data", f"{files}/train.npz"]
+    for command in ("kernel", "layers", "attribute"):
+        code, _, err = run(capsys, command, *model)
+        assert code == 1, err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert err.startswith("ntk: error: the model's forward pass failed in module '2' (Linear)")
+        assert "shape (4,)" in err and "mat1 and mat2 shapes cannot be multiplied" in err
+        assert "--data:" not in err and "cannot take" not in err
+    # data that the first layer refuses is still the data's fault
+    err = usage_error(capsys, "kernel", *model[:2], "--data", f"{files}/wide.npz")
+    assert "--data: the model cannot take samples of shape (7,)" in err
+
+
 def test_a_file_that_is_not_npz_gets_our_message(files, capsys):
     (files / "garbage.npz").write_bytes(b"\x00not an archive at all" * 10)
     model = ["--model", f"{files}/factory.py:build"]
@@ -109,6 +128,31 @@ def test_an_output_into_a_missing_directory_is_refused_before_computing(
     assert flag in err and "does not exist" in err and f"{files}/no/such/dir" in err
     assert ".part" not in err
     assert not (files / "built").exists()  # refused before the model was even made
+
+
+@pytest.mark.parametrize("command", ["kernel", "layers", "attribute", "nas", "featurize"])
+def test_an_unknown_column_is_refused_before_any_work_with_the_valid_ones(files, capsys, command):
+    args = [command, "--columns", "kind,foo"]
+    if command == "nas":
+        args += ["--candidates", f"{files}/factory.py:CANDIDATES", "--metric", "params"]
+    else:
+        args += ["--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
+    if command == "featurize":
+        args += [str(files / "store")]
+    err = usage_error(capsys, *args)
+    assert err.startswith(
+        "ntk: error: --columns: no column 'kind'"
+        if command != "kernel"
+        else "ntk: error: --columns: no column 'foo'"
+    )
+    assert not (files / "built").exists()  # refused before the model was even made
+    valid = err.split("the columns are ")[1].strip().split(", ")
+    if command == "nas":
+        assert valid == ["rank", "candidate", "params", "std", "seconds"]
+    help_text = " ".join(run(capsys, command, "--help")[1].split())
+    listed = help_text.split("table: the columns to show, comma-separated, of ")[1]
+    assert all(column in listed for column in valid if column != "params")  # nas: a --metric
+    assert "layer,share,rank" not in help_text  # the example once shown for every command
 
 
 def test_weights_that_do_not_fit_name_the_tensor_and_shapes(files, capsys):

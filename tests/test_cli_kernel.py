@@ -51,7 +51,7 @@ def test_kernel_on_a_factory_file_in_every_format(tmp_path):
     csv_out = run(*common, "--format", "csv")
     assert csv_out.returncode == 0
     assert csv_out.stdout.splitlines()[0].startswith("kind,shape,seconds")
-    assert len(csv_out.stdout.splitlines()) == 5  # header + four kinds
+    assert len(csv_out.stdout.splitlines()) == 5 + 2  # header, four kinds, two layers
     table = run(*common, "--kind", "sum_logits")
     assert table.returncode == 0 and "sum_logits" in table.stdout and "per-layer" in table.stdout
 
@@ -69,3 +69,62 @@ def test_usage_errors_exit_2_with_one_line(tmp_path):
         assert out.returncode == 2, (args, out.stderr)
         assert "Traceback" not in out.stderr
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+DIAGONAL = """
+from torch import nn
+
+def build():  # no bias: the trace kernel of samples x is exactly x xᵀ
+    return nn.Linear(4, 1, bias=False)
+"""
+
+
+def test_a_finite_condition_number_comes_with_full_rank(tmp_path):
+    """K = diag(1, 1, 1, 2⁻²⁴) exactly: λ4 > 0 but below the rank tolerance 4·ε(float32), so the
+    rank is 3 and κ = λ1/λ4 = 2²⁴ would only measure rounding: κ is inf, as the rank says."""
+    (tmp_path / "factory.py").write_text(DIAGONAL)
+    np.savez(tmp_path / "data.npz", x=np.diag([1, 1, 1, 2**-12]).astype(np.float32))
+    common = ["--model", str(tmp_path / "factory.py:build"), "--data", str(tmp_path / "data.npz")]
+    out = run(*common, "--kind", "trace", "--format", "json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    row = report["rows"][0]
+    assert row["lambda_1"] == 1 and row["rank"] == 3
+    assert row["condition_number"] == float("inf")
+    assert report["notes"] == ["κ = inf for trace: rank-deficient: N = 4 > rank 3"]
+    help_text = run("--help").stdout
+    assert "λ1 · n · ε(float32)" in help_text and "inf whenever the rank is below n" in help_text
+
+
+def test_every_format_carries_the_layer_shares_the_untrained_note_and_the_saved_path(tmp_path):
+    (tmp_path / "factory.py").write_text(FACTORY)
+    x = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float32)
+    np.savez(tmp_path / "data.npz", x=x)
+    common = ["--model", str(tmp_path / "factory.py:build"), "--data", str(tmp_path / "data.npz")]
+    common += ["--kind", "trace"]
+
+    table = run(*common)
+    assert "[untrained: no --weights]" in table.stdout and "per-layer" in table.stdout
+    as_json = json.loads(run(*common, "--format", "json").stdout)
+    assert as_json["untrained"] is True
+    shares = {row["layer"]: row["share"] for row in as_json["layers"]}
+    assert set(shares) == {"0", "2"}
+
+    lines = run(*common, "--format", "csv").stdout.splitlines()
+    header = lines[0].split(",")
+    assert header[:2] == ["kind", "shape"] and header[-4:] == ["layer", "type", "trace", "share"]
+    assert len(lines) == 1 + 1 + 2  # header, the trace kernel, one row per layer
+    for line in lines[2:]:
+        cells = dict(zip(header, line.split(",")))
+        assert cells["kind"] == "trace" and cells["shape"] == ""
+        assert float(cells["share"]) == shares[cells["layer"]]
+
+    saved = run(*common, "--format", "json", "--save", str(tmp_path / "k.npy"))
+    assert saved.returncode == 0, saved.stderr
+    assert saved.stderr.splitlines()[-1] == f"ntk: wrote the trace kernel (6x6) to {tmp_path}/k.npy"
+    assert json.loads(saved.stdout)["saved"] == str(tmp_path / "k.npy")  # stdout stays JSON
+
+    # --output with the table: both tables in the file
+    assert run(*common, "--output", str(tmp_path / "k.txt")).returncode == 0
+    written = (tmp_path / "k.txt").read_text()
+    assert "eNTK of 6 samples" in written and "per-layer trace shares" in written

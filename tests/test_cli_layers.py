@@ -42,6 +42,14 @@ class Block(nn.Module):
 def build():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 6), Block(), Block(), nn.Linear(6, 3))
+
+class Scaled(nn.Module):  # the root module owns a parameter of its own: layer ""
+    def __init__(self):
+        super().__init__()
+        self.scale, self.head = nn.Parameter(torch.ones(4)), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(x * self.scale)
 """
 
 
@@ -187,3 +195,20 @@ def test_the_plot_holds_its_title_and_long_layer_names(tmp_path, monkeypatch, ca
     boxes = [t.get_window_extent() for t in title + fig.axes[0].get_yticklabels()]
     span = (max(b.x1 for b in boxes) - min(b.x0 for b in boxes)) / fig.dpi
     assert matplotlib.image.imread(tmp_path / "p.png").shape[1] / 120 >= span
+
+
+def test_the_root_module_reads_root_in_tables_and_stays_empty_in_json(tmp_path, capsys):
+    """The CLI tables name the root module (layer "") "(root)", as --plot and the HTML report
+    do; json and csv keep the name `named_modules()` gives it."""
+    _, _, common = setup(tmp_path)
+    common[1] = common[1].replace(":build", ":Scaled")
+    for command in ("layers", "kernel"):
+        with pytest.raises(SystemExit) as stop:
+            main([command, *common, *(["--kind", "trace"] if command == "kernel" else [])])
+        out = capsys.readouterr().out
+        assert stop.value.code == 0
+        rows = [line.split() for line in out.splitlines()]
+        assert ["(root)", "Scaled"] in [row[:2] for row in rows], out
+    with pytest.raises(SystemExit):
+        main(["layers", *common, "--format", "json"])
+    assert sorted(r["layer"] for r in json.loads(capsys.readouterr().out)["rows"]) == ["", "head"]

@@ -183,6 +183,23 @@ def test_table_format(tmp_path, monkeypatch, capsys):
     assert out.index("w12") < out.index("w6") < out.index("w3")
 
 
+def test_the_vote_column_has_one_name_in_every_format(tmp_path, monkeypatch, capsys):
+    """The mean rank of a vote is `mean_rank` in the table's header and note, in --columns, in
+    json and in csv (the table called it `vote`, a name --columns did not know)."""
+    write_inputs(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    args = ["--candidates", "cands.py:space", "--data", "data.npz", "--repeats", "1"]
+    args += ["--metric", "params", "--metric", "trace"]
+    code, out, err = run_here(capsys, *args)
+    assert code == 0, err
+    assert "mean_rank ↑" in out and "mean_rank ↑: the mean of each proxy's rank" in out
+    assert "vote" not in out
+    code, out, err = run_here(capsys, *args, "--columns", "candidate,mean_rank")
+    assert code == 0 and "mean_rank ↑" in out, err
+    code, out, _ = run_here(capsys, *args, "--format", "csv")
+    assert "mean_rank" in next(csv.reader(io.StringIO(out)))
+
+
 def test_usage_errors_exit_2_with_one_line(tmp_path, monkeypatch, capsys):
     write_inputs(tmp_path)
     monkeypatch.chdir(tmp_path)

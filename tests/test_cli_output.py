@@ -13,6 +13,8 @@ import torch
 import ntk
 from attribution.cli import main
 from attribution.cli.common import cell
+from attribution.cli.main import cli
+from attribution.cli.nas import columns as nas_columns
 
 # Small budgets: the rendering is under test, not the numbers.
 DEMO_RUNS = {
@@ -110,6 +112,12 @@ def test_demo_tables_fit_80_and_120_columns_with_no_value_cut(
     result = json.loads(out)
     rows = result["rows"]
     columns = DEMO_RUNS[command][1] or list(rows[0])
+    # the columns --columns accepts (and its help lists) before any work are the rows' own
+    if command == "nas":
+        assert list(nas_columns(())) == list(rows[0])
+    else:
+        option = next(p for p in cli.commands[command].params if p.name == "columns")
+        assert sorted(option.help.split(", of ")[1].split(", ")) == sorted(rows[0])
     if command == "report":  # every section says the samples it used: the run's one budget
         samples = {r["measure"]: r["samples"] for r in rows}
         assert (

@@ -19,9 +19,11 @@ from .common import (
     untrained_note,
 )
 
+COLUMNS = ("test", "label", "predicted", "role", "rank", "train", "train_label", "score")
+
 
 @click.command()
-@model_options
+@model_options(COLUMNS)
 @click.option(
     "--test",
     "test_file",
@@ -35,7 +37,14 @@ from .common import (
     show_default=True,
     help="explain the first N test samples",
 )
-@click.option("--method", type=click.Choice(INFLUENCE_METHODS), default="auto", show_default=True)
+@click.option(
+    "--method",
+    type=click.Choice(INFLUENCE_METHODS),
+    default="auto",
+    show_default=True,
+    help="auto: the method the attribution benchmark chose; the title and json give the method "
+    "that ran (json: method, and method_requested as given)",
+)
 @click.option(
     "--top",
     type=click.IntRange(min=1),
@@ -84,7 +93,7 @@ def attribute(
 
     from ntk.core import inputs
 
-    from .._influence import influence
+    from .._influence import influence, resolve_method
     from .._outputs import logits
 
     model, x_train, y_train = resolve_model_and_data(model_spec, weights, data, samples, device)
@@ -101,11 +110,13 @@ def attribute(
             f"share examples; at most {n_train // 2}"
         )
     untrained = untrained_note(model_spec, weights)
+    requested, method = method, resolve_method(method)
+    shown = f"{requested}: {method}" if requested != method else method
     checkpoints = []
     for path in checkpoint_files:
         checkpoints.append(copy.deepcopy(model))
         load_weights(checkpoints[-1], path, "--checkpoint")
-    with step(f"influence ({method}) of {n_train} training examples on {n_test} predictions"):
+    with step(f"influence ({shown}) of {n_train} training examples on {n_test} predictions"):
         scores = influence(
             model,
             x_train,
@@ -140,11 +151,12 @@ def attribute(
         rows,
         out,
         title=(
-            f"influence ({method}) of {n_train} training examples on {n_test} test "
+            f"influence ({shown}) of {n_train} training examples on {n_test} test "
             f"predictions{untrained}"
         ),
         meta={
             "method": method,
+            "method_requested": requested,
             "train_samples": n_train,
             "test_samples": n_test,
             "checkpoints": list(checkpoint_files),

@@ -36,6 +36,12 @@ class UsageProblem(click.ClickException):
     exit_code = 2
 
 
+class ModelFailure(click.ClickException):
+    """The model's own forward pass failed (not its inputs, flags or files): exit 1, one line."""
+
+    exit_code = 1
+
+
 FORMATS = ("table", "json", "csv")
 UNTRAINED = "untrained: no --weights"
 
@@ -46,6 +52,12 @@ def interactive() -> bool:
 
 def warn(message: str) -> None:
     click.echo(f"ntk: warning: {message}", err=True)
+
+
+def done(message: str) -> None:
+    """One line on stderr saying what a command wrote besides its output (stdout stays the
+    result, so that json and csv can be piped)."""
+    click.echo(f"ntk: {message}", err=True)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -320,39 +332,57 @@ class Output:
     columns: tuple[str, ...] = ()
 
 
-def output_options(f):
-    """--format, --output, --all and --columns, passed to the command as one `out: Output`."""
+def output_options(columns: Sequence[str] | Callable[[dict], Sequence[str]], describe: str = ""):
+    """--format, --output, --all and --columns, passed to the command as one `out: Output`.
+    columns: the columns of the command's rows, or a function of the command's other parameters
+    (by name) giving them; --columns is checked against them before any work, and its help
+    lists them (or says `describe`)."""
+    valid = columns  # the command's own parameter is called `columns` too
 
-    @functools.wraps(f)
-    def command(*args, fmt, output, all_columns, columns, **kwargs):
-        check_output_path(output, "--output")
-        chosen = tuple(c.strip() for c in columns.split(",") if c.strip()) if columns else ()
-        if all_columns and chosen:
-            raise UsageProblem("--all and --columns exclude each other")
-        return f(*args, out=Output(fmt, output, all_columns, chosen), **kwargs)
+    def decorate(f):
+        @functools.wraps(f)
+        def command(*args, fmt, output, all_columns, columns: str | None, **kwargs):
+            check_output_path(output, "--output")
+            chosen = tuple(c.strip() for c in columns.split(",") if c.strip()) if columns else ()
+            if all_columns and chosen:
+                raise UsageProblem("--all and --columns exclude each other")
+            check_columns(chosen, valid(kwargs) if callable(valid) else valid)
+            return f(*args, out=Output(fmt, output, all_columns, chosen), **kwargs)
 
-    options = [
-        click.option(
-            "--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True
-        ),
-        click.option(
-            "--output", default=None, help="write the result to this file instead of stdout"
-        ),
-        click.option(
-            "--all",
-            "all_columns",
-            is_flag=True,
-            help="table: show every column (json and csv always hold every column)",
-        ),
-        click.option(
-            "--columns",
-            default=None,
-            help="table: the columns to show, comma-separated (e.g. layer,share,rank)",
-        ),
-    ]
-    for option in reversed(options):
-        command = option(command)
-    return command
+        options = [
+            click.option(
+                "--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True
+            ),
+            click.option(
+                "--output", default=None, help="write the result to this file instead of stdout"
+            ),
+            click.option(
+                "--all",
+                "all_columns",
+                is_flag=True,
+                help="table: show every column (json and csv always hold every column)",
+            ),
+            click.option(
+                "--columns",
+                default=None,
+                help="table: the columns to show, comma-separated, of "
+                + (describe or ", ".join(valid)),
+            ),
+        ]
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
+
+
+def check_columns(chosen: Sequence[str], available: Sequence[str]) -> None:
+    """--columns: every chosen column is one of `available`."""
+    unknown = [c for c in chosen if c not in available]
+    if unknown:
+        raise UsageProblem(
+            f"--columns: no column {unknown[0]!r}; the columns are {', '.join(available)}"
+        )
 
 
 def emit(
@@ -364,18 +394,23 @@ def emit(
     columns: Sequence[str] | None = None,
     headers: dict[str, str] | None = None,
     notes: Sequence[str] = (),
+    display: dict[str, Callable[[Any], str]] | None = None,
+    append: bool = False,
 ) -> None:
-    """Write rows as JSON or CSV (every column), or as a table of `columns` (default: all) that
-    fits the console: numbers in at most 9 characters, and a table wider than the console is
-    folded into one block per row rather than cut. `headers` relabel columns in the table only;
-    `notes` are printed under it."""
+    """Write rows as JSON or CSV (every column; in CSV the union of the rows' columns, blank
+    where a row has none), or as a table of `columns` (default: all) that fits the console:
+    numbers in at most 9 characters, and a table wider than the console is folded into one
+    block per row rather than cut. `headers` relabel columns in the table only, as `display` maps
+    the values of some columns (e.g. the root module's layer name "" to "(root)"); `notes` are
+    printed under it. append: a second table after a first one in the same --output file."""
     if out.fmt in ("json", "csv"):
         if out.fmt == "json":
             text = json.dumps({**(meta or {}), "rows": list(rows)}, indent=2, default=_jsonable)
             text += "\n"
         else:
             buf = io.StringIO()
-            writer = csv.DictWriter(buf, list(rows[0]) if rows else [], lineterminator="\n")
+            fields = list(dict.fromkeys(k for row in rows for k in row))
+            writer = csv.DictWriter(buf, fields, lineterminator="\n")
             writer.writeheader()
             writer.writerows(rows)
             text = buf.getvalue()
@@ -387,22 +422,20 @@ def emit(
     from rich.console import Console
 
     available = list(rows[0]) if rows else list(columns or ())
-    shown = list(out.columns) or (available if out.all_columns or columns is None else columns)
-    unknown = [c for c in shown if c not in available]
-    if unknown:
-        raise UsageProblem(
-            f"--columns: no column {unknown[0]!r}; the columns are {', '.join(available)}"
-        )
-    hidden = [c for c in available if c not in shown]
+    chosen = list(out.columns) or (available if out.all_columns or columns is None else columns)
+    check_columns(chosen, available)  # checked before any work too, where the columns are known
+    if display:
+        rows = [{k: display[k](v) if k in display else v for k, v in row.items()} for row in rows]
+    hidden = [c for c in available if c not in chosen]
     if hidden:
         notes = [*notes, f"{len(hidden)} more columns with --all or --columns, or in json/csv"]
     with contextlib.ExitStack() as stack:
         if out.path:
-            f = stack.enter_context(open(out.path, "w"))
+            f = stack.enter_context(open(out.path, "a" if append else "w"))
             console = Console(file=f, width=120, color_system=None)
         else:
             console = Console(color_system="auto" if interactive() else None)
-        _print_table(console, rows, shown, title, headers or {}, notes)
+        _print_table(console, rows, chosen, title, headers or {}, notes)
 
 
 def _print_table(console, rows, shown, title, headers, notes) -> None:
@@ -514,9 +547,13 @@ DEVICE_OPTION = click.option(
 )
 
 
-def model_options(f):
+def model_options(columns: Sequence[str] | Callable[[dict], Sequence[str]], describe: str = ""):
     """--model, --weights, --data, --samples, --device, --output-fn, --batch-size and
-    `output_options`."""
+    `output_options(columns, describe)`."""
+    return functools.partial(_model_options, output_options(columns, describe))
+
+
+def _model_options(output: Callable, f):
     options = [
         click.option(
             "--model",
@@ -552,7 +589,7 @@ def model_options(f):
             help="samples per block (default: chosen from free memory)",
         ),
     ]
-    f = output_options(f)
+    f = output(f)
     for option in reversed(options):
         f = option(f)
     return f
@@ -678,25 +715,38 @@ def resolve_test_data(
 
 
 def check_fits(model: nn.Module, x, option: str = "data") -> None:
-    """Run one sample through the model so that data of the wrong shape is a usage error."""
+    """Run one sample through the model: data the model cannot take is a usage error naming
+    --option (exit 2); a forward pass that fails once a layer with trainable parameters has
+    taken the data (`ModelForwardError`: inner layers of mismatched sizes...) is a fault of the
+    model, reported with the data's shape but without blaming the data (`ModelFailure`, exit 1)."""
     import torch
 
     from ntk.core import inputs
-    from ntk.core.model import describe_inputs
+    from ntk.core.model import ModelForwardError, ModelInputError, describe_inputs, naming_failures
 
+    got = (
+        f"shape {tuple(x.shape[1:])} ({x.dtype})"
+        if isinstance(x, torch.Tensor)
+        else describe_inputs(x)
+    )
+    one = inputs.take(x, slice(0, 1))
+    first = next(model.parameters(), None)
+    one = one if first is None else inputs.convert(one, first.device, None)
     try:
-        with torch.no_grad():
-            first = next(model.parameters(), None)
-            one = inputs.take(x, slice(0, 1))
-            one = one if first is None else inputs.convert(one, first.device, None)
+        with torch.no_grad(), naming_failures(model, one, f"--{option}"):
             args, kwargs = inputs.as_call(one)
             model(*args, **kwargs)
-    except Exception as exc:
-        got = (
-            f"shape {tuple(x.shape[1:])} ({x.dtype})"
-            if isinstance(x, torch.Tensor)
-            else describe_inputs(x)
-        )
-        raise UsageProblem(
-            f"--{option}: the model cannot take samples of {got}: {_first_line(exc)}"
+    except ModelForwardError as exc:
+        raise ModelFailure(
+            f"the model's forward pass failed in module {exc.module} on one --{option} sample "
+            f"of {got}: {_first_line(exc.__cause__)}"
         ) from None
+    except ModelInputError as exc:
+        if exc.__cause__ is None:  # a message of its own (embedding ids out of range)
+            raise UsageProblem(str(exc)) from None
+        detail = _first_line(exc.__cause__)
+    except Exception as exc:
+        detail = _first_line(exc)
+    else:
+        return
+    raise UsageProblem(f"--{option}: the model cannot take samples of {got}: {detail}")

@@ -22,10 +22,12 @@ from .common import (
     untrained_note,
 )
 
+COLUMNS = ("store", "samples", "shape", "blocks", "ranks", "seconds", "kernel_tiles")
+
 
 @click.command()
 @click.argument("store", default="ntk-features")
-@model_options
+@model_options(COLUMNS)
 @click.option(
     "--dim",
     type=click.IntRange(min=1),
@@ -151,7 +153,7 @@ def featurize(
                 }
             ],
             out,
-            columns=("store", "samples", "shape", "blocks", "ranks", "seconds"),
+            columns=COLUMNS[:-1],
             title=f"feature store ({info['samples']} samples){untrained}",
         )
 

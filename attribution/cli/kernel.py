@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -13,6 +14,7 @@ from .choices import KERNEL_KINDS, KERNEL_METHODS
 from .common import (
     UsageProblem,
     check_output_path,
+    done,
     emit,
     interactive,
     load_output_fn,
@@ -24,12 +26,22 @@ from .common import (
 
 # The full and diagonal kernels are [N·O, N·O] matrices to eigendecompose: O((N·O)³).
 DEFAULT_SAMPLES = 256
-COLUMNS = ("kind", "shape", "lambda_1", "condition_number", "rank", "seconds")
+COLUMNS = ("kind", "shape", "lambda_1", "condition_number", "rank", "seconds")  # by default
+EVERY_COLUMN = (
+    "kind",
+    "shape",
+    "seconds",
+    "lambda_1",
+    "lambda_2",
+    "lambda_3",
+    "condition_number",
+    "rank",
+)
 HEADERS = {"lambda_1": "λ1", "condition_number": "κ", "rank": "rank"}
 
 
 @click.command()
-@model_options
+@model_options(EVERY_COLUMN)
 @click.option(
     "--kind",
     "kinds",
@@ -38,16 +50,32 @@ HEADERS = {"lambda_1": "λ1", "condition_number": "κ", "rank": "rank"}
     help="kernel kind(s) to compute (default: all four)",
 )
 @click.option("--method", type=click.Choice(KERNEL_METHODS), default="auto", show_default=True)
-@click.option("--save", default=None, help="save the kernel as .npy (needs exactly one --kind)")
+@click.option(
+    "--save",
+    default=None,
+    help="save the kernel as .npy (needs exactly one --kind); a line on stderr says where",
+)
 def kernel(
     model_spec, weights, data, samples, device, output_fn, batch_size, out, kinds, method, save
 ):
     """Compute the eNTK of a model (default: the built-in digits demo) on the first 256 samples
-    (--samples) and summarise it: shapes, time, top eigenvalues, condition number κ, numerical
-    rank and per-layer trace shares."""
+    (--samples) and summarise it: shapes, time, top eigenvalues, numerical rank, condition number
+    κ and per-layer trace shares.
+
+    \b
+    rank: the eigenvalues above λ1 · n · ε(float32) (numpy's matrix_rank tolerance; n = N, or
+          N·O for the full and diagonal kernels, which are computed in float32).
+    κ:    λ1 / λn over the same eigenvalues: inf whenever the rank is below n (λn is then
+          rounding noise), so a finite κ always comes with full rank.
+
+    The table prints the summary, then the per-layer shares of the trace kernel; --format json
+    holds them under "layers", --format csv as one more row per layer (columns layer, type,
+    trace, share; kind "trace"). JSON also holds the notes under the table (why κ = inf),
+    "untrained" (--model without --weights, the table's title says so) and the --save path."""
     import ntk
     from ntk.core import inputs
-    from ntk.spectrum import condition_from_eigenvalues
+
+    from ..layers import layer_label
 
     kinds = kinds or KERNEL_KINDS
     if save is not None and len(kinds) != 1:
@@ -76,9 +104,9 @@ def kernel(
         seconds = time.perf_counter() - start
         with step(f"spectrum of the {kind} kernel"):
             ev = ntk.eigenvalues(k)
-            kappa = condition_from_eigenvalues(ev)
         size = len(ev)
         rank = numerical_rank(ev, size)
+        kappa = condition_number(ev, rank)
         rows.append(
             {
                 "kind": kind,
@@ -107,12 +135,19 @@ def kernel(
     total = sum(traces.values())
     modules = dict(model.named_modules())
     shares = [
-        {"layer": name, "type": type(modules[name]).__name__, "trace": t, "share": t / total}
+        {
+            "layer": name,
+            "type": type(modules[name]).__name__,
+            "trace": t,
+            "share": t / total,
+        }
         for name, t in traces.items()
     ]
     if save is not None:
         _save_npy(saved.cpu().numpy(), save)
-    if out.fmt == "table" and out.path is None:
+        done(f"wrote the {kinds[0]} kernel ({'x'.join(map(str, saved.shape))}) to {save}")
+    meta = {"samples": int(n), "untrained": bool(untrained), "saved": save}
+    if out.fmt == "table":
         emit(
             rows,
             out,
@@ -121,9 +156,18 @@ def kernel(
             headers=HEADERS,
             notes=notes,
         )
-        emit(shares, out, title=f"per-layer trace shares ({n} samples)")
+        every = replace(out, columns=(), all_columns=True)  # --columns choose the summary's
+        emit(
+            shares,
+            every,
+            title=f"per-layer trace shares ({n} samples)",
+            display={"layer": layer_label},
+            append=True,
+        )
+    elif out.fmt == "csv":
+        emit([*rows, *({"kind": "trace", **share} for share in shares)], out)
     else:
-        emit(rows, out, meta={"samples": int(n), "layers": shares}, notes=notes)
+        emit(rows, out, meta={**meta, "notes": notes, "layers": shares})
 
 
 def numerical_rank(eigenvalues, size: int) -> int:
@@ -132,6 +176,15 @@ def numerical_rank(eigenvalues, size: int) -> int:
 
     tolerance = float(eigenvalues[0]) * size * np.finfo(np.float32).eps
     return int((eigenvalues > tolerance).sum())
+
+
+def condition_number(eigenvalues, rank: int) -> float:
+    """κ = λmax / λmin over the eigenvalues `numerical_rank` counts: inf when the rank is below
+    the size (λmin is then below the rounding tolerance, and a finite ratio of it would only
+    measure the rounding of the float32 kernel)."""
+    from ntk.spectrum import condition_from_eigenvalues
+
+    return condition_from_eigenvalues(eigenvalues) if rank == len(eigenvalues) else float("inf")
 
 
 def why_singular(kind: str, n: int, size: int, rank: int) -> str:

@@ -17,16 +17,22 @@ from .common import (
     untrained_note,
 )
 
+# The columns of `attribution.layer_importance`'s rows.
+COLUMNS = ("layer", "type", "params", *LAYER_SCORES, "trace", "rank")
+
 
 def _plot(rows: list[dict], score: str, path: str) -> None:
     """Horizontal bar chart of `score`, most important at the top (rows where it is undefined
     are left out); a matplotlib `Figure`, no pyplot state. The title is centred on the figure,
     not over the axes that long layer names narrow, and the image grows to hold long names."""
     from .._figures import bar_chart
+    from ..layers import layer_label
 
     rows = [r for r in rows if r[score] is not None]
     fig = bar_chart(
-        [f"{r['layer'] or '(root)'}  [{r['type']}]" for r in rows], [r[score] for r in rows], score
+        [f"{layer_label(r['layer'])}  [{r['type']}]" for r in rows],
+        [r[score] for r in rows],
+        score,
     )
     fig.suptitle(f"layer importance ({score})")
     fig.tight_layout()
@@ -34,7 +40,7 @@ def _plot(rows: list[dict], score: str, path: str) -> None:
 
 
 @click.command()
-@model_options
+@model_options(COLUMNS)
 @click.option(
     "--score",
     type=click.Choice(LAYER_SCORES),
@@ -90,7 +96,7 @@ def layers(
     (all higher-is-more-important)."""
     from ntk.core import inputs
 
-    from ..layers import layer_importance
+    from ..layers import layer_importance, layer_label
 
     if depth is not None and group != "blocks":
         raise UsageProblem("--depth needs --group blocks")
@@ -133,5 +139,6 @@ def layers(
         meta=meta,
         columns=list(dict.fromkeys(columns)),
         headers={score: f"{score} ↑"},
+        display={"layer": layer_label},
         notes=["↑ ranks the rows, higher is more important; – where a score is undefined"],
     )

@@ -1,4 +1,5 @@
-"""The `ntk` command group and its error handling (exit 2: usage, 1: anything else)."""
+"""The `ntk` command group and its error handling (exit 2: usage errors; 1: anything else, a
+model whose own forward pass fails included, `common.ModelFailure`)."""
 
 from __future__ import annotations
 

@@ -89,7 +89,12 @@ def demo_space() -> dict:
     help="map each candidate's output to logits: an attribute name (logits) or "
     "package.module:function",
 )
-@output_options
+@output_options(
+    lambda params: columns(params["metrics"]),
+    "rank, candidate, the --metric names, mean_rank (several --metric), std (one --metric), "
+    "kappa (--metric condition_number or label_condition) and seconds, e.g. "
+    "candidate,mean_rank",
+)
 def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, device, output_fn, out):
     """Rank candidate architectures by NTK and zero-cost proxies (higher is better), best first."""
     from ntk import demo, proxies
@@ -143,7 +148,7 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
     notes = [
         "↑ higher is better; the rank column orders the candidates, 1 = best",
         *(
-            [f"vote ↑: the mean of each proxy's rank (1 = worst, {len(rows)} = best)"]
+            [f"mean_rank ↑: the mean of each proxy's rank (1 = worst, {len(rows)} = best)"]
             if len(metrics) > 1 and len(rows) > 1
             else []
         ),
@@ -166,12 +171,27 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
             "warmup_steps": warmup_steps,
         },
         headers={
-            "mean_rank": "vote ↑",
+            "mean_rank": "mean_rank ↑",
             "kappa": "κ (lower better)",
             **{m: f"{m} ↑" for m in PROXY_METRICS},
         },
         notes=notes,
     )
+
+
+# The metrics whose rows also give κ itself (column kappa).
+KAPPA_METRICS = ("condition_number", "label_condition")
+
+
+def columns(metrics) -> tuple[str, ...]:
+    """The columns of a ranking by `metrics` (--metric; none: the default vote), known before
+    any work (a vote member that `proxies.rank` leaves out has no column then)."""
+    metrics = list(dict.fromkeys(metrics or DEFAULT_RANKING))
+    if len(metrics) > 1:
+        scores = ("mean_rank", *metrics)
+    else:
+        scores = (metrics[0], "std", *(("kappa",) if metrics[0] in KAPPA_METRICS else ()))
+    return ("rank", "candidate", *scores, "seconds")
 
 
 def _columns(s) -> dict:
@@ -183,6 +203,6 @@ def _columns(s) -> dict:
         row = {"mean_rank": s.value, **{m: p.value for m, p in s.parts.items()}}
     else:
         row = {s.metric: s.value, "std": s.std}
-        if s.metric in ("condition_number", "label_condition"):
+        if s.metric in KAPPA_METRICS:
             row["kappa"] = float(np.mean(s.raw))
     return {k: None if v == float("-inf") or v != v else v for k, v in row.items()}

@@ -25,7 +25,7 @@ from .common import (
 
 
 @click.command()
-@model_options
+@model_options(("measure", "value", "samples"))
 @click.option(
     "--train",
     "train_file",
@@ -132,6 +132,7 @@ def report(
     from ntk.core import inputs
 
     from .._report import report as build_report
+    from ..layers import layer_label
     from ..surrogate import KernelSurrogate
 
     html = report_path
@@ -220,7 +221,7 @@ def report(
     ]
     rows += [
         {
-            "measure": f"share of layer {row['layer']}",
+            "measure": f"share of layer {layer_label(row['layer'])}",
             "value": row["share"],
             "samples": f"{layers['samples']} train",
         }

@@ -28,6 +28,16 @@ class ModelInputError(ValueError):
     """The model failed on the inputs it was given (wrong shape, dtype, ids out of range...)."""
 
 
+class ModelForwardError(RuntimeError):
+    """The model's forward pass failed after a layer with trainable parameters had taken the
+    inputs: a fault inside the model (e.g. inner layers of mismatched sizes), not proof that the
+    inputs are wrong. `module`: the name of the module that failed, with its type."""
+
+    def __init__(self, message: str, module: str = ""):
+        super().__init__(message)
+        self.module = module
+
+
 # What a module raises when its inputs do not fit it (shapes, dtypes, indices, arity).
 _MODEL_ERRORS = (RuntimeError, IndexError, TypeError, ValueError, KeyError, AssertionError)
 
@@ -62,9 +72,14 @@ def describe_inputs(x) -> str:
 @contextmanager
 def naming_failures(model: nn.Module, x, name: str):
     """Run a forward pass of `model` on `x` (the argument `name`) so that a failure of the model
-    becomes a `ModelInputError` naming the argument, the per-sample shape and dtype it got, the
-    parameters' dtype and the model's first error line; Embedding ids outside a table are named
-    before the model indexes with them."""
+    names the argument, the per-sample shape and dtype it got, the parameters' dtype and the
+    model's first error line. A failure before any module owning trainable parameters has
+    finished its forward pass is a `ModelInputError` (the inputs do not fit the model); one
+    after is a `ModelForwardError` naming the module that failed (the model's first layer took
+    the inputs, the fault lies further in). Embedding ids outside a table are named before the
+    model indexes with them."""
+    entered: list[tuple[str, nn.Module]] = []  # modules whose forward is running, innermost last
+    finished = [False]  # whether a module owning trainable parameters has finished one
 
     def check_ids(label: str, module: nn.Embedding):
         def hook(_, args):
@@ -80,21 +95,42 @@ def naming_failures(model: nn.Module, x, name: str):
 
         return hook
 
-    handles = [
-        m.register_forward_pre_hook(check_ids(label or type(m).__name__, m))
-        for label, m in model.named_modules()
-        if isinstance(m, nn.Embedding)
-    ]
+    def enter(label: str):
+        def hook(module, _):
+            entered.append((label, module))
+
+        return hook
+
+    def leave(owns: bool):
+        def hook(*_):
+            entered.pop()
+            finished[0] = finished[0] or owns
+
+        return hook
+
+    handles = []
+    for label, m in model.named_modules():
+        label = label or type(m).__name__
+        owns = any(p.requires_grad for p in m.parameters(recurse=False))
+        handles += [m.register_forward_pre_hook(enter(label)), m.register_forward_hook(leave(owns))]
+        if isinstance(m, nn.Embedding):
+            handles.append(m.register_forward_pre_hook(check_ids(label, m)))
     try:
         yield
     except ModelInputError:
         raise
     except _MODEL_ERRORS as e:
         dtypes = sorted({str(p.dtype) for p in model.parameters()})
-        raise ModelInputError(
-            f"{name}: the model failed on inputs of {describe_inputs(x)} (its parameters are "
-            f"{', '.join(dtypes) or 'none'}): {_first_line(e)}"
-        ) from e
+        where = f"inputs of {describe_inputs(x)} (its parameters are {', '.join(dtypes) or 'none'})"
+        if finished[0] and entered:
+            label, module = entered[-1]
+            module = f"'{label}' ({type(module).__name__})"
+            raise ModelForwardError(
+                f"{name}: the model's forward pass failed in module {module} on {where}: "
+                f"{_first_line(e)}",
+                module,
+            ) from e
+        raise ModelInputError(f"{name}: the model failed on {where}: {_first_line(e)}") from e
     finally:
         for h in handles:
             h.remove()
