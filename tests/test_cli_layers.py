@@ -106,6 +106,7 @@ def test_every_format_matches_the_library(tmp_path):
     assert "1.fc1" not in text and "layer importance by sensitivity" in text
     assert all(name in text for name in ("0", "1", "2", "3"))
     assert (tmp_path / "bars.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"ntk: wrote the bar chart of sensitivity to {tmp_path / 'bars.png'}" in out.stderr
 
     out = run(
         *common,

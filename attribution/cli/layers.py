@@ -8,6 +8,7 @@ from .choices import DEFAULT_LAYER_SCORE, KERNEL_KINDS, LABEL_SCORES, LAYER_SCOR
 from .common import (
     UsageProblem,
     check_output_path,
+    done,
     emit,
     flag_names,
     interactive,
@@ -123,6 +124,7 @@ def layers(
         )
     if plot is not None:
         _plot(rows, score, plot)
+        done(f"wrote the bar chart of {score} to {plot}")
     meta = {
         "model": model_spec or "demo",
         "samples": n,
