@@ -101,6 +101,19 @@ def test_killed_run_resumes_to_identical_bytes(tmp_path):
     assert np.array_equal(resumed, whole)
 
 
+def test_resumed_run_leaves_no_temporary_files(tmp_path):
+    """A writer killed while writing its manifest leaves its temporary file; the run that resumes
+    the store deletes it, and the finished store holds only the format's own files."""
+    path = tmp_path / "s"
+    run = run_dying(path, 7, 0, "manifest", 3)  # the store created, block 0 recorded
+    assert run.returncode == 3, run.stderr
+    assert sorted(projections.store_info(path)["blocks"]) == ["0"]
+    assert len(list(path.glob("manifest.json.*.tmp"))) == 1
+    resumed = dying.featurize(path)
+    assert sorted(p.name for p in path.iterdir()) == ["features.npy", "lock", "manifest.json"]
+    assert np.array_equal(resumed, dying.featurize(tmp_path / "whole"))
+
+
 def test_half_written_block_is_recomputed(tmp_path):
     model, x = model_and_data()
     path = tmp_path / "s"
