@@ -11,8 +11,9 @@ falls from the rank of A at λ → 0 to 0 as λ → ∞; it counts the direction
 against the damping. Choosing λ by a target γ is scale-free (it does not change when the loss or
 the outputs are rescaled), which a fixed λ is not.
 
-The damped system is then factored and solved here too (`cholesky`, `cholesky_solve`), without
-the copies of the (N·O)² matrix that torch's factorisation and solve make.
+The damped system is then factored and solved here too (`damped_factor` for both, `cholesky`,
+`cholesky_solve`, `log_det`), without the copies of the (N·O)² matrix that torch's factorisation
+and solve make.
 """
 
 from __future__ import annotations
@@ -145,22 +146,42 @@ def damped_cholesky(
     o: int,
     fraction: float = DOF_FRACTION,
     product: Product | None = None,
+    option: str = "damping",
 ) -> tuple[torch.Tensor, float]:
-    """(Cholesky factor of a + λI, λ), in place on a; λ = damping or, for "auto", the λ keeping
-    fraction · N·(O − 1) effective parameters (`damping_keeping`, from a's spectrum; N samples,
-    O outputs; `product`: a cheaper Y ↦ aY for it)."""
+    """(Cholesky factor of a + λI, λ), in place on a (`damped_factor`); λ = damping or, for
+    "auto", the λ keeping fraction · N·(O − 1) effective parameters (`damping_keeping`, from a's
+    spectrum; N samples, O outputs; `product`: a cheaper Y ↦ aY for it). option: the caller's
+    name for λ, in errors."""
     rank = n * max(o - 1, 1)
     if damping == "auto":
         lam = damping_keeping(a, rank, fraction * rank, product)
     else:
         lam = float(damping)
-    a.diagonal().add_(lam)
-    factor = cholesky(a)
+    return damped_factor(a, lam, option=option), lam
+
+
+def damped_factor(
+    a: torch.Tensor, damping: float, *, option: str = "damping", copy: bool = False
+) -> torch.Tensor:
+    """The lower Cholesky factor of a + λI (λ = damping) for the symmetric PSD system `a`,
+    formed and factored over a's own memory on the CPU (`cholesky`; copy: on a copy, a kept). A
+    damped system that is still not positive definite is refused, naming `option`, the caller's
+    name for λ (damping, prior_precision, alpha)."""
+    m = a.clone() if copy else a
+    m.diagonal().add_(damping)
+    factor = cholesky(m)
     if factor is None:
         raise ValueError(
-            f"the damped Gauss–Newton system is singular (damping λ={lam:.3g}); increase damping"
+            f"the damped Gauss–Newton system is not positive definite at {option}={damping:.3g} "
+            f"(singular, or a kernel that is not positive semi-definite in floating point); use "
+            f"a larger {option}"
         )
-    return factor, lam
+    return factor
+
+
+def log_det(factor: torch.Tensor) -> float:
+    """log det(L Lᵀ) from the lower Cholesky factor L."""
+    return 2.0 * float(factor.diagonal().log().sum())
 
 
 def cholesky(a: torch.Tensor) -> torch.Tensor | None:

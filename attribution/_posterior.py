@@ -297,7 +297,10 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         if a is None:
             self.factor_, logdet = None, self._logdet(a, self.prior_precision_)
         else:
-            self.factor_, logdet = _factor(a, self.prior_precision_, copy=False)
+            self.factor_ = _damping.damped_factor(
+                a, self.prior_precision_, option="prior_precision"
+            )
+            logdet = _damping.log_det(self.factor_)
         self.evidence_ = self._evidence(self.prior_precision_, logdet, self._size(a))
         return self
 
@@ -394,7 +397,8 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         if a is None:
             e = self._factored_spectrum()
             return float((e + delta).log().sum()) + (self._size(a) - e.numel()) * math.log(delta)
-        return _factor(a, delta, copy=True)[1]
+        factor = _damping.damped_factor(a, delta, option="prior_precision", copy=True)
+        return _damping.log_det(factor)
 
     def _evidence(self, delta: float, logdet: float, count: int) -> float:
         """log Z(δ) from log det(A + δI) of the count × count system A (SΘS, or ΨᵀΨ in parameter
@@ -692,19 +696,6 @@ def _grid_then_brent(f, lo: float, hi: float) -> float:
         options={"xatol": EVIDENCE_TOL},
     )
     return float(found.x if found.fun <= values[best] else grid[best])
-
-
-def _factor(a: torch.Tensor, delta: float, *, copy: bool) -> tuple[torch.Tensor, float]:
-    """The Cholesky factor of SΘS + δI (in place on `a` unless copy) and its log-determinant."""
-    m = a.clone() if copy else a
-    m.diagonal().add_(delta)
-    factor = _damping.cholesky(m)
-    if factor is None:
-        raise ValueError(
-            f"SΘS + δI is not positive definite at prior_precision δ={delta:.3g} (the kernel is "
-            "not positive semi-definite in float64); use a larger prior_precision"
-        )
-    return factor, 2.0 * float(factor.diagonal().log().sum())
 
 
 def _targets(y, n: int, o: int) -> torch.Tensor:

@@ -47,6 +47,7 @@ from torch.func import grad
 import ntk
 import projections
 from ntk.core import inputs
+from ntk.core.kinds import class_labels
 from ntk.core.model import ModelView, check_eval_mode
 from ntk.core.persample import map_samples
 from ntk.spectrum import as_matrix
@@ -170,11 +171,7 @@ def _check_targets(view: ModelView, x, y: torch.Tensor) -> None:
             inputs.convert(inputs.take(x, slice(0, 1)), view.device, None), "x"
         ).shape[1]
     if not y.is_floating_point():
-        if int(y.min()) < 0 or int(y.max()) >= outputs:
-            raise ValueError(
-                f"y holds labels {int(y.min())}..{int(y.max())}; class labels must lie in "
-                f"0..{outputs - 1} for a model with {outputs} outputs"
-            )
+        class_labels(y, len(y), outputs, "y")
     elif y[0].numel() != outputs:
         raise ValueError(
             f"y holds {y[0].numel()} real value(s) per sample; real-valued targets need "

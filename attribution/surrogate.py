@@ -374,7 +374,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         system, product = scalar_kernel_system(torch.as_tensor(k), root)
         damping = "auto" if self.alpha is None else float(self.alpha)
         factor, self.alpha_ = damped_cholesky(
-            system, damping, n, o, GAUSS_NEWTON_DOF_FRACTION, product=product
+            system, damping, n, o, GAUSS_NEWTON_DOF_FRACTION, product=product, option="alpha"
         )
         target = torch.einsum("iop,ip->io", root, g + step).reshape(-1, 1)
         beta = cholesky_solve(target, factor).reshape(n, o)

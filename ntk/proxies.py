@@ -27,8 +27,8 @@ v the eigenvalues of the correlation matrix of the input Jacobians ∂(Σ_o f_o)
 (Mellor et al., 2021); `naswot` log |det K_H|, K_H the sum over activation layers of the number of
 units on which two samples' activation patterns (sign of the activation's input) agree (Mellor et
 al., ICML 2021; −inf when the batch exceeds the rank of K_H, at most twice the number of
-activation units: very narrow candidates then tie last); `params` the number of trainable
-parameters.
+activation units: very narrow candidates then tie last; it does not read y); `params` the number
+of trainable parameters.
 
 `rank` orders a candidate set by one metric, or by the mean rank over several (a vote, as in
 Abdelfattah et al.'s majority vote of proxies). The defaults (`score`: `label_condition` on 256
@@ -178,6 +178,10 @@ def score(
     tensor or a tuple/dict of tensors (e.g. input_ids and attention_mask; `synflow` and
     `jacob_cov` need one floating-point input tensor); output_fn maps the model's output to
     [B, O] (e.g. `lambda out: out.logits`). return_details=True gives a `ProxyScore`.
+    y: class labels [N] in 0..O−1 (O the model's outputs; integral floats are taken as integers),
+    read by the lga metrics, `label_condition`, `grad_norm`, `snip`, kind="lpntk" and warm-up,
+    ignored by the other metrics (`naswot` included) but checked whenever given: labels outside
+    that range are refused with a ValueError naming y, the first offending label and the range.
     """
     _check_options(metric, kind, batch_size, repeats, warmup_steps)
     x, y = _check_data(x, y, metric, warmup_steps, kind)
@@ -190,6 +194,8 @@ def score(
         generator = torch.Generator().manual_seed(seed + r)
         net = _prepare(model, seed + r)
         net = net if device is None else net.to(device)
+        if y is not None:
+            _check_labels(net, x, y, output_fn)
         if warmup_steps:
             _warm_up(net, x, y, warmup_steps, warmup_lr, generator, output_fn)
         idx = torch.randperm(inputs.count(x), generator=generator)[:batch_size]
@@ -351,16 +357,9 @@ def _check_data(x, y, metric, warmup_steps, kind):
             raise ValueError(f"metric {metric!r} {needs}needs class labels y")
         return x, None
     y = inputs.targets(y)
-    if y.dim() != 1 or y.is_floating_point() or y.is_complex():
-        raise ValueError(
-            f"y must be a 1-D tensor of integer class labels, got "
-            f"{y.dtype} of shape {tuple(y.shape)}"
-        )
-    if len(y) != n:
+    if y.dim() == 1 and len(y) != n:
         raise ValueError(f"x has {n} samples but y has {len(y)} labels")
-    if bool((y < 0).any()):
-        raise ValueError("y holds negative class labels")
-    return x, y
+    return x, kinds.class_labels(y, n, None, "y")  # their range once the model is known
 
 
 def _prepare(candidate: Candidate, seed: int) -> nn.Module:
@@ -390,14 +389,26 @@ def _check_outputs(net: nn.Module, x, output_fn: Callable | None) -> None:
         raise ValueError("the model produced non-finite outputs (NaN or inf) on x")
 
 
-def _check_labels(out: torch.Tensor, y: torch.Tensor) -> None:
+def _check_labels(net: nn.Module, x, y: torch.Tensor, output_fn: Callable | None) -> None:
+    """y must label the model's outputs (0..O−1; outputs [B] count as O = 1), whichever metric
+    reads them: checked once, on one sample's output (eval mode, no gradients), before any
+    warm-up step. Outputs that are not [B] or [B, O] tensors are left to the metrics."""
+    training = net.training
+    with torch.no_grad(), naming_failures(net, x, "x"):
+        out = _forward(net.eval(), inputs.take(x, slice(0, 1)), output_fn)
+    net.train(training)
+    if isinstance(out, torch.Tensor) and out.dim() in (1, 2):
+        kinds.class_labels(y, len(y), 1 if out.dim() == 1 else out.shape[1], "y")
+
+
+def _class_scores(out: torch.Tensor) -> torch.Tensor:
+    """The model output as the class scores [B, O] of a cross-entropy loss."""
     if out.dim() != 2:
         raise ValueError(
             f"the model output has shape {tuple(out.shape)}; class scores [B, O] "
             "are needed for a cross-entropy loss"
         )
-    if int(y.max()) >= out.shape[1]:
-        raise ValueError(f"y holds class {int(y.max())} but the model has {out.shape[1]} outputs")
+    return out
 
 
 def _forward(net: nn.Module, x, output_fn: Callable | None = None):
@@ -434,10 +445,8 @@ def _warm_up(
             order = torch.randperm(inputs.count(x), generator=generator)
         idx, order = order[:64], order[64:]
         opt.zero_grad()
-        out = _forward(net, inputs.take(x, idx), output_fn)
-        yb = y[idx.to(y.device)]
-        _check_labels(out, yb)
-        nn.functional.cross_entropy(out, yb).backward()
+        out = _class_scores(_forward(net, inputs.take(x, idx), output_fn))
+        nn.functional.cross_entropy(out, y[idx.to(y.device)]).backward()
         opt.step()
 
 
@@ -468,25 +477,13 @@ def _calibrate_norms(net: nn.Module, x) -> nn.Module:
 # --------------------------------------------------------------------------------------------
 
 
-def _lpntk_labels(net, x, y, kind, output_fn):
-    """The labels `empirical_ntk` takes for `kind`: y for lpntk, checked against the outputs
-    (outputs that are not a tensor are left to `empirical_ntk`, which says to pass output_fn)."""
-    if kind != "lpntk":
-        return None
-    with torch.no_grad():
-        out = _forward(net, inputs.take(x, slice(0, 1)), output_fn)
-    if isinstance(out, torch.Tensor):
-        _check_labels(out, y)
-    return y
-
-
 def _kernel(net, x, y, kind, layers, output_fn):
     """The batch's [N, N] kernel; the label-aware kind (lpntk) takes the batch's labels y."""
     return empirical_ntk(
         net,
         x,
         kind=kind,
-        labels=_lpntk_labels(net, x, y, kind, output_fn),
+        labels=y if kind == "lpntk" else None,
         layers=None if layers is None else list(layers),
         per_layer=False,
         output_fn=output_fn,
@@ -551,7 +548,7 @@ def _layer_condition(net, x, y, *, kind, layers, output_fn):
         net,
         x,
         kind=kind,
-        labels=_lpntk_labels(net, x, y, kind, output_fn),
+        labels=y if kind == "lpntk" else None,
         layers="all" if layers is None else list(layers),
         per_layer=True,
         output_fn=output_fn,
@@ -567,8 +564,7 @@ def _layer_condition(net, x, y, *, kind, layers, output_fn):
 
 def _loss_grads(net, x, y, output_fn):
     params = [p for p in net.parameters() if p.requires_grad]
-    out = _forward(net, x, output_fn)
-    _check_labels(out, y)
+    out = _class_scores(_forward(net, x, output_fn))
     grads = torch.autograd.grad(nn.functional.cross_entropy(out, y), params, allow_unused=True)
     for g in grads:
         if g is not None:
@@ -617,6 +613,8 @@ def _jacob_cov(net, x, y, *, output_fn, **_):
 
 
 def _naswot(net, x, y, **_):
+    """Mellor et al.'s score of the activation patterns of x; y is not read (the labels of a
+    vote are checked, as for every metric, but the patterns do not depend on them)."""
     codes = []
     n = inputs.count(x)
     record = lambda module, inp, out: codes.append(inp[0].reshape(n, -1) > 0)  # noqa: E731

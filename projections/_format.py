@@ -10,7 +10,9 @@ A store is a directory with
   SHA-256 of its rows (``features``) and of the model inputs they were computed from
   (``inputs``);
 - ``lock``: held (`fcntl.flock`) by the one process that writes the store, with its pid and
-  host; the operating system releases it when that process dies.
+  host; the operating system releases it when that process dies. Its next holder deletes the
+  temporary files (``manifest.json.<pid>.tmp``, ``features.npy.<pid>.tmp``) of a writer killed
+  before renaming them.
 
 Every field of the manifest is checked against the others, against their checksum and against
 the array's header, so that an edited manifest is refused rather than believed. A block counts as
@@ -43,9 +45,11 @@ from ._projectors import PROJECTORS
 # /3: Rademacher signs drawn as random bits (other values than /2 for the same seed)
 FORMAT = "ntk-feature-store/3"
 MANIFEST, ARRAY, LOCK, JOURNAL = "manifest.json", "features.npy", "lock", "journal"
-# every entry a writer makes, its temporary files (named by the writer's pid) included
+# a writer's temporary files (named by its pid), renamed over the manifest or array when written
+_TEMPORARY = re.compile(rf"(?:{re.escape(MANIFEST)}|{re.escape(ARRAY)})\.\d+\.tmp")
+# every entry a writer makes, a killed writer's temporary files included
 _WRITTEN = re.compile(
-    rf"(?:{re.escape(MANIFEST)}|{re.escape(ARRAY)})(?:\.\d+\.tmp)?|{LOCK}|{JOURNAL}"
+    rf"{re.escape(MANIFEST)}|{re.escape(ARRAY)}|{LOCK}|{JOURNAL}|{_TEMPORARY.pattern}"
 )
 STORE_DTYPES = ("float16", "float32", "float64")
 _FIELDS = {  # the manifest's fields and their JSON types, besides "blocks"
@@ -387,6 +391,14 @@ def _lock_holder(fd: int, attempts: int = 50, wait: float = 0.002) -> str:
     return "another process"
 
 
+def _remove_temporaries(root: Path) -> None:
+    """Delete the temporary files of writers killed before renaming them: called by the lock's
+    holder, the one writer, so none of them is in use."""
+    for entry in root.iterdir():
+        if _TEMPORARY.fullmatch(entry.name):
+            entry.unlink(missing_ok=True)
+
+
 @contextmanager
 def writer_lock(root: Path):
     """Hold the store's lock while writing; refuse (naming the holder) while another process
@@ -404,6 +416,7 @@ def writer_lock(root: Path):
         me = json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, me, 0)
+        _remove_temporaries(root)
         try:
             yield
         finally:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ntk.distributed import agree, barrier, rank_and_world, run_grid, shard
+from ntk.distributed import agree, barrier, check_empty, rank_and_world, run_grid, shard
 
 from . import _format
 from .projected import Featurizer, kernel_grid
@@ -116,6 +116,7 @@ def kernel(
     store2: None | str | os.PathLike = None,
     *,
     path: None | str | os.PathLike = None,
+    rewrite: bool = False,
     out=None,
     tile: int = 4096,
     progress: bool = False,
@@ -124,19 +125,28 @@ def kernel(
     with its `tile` × `tile` tiles shared among the ranks (see `ntk.distributed`).
 
     path=None: gathered to rank 0, which returns a numpy array (or fills `out`), other ranks
-    None; path: every rank writes its tiles under that directory (read with
-    `ntk.distributed.load_tiles`). The numbers are those of `projections.kernel` (a symmetric
-    kernel's lower tiles are mirrors of the upper ones).
+    None; path: a new or empty directory (rewrite=True: or one holding the tiles of an earlier
+    kernel, whose index is removed before any tile is written, so that an interrupted rewrite
+    never looks complete) under which every rank writes its tiles (read with
+    `ntk.distributed.load_tiles`); any other existing path is refused before any work. The
+    numbers are those of `projections.kernel` (a symmetric kernel's lower tiles are mirrors of the
+    upper ones).
     """
-    kind = _format.store_info(store1)["kind"]
-    if store2 is not None and _format.store_info(store2)["kind"] != kind:
-        raise ValueError(
-            f"the stores hold features of different kinds ({kind} and "
-            f"{_format.store_info(store2)['kind']})"
-        )
-    phi1 = _format.open_store(store1, verify=False)
-    phi2 = None if store2 is None else _format.open_store(store2, verify=False)
-    result = run_grid(
-        kernel_grid(phi1, phi2, kind=kind, tile=tile), path=path, out=out, progress=progress
-    )
+    rank = rank_and_world()[0]
+    grid = error = None
+    try:
+        kind = _format.store_info(store1)["kind"]
+        if store2 is not None and _format.store_info(store2)["kind"] != kind:
+            raise ValueError(
+                f"the stores hold features of different kinds ({kind} and "
+                f"{_format.store_info(store2)['kind']})"
+            )
+        if path is not None and rank == 0:
+            check_empty(Path(path), rewrite=rewrite)
+        phi1 = _format.open_store(store1, verify=False)
+        phi2 = None if store2 is None else _format.open_store(store2, verify=False)
+        grid = kernel_grid(phi1, phi2, kind=kind, tile=tile)
+    except (ValueError, TypeError) as e:
+        error = e
+    result = run_grid(grid, path=path, out=out, progress=progress, error=error)
     return result.numpy() if isinstance(result, torch.Tensor) else result

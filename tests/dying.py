@@ -4,7 +4,8 @@ store tests; the library has no hook for this.
 As a script: ``python dying.py PATH DATA_SEED MODEL_SEED HOW COUNT`` featurises the tiny store of
 `featurize` into PATH and exits with status 3 when
   HOW = records: its COUNT-th new block has been recorded as complete;
-  HOW = forward: the model starts its COUNT-th forward pass (mid-block, rows half written).
+  HOW = forward: the model starts its COUNT-th forward pass (mid-block, rows half written);
+  HOW = manifest: its COUNT-th manifest is written to its temporary file, not yet renamed.
 It exits 0 if the run finishes first, and 1 with the error's type and message on stderr when
 featurize refuses.
 """
@@ -75,10 +76,28 @@ def die_at_forward(net: torch.nn.Module, count: int) -> None:
     net.register_forward_pre_hook(hook)
 
 
+def die_in_manifest_write(count: int) -> None:
+    """Exit (status 3) when the `count`-th manifest is about to be renamed over the old one: its
+    temporary file is complete and left behind."""
+    replace = os.replace
+    writes = [0]
+
+    def dying(src, dst):
+        if os.path.basename(dst) == "manifest.json":
+            writes[0] += 1
+            if writes[0] >= count:
+                os._exit(3)
+        replace(src, dst)
+
+    os.replace = dying
+
+
 def main(path, data_seed, model_seed, how, count):
     net = model(int(model_seed))
     if how == "records":
         die_after_records(int(count))
+    elif how == "manifest":
+        die_in_manifest_write(int(count))
     else:
         die_at_forward(net, int(count))
     try:

@@ -384,3 +384,29 @@ def test_numpy_inputs_give_the_scores_of_tensors(setup, method):
     expected = influence(model, x, y, xt, yt, method=method)
     got = influence(model, x.numpy(), y.numpy(), xt.numpy(), yt.numpy(), method=method)
     torch.testing.assert_close(got, expected)
+
+
+def test_influence_and_the_posterior_factor_their_damped_system_alike(setup, small_classifier):
+    """One factorisation of a damped system (`_damping.damped_factor`) serves influence's damping
+    and NTKPosterior's prior precision: in place on the CPU (copy=True keeps the system), and a
+    system still singular after damping is refused in the same words, naming each one's option."""
+    from attribution import NTKPosterior, _damping
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(30, 8, generator=gen, dtype=torch.float64)
+    a = x @ x.T  # rank 8
+    kept = a.clone()
+    factor = _damping.damped_factor(a, 0.5, copy=True)
+    assert torch.equal(a, kept)
+    expected = torch.linalg.cholesky(kept + 0.5 * torch.eye(30, dtype=torch.float64))
+    torch.testing.assert_close(factor, expected)
+    assert _damping.log_det(factor) == pytest.approx(float(torch.logdet(expected @ expected.T)))
+    assert _damping.damped_factor(a, 0.5).data_ptr() == a.data_ptr()
+    model, x, y, xt, yt = setup
+    with pytest.raises(ValueError, match=r"not positive definite at damping=1e-300 .*larger damp"):
+        influence(model, x, y, xt, method="gauss_newton", damping=1e-300)
+    model, x, y, _, _ = small_classifier
+    with pytest.raises(
+        ValueError, match=r"not positive definite at prior_precision=1e-300 .*larger prior_prec"
+    ):
+        NTKPosterior(model, prior_precision=1e-300, curvature="exact").fit(x, y)

@@ -363,7 +363,7 @@ def labelled(files):
         ("report --train {f}/labels.npz --test {f}/train.npz", "--train: y holds labels outside"),
         ("report --train {f}/train.npz --test {f}/labels.npz", "--test: y holds labels outside"),
         ("report --train {f}/train.npz --test {f}/train.npz --image-shape 3x3", "--image-shape (3"),
-        ("layers --data {f}/labels.npz", "--data: y holds labels 0..9; class labels must lie"),
+        ("layers --data {f}/labels.npz", "--data: y holds labels outside 0..2: 3 at sample"),
         ("layers --data {f}/pairs.npz", "--data: y holds integer class labels of shape (10, 2)"),
         ("layers --data {f}/nolabels.npz --score fisher", "--score fisher needs labels: --data"),
     ],
@@ -379,7 +379,10 @@ def test_bad_labels_and_image_shapes_name_the_flag(labelled, capsys, args, messa
 def test_nas_names_the_labels_of_data(labelled, capsys):
     candidates = f"{labelled}/factory.py:CANDIDATES"
     err = usage_error(capsys, "nas", "--data", f"{labelled}/labels.npz", "--candidates", candidates)
-    assert "candidate 'one': --data's y holds class 9 but the model has 3 outputs" in err
+    assert (
+        "candidate 'one': --data's y holds labels outside 0..2: 3 at sample 3 (the model has 3"
+        in err
+    )
 
 
 def test_top_that_would_list_an_example_on_both_sides_is_refused(labelled, capsys):

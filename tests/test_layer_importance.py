@@ -240,8 +240,10 @@ def test_bad_input_is_refused_with_a_clear_message():
         layer_importance(model, x, score="alignment")
     with pytest.raises(ValueError, match="one entry per sample"):
         layer_importance(model, x, y[:3])
-    with pytest.raises(ValueError, match="class labels must lie in 0..2"):
+    with pytest.raises(ValueError, match=r"^y holds labels outside 0\.\.2: 7 at sample 0 \("):
         layer_importance(model, x, y + 5)
+    with pytest.raises(ValueError, match=r"^y holds labels outside 0\.\.2: -1 at sample 3 \("):
+        layer_importance(model, x, torch.where(torch.arange(len(y)) == 3, -1, y))
     with pytest.raises(ValueError, match=r"labels of shape \(10, 2\); class labels are one per"):
         layer_importance(model, x, torch.stack([y, y], 1))
     with pytest.raises(ValueError, match="group must be"):

@@ -3,6 +3,7 @@ of mismatched settings, other models, incomplete, truncated and corrupted stores
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -13,7 +14,9 @@ import torch
 from models import MLP
 from torch.utils.data import DataLoader, TensorDataset
 
+import ntk.distributed
 import projections
+import projections.distributed
 
 N, DIM, BLOCK = 23, 32, 5  # 5 blocks, the last one short
 HERE = os.path.dirname(__file__)
@@ -101,6 +104,19 @@ def test_killed_run_resumes_to_identical_bytes(tmp_path):
     assert np.array_equal(resumed, whole)
 
 
+def test_resumed_run_leaves_no_temporary_files(tmp_path):
+    """A writer killed while writing its manifest leaves its temporary file; the run that resumes
+    the store deletes it, and the finished store holds only the format's own files."""
+    path = tmp_path / "s"
+    run = run_dying(path, 7, 0, "manifest", 3)  # the store created, block 0 recorded
+    assert run.returncode == 3, run.stderr
+    assert sorted(projections.store_info(path)["blocks"]) == ["0"]
+    assert len(list(path.glob("manifest.json.*.tmp"))) == 1
+    resumed = dying.featurize(path)
+    assert sorted(p.name for p in path.iterdir()) == ["features.npy", "lock", "manifest.json"]
+    assert np.array_equal(resumed, dying.featurize(tmp_path / "whole"))
+
+
 def test_half_written_block_is_recomputed(tmp_path):
     model, x = model_and_data()
     path = tmp_path / "s"
@@ -152,3 +168,27 @@ def test_corrupted_and_truncated_stores_are_refused(tmp_path):
         projections.open_store(path)
     with pytest.raises(projections.StoreError, match="not a feature store"):
         projections.open_store(tmp_path / "nothing")
+
+
+def test_kernel_tiles_of_a_store_need_a_new_or_empty_folder(tmp_path):
+    """`projections.distributed.kernel(path=...)` refuses a folder of other files (naming it,
+    writing nothing) and an earlier kernel unless rewrite=True, as `ntk.distributed` does."""
+    model, x = model_and_data()
+    phi = store(tmp_path / "s", model, x)
+    want = projections.kernel(phi, kind="trace")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("not a kernel")
+    with pytest.raises(
+        ValueError, match=re.escape(f"path {other} exists and is not an empty directory")
+    ):
+        projections.distributed.kernel(tmp_path / "s", path=other, tile=7)
+    assert [p.name for p in other.iterdir()] == ["notes.txt"]
+    with pytest.raises(ValueError, match=re.escape(f"path {other} exists")):
+        projections.distributed.kernel(tmp_path / "s", path=other, rewrite=True, tile=7)
+    tiles = tmp_path / "tiles"
+    projections.distributed.kernel(tmp_path / "s", path=tiles, tile=7)
+    with pytest.raises(ValueError, match=re.escape(f"path {tiles} exists")):
+        projections.distributed.kernel(tmp_path / "s", path=tiles, tile=7)
+    projections.distributed.kernel(tmp_path / "s", path=tiles, rewrite=True, tile=5)
+    np.testing.assert_allclose(ntk.distributed.load_tiles(tiles), want, rtol=1e-6, atol=1e-6)

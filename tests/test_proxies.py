@@ -208,16 +208,49 @@ def test_clear_errors(data):
         proxies.rank({"num": 3}, x, y)
     with pytest.raises(ValueError, match="12 samples but y has 5"):
         proxies.score(tiny(), x, y[:5])
-    with pytest.raises(ValueError, match="integer class labels"):
-        proxies.score(tiny(), x, y.float())
+    with pytest.raises(ValueError, match="integer class labels, got 0.5 at sample 0"):
+        proxies.score(tiny(), x, y + 0.5)
     with pytest.raises(ValueError, match="needs class labels"):
         proxies.score(tiny(), x, None, metric="lga")
-    with pytest.raises(ValueError, match="class 3 but the model has 3 outputs"):
+    with pytest.raises(ValueError, match=r"y holds labels outside 0\.\.2: 3 at sample 2"):
         proxies.score(tiny(), x, y + 1, metric="grad_norm")
     with pytest.raises(ValueError, match="unknown metric"):
         proxies.score(tiny(), x, y, metric="accuracy")
     with pytest.raises(ValueError, match="candidate 'narrow': x: the model failed"):
         proxies.rank({"narrow": tiny}, torch.randn(N, D + 2), y, metric="lga")
+
+
+LABEL_METRICS = ["lga", "lga_cosine", "lga_centred", "label_condition", "grad_norm", "snip"]
+
+
+@pytest.mark.parametrize(
+    "metric, options",
+    [(m, {}) for m in LABEL_METRICS + ["naswot", "params"]]
+    + [("condition_number", {"kind": "lpntk"}), ("trace", {"warmup_steps": 1})],
+)
+def test_labels_outside_the_outputs_are_refused_naming_y(data, metric, options):
+    """Every metric, those reading y (lga silently scored labels ≥ O) and those ignoring it,
+    refuses labels that do not index the model's O outputs, naming y, the first offending label
+    and the range; integral floats are labels."""
+    x, y = data
+    bad = y.clone()
+    bad[4] = O
+    with pytest.raises(ValueError, match=r"^y holds labels outside 0\.\.2: 3 at sample 4 \("):
+        run(tiny(), x, bad, metric, **options)
+    bad[4] = -1
+    with pytest.raises(ValueError, match=r"^y holds a negative label: -1 at sample 4"):
+        run(tiny(), x, bad, metric, **options)
+    fractional = y.double()
+    fractional[4] = 1.5
+    with pytest.raises(
+        ValueError, match=r"^y must hold integer class labels, got 1\.5 at sample 4"
+    ):
+        run(tiny(), x, fractional, metric, **options)
+    assert run(tiny(), x, y.double(), metric, **options) == run(tiny(), x, y, metric, **options)
+    with pytest.raises(
+        ValueError, match=r"candidate 'a': y holds labels outside 0\.\.2: 3 at sample 0"
+    ):
+        proxies.rank({"a": tiny}, x, y + 3, metric=[metric, "params"], batch_size=N)
 
 
 def test_a_vote_orders_by_the_mean_rank_over_metrics(data):

@@ -135,7 +135,7 @@ def featurize(
     seconds = time.perf_counter() - start
     if kernel_tiles is not None:
         with step("projected kernel tiles"):
-            projections.distributed.kernel(store, path=kernel_tiles, tile=block)
+            projections.distributed.kernel(store, path=kernel_tiles, rewrite=True, tile=block)
     if joined:
         dist.destroy_process_group()
     if rank == 0:

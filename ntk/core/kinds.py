@@ -279,19 +279,40 @@ def rows(cot: torch.Tensor, index) -> torch.Tensor:
     return cot if cot.dim() == 2 else cot[:, index]
 
 
-def class_labels(y, n: int, num_outputs: int, name: str = "y") -> torch.Tensor:
-    """Class labels (a tensor, numpy array or list) as a long tensor [n] in 0..num_outputs−1."""
+def class_labels(y, n: int, num_outputs: int | None, name: str = "y") -> torch.Tensor:
+    """Class labels (a tensor, numpy array or list of integers, or of integral floats) as a long
+    tensor [n] in 0..num_outputs−1, refused otherwise with an error naming `name` (the caller's
+    argument), the first offending label and the valid range. num_outputs=None: the model is not
+    known yet, the labels need only be integers ≥ 0 (check them again once it is)."""
     y = inputs.targets(y, name)
     if y.dim() != 1 or y.shape[0] != n:
         raise ValueError(
             f"{name} must be a 1-d tensor of {n} class labels, got shape {tuple(y.shape)}"
         )
-    if y.is_floating_point() and not bool((y == y.round()).all()):
-        raise ValueError(f"{name} must hold integer class labels")
+    if y.is_complex():
+        raise ValueError(f"{name} must hold integer class labels, got {y.dtype}")
+    if y.is_floating_point():
+        bad = ~(torch.isfinite(y) & (y == y.round()))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(
+                f"{name} must hold integer class labels, got {float(y[i])!r} at sample {i}"
+            )
     y = y.long()
-    if n and (int(y.min()) < 0 or int(y.max()) >= num_outputs):
+    if num_outputs is None:
+        bad = y < 0
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(
+                f"{name} holds a negative label: {int(y[i])} at sample {i} (class labels are "
+                "integers ≥ 0)"
+            )
+        return y
+    bad = (y < 0) | (y >= num_outputs)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
         raise ValueError(
-            f"{name} holds labels outside 0..{num_outputs - 1} (the model has "
-            f"{num_outputs} outputs)"
+            f"{name} holds labels outside 0..{num_outputs - 1}: {int(y[i])} at sample {i} (the "
+            f"model has {num_outputs} output{'s' if num_outputs != 1 else ''})"
         )
     return y
