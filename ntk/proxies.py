@@ -390,15 +390,25 @@ def _check_outputs(net: nn.Module, x, output_fn: Callable | None) -> None:
 
 
 def _check_labels(net: nn.Module, x, y: torch.Tensor, output_fn: Callable | None) -> None:
-    """y must label the model's outputs (0..O−1; outputs [B] count as O = 1), whichever metric
-    reads them: checked once, on one sample's output (eval mode, no gradients), before any
-    warm-up step. Outputs that are not [B] or [B, O] tensors are left to the metrics."""
+    """y must label the model's outputs (0..O−1; a single output, [B] or [B, 1], is a binary
+    classifier's logit: labels 0 and 1), whichever metric reads them: checked once, on one
+    sample's output (eval mode, no gradients), before any warm-up step. Outputs that are not
+    [B] or [B, O] tensors are left to the metrics."""
     training = net.training
     with torch.no_grad(), naming_failures(net, x, "x"):
         out = _forward(net.eval(), inputs.take(x, slice(0, 1)), output_fn)
     net.train(training)
-    if isinstance(out, torch.Tensor) and out.dim() in (1, 2):
-        kinds.class_labels(y, len(y), 1 if out.dim() == 1 else out.shape[1], "y")
+    if not (isinstance(out, torch.Tensor) and out.dim() in (1, 2)):
+        return
+    outputs = 1 if out.dim() == 1 else out.shape[1]
+    if outputs > 1:
+        kinds.class_labels(y, len(y), outputs, "y")
+    elif bool((y > 1).any()):
+        i = int((y > 1).nonzero()[0])
+        raise ValueError(
+            f"y holds labels outside 0..1: {int(y[i])} at sample {i} (the model has one output, "
+            "a binary classifier's logit)"
+        )
 
 
 def _class_scores(out: torch.Tensor) -> torch.Tensor:

@@ -253,6 +253,19 @@ def test_labels_outside_the_outputs_are_refused_naming_y(data, metric, options):
         proxies.rank({"a": tiny}, x, y + 3, metric=[metric, "params"], batch_size=N)
 
 
+def test_a_binary_classifier_with_one_logit_takes_labels_0_and_1(data):
+    """A single output is a binary classifier's logit: lga compares labels 0 and 1 (it reads
+    only their agreement); a label 2 is refused naming y."""
+    x, y = data
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 8), nn.Tanh(), nn.Linear(8, 1))
+    binary = (y > 0).long()
+    value = proxies.score(model, x, binary, metric="lga", batch_size=N)
+    assert math.isfinite(value)
+    with pytest.raises(ValueError, match=r"^y holds labels outside 0\.\.1: 2 at sample"):
+        proxies.score(model, x, y, metric="lga", batch_size=N)
+
+
 def test_a_vote_orders_by_the_mean_rank_over_metrics(data):
     x, y = data
     assert proxies.mean_rank([[3.0, 1.0, 2.0], [1.0, float("nan"), 5.0]]).tolist() == [
