@@ -291,7 +291,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             )
             self._set_noise(noise, rss, n * o)
             self.root_ = root / math.sqrt(noise)  # the system scales as 1/σ²
-            a = self._fit_curvature(x_train, self.root_) if a is None else a / noise
+            a = self._fit_curvature(x_train, self.root_) if a is None else a.div_(noise)
         else:
             self.prior_precision_ = self._choose_prior(a, validation)
         if a is None:
@@ -372,9 +372,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         SΘS is N·(O − 1) for the softmax, N·O for the Gaussian likelihood)."""
         if a is None:  # the factored curvature's whole spectrum
             return _damping.damping_for(self.kronecker_.eigenvalues, EFFECTIVE_PARAMETERS)
-        n, o = self.root_.shape[0], self.n_outputs_
-        rank = n * (o - 1 if self.likelihood == "classification" else o)
-        return _damping.damping_keeping(a, rank, EFFECTIVE_PARAMETERS)
+        return _damping.damping_keeping(a, self._rank(), EFFECTIVE_PARAMETERS)
 
     def _size(self, a: torch.Tensor | None) -> int:
         """The dimension of the system: N·O or the features' (kernel or parameter space), P
@@ -387,9 +385,13 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         eigenvalues are artefacts of the Kronecker approximation, whose rank is not bounded by
         N, and would count in log det(I + Ĝ/δ) as directions the data determine."""
         e = self.kronecker_.eigenvalues.flatten().double().clamp_min(0)
-        n, o = self.root_.shape[0], self.n_outputs_
-        rank = n * (o - 1 if self.likelihood == "classification" else o)
-        return e.topk(min(rank, e.numel())).values
+        return e.topk(min(self._rank(), e.numel())).values
+
+    def _rank(self) -> int:
+        """The rank the Gauss–Newton matrix of the fitted training set can have: N·(O − 1) for
+        the softmax (each Λ_i has rank O − 1), N·O for the Gaussian likelihood."""
+        o = self.n_outputs_
+        return self.root_.shape[0] * (o - 1 if self.likelihood == "classification" else o)
 
     def _logdet(self, a: torch.Tensor | None, delta: float) -> float:
         """log det(A + δI) of the system, for the factored curvature (a None) from its
