@@ -127,7 +127,8 @@ def influence(
     final weights alone (`python benchmarks/checkpoints.py`). damping (gauss_newton, ekfac,
     kfac): λ, or "auto" for `_damping.auto_damping`: the λ at which the damped curvature keeps an
     effective number of parameters Σ_k e_k/(e_k + λ) = DOF_FRACTION · N·(O − 1) (e: eigenvalues
-    of ΛΘ); for ekfac/kfac, KRONECKER_DAMPING × tr(G)/(N·O) of the factored curvature.
+    of ΛΘ); for ekfac/kfac, KRONECKER_DAMPING × tr(G)/(N·O) of the factored curvature; for
+    trak, a number is TRAK's λ ("auto": the paper's λ = 0).
     batch_size: the kernels' tile size and the projections' featurisation batch (None: from the
     free memory). output_fn: maps the model's output to the logits [B, O] (e.g.
     `lambda out: out.logits` for a HuggingFace model); inputs may be tensors, tuples or dicts of
@@ -161,6 +162,7 @@ def influence(
             output_fn=output_fn,
             dtype=dtype,
             **({} if dim is None else {"dim": dim}),
+            **({} if damping == "auto" else {"damping": damping}),
         )
     if method in curvature.STRATEGIES and (kind not in (None, "full") or dim is not None):
         raise ValueError(

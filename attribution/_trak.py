@@ -10,6 +10,7 @@ score(z, i) = mean_m[kernel part] · mean_m[Q_i] — the two parts averaged sepa
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -68,6 +69,8 @@ def trak(
     nets = models(model, checkpoints)
     for net in nets:
         g_train = logits(net, x_train, output_fn=output_fn, name="x_train")
+        if damping == 0 and net is nets[0]:
+            _warn_if_interpolating(net, dim, g_train.shape[0])
         g_test = logits(net, x_test, output_fn=output_fn, name="x_test")
         y_tr = labels(y_train, g_train.shape[0], g_train.shape[1], "y_train")
         u_train, u_test = (
@@ -100,6 +103,24 @@ def trak(
             kernel_part = kernel_part + phi_test @ _inverse_times_transpose(phi_train, damping)
         q = q + (1 - torch.sigmoid(margins(g_train, y_tr)))
     return (kernel_part / len(nets)) * (q / len(nets))[None, :]
+
+
+def _warn_if_interpolating(net: nn.Module, dim: int | None, n_train: int) -> None:
+    """Warn when the features (dim, or the trainable parameters with dim=None) are at least as
+    many as the training examples: Φ then has full row rank, (ΦᵀΦ)⁺Φᵀ = Φᵀ(ΦΦᵀ)⁻¹ interpolates
+    every training gradient, and the scores lose their meaning (LDS on the breast_cancer
+    benchmark, N = 400: 0.187 / 0.101 / 0.065 / 0.011 / −0.000 at dim 50 / 100 / 200 / 400 /
+    2048). The paper's dims are far below its N."""
+    width = dim if dim is not None else sum(p.numel() for p in net.parameters() if p.requires_grad)
+    if width >= n_train:
+        what = f"dim={dim}" if dim is not None else f"the exact gradients ({width} parameters)"
+        warnings.warn(
+            f"TRAK with {what} and {n_train} training examples: with at least as many features "
+            "as examples the damping-free solve interpolates the training set and the scores "
+            "carry little information; pass a dim well below the number of training examples "
+            "or damping > 0",
+            stacklevel=3,
+        )
 
 
 def _inverse_times_transpose(phi: torch.Tensor, damping: float) -> torch.Tensor:

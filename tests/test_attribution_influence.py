@@ -2,6 +2,7 @@
 per-sample Jacobians; TRAK's averaging over models; error paths."""
 
 import importlib
+import warnings
 
 import pytest
 import torch
@@ -208,6 +209,21 @@ def test_trak_exact_and_projected(setup):
     got = influence(model, x, y, xt, yt, method="trak", dim=16, seed=3)
     torch.testing.assert_close(trak(model, x, y, xt, yt, dim=16, seed=3, damping=0.5), expected_p)
     assert got.shape == (4, 14) and bool(torch.isfinite(got).all())
+
+
+def test_trak_warns_when_it_interpolates(setup):
+    """At least as many features as training examples (dim ≥ N, or P ≥ N with dim=None) and no
+    damping: Φ has full row rank and TRAK's solve interpolates; below that, or damped, silent."""
+    model, x, y, xt, yt = setup  # N = 14 training examples, P = 66 parameters
+    for dim in (None, 14, 2048):
+        with pytest.warns(UserWarning, match="interpolates the training set"):
+            trak(model, x, y, xt, yt, dim=dim)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trak(model, x, y, xt, yt, dim=8)
+        trak(model, x, y, xt, yt, dim=None, damping=0.1)
+        damped = influence(model, x, y, xt, yt, method="trak", damping=0.1)  # dim 2048
+    torch.testing.assert_close(damped, trak(model, x, y, xt, yt, damping=0.1))
 
 
 def test_trak_averages_kernel_and_q_separately(setup):

@@ -171,3 +171,23 @@ def test_attribute_reads_training_features_written_by_ntk_featurize(tmp_path):
     np.savez(tmp_path / "other.npz", x=x + 1.0, y=y)
     bad = run(*files(tmp_path, "other.npz"), "--train-features", store)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+
+
+def test_attribute_passes_dim_to_trak(tmp_path):
+    """--dim reaches the projection: TRAK's default dim (2048) is at least the 30 training
+    examples and warns that it interpolates; --dim 8 is the library's TRAK at dim=8, silently."""
+    x, y, xt = write_files(tmp_path, seed=3, n=30)
+    common = (*files(tmp_path), "--top", "2", "--format", "json", "--method", "trak")
+    default = run(*common)
+    assert default.returncode == 0, default.stderr
+    assert "interpolates the training set" in default.stderr
+    out = run(*common, "--dim", "8")
+    assert out.returncode == 0 and "interpolates" not in out.stderr, out.stderr
+    result = json.loads(out.stdout)
+    assert result["dim"] == 8
+    expected = attribution.trak(
+        build()().eval(), torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(xt), dim=8
+    )
+    for t in range(2):
+        got = [r["score"] for r in result["rows"] if r["test"] == t and r["role"] == "proponent"]
+        np.testing.assert_allclose(got, expected[t].sort(descending=True).values[:2], rtol=1e-4)

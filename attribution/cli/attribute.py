@@ -53,6 +53,14 @@ COLUMNS = ("test", "label", "predicted", "role", "rank", "train", "train_label",
     help="proponents and opponents listed per test sample",
 )
 @click.option(
+    "--dim",
+    type=click.IntRange(min=1),
+    default=None,
+    help="random-projection dimension of the gradients (trak: default 2048, keep it well below "
+    "the number of training examples; the kernel methods: default exact kernels where they fit "
+    "in memory, else a projection)",
+)
+@click.option(
     "--checkpoint",
     "checkpoint_files",
     multiple=True,
@@ -80,6 +88,7 @@ def attribute(
     test_samples,
     method,
     top,
+    dim,
     checkpoint_files,
     train_features,
 ):
@@ -123,6 +132,7 @@ def attribute(
             y_train,
             x_test,
             method=method,
+            dim=dim,
             checkpoints=checkpoints or None,
             train_features=train_features,
             batch_size=batch_size,
@@ -159,6 +169,7 @@ def attribute(
             "method_requested": requested,
             "train_samples": n_train,
             "test_samples": n_test,
+            "dim": dim,
             "checkpoints": list(checkpoint_files),
         },
         headers={"score": "score ↑"},
