@@ -717,7 +717,8 @@ def resolve_test_data(
 def check_fits(model: nn.Module, x, option: str = "data") -> None:
     """Run one sample through the model: data the model cannot take is a usage error naming
     --option (exit 2); a forward pass that fails once a layer with trainable parameters has
-    taken the data (`ModelForwardError`: inner layers of mismatched sizes...) is a fault of the
+    taken the data (`ModelForwardError`: inner layers of mismatched sizes, any exception of the
+    model's own code) is a fault of the
     model, reported with the data's shape but without blaming the data (`ModelFailure`, exit 1)."""
     import torch
 
@@ -744,9 +745,6 @@ def check_fits(model: nn.Module, x, option: str = "data") -> None:
     except ModelInputError as exc:
         if exc.__cause__ is None:  # a message of its own (embedding ids out of range)
             raise UsageProblem(str(exc)) from None
-        detail = _first_line(exc.__cause__)
-    except Exception as exc:
-        detail = _first_line(exc)
-    else:
-        return
-    raise UsageProblem(f"--{option}: the model cannot take samples of {got}: {detail}")
+        raise UsageProblem(
+            f"--{option}: the model cannot take samples of {got}: {_first_line(exc.__cause__)}"
+        ) from None

@@ -30,16 +30,13 @@ class ModelInputError(ValueError):
 
 class ModelForwardError(RuntimeError):
     """The model's forward pass failed after a layer with trainable parameters had taken the
-    inputs: a fault inside the model (e.g. inner layers of mismatched sizes), not proof that the
-    inputs are wrong. `module`: the name of the module that failed, with its type."""
+    inputs: a fault inside the model (inner layers of mismatched sizes, any exception of its own
+    code), not proof that the inputs are wrong. `module`: the name of the module that failed,
+    with its type."""
 
     def __init__(self, message: str, module: str = ""):
         super().__init__(message)
         self.module = module
-
-
-# What a module raises when its inputs do not fit it (shapes, dtypes, indices, arity).
-_MODEL_ERRORS = (RuntimeError, IndexError, TypeError, ValueError, KeyError, AssertionError)
 
 
 def resolve_device(device) -> torch.device:
@@ -73,11 +70,11 @@ def describe_inputs(x) -> str:
 def naming_failures(model: nn.Module, x, name: str):
     """Run a forward pass of `model` on `x` (the argument `name`) so that a failure of the model
     names the argument, the per-sample shape and dtype it got, the parameters' dtype and the
-    model's first error line. A failure before any module owning trainable parameters has
-    finished its forward pass is a `ModelInputError` (the inputs do not fit the model); one
-    after is a `ModelForwardError` naming the module that failed (the model's first layer took
-    the inputs, the fault lies further in). Embedding ids outside a table are named before the
-    model indexes with them."""
+    model's first error line. A failure (any exception) before any module owning trainable
+    parameters has finished its forward pass is a `ModelInputError` (the inputs do not fit the
+    model); one after is a `ModelForwardError` naming the module that failed (the model's first
+    layer took the inputs, the fault lies further in). Embedding ids outside a table are named
+    before the model indexes with them."""
     entered: list[tuple[str, nn.Module]] = []  # modules whose forward is running, innermost last
     finished = [False]  # whether a module owning trainable parameters has finished one
 
@@ -119,7 +116,7 @@ def naming_failures(model: nn.Module, x, name: str):
         yield
     except ModelInputError:
         raise
-    except _MODEL_ERRORS as e:
+    except Exception as e:
         dtypes = sorted({str(p.dtype) for p in model.parameters()})
         where = f"inputs of {describe_inputs(x)} (its parameters are {', '.join(dtypes) or 'none'})"
         if finished[0] and entered:
