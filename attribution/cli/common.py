@@ -733,10 +733,10 @@ def check_fits(model: nn.Module, x, option: str = "data") -> None:
     one = inputs.take(x, slice(0, 1))
     first = next(model.parameters(), None)
     one = one if first is None else inputs.convert(one, first.device, None)
+    args, kwargs = inputs.as_call(one)
     try:
-        with torch.no_grad(), naming_failures(model, one, f"--{option}"):
-            args, kwargs = inputs.as_call(one)
-            model(*args, **kwargs)
+        with torch.no_grad():
+            naming_failures(model, one, f"--{option}", lambda: model(*args, **kwargs))
     except ModelForwardError as exc:
         raise ModelFailure(
             f"the model's forward pass failed in module {exc.module} on one --{option} sample "
