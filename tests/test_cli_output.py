@@ -5,6 +5,7 @@ scores, untrained weights)."""
 
 import json
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -226,6 +227,31 @@ def test_random_weights_are_warned_about(tmp_path, capsys):
     torch.save(namespace["build"]().state_dict(), tmp_path / "w.pt")
     code, out, err = run(capsys, "layers", *common, "--weights", str(tmp_path / "w.pt"))
     assert code == 0 and "warning" not in err and "untrained" not in out
+
+
+@pytest.mark.parametrize(
+    "command, options",
+    [
+        ("layers", []),
+        ("attribute", ["--test-samples", "2", "--top", "1"]),
+        ("featurize", ["--dim", "4"]),
+    ],
+)
+def test_json_says_whether_the_weights_are_the_factorys(tmp_path, capsys, command, options):
+    """Every subcommand taking --model writes "untrained" in its JSON, as `ntk kernel` does."""
+    common = write_model(tmp_path)
+    if command == "attribute":
+        options = [*options, "--test", common[-1]]
+    if command == "featurize":
+        options = [*options, str(tmp_path / "store")]
+    namespace = {}
+    exec(FACTORY, namespace)
+    torch.save(namespace["build"]().state_dict(), tmp_path / "w.pt")
+    for weights, untrained in (([], True), (["--weights", str(tmp_path / "w.pt")], False)):
+        code, out, err = run(capsys, command, *common, *options, *weights, "--format", "json")
+        assert code == 0, err
+        assert json.loads(out)["untrained"] is untrained
+        shutil.rmtree(tmp_path / "store", ignore_errors=True)
 
 
 def test_library_warnings_are_one_line_without_source(tmp_path, capsys):

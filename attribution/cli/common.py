@@ -396,13 +396,19 @@ def emit(
     notes: Sequence[str] = (),
     display: dict[str, Callable[[Any], str]] | None = None,
     append: bool = False,
+    untrained: bool | None = None,
 ) -> None:
     """Write rows as JSON or CSV (every column; in CSV the union of the rows' columns, blank
     where a row has none), or as a table of `columns` (default: all) that fits the console:
     numbers in at most 9 characters, and a table wider than the console is folded into one
     block per row rather than cut. `headers` relabel columns in the table only, as `display` maps
     the values of some columns (e.g. the root module's layer name "" to "(root)"); `notes` are
-    printed under it. append: a second table after a first one in the same --output file."""
+    printed under it. append: a second table after a first one in the same --output file.
+    untrained: whether a --model runs without --weights (`untrained_note`; None for commands
+    without --model): the title ends with "[untrained: no --weights]", JSON holds "untrained"."""
+    if untrained is not None:
+        meta = {**(meta or {}), "untrained": untrained}
+        title += f" [{UNTRAINED}]" if untrained else ""
     if out.fmt in ("json", "csv"):
         if out.fmt == "json":
             text = json.dumps({**(meta or {}), "rows": list(rows)}, indent=2, default=_jsonable)
@@ -662,19 +668,19 @@ def warn_later(message: str) -> None:
     click.get_current_context().meta.setdefault(_LATER, []).append(message)
 
 
-def untrained_note(model_spec, weights) -> str:
+def untrained_note(model_spec, weights) -> bool:
     """Once the inputs are checked: print the warnings kept for then (`warn_later`), and warn that
     a --model without --weights keeps the factory's own weights, random unless it loads some;
-    returns the suffix that says so in the title."""
+    returns whether it does (`emit(untrained=)` says so in the title and the JSON)."""
     for message in click.get_current_context().meta.pop(_LATER, []):
         warn(message)
     if model_spec is None or weights is not None:
-        return ""
+        return False
     warn(
         f"--model {model_spec} without --weights: using the factory's weights as they are "
         "(randomly initialised unless it loads trained ones)"
     )
-    return f" [{UNTRAINED}]"
+    return True
 
 
 def resolve_test_data(
