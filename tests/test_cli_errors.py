@@ -188,6 +188,19 @@ def test_an_unknown_column_is_refused_before_any_work_with_the_valid_ones(files,
     assert "layer,share,rank" not in help_text  # the example once shown for every command
 
 
+def test_columns_are_listed_with_their_table_headers_and_taken_by_either(files, capsys):
+    """`ntk kernel` heads condition_number κ and lambda_1 λ1: --help and the error for an unknown
+    column list both, and --columns takes the header as the name."""
+    help_text = " ".join(run(capsys, "kernel", "--help")[1].split())
+    assert "lambda_1 (λ1), lambda_2, lambda_3, condition_number (κ), rank" in help_text
+    model = ["--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
+    err = usage_error(capsys, "kernel", *model, "--columns", "kind,kappa")
+    assert err.rstrip().endswith("lambda_1 (λ1), lambda_2, lambda_3, condition_number (κ), rank")
+    code, out, err = run(capsys, "kernel", *model, "--kind", "trace", "--columns", "κ,λ1,kind")
+    assert code == 0, err
+    assert out.split("\n")[2].split() == ["κ", "λ1", "kind"]
+
+
 def test_weights_that_do_not_fit_name_the_tensor_and_shapes(files, capsys):
     torch.save(
         torch.nn.Sequential(

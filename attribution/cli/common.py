@@ -18,7 +18,7 @@ import os
 import re
 import sys
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -332,12 +332,18 @@ class Output:
     columns: tuple[str, ...] = ()
 
 
-def output_options(columns: Sequence[str] | Callable[[dict], Sequence[str]], describe: str = ""):
+def output_options(
+    columns: Sequence[str] | Callable[[dict], Sequence[str]],
+    describe: str = "",
+    headers: Mapping[str, str] | None = None,
+):
     """--format, --output, --all and --columns, passed to the command as one `out: Output`.
     columns: the columns of the command's rows, or a function of the command's other parameters
     (by name) giving them; --columns is checked against them before any work, and its help
-    lists them (or says `describe`)."""
+    lists them (or says `describe`). headers: the table's headers that differ from the names
+    (condition_number: κ), listed beside them and accepted in their place."""
     valid = columns  # the command's own parameter is called `columns` too
+    headers = headers or {}
 
     def decorate(f):
         @functools.wraps(f)
@@ -346,7 +352,7 @@ def output_options(columns: Sequence[str] | Callable[[dict], Sequence[str]], des
             chosen = tuple(c.strip() for c in columns.split(",") if c.strip()) if columns else ()
             if all_columns and chosen:
                 raise UsageProblem("--all and --columns exclude each other")
-            check_columns(chosen, valid(kwargs) if callable(valid) else valid)
+            chosen = check_columns(chosen, valid(kwargs) if callable(valid) else valid, headers)
             return f(*args, out=Output(fmt, output, all_columns, chosen), **kwargs)
 
         options = [
@@ -366,7 +372,7 @@ def output_options(columns: Sequence[str] | Callable[[dict], Sequence[str]], des
                 "--columns",
                 default=None,
                 help="table: the columns to show, comma-separated, of "
-                + (describe or ", ".join(valid)),
+                + (describe or column_names(valid, headers)),
             ),
         ]
         for option in reversed(options):
@@ -376,13 +382,27 @@ def output_options(columns: Sequence[str] | Callable[[dict], Sequence[str]], des
     return decorate
 
 
-def check_columns(chosen: Sequence[str], available: Sequence[str]) -> None:
-    """--columns: every chosen column is one of `available`."""
+def column_names(columns: Sequence[str], headers: Mapping[str, str] | None = None) -> str:
+    """The columns' names for help and errors, each with its table header where that differs:
+    "kind, lambda_1 (λ1), condition_number (κ)"."""
+    headers = headers or {}
+    return ", ".join(f"{c} ({headers[c]})" if headers.get(c, c) != c else c for c in columns)
+
+
+def check_columns(
+    chosen: Sequence[str], available: Sequence[str], headers: Mapping[str, str] | None = None
+) -> tuple[str, ...]:
+    """--columns: every chosen column is one of `available`, by its name or its table header
+    (`headers`); returns their names."""
+    names = {h: c for c, h in (headers or {}).items() if c in available}
+    chosen = tuple(names.get(c, c) for c in chosen)
     unknown = [c for c in chosen if c not in available]
     if unknown:
         raise UsageProblem(
-            f"--columns: no column {unknown[0]!r}; the columns are {', '.join(available)}"
+            f"--columns: no column {unknown[0]!r}; the columns are "
+            f"{column_names(available, headers)}"
         )
+    return chosen
 
 
 def emit(
@@ -429,7 +449,7 @@ def emit(
 
     available = list(rows[0]) if rows else list(columns or ())
     chosen = list(out.columns) or (available if out.all_columns or columns is None else columns)
-    check_columns(chosen, available)  # checked before any work too, where the columns are known
+    check_columns(chosen, available, headers)  # before any work too, where they are known
     if display:
         rows = [{k: display[k](v) if k in display else v for k, v in row.items()} for row in rows]
     hidden = [c for c in available if c not in chosen]
@@ -553,10 +573,14 @@ DEVICE_OPTION = click.option(
 )
 
 
-def model_options(columns: Sequence[str] | Callable[[dict], Sequence[str]], describe: str = ""):
+def model_options(
+    columns: Sequence[str] | Callable[[dict], Sequence[str]],
+    describe: str = "",
+    headers: Mapping[str, str] | None = None,
+):
     """--model, --weights, --data, --samples, --device, --output-fn, --batch-size and
-    `output_options(columns, describe)`."""
-    return functools.partial(_model_options, output_options(columns, describe))
+    `output_options(columns, describe, headers)`."""
+    return functools.partial(_model_options, output_options(columns, describe, headers))
 
 
 def _model_options(output: Callable, f):

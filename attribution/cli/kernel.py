@@ -41,7 +41,7 @@ HEADERS = {"lambda_1": "λ1", "condition_number": "κ", "rank": "rank"}
 
 
 @click.command()
-@model_options(EVERY_COLUMN)
+@model_options(EVERY_COLUMN, headers=HEADERS)
 @click.option(
     "--kind",
     "kinds",
