@@ -151,6 +151,15 @@ def test_mismatched_settings_and_models_are_refused(tmp_path):
         store(path, model, x)
 
 
+def test_a_labelled_kind_is_refused_before_anything_is_written(tmp_path):
+    """featurize takes no labels: kind='lpntk' is refused naming kind (it failed asking for a
+    labels= featurize lacks, after creating the store)."""
+    model = MLP().eval()
+    with pytest.raises(ValueError, match="kind='lpntk' needs labels, which a feature store"):
+        projections.featurize(model, torch.randn(6, 5), tmp_path / "store", dim=4, kind="lpntk")
+    assert not (tmp_path / "store").exists()
+
+
 def test_corrupted_and_truncated_stores_are_refused(tmp_path):
     model, x = model_and_data()
     path = tmp_path / "s"
