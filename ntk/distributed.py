@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from .empirical import Kernel, _Computation
 TILES_FORMAT = "ntk-kernel-tiles/1"
 _INDEX, _TILES = "index.json", "tiles"
 _WRITTEN = {_INDEX, _INDEX + ".part", _TILES}  # everything `_write_tiles` makes
+_TILE_FILE = re.compile(r"\d+_\d+(\.part)?\.npz")  # the files it writes under _TILES
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -251,12 +253,17 @@ def check_empty(root: Path, rewrite: bool = False) -> None:
 
 def _write_tiles(grid: Grid, mine: list, root: Path, summary: dict, progress: bool) -> None:
     """Every rank writes its tiles (atomically: a partial file never has the final name);
-    rank 0 writes the index once every tile is present."""
+    rank 0 writes the index once every tile is present, and first deletes the tile files of an
+    earlier kernel that this grid does not write (another tile size or symmetry)."""
     rank, _ = rank_and_world()
     folder = root / _TILES
     if rank == 0:  # earlier tiles being rewritten no longer look complete
         (root / _INDEX).unlink(missing_ok=True)
         folder.mkdir(parents=True, exist_ok=True)
+        written = {f"{i}_{j}.npz" for i, j in grid.tiles()}
+        for file in folder.iterdir():
+            if _TILE_FILE.fullmatch(file.name) and file.name not in written:
+                file.unlink()
     barrier()
     for i, j, values in grid.compute(mine, progress=progress):
         part = folder / f"{i}_{j}.part.npz"

@@ -44,6 +44,7 @@ copy whose BatchNorm layers have never seen data takes their statistics from the
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import time
 import warnings
@@ -383,8 +384,8 @@ def _prepare(candidate: Candidate, seed: int) -> nn.Module:
 
 def _check_outputs(net: nn.Module, x, output_fn: Callable | None) -> None:
     """The scored batch must run through the network (errors name x) to finite outputs."""
-    with torch.no_grad(), naming_failures(net, x, "x"):
-        out = _forward(net, x, output_fn)
+    with torch.no_grad():
+        out = naming_failures(net, x, "x", functools.partial(_forward, net, x, output_fn))
     if isinstance(out, torch.Tensor) and not bool(torch.isfinite(out).all()):
         raise ValueError("the model produced non-finite outputs (NaN or inf) on x")
 
@@ -395,8 +396,10 @@ def _check_labels(net: nn.Module, x, y: torch.Tensor, output_fn: Callable | None
     sample's output (eval mode, no gradients), before any warm-up step. Outputs that are not
     [B] or [B, O] tensors are left to the metrics."""
     training = net.training
-    with torch.no_grad(), naming_failures(net, x, "x"):
-        out = _forward(net.eval(), inputs.take(x, slice(0, 1)), output_fn)
+    one = inputs.take(x, slice(0, 1))
+    net.eval()
+    with torch.no_grad():
+        out = naming_failures(net, one, "x", functools.partial(_forward, net, one, output_fn))
     net.train(training)
     if not (isinstance(out, torch.Tensor) and out.dim() in (1, 2)):
         return

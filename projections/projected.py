@@ -166,17 +166,20 @@ class Featurizer:
         batch = batch_size or self.default_batch(n)
         for start in tqdm(range(0, n, batch), disable=not progress, desc="features", unit="batch"):
             rows = slice(start, min(start + batch, n))
-            yield rows, self.block(inputs.take(x, rows), None if y is None else y[rows])
+            yield rows, self._block(inputs.take(x, rows), None if y is None else y[rows])
 
     def block(self, x, labels=None) -> Features:
         """Features of a prepared batch: [B, k] or [B, O, k] (dict per layer with per_layer);
         `labels`: the batch's labels, for a labelled kind."""
+        return self._block(x, self.kind.check_labels(labels, inputs.count(x), self.num_outputs))
+
+    def _block(self, x, labels) -> Features:
+        """`block` of checked labels (`batches` checks a whole set's once, naming its argument)."""
         x = inputs.convert(x, self.view.device, self.dtype)
         # a fresh copy (index by tensor): the arithmetic must not depend on where the batch sits
         # in memory (alignment changes SIMD paths), so a store's bytes do not depend on the source
         b = inputs.count(x)
         x = inputs.take(x, torch.arange(b, device=self.view.device))
-        labels = self.kind.check_labels(labels, b, self.num_outputs)
         cot = self.kind.cotangents(
             self.num_outputs, labels=labels, dtype=self.param_dtype, device=self.view.device
         )

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 
-from ntk.core import inputs
+from ntk.core import inputs, kinds
 from ntk.core.memory import check_size
 from ntk.distributed import rank_and_world
 
@@ -53,6 +53,7 @@ def featurize(
 ) -> np.ndarray:
     """Stream the projected features of `data` (see `projections.features`) into the store at
     `path`, `block` samples per block, resuming an interrupted run; returns `open_store(path)`.
+    kind: one that takes no labels (not lpntk).
 
     data: a tensor or numpy array (or tuple/dict of them) with samples first, a `TensorDataset`
     (its first tensor is the model input) or a `DataLoader` with a sequential sampler (batches
@@ -81,6 +82,11 @@ def featurize(
         dtype=dtype,
         output_fn=output_fn,
     )
+    if fz.kind.labelled:
+        raise ValueError(
+            f"kind={kind!r} needs labels, which a feature store does not take; its kinds are "
+            f"{', '.join(kinds.KINDS)}"
+        )
     n, blocks = _blocks(data, block)
     first = next(blocks)
     fz.prepare(first, "data")

@@ -25,6 +25,16 @@ def broken():
 def mismatched():  # a bug inside the model: its second layer does not fit its first
     return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(5, 3))
 
+class Divide(nn.Module):  # a bug in the model's own code, not in a torch layer
+    def forward(self, h):
+        return h * (1 / (h.shape[1] - 6))  # ZeroDivisionError on the 6 features it gets
+
+def dividing():
+    return nn.Sequential(nn.Linear(4, 6), Divide(), nn.Linear(6, 3))
+
+def cnn():  # made for 8x8 images: its head takes 2 channels of 8x8
+    return nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.Flatten(), nn.Linear(128, 3))
+
 CANDIDATES = {"one": build}
 
 class Bag(nn.Module):  # token ids of any length, mean-pooled
@@ -94,6 +104,29 @@ def test_a_model_failing_inside_its_forward_pass_is_not_blamed_on_the_data(files
     assert "--data: the model cannot take samples of shape (7,)" in err
 
 
+def test_any_exception_of_the_model_past_its_first_layer_is_the_models_failure(files, capsys):
+    """Not only torch's shape errors: a ZeroDivisionError of the model's own code once its first
+    layer took the data is exit 1 naming the module, not a usage error blaming --data."""
+    model = ["--model", f"{files}/factory.py:dividing", "--data", f"{files}/train.npz"]
+    code, _, err = run(capsys, "kernel", *model)
+    assert code == 1, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("ntk: error: the model's forward pass failed in module '1' (Divide)")
+    assert "ZeroDivisionError: division by zero" in err and "--data:" not in err
+
+
+def test_images_of_the_wrong_size_name_the_layer_and_the_shapes(files, capsys):
+    """A CNN given 7x7 images instead of 8x8: its convolution takes them, its head does not; the
+    one line names the head, the sample's shape and torch's shapes, so the size shows."""
+    np.savez(files / "small.npz", x=np.zeros((4, 1, 7, 7), np.float32), y=np.arange(4) % 3)
+    model = ["--model", f"{files}/factory.py:cnn", "--data", f"{files}/small.npz"]
+    code, _, err = run(capsys, "layers", *model)
+    assert code == 1, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "failed in module '2' (Linear) on one --data sample of shape (1, 7, 7)" in err
+    assert "mat1 and mat2 shapes cannot be multiplied (1x98 and 128x3)" in err
+
+
 def test_a_file_that_is_not_npz_gets_our_message(files, capsys):
     (files / "garbage.npz").write_bytes(b"\x00not an archive at all" * 10)
     model = ["--model", f"{files}/factory.py:build"]
@@ -153,6 +186,19 @@ def test_an_unknown_column_is_refused_before_any_work_with_the_valid_ones(files,
     listed = help_text.split("table: the columns to show, comma-separated, of ")[1]
     assert all(column in listed for column in valid if column != "params")  # nas: a --metric
     assert "layer,share,rank" not in help_text  # the example once shown for every command
+
+
+def test_columns_are_listed_with_their_table_headers_and_taken_by_either(files, capsys):
+    """`ntk kernel` heads condition_number κ and lambda_1 λ1: --help and the error for an unknown
+    column list both, and --columns takes the header as the name."""
+    help_text = " ".join(run(capsys, "kernel", "--help")[1].split())
+    assert "lambda_1 (λ1), lambda_2, lambda_3, condition_number (κ), rank" in help_text
+    model = ["--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
+    err = usage_error(capsys, "kernel", *model, "--columns", "kind,kappa")
+    assert err.rstrip().endswith("lambda_1 (λ1), lambda_2, lambda_3, condition_number (κ), rank")
+    code, out, err = run(capsys, "kernel", *model, "--kind", "trace", "--columns", "κ,λ1,kind")
+    assert code == 0, err
+    assert out.split("\n")[2].split() == ["κ", "λ1", "kind"]
 
 
 def test_weights_that_do_not_fit_name_the_tensor_and_shapes(files, capsys):

@@ -5,6 +5,7 @@ scores, untrained weights)."""
 
 import json
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -117,7 +118,8 @@ def test_demo_tables_fit_80_and_120_columns_with_no_value_cut(
         assert list(nas_columns(())) == list(rows[0])
     else:
         option = next(p for p in cli.commands[command].params if p.name == "columns")
-        assert sorted(option.help.split(", of ")[1].split(", ")) == sorted(rows[0])
+        listed = re.sub(r" \([^)]*\)", "", option.help.split(", of ")[1])  # headers: κ, λ1
+        assert sorted(listed.split(", ")) == sorted(rows[0])
     if command == "report":  # every section says the samples it used: the run's one budget
         samples = {r["measure"]: r["samples"] for r in rows}
         assert (
@@ -226,6 +228,31 @@ def test_random_weights_are_warned_about(tmp_path, capsys):
     torch.save(namespace["build"]().state_dict(), tmp_path / "w.pt")
     code, out, err = run(capsys, "layers", *common, "--weights", str(tmp_path / "w.pt"))
     assert code == 0 and "warning" not in err and "untrained" not in out
+
+
+@pytest.mark.parametrize(
+    "command, options",
+    [
+        ("layers", []),
+        ("attribute", ["--test-samples", "2", "--top", "1"]),
+        ("featurize", ["--dim", "4"]),
+    ],
+)
+def test_json_says_whether_the_weights_are_the_factorys(tmp_path, capsys, command, options):
+    """Every subcommand taking --model writes "untrained" in its JSON, as `ntk kernel` does."""
+    common = write_model(tmp_path)
+    if command == "attribute":
+        options = [*options, "--test", common[-1]]
+    if command == "featurize":
+        options = [*options, str(tmp_path / "store")]
+    namespace = {}
+    exec(FACTORY, namespace)
+    torch.save(namespace["build"]().state_dict(), tmp_path / "w.pt")
+    for weights, untrained in (([], True), (["--weights", str(tmp_path / "w.pt")], False)):
+        code, out, err = run(capsys, command, *common, *options, *weights, "--format", "json")
+        assert code == 0, err
+        assert json.loads(out)["untrained"] is untrained
+        shutil.rmtree(tmp_path / "store", ignore_errors=True)
 
 
 def test_library_warnings_are_one_line_without_source(tmp_path, capsys):

@@ -10,7 +10,7 @@ from reference import kernels, of_kind
 from torch import nn
 
 import ntk
-from ntk.core.model import ModelView
+from ntk.core.model import ModelForwardError, ModelView
 
 
 def snapshot(model):
@@ -366,6 +366,29 @@ def test_ntk_vp_names_an_operation_without_forward_mode():
     with pytest.raises(NotImplementedError, match="method='ntk_vp' needs forward-mode"):
         ntk.empirical_ntk(model, x, method="ntk_vp")
     ntk.empirical_ntk(model, x, method="jacobian")  # the suggested method works
+
+
+def test_a_checked_forward_pass_hooks_every_module_only_once_it_has_failed():
+    """A checked pass that succeeds hooks the embeddings alone (their ids are checked before the
+    model indexes with them); one that fails runs again with hooks on every module to name the
+    module that failed."""
+    hooks = []
+
+    class Probe(nn.Module):  # records how many hooks it carries when called
+        def forward(self, h):
+            hooks.append(len(self._forward_pre_hooks) + len(self._forward_hooks))
+            return h
+
+    model = nn.Sequential(nn.Embedding(5, 4), Probe(), nn.Flatten(), nn.Linear(8, 2))
+    view = ModelView(model)
+    assert view.forward_checked(torch.tensor([[1, 2], [3, 4]]), "x").shape == (2, 2)
+    assert hooks == [0]
+    hooks.clear()
+    with pytest.raises(ModelForwardError, match=r"x: .* failed in module '3' \(Linear\)"):
+        view.forward_checked(torch.tensor([[1, 2, 3]]), "x")
+    assert hooks == [0, 2]  # the plain pass, then the one that finds the module
+    with pytest.raises(ValueError, match="ids reaching embedding '0' range from 1 to 7"):
+        view.forward_checked(torch.tensor([[1, 7]]), "x")
 
 
 def test_inputs_found_by_fuzzing_are_refused_with_their_name():

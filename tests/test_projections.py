@@ -12,6 +12,7 @@ from torch import nn
 
 import ntk
 import projections
+from ntk.core import kinds
 from ntk.core.structured import Factored
 from projections._projectors import PROJECTORS, MatrixBank
 from projections._sketch import Sketcher
@@ -289,6 +290,28 @@ def test_bad_input_is_refused_and_model_untouched():
     projections.projected_ntk(model, x, dim=8, kind="full", layers="all")
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before) and not model.training
+
+
+def test_labels_are_checked_once_by_the_callers_name(monkeypatch):
+    """A set's labels are checked once, under the name the caller gave them (labels2 for x2), not
+    again per batch under block's own name; a direct block call checks its labels."""
+    model, x, _ = make("mlp")
+    lpntk = kinds.get("lpntk")
+    checked = []
+
+    def check_labels(labels, n, num_outputs, name="labels"):
+        checked.append(name)
+        return type(lpntk).check_labels(lpntk, labels, n, num_outputs, name)
+
+    monkeypatch.setattr(lpntk, "check_labels", check_labels)
+    y = torch.arange(len(x)) % 3
+    projections.projected_ntk(
+        model, x, x[:4], dim=4, kind="lpntk", labels=y, labels2=y[:4], batch_size=2
+    )
+    assert checked == ["labels", "labels2"]
+    fz = projections.Featurizer(model, dim=4, kind="lpntk").prepare(x)
+    with pytest.raises(ValueError, match="labels holds labels outside 0..2: 5 at sample 1"):
+        fz.block(x[:2], torch.tensor([0, 5]))
 
 
 def test_kernel_in_tiles_matches_projected_ntk():

@@ -151,6 +151,15 @@ def test_mismatched_settings_and_models_are_refused(tmp_path):
         store(path, model, x)
 
 
+def test_a_labelled_kind_is_refused_before_anything_is_written(tmp_path):
+    """featurize takes no labels: kind='lpntk' is refused naming kind (it failed asking for a
+    labels= featurize lacks, after creating the store)."""
+    model = MLP().eval()
+    with pytest.raises(ValueError, match="kind='lpntk' needs labels, which a feature store"):
+        projections.featurize(model, torch.randn(6, 5), tmp_path / "store", dim=4, kind="lpntk")
+    assert not (tmp_path / "store").exists()
+
+
 def test_corrupted_and_truncated_stores_are_refused(tmp_path):
     model, x = model_and_data()
     path = tmp_path / "s"
@@ -192,3 +201,10 @@ def test_kernel_tiles_of_a_store_need_a_new_or_empty_folder(tmp_path):
         projections.distributed.kernel(tmp_path / "s", path=tiles, tile=7)
     projections.distributed.kernel(tmp_path / "s", path=tiles, rewrite=True, tile=5)
     np.testing.assert_allclose(ntk.distributed.load_tiles(tiles), want, rtol=1e-6, atol=1e-6)
+    # back to 4 × 4 tiles of 7 samples: the folder holds exactly them (5 × 5 tiles of 5 before)
+    (tiles / "tiles" / "notes.txt").write_text("not a tile")  # not the toolkit's: kept
+    (tiles / "tiles" / "0_4.part.npz").write_bytes(b"")  # an interrupted writer's: removed
+    projections.distributed.kernel(tmp_path / "s", path=tiles, rewrite=True, tile=7)
+    np.testing.assert_allclose(ntk.distributed.load_tiles(tiles), want, rtol=1e-6, atol=1e-6)
+    grid = [f"{i}_{j}.npz" for i in range(4) for j in range(i, 4)]
+    assert sorted(p.name for p in (tiles / "tiles").iterdir()) == sorted([*grid, "notes.txt"])

@@ -278,6 +278,7 @@ def test_cli_on_files(tmp_path, capsys):
     printed = json.loads(capsys.readouterr().out)
     saved = _strict_json(out.with_suffix(".json"))
     assert printed["html"] == str(out) and saved["settings"]["test_samples"] == 20
+    assert printed["untrained"] is True  # as every subcommand taking --model writes it
     assert saved["settings"]["surrogate"]["alpha"] == 0.5
     assert saved["settings"]["weights"] == "the factory's (untrained: no --weights)"
     assert "the factory's (untrained: no --weights)" in out.read_text()

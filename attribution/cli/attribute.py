@@ -160,10 +160,8 @@ def attribute(
     emit(
         rows,
         out,
-        title=(
-            f"influence ({shown}) of {n_train} training examples on {n_test} test "
-            f"predictions{untrained}"
-        ),
+        title=(f"influence ({shown}) of {n_train} training examples on {n_test} test predictions"),
+        untrained=untrained,
         meta={
             "method": method,
             "method_requested": requested,

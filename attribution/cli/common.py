@@ -18,7 +18,7 @@ import os
 import re
 import sys
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -332,12 +332,18 @@ class Output:
     columns: tuple[str, ...] = ()
 
 
-def output_options(columns: Sequence[str] | Callable[[dict], Sequence[str]], describe: str = ""):
+def output_options(
+    columns: Sequence[str] | Callable[[dict], Sequence[str]],
+    describe: str = "",
+    headers: Mapping[str, str] | None = None,
+):
     """--format, --output, --all and --columns, passed to the command as one `out: Output`.
     columns: the columns of the command's rows, or a function of the command's other parameters
     (by name) giving them; --columns is checked against them before any work, and its help
-    lists them (or says `describe`)."""
+    lists them (or says `describe`). headers: the table's headers that differ from the names
+    (condition_number: κ), listed beside them and accepted in their place."""
     valid = columns  # the command's own parameter is called `columns` too
+    headers = headers or {}
 
     def decorate(f):
         @functools.wraps(f)
@@ -346,7 +352,7 @@ def output_options(columns: Sequence[str] | Callable[[dict], Sequence[str]], des
             chosen = tuple(c.strip() for c in columns.split(",") if c.strip()) if columns else ()
             if all_columns and chosen:
                 raise UsageProblem("--all and --columns exclude each other")
-            check_columns(chosen, valid(kwargs) if callable(valid) else valid)
+            chosen = check_columns(chosen, valid(kwargs) if callable(valid) else valid, headers)
             return f(*args, out=Output(fmt, output, all_columns, chosen), **kwargs)
 
         options = [
@@ -366,7 +372,7 @@ def output_options(columns: Sequence[str] | Callable[[dict], Sequence[str]], des
                 "--columns",
                 default=None,
                 help="table: the columns to show, comma-separated, of "
-                + (describe or ", ".join(valid)),
+                + (describe or column_names(valid, headers)),
             ),
         ]
         for option in reversed(options):
@@ -376,13 +382,27 @@ def output_options(columns: Sequence[str] | Callable[[dict], Sequence[str]], des
     return decorate
 
 
-def check_columns(chosen: Sequence[str], available: Sequence[str]) -> None:
-    """--columns: every chosen column is one of `available`."""
+def column_names(columns: Sequence[str], headers: Mapping[str, str] | None = None) -> str:
+    """The columns' names for help and errors, each with its table header where that differs:
+    "kind, lambda_1 (λ1), condition_number (κ)"."""
+    headers = headers or {}
+    return ", ".join(f"{c} ({headers[c]})" if headers.get(c, c) != c else c for c in columns)
+
+
+def check_columns(
+    chosen: Sequence[str], available: Sequence[str], headers: Mapping[str, str] | None = None
+) -> tuple[str, ...]:
+    """--columns: every chosen column is one of `available`, by its name or its table header
+    (`headers`); returns their names."""
+    names = {h: c for c, h in (headers or {}).items() if c in available}
+    chosen = tuple(names.get(c, c) for c in chosen)
     unknown = [c for c in chosen if c not in available]
     if unknown:
         raise UsageProblem(
-            f"--columns: no column {unknown[0]!r}; the columns are {', '.join(available)}"
+            f"--columns: no column {unknown[0]!r}; the columns are "
+            f"{column_names(available, headers)}"
         )
+    return chosen
 
 
 def emit(
@@ -396,13 +416,19 @@ def emit(
     notes: Sequence[str] = (),
     display: dict[str, Callable[[Any], str]] | None = None,
     append: bool = False,
+    untrained: bool | None = None,
 ) -> None:
     """Write rows as JSON or CSV (every column; in CSV the union of the rows' columns, blank
     where a row has none), or as a table of `columns` (default: all) that fits the console:
     numbers in at most 9 characters, and a table wider than the console is folded into one
     block per row rather than cut. `headers` relabel columns in the table only, as `display` maps
     the values of some columns (e.g. the root module's layer name "" to "(root)"); `notes` are
-    printed under it. append: a second table after a first one in the same --output file."""
+    printed under it. append: a second table after a first one in the same --output file.
+    untrained: whether a --model runs without --weights (`untrained_note`; None for commands
+    without --model): the title ends with "[untrained: no --weights]", JSON holds "untrained"."""
+    if untrained is not None:
+        meta = {**(meta or {}), "untrained": untrained}
+        title += f" [{UNTRAINED}]" if untrained else ""
     if out.fmt in ("json", "csv"):
         if out.fmt == "json":
             text = json.dumps({**(meta or {}), "rows": list(rows)}, indent=2, default=_jsonable)
@@ -423,7 +449,7 @@ def emit(
 
     available = list(rows[0]) if rows else list(columns or ())
     chosen = list(out.columns) or (available if out.all_columns or columns is None else columns)
-    check_columns(chosen, available)  # checked before any work too, where the columns are known
+    check_columns(chosen, available, headers)  # before any work too, where they are known
     if display:
         rows = [{k: display[k](v) if k in display else v for k, v in row.items()} for row in rows]
     hidden = [c for c in available if c not in chosen]
@@ -547,10 +573,14 @@ DEVICE_OPTION = click.option(
 )
 
 
-def model_options(columns: Sequence[str] | Callable[[dict], Sequence[str]], describe: str = ""):
+def model_options(
+    columns: Sequence[str] | Callable[[dict], Sequence[str]],
+    describe: str = "",
+    headers: Mapping[str, str] | None = None,
+):
     """--model, --weights, --data, --samples, --device, --output-fn, --batch-size and
-    `output_options(columns, describe)`."""
-    return functools.partial(_model_options, output_options(columns, describe))
+    `output_options(columns, describe, headers)`."""
+    return functools.partial(_model_options, output_options(columns, describe, headers))
 
 
 def _model_options(output: Callable, f):
@@ -662,19 +692,19 @@ def warn_later(message: str) -> None:
     click.get_current_context().meta.setdefault(_LATER, []).append(message)
 
 
-def untrained_note(model_spec, weights) -> str:
+def untrained_note(model_spec, weights) -> bool:
     """Once the inputs are checked: print the warnings kept for then (`warn_later`), and warn that
     a --model without --weights keeps the factory's own weights, random unless it loads some;
-    returns the suffix that says so in the title."""
+    returns whether it does (`emit(untrained=)` says so in the title and the JSON)."""
     for message in click.get_current_context().meta.pop(_LATER, []):
         warn(message)
     if model_spec is None or weights is not None:
-        return ""
+        return False
     warn(
         f"--model {model_spec} without --weights: using the factory's weights as they are "
         "(randomly initialised unless it loads trained ones)"
     )
-    return f" [{UNTRAINED}]"
+    return True
 
 
 def resolve_test_data(
@@ -717,7 +747,8 @@ def resolve_test_data(
 def check_fits(model: nn.Module, x, option: str = "data") -> None:
     """Run one sample through the model: data the model cannot take is a usage error naming
     --option (exit 2); a forward pass that fails once a layer with trainable parameters has
-    taken the data (`ModelForwardError`: inner layers of mismatched sizes...) is a fault of the
+    taken the data (`ModelForwardError`: inner layers of mismatched sizes, any exception of the
+    model's own code) is a fault of the
     model, reported with the data's shape but without blaming the data (`ModelFailure`, exit 1)."""
     import torch
 
@@ -732,10 +763,10 @@ def check_fits(model: nn.Module, x, option: str = "data") -> None:
     one = inputs.take(x, slice(0, 1))
     first = next(model.parameters(), None)
     one = one if first is None else inputs.convert(one, first.device, None)
+    args, kwargs = inputs.as_call(one)
     try:
-        with torch.no_grad(), naming_failures(model, one, f"--{option}"):
-            args, kwargs = inputs.as_call(one)
-            model(*args, **kwargs)
+        with torch.no_grad():
+            naming_failures(model, one, f"--{option}", lambda: model(*args, **kwargs))
     except ModelForwardError as exc:
         raise ModelFailure(
             f"the model's forward pass failed in module {exc.module} on one --{option} sample "
@@ -744,9 +775,6 @@ def check_fits(model: nn.Module, x, option: str = "data") -> None:
     except ModelInputError as exc:
         if exc.__cause__ is None:  # a message of its own (embedding ids out of range)
             raise UsageProblem(str(exc)) from None
-        detail = _first_line(exc.__cause__)
-    except Exception as exc:
-        detail = _first_line(exc)
-    else:
-        return
-    raise UsageProblem(f"--{option}: the model cannot take samples of {got}: {detail}")
+        raise UsageProblem(
+            f"--{option}: the model cannot take samples of {got}: {_first_line(exc.__cause__)}"
+        ) from None

@@ -154,7 +154,8 @@ def featurize(
             ],
             out,
             columns=COLUMNS[:-1],
-            title=f"feature store ({info['samples']} samples){untrained}",
+            title=f"feature store ({info['samples']} samples)",
+            untrained=untrained,
         )
 
 

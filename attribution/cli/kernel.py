@@ -41,7 +41,7 @@ HEADERS = {"lambda_1": "λ1", "condition_number": "κ", "rank": "rank"}
 
 
 @click.command()
-@model_options(EVERY_COLUMN)
+@model_options(EVERY_COLUMN, headers=HEADERS)
 @click.option(
     "--kind",
     "kinds",
@@ -146,12 +146,13 @@ def kernel(
     if save is not None:
         _save_npy(saved.cpu().numpy(), save)
         done(f"wrote the {kinds[0]} kernel ({'x'.join(map(str, saved.shape))}) to {save}")
-    meta = {"samples": int(n), "untrained": bool(untrained), "saved": save}
+    meta = {"samples": int(n), "saved": save}
     if out.fmt == "table":
         emit(
             rows,
             out,
-            title=f"eNTK of {n} samples{untrained}",
+            title=f"eNTK of {n} samples",
+            untrained=untrained,
             columns=COLUMNS,
             headers=HEADERS,
             notes=notes,
@@ -167,7 +168,7 @@ def kernel(
     elif out.fmt == "csv":
         emit([*rows, *({"kind": "trace", **share} for share in shares)], out)
     else:
-        emit(rows, out, meta={**meta, "notes": notes, "layers": shares})
+        emit(rows, out, meta={**meta, "notes": notes, "layers": shares}, untrained=untrained)
 
 
 def numerical_rank(eigenvalues, size: int) -> int:

@@ -137,8 +137,9 @@ def layers(
     emit(
         rows,
         out,
-        title=(f"layer importance by {score} ({n} samples, {kind} eNTK){untrained}"),
+        title=f"layer importance by {score} ({n} samples, {kind} eNTK)",
         meta=meta,
+        untrained=untrained,
         columns=list(dict.fromkeys(columns)),
         headers={score: f"{score} ↑"},
         display={"layer": layer_label},

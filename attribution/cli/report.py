@@ -249,8 +249,9 @@ def report(
     emit(
         rows,
         out,
-        title=(f"surrogate report of {n_train} training and {n_test} test samples{untrained}"),
+        title=f"surrogate report of {n_train} training and {n_test} test samples",
         meta={"html": html, "json": json_path, "train_samples": n_train},
+        untrained=untrained,
         notes=notes,
     )
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ _DROPOUT = (
     nn.FeatureAlphaDropout,
 )
 _BATCHNORM = nn.modules.batchnorm._BatchNorm
+T = TypeVar("T")
 
 
 class ModelInputError(ValueError):
@@ -30,16 +32,13 @@ class ModelInputError(ValueError):
 
 class ModelForwardError(RuntimeError):
     """The model's forward pass failed after a layer with trainable parameters had taken the
-    inputs: a fault inside the model (e.g. inner layers of mismatched sizes), not proof that the
-    inputs are wrong. `module`: the name of the module that failed, with its type."""
+    inputs: a fault inside the model (inner layers of mismatched sizes, any exception of its own
+    code), not proof that the inputs are wrong. `module`: the name of the module that failed,
+    with its type."""
 
     def __init__(self, message: str, module: str = ""):
         super().__init__(message)
         self.module = module
-
-
-# What a module raises when its inputs do not fit it (shapes, dtypes, indices, arity).
-_MODEL_ERRORS = (RuntimeError, IndexError, TypeError, ValueError, KeyError, AssertionError)
 
 
 def resolve_device(device) -> torch.device:
@@ -69,17 +68,74 @@ def describe_inputs(x) -> str:
     return "per-sample shapes and dtypes {" + ", ".join(parts) + "}"
 
 
+def naming_failures(model: nn.Module, x, name: str, forward: Callable[[], T]) -> T:
+    """`forward()`, a forward pass of `model` on `x` (the argument `name`), where a failure of the
+    model names the argument, the per-sample shape and dtype it got, the parameters' dtype and
+    the model's first error line. A failure (any exception) before any module owning trainable
+    parameters has finished its forward pass is a `ModelInputError` (the inputs do not fit the
+    model); one after is a `ModelForwardError` naming the module that failed (the model's first
+    layer took the inputs, the fault lies further in). Embedding ids outside a table are named
+    before the model indexes with them (on a GPU, indexing with them is a fatal device error).
+
+    Only the embeddings carry hooks on the pass that succeeds; a pass that fails runs `forward`
+    a second time with hooks on every module to find where. The callers' passes (eval mode, or
+    functional with the buffers cloned) change no state, so the second run sees the model as the
+    first did; a failure it does not repeat is raised as it was."""
+    with _hooked(model, name, None):
+        try:
+            return forward()
+        except ModelInputError:
+            raise
+        except Exception as e:
+            failure = e
+    trace = _Trace()
+    with _hooked(model, name, trace):
+        try:
+            forward()
+        except ModelInputError:
+            raise
+        except Exception as e:
+            dtypes = sorted({str(p.dtype) for p in model.parameters()})
+            where = f"inputs of {describe_inputs(x)} (its parameters are "
+            where += f"{', '.join(dtypes) or 'none'})"
+            if trace.finished and trace.entered:
+                label, module = trace.entered[-1]
+                module = f"'{label}' ({type(module).__name__})"
+                raise ModelForwardError(
+                    f"{name}: the model's forward pass failed in module {module} on {where}: "
+                    f"{_first_line(e)}",
+                    module,
+                ) from e
+            raise ModelInputError(f"{name}: the model failed on {where}: {_first_line(e)}") from e
+    raise failure
+
+
+class _Trace:
+    """The modules whose forward pass is running (innermost last), and whether one owning
+    trainable parameters has finished its own."""
+
+    def __init__(self):
+        self.entered: list[tuple[str, nn.Module]] = []
+        self.finished = False
+
+    def enter(self, label: str):
+        def hook(module, _):
+            self.entered.append((label, module))
+
+        return hook
+
+    def leave(self, owns: bool):
+        def hook(*_):
+            self.entered.pop()
+            self.finished = self.finished or owns
+
+        return hook
+
+
 @contextmanager
-def naming_failures(model: nn.Module, x, name: str):
-    """Run a forward pass of `model` on `x` (the argument `name`) so that a failure of the model
-    names the argument, the per-sample shape and dtype it got, the parameters' dtype and the
-    model's first error line. A failure before any module owning trainable parameters has
-    finished its forward pass is a `ModelInputError` (the inputs do not fit the model); one
-    after is a `ModelForwardError` naming the module that failed (the model's first layer took
-    the inputs, the fault lies further in). Embedding ids outside a table are named before the
-    model indexes with them."""
-    entered: list[tuple[str, nn.Module]] = []  # modules whose forward is running, innermost last
-    finished = [False]  # whether a module owning trainable parameters has finished one
+def _hooked(model: nn.Module, name: str, trace: _Trace | None):
+    """Hooks that refuse embedding ids outside the table (naming `name`) and, with a `trace`,
+    record it on every module."""
 
     def check_ids(label: str, module: nn.Embedding):
         def hook(_, args):
@@ -95,42 +151,17 @@ def naming_failures(model: nn.Module, x, name: str):
 
         return hook
 
-    def enter(label: str):
-        def hook(module, _):
-            entered.append((label, module))
-
-        return hook
-
-    def leave(owns: bool):
-        def hook(*_):
-            entered.pop()
-            finished[0] = finished[0] or owns
-
-        return hook
-
     handles = []
     for label, m in model.named_modules():
         label = label or type(m).__name__
-        owns = any(p.requires_grad for p in m.parameters(recurse=False))
-        handles += [m.register_forward_pre_hook(enter(label)), m.register_forward_hook(leave(owns))]
+        if trace is not None:
+            owns = any(p.requires_grad for p in m.parameters(recurse=False))
+            handles.append(m.register_forward_pre_hook(trace.enter(label)))
+            handles.append(m.register_forward_hook(trace.leave(owns)))
         if isinstance(m, nn.Embedding):
             handles.append(m.register_forward_pre_hook(check_ids(label, m)))
     try:
         yield
-    except ModelInputError:
-        raise
-    except _MODEL_ERRORS as e:
-        dtypes = sorted({str(p.dtype) for p in model.parameters()})
-        where = f"inputs of {describe_inputs(x)} (its parameters are {', '.join(dtypes) or 'none'})"
-        if finished[0] and entered:
-            label, module = entered[-1]
-            module = f"'{label}' ({type(module).__name__})"
-            raise ModelForwardError(
-                f"{name}: the model's forward pass failed in module {module} on {where}: "
-                f"{_first_line(e)}",
-                module,
-            ) from e
-        raise ModelInputError(f"{name}: the model failed on {where}: {_first_line(e)}") from e
     finally:
         for h in handles:
             h.remove()
@@ -375,8 +406,7 @@ class ModelView:
         `name`) reported by `naming_failures`."""
         args, kwargs = inputs.as_call(x)
         tensors = {**self.constants, **self.buffers, **self.params}
-        with naming_failures(self.model, x, name):
-            out = self.call(tensors, args, kwargs)
+        out = naming_failures(self.model, x, name, lambda: self.call(tensors, args, kwargs))
         return self.to_matrix(out)
 
     def to_matrix(self, out) -> torch.Tensor:

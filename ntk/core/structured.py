@@ -20,8 +20,8 @@ Besides torch's Linear, Conv1d/2d, Embedding and normalisation layers, transform
 
 from __future__ import annotations
 
+import functools
 import sys
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -490,8 +490,8 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor, name: str | Non
     if not plan_.empty:
         handles = [m.register_forward_hook(hook(n)) for n, m in plan_.modules.items()]
         try:
-            with torch.enable_grad(), _checked(view, x, name):
-                out = view.forward(view.params, x)
+            with torch.enable_grad():
+                out = _checked(view, x, name)
         finally:
             for h in handles:
                 h.remove()
@@ -517,16 +517,18 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor, name: str | Non
                 )
             terms += _module_terms(layer, plan_, layer_inputs[layer], d)
     elif name is not None:
-        with torch.no_grad(), _checked(view, x, name):
-            check_output_rows(view.forward(view.params, x), b, name)
+        with torch.no_grad():
+            check_output_rows(_checked(view, x, name), b, name)
     if plan_.fallback:
         jac = jacobian_features(view, x, cot, plan_.fallback)
         terms += [Explicit(view.owner[n], g) for n, g in jac.items()]
     return terms
 
 
-def _checked(view: ModelView, x, name: str | None):
-    return nullcontext() if name is None else naming_failures(view.model, x, name)
+def _checked(view: ModelView, x, name: str | None) -> torch.Tensor:
+    """The view's outputs on `x`, checked as the argument `name` unless it is None."""
+    forward = functools.partial(view.forward, view.params, x)
+    return forward() if name is None else naming_failures(view.model, x, name, forward)
 
 
 def _module_terms(layer: str, plan_: Plan, a: torch.Tensor, d: torch.Tensor) -> list:
