@@ -45,7 +45,7 @@ from ntk.spectrum import condition_from_eigenvalues
 
 from . import _figures
 from ._outputs import labels, logits
-from ._posterior import EFFECTIVE_PARAMETERS, NTKPosterior, entropy
+from ._posterior import EFFECTIVE_PARAMETERS, TRAINING_VARIANCE_RATIO, NTKPosterior, entropy
 from .curvature import UnfactorableModelError
 from .evaluation import calibration_metrics, reliability
 from .layers import DEFAULT_SCORE, layer_importance, layer_label
@@ -422,7 +422,8 @@ def _calibration(model, fit, test, enabled: bool | None, top: int, opts: dict) -
         opts = dict(opts, curvature="ekfac")
     # with enough labelled test samples δ minimises the NLL of the even-numbered ones and the
     # metrics are measured on the odd-numbered ones (`NTKPosterior.fit(validation=...)`);
-    # otherwise δ is NTKPosterior's default (EFFECTIVE_PARAMETERS effective parameters)
+    # otherwise δ is NTKPosterior's default (EFFECTIVE_PARAMETERS effective parameters, capped by
+    # TRAINING_VARIANCE_RATIO)
     tuned = y_test is not None and len(y_test) >= VALIDATION_MIN
     tune, held = slice(0, None, 2), slice(1, None, 2)
     validation = (inputs.take(x_test, tune), y_test[tune]) if tuned else None
@@ -465,7 +466,9 @@ def _calibration(model, fit, test, enabled: bool | None, top: int, opts: dict) -
         "prior_precision_by": (
             "validation NLL on the even-numbered test samples"
             if tuned
-            else f"rule keeping {EFFECTIVE_PARAMETERS:.3g} effective parameters (the default)"
+            else f"rule keeping {EFFECTIVE_PARAMETERS:.3g} effective parameters, the logit "
+            f"variance on the training inputs at most {TRAINING_VARIANCE_RATIO:g} of their "
+            "spread (the default)"
         ),
         "least_sure": least_sure,
         "largest_probability_change": float((q_test - p_test).abs().max()),

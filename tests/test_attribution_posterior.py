@@ -16,6 +16,7 @@ from torch import nn
 from torch.func import functional_call, jacrev
 
 import attribution
+from ntk import demo
 
 # This file checks the exact posterior (kernel and parameter-space forms) against the Laplace
 # posterior written out; the Kronecker-factored one (the default "auto") is checked in
@@ -102,12 +103,16 @@ def test_evidence_prior_precision_maximises_the_evidence(small_classifier):
     assert auto.log_marginal_likelihood() >= max(evidence) - 1e-6
 
 
-def test_auto_prior_precision_keeps_the_chosen_effective_number_of_parameters(small_classifier):
-    """Without validation data δ solves Σ_k e_k/(e_k + δ) = EFFECTIVE_PARAMETERS, with e the
-    eigenvalues of the parameter-space Gauss–Newton matrix Σ_i J_iᵀ Λ_i J_i (the same nonzero
-    eigenvalues as SΘS), computed here from per-sample Jacobians."""
+def test_auto_prior_precision_keeps_the_chosen_effective_number_of_parameters(
+    small_classifier, monkeypatch
+):
+    """Without validation data (and without the training-variance cap, tested below) δ solves
+    Σ_k e_k/(e_k + δ) = EFFECTIVE_PARAMETERS, with e the eigenvalues of the parameter-space
+    Gauss–Newton matrix Σ_i J_iᵀ Λ_i J_i (the same nonzero eigenvalues as SΘS), computed here
+    from per-sample Jacobians."""
     from attribution._posterior import EFFECTIVE_PARAMETERS
 
+    monkeypatch.setattr("attribution._posterior.TRAINING_VARIANCE_RATIO", math.inf)
     model, x, y, _, _ = small_classifier
     post = NTKPosterior(model).fit(x, y)
     j = _jacobian(model, x)
@@ -119,6 +124,42 @@ def test_auto_prior_precision_keeps_the_chosen_effective_number_of_parameters(sm
     assert gamma == pytest.approx(EFFECTIVE_PARAMETERS, rel=1e-6)
     evidence = NTKPosterior(model, prior_precision="evidence").fit(x, y)
     assert post.prior_precision_ != pytest.approx(evidence.prior_precision_, rel=0.1)
+
+
+@pytest.mark.parametrize("curvature", ["exact", "ekfac"])
+def test_auto_prior_caps_the_logit_variance_on_the_training_inputs(curvature):
+    """A tanh network trained to confidence: the curvature collapses and the δ keeping
+    EFFECTIVE_PARAMETERS would spread the centred logits on the training inputs by more than
+    TRAINING_VARIANCE_RATIO of their mean square, so δ rises until the ratio equals it
+    (computed here from predict_variance). Stopped early, the cap does not bind: δ is the γ
+    rule's."""
+    from attribution import _damping
+    from attribution._posterior import EFFECTIVE_PARAMETERS, TRAINING_VARIANCE_RATIO
+
+    torch.manual_seed(0)
+    x = torch.randn(40, 6, dtype=torch.float64)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    centre = torch.eye(3, dtype=torch.float64) - 1 / 3
+    for epochs, binds in ((300, True), (20, False)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+        model = demo.train(model, x, y, epochs=epochs, batch_size=10, lr=1e-2, weight_decay=0.0)
+        post = NTKPosterior(model, curvature=curvature).fit(x, y)
+        if curvature == "exact":
+            rule = _damping.damping_keeping(post._system(), post._rank(), EFFECTIVE_PARAMETERS)
+        else:
+            rule = _damping.damping_for(post.kronecker_.eigenvalues, EFFECTIVE_PARAMETERS)
+        with torch.no_grad():
+            g = model(x)
+        spread = float((g - g.mean(1, keepdim=True)).pow(2).sum())
+        cov = torch.as_tensor(post.predict_variance(x))
+        ratio = float(torch.einsum("ab,nbc,ca->", centre, cov, centre)) / spread
+        if binds:
+            assert post.prior_precision_ > 1.2 * rule
+            assert ratio == pytest.approx(TRAINING_VARIANCE_RATIO, rel=1e-6)
+        else:
+            assert post.prior_precision_ == pytest.approx(rule, rel=1e-9)
+            assert ratio < TRAINING_VARIANCE_RATIO
 
 
 def test_validation_data_choose_the_prior_precision_minimising_their_nll(small_classifier):

@@ -43,12 +43,13 @@ def _dense_curvature(post) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("curvature", FACTORED)
 def test_covariance_evidence_and_prior_are_those_of_the_factored_laplace_posterior(
-    small_classifier, curvature
+    small_classifier, curvature, monkeypatch
 ):
     """Σ(x) = Σ_W J_W(x)(Ĝ_W + δI)⁻¹J_W(x)ᵀ, the evidence with log det(I + Ĝ/δ) over Ĝ's
     largest N·(O − 1) eigenvalues (the Gauss–Newton matrix's rank; Ĝ's rank is not bounded by
-    N), and the "auto" δ keeping EFFECTIVE_PARAMETERS effective parameters of Ĝ's spectrum, each
-    computed here from the blocks written out densely and autograd Jacobians."""
+    N), and the "auto" δ keeping EFFECTIVE_PARAMETERS effective parameters of Ĝ's spectrum
+    (without the training-variance cap, tested in test_attribution_posterior.py), each computed
+    here from the blocks written out densely and autograd Jacobians."""
     model, x, y, xt, _ = small_classifier
     delta = 0.7
     post = NTKPosterior(model, curvature=curvature, prior_precision=delta).fit(x, y)
@@ -75,6 +76,7 @@ def test_covariance_evidence_and_prior_are_those_of_the_factored_laplace_posteri
     evidence = loglik - 0.5 * delta * sq_norm - 0.5 * logdet
     assert post.log_marginal_likelihood() == pytest.approx(evidence, rel=1e-8)
 
+    monkeypatch.setattr("attribution._posterior.TRAINING_VARIANCE_RATIO", math.inf)
     auto = NTKPosterior(model, curvature=curvature).fit(x, y)
     gamma = float((e / (e + auto.prior_precision_)).sum())
     assert gamma == pytest.approx(EFFECTIVE_PARAMETERS, rel=1e-6)

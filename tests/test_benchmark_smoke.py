@@ -166,8 +166,9 @@ def test_damping_benchmark_smoke_run_checks_the_library_default():
 
 def test_posterior_prior_smoke_run_scores_the_library_default():
     """benchmarks/posterior_prior.py: the leave-one-setting-out table, and the library's default
-    fit reproduces the benchmark's row at EFFECTIVE_PARAMETERS (which must lie on its grid)."""
-    from attribution._posterior import EFFECTIVE_PARAMETERS
+    fit reproduces the benchmark's rule at EFFECTIVE_PARAMETERS and TRAINING_VARIANCE_RATIO
+    (which must lie on its grid)."""
+    from attribution._posterior import EFFECTIVE_PARAMETERS, TRAINING_VARIANCE_RATIO
 
     out = _run_benchmark("posterior_prior.py")
     rows = {_cells(line)[0]: _cells(line)[1:] for line in out.splitlines() if line.startswith("|")}
@@ -175,7 +176,8 @@ def test_posterior_prior_smoke_run_scores_the_library_default():
     for name in ("breast_cancer", "wine"):
         nll = [float(v) for v in rows[name][1].split("/")]
         assert len(nll) == 3 and all(v > 0 for v in nll)
-    assert f"library EFFECTIVE_PARAMETERS = {EFFECTIVE_PARAMETERS:g}" in out
+    rule = f"γ {EFFECTIVE_PARAMETERS:.3g} / ρ {TRAINING_VARIANCE_RATIO:g}"
+    assert f"library rule ({rule})" in out
     checks = [line for line in out.splitlines() if "NTKPosterior(model).fit test NLL" in line]
     assert len(checks) == 2
     for line in checks:
