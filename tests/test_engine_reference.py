@@ -120,6 +120,20 @@ def test_both_contractions_of_shared_weights(monkeypatch, name, factored):
                 assert rel_err(value, expected) <= 1e-10, (kind, layer)
 
 
+@pytest.mark.parametrize("padding_mode", ["reflect", "replicate", "circular"])
+def test_conv1d_padding_modes(padding_mode):
+    """A Conv1d's non-zero padding pads its input's one spatial axis, as the layer does."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv1d(2, 3, 3, padding=2, dilation=2, padding_mode=padding_mode)
+    model = torch.nn.Sequential(conv, torch.nn.Tanh(), torch.nn.Flatten(), torch.nn.Linear(15, 2))
+    model = model.double().eval()
+    x = torch.randn(4, 2, 5, dtype=torch.float64)
+    ref = kernels(model, x)
+    parts = ntk.empirical_ntk(model, x, kind="full", method="structured", layers="all")
+    for layer, value in parts.items():
+        assert rel_err(value, ref[layer]) <= 1e-10, layer
+
+
 def test_structured_plan_covers_known_layers_and_falls_back_for_the_rest():
     from ntk.core import inputs
     from ntk.core.model import ModelView

@@ -112,6 +112,10 @@ def _linear_factors(module: nn.Module, x: torch.Tensor, bias: bool = False) -> t
     if isinstance(module, nn.Linear) or _is_hf_conv1d(module):
         x = x.reshape(x.shape[0], -1, x.shape[-1])
         return _with_ones(x, x.shape[-1]) if bias else x
+    # padded before a Conv1d's input becomes 2-d: reflect/replicate/circular pad the last axes only
+    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    pad = list(module._reversed_padding_repeated_twice)
+    x = F.pad(x, pad, mode=mode) if any(pad) else x
     if isinstance(module, nn.Conv1d):
         x = x.unsqueeze(2)
         kernel, stride, dilation = (
@@ -121,9 +125,6 @@ def _linear_factors(module: nn.Module, x: torch.Tensor, bias: bool = False) -> t
         )
     else:
         kernel, stride, dilation = module.kernel_size, module.stride, module.dilation
-    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-    pad = list(module._reversed_padding_repeated_twice)
-    x = F.pad(x, pad, mode=mode) if any(pad) else x
     # Sliding windows as strided views (several times faster than F.unfold's im2col on CPU):
     # a window of extent d(k−1)+1 every `stride`, keeping every d-th element for dilation d.
     for axis, (k, s, d) in enumerate(zip(kernel, stride, dilation), start=2):
