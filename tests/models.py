@@ -78,6 +78,21 @@ class SharedPositions(nn.Module):
         return self.head(torch.tanh(h).mean(1))
 
 
+class SequenceFirst(nn.Module):
+    """Linear layers on a sequence-first [S, B, F] tensor (nn.TransformerEncoderLayer's default
+    layout): their first axis is not the sample axis."""
+
+    def __init__(self, d_in=3, dim=4, d_out=3):
+        super().__init__()
+        self.inp = nn.Linear(d_in, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, d_out)
+
+    def forward(self, x):  # [B, S, d_in]
+        h = torch.tanh(self.inp(x)).transpose(0, 1)  # [S, B, dim]
+        return self.head(torch.tanh(self.mix(h)).mean(0))
+
+
 class Tied(nn.Module):
     """A weight registered in two modules, an embedding matrix reused as an output projection
     outside its module, and a module called twice, once under each of its two names."""

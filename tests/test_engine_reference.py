@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from models import CASES, make
+from models import CASES, SequenceFirst, make
 from reference import kernels, layer_params, lpntk, of_kind, rel_err
 
 import ntk
@@ -128,6 +128,19 @@ def test_conv1d_padding_modes(padding_mode):
     model = torch.nn.Sequential(conv, torch.nn.Tanh(), torch.nn.Flatten(), torch.nn.Linear(15, 2))
     model = model.double().eval()
     x = torch.randn(4, 2, 5, dtype=torch.float64)
+    ref = kernels(model, x)
+    parts = ntk.empirical_ntk(model, x, kind="full", method="structured", layers="all")
+    for layer, value in parts.items():
+        assert rel_err(value, ref[layer]) <= 1e-10, layer
+
+
+@pytest.mark.parametrize("n", [2, 5])
+def test_sequence_first_layer_with_as_many_positions_as_the_planning_batch(n):
+    """A Linear on [S, B, F] with S = 2, the planning pass's batch size, is not factored as if
+    its first axis were the samples (with n = 2 samples the kernel came out wrong)."""
+    torch.manual_seed(0)
+    model = SequenceFirst().double().eval()
+    x = torch.randn(n, 2, 3, dtype=torch.float64)
     ref = kernels(model, x)
     parts = ntk.empirical_ntk(model, x, kind="full", method="structured", layers="all")
     for layer, value in parts.items():

@@ -225,6 +225,7 @@ class Plan:
 
 
 _PROBE = 2  # samples in the planning pass: a module must see this batch axis to be factored
+_CONFIRM = 3  # samples in a second pass that tells the sample axis from an axis of _PROBE entries
 
 
 def plan(
@@ -236,8 +237,8 @@ def plan(
     only: list[str] | None = None,
     factor_all: bool = False,
 ) -> Plan:
-    """Decide, from one forward pass on two copies of the first sample of `x`, how each
-    parameter is differentiated.
+    """Decide, from a forward pass on two copies of the first sample of `x` (and one on three,
+    `_leading_sample_axis`), how each parameter is differentiated.
 
     Only the parameters in `only` (default: all) are planned. A known module is factored only if
     it was called exactly once, its input and output carry the sample axis first (or, for an
@@ -268,16 +269,7 @@ def plan(
             probe.stack.pop()
             if isinstance(out, torch.Tensor):
                 activations[0] += out.numel() // _PROBE
-            per_sample = (
-                isinstance(out, torch.Tensor)
-                and out.dim() > 0
-                and out.shape[0] == _PROBE
-                and args
-                and isinstance(args[0], torch.Tensor)
-                and args[0].dim() > 0
-                and args[0].shape[0] == _PROBE
-            )
-            if name in names and per_sample:
+            if name in names and _leads_with(args, out, _PROBE):
                 out_numel[name] = out.numel() // _PROBE
             elif name in names and _batch_shared(module, args, out):
                 out_numel[name] = out.numel()
@@ -299,7 +291,12 @@ def plan(
     shared = {n for n in candidates if _expansion_keeps_output(view, x_probe, {n}, reference)}
     if len(shared) > 1 and not _expansion_keeps_output(view, x_probe, shared, reference):
         shared = set()
-    out_numel = {n: v for n, v in out_numel.items() if n in shared or n not in candidates}
+    per_sample = _leading_sample_axis(view, x, names)
+    out_numel = {
+        n: v
+        for n, v in out_numel.items()
+        if n in shared or (n not in candidates and n in per_sample)
+    }
 
     modules, covered, fallback, positions, factored = {}, {}, [], {}, set()
     wanted = set(view.params if only is None else only)
@@ -327,6 +324,43 @@ def plan(
     return Plan(
         modules, covered, factored, fallback, positions, activations[0], shared & set(modules)
     )
+
+
+def _leads_with(args, out, b: int) -> bool:
+    """Whether a module's first input and its output are tensors whose first axis has b entries."""
+    return (
+        isinstance(out, torch.Tensor)
+        and out.dim() > 0
+        and out.shape[0] == b
+        and bool(args)
+        and isinstance(args[0], torch.Tensor)
+        and args[0].dim() > 0
+        and args[0].shape[0] == b
+    )
+
+
+def _leading_sample_axis(view: ModelView, x, names: dict[str, nn.Module]) -> set[str]:
+    """The layers among `names` whose input and output lead with the sample axis in a forward
+    pass on _CONFIRM copies of the first sample of `x`. The planning pass alone cannot tell it
+    from another axis of _PROBE entries: a sequence-first [S, B, F] with S = 2 (the default
+    layout of nn.TransformerEncoderLayer) would be factored as if S were the samples."""
+    seen: set[str] = set()
+
+    def hook(name):
+        def record(module, args, out):
+            if _leads_with(args, out, _CONFIRM):
+                seen.add(name)
+
+        return record
+
+    handles = [module.register_forward_hook(hook(n)) for n, module in names.items()]
+    try:
+        with torch.no_grad():
+            view.forward(view.params, inputs.take(x, torch.zeros(_CONFIRM, dtype=torch.long)))
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
 
 
 def _batch_shared(module: nn.Module, args, out) -> bool:
