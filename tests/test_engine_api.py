@@ -9,7 +9,9 @@ from models import MLP, make
 from reference import kernels, of_kind
 from torch import nn
 
+import attribution
 import ntk
+import projections
 from ntk.core.model import ModelView
 
 
@@ -123,6 +125,25 @@ def test_training_mode_randomness_and_batch_dependence_are_refused(module):
     before = snapshot(model)
     with pytest.raises(ValueError, match=r"model\.eval\(\)"):
         ntk.empirical_ntk(model, torch.randn(6, 5))
+    assert same(before, snapshot(model))
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m, x: ntk.empirical_ntk(m, x, method="jacobian"),
+        lambda m, x: projections.features(m, x, dim=8),
+        lambda m, x: attribution.KernelSurrogate(m).fit(x),
+    ],
+    ids=["empirical_ntk", "features", "surrogate"],
+)
+def test_embedding_with_max_norm_is_refused_before_it_renormalises_the_model(call):
+    """Its forward pass renormalises the looked-up rows in place: the model's own weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(9, 4, max_norm=1.0), nn.Flatten(), nn.Linear(12, 2))
+    before = snapshot(model.eval())
+    with pytest.raises(ValueError, match=r"'0' is an Embedding with max_norm=1\.0"):
+        call(model, torch.randint(0, 9, (5, 3)))
     assert same(before, snapshot(model))
 
 

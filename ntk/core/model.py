@@ -171,6 +171,21 @@ def check_eval_mode(model: nn.Module) -> None:
             )
 
 
+def check_no_renorm(model: nn.Module) -> None:
+    """Refuse embeddings with max_norm: their forward pass renormalises the rows it looks up in
+    place, which would write to the model's weights (the view's parameters share their storage),
+    and autograd does not differentiate through the renormalisation."""
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
+            raise ValueError(
+                f"module '{name or type(module).__name__}' is an {type(module).__name__} with "
+                f"max_norm={module.max_norm}: its forward pass renormalises the rows it looks up "
+                "in place, which would modify the model. Renormalise its weight once "
+                "(torch.embedding_renorm_ under torch.no_grad(), over all rows) and set "
+                "max_norm=None before computing a kernel."
+            )
+
+
 def tensor_aliases(model: nn.Module) -> dict[str, list[str]]:
     """{name: other names} of every parameter or buffer reachable under several names through
     distinct (module, attribute) slots: the tied weights of two modules (dec.weight =
@@ -249,6 +264,7 @@ class ModelView:
             raise TypeError(
                 f"dtype must be a floating torch.dtype (torch.float64...), got {dtype!r}"
             )
+        check_no_renorm(model)
         self.model = model
         self.output_fn = output_fn
         first = next(iter(model.parameters()), None)
