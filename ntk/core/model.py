@@ -216,19 +216,32 @@ class FunctionalCall:
     attribute, so the second records the first's replacement as its original and the model keeps
     a detached copy instead of its Parameter. Here every (module, attribute) slot is set once.
     The oneDNN (mkldnn) CPU kernels of LSTM/GRU/RNN have a backward that vmap cannot batch
-    (per-sample Jacobians fail inside it): models with recurrent modules run without them."""
+    (per-sample Jacobians fail inside it): models with recurrent modules run without them.
+    derivative=True: embeddings with scale_grad_by_freq, whose backward divides their weight's
+    gradient by each id's count in the batch (a training heuristic: not ∂f/∂θ, which forward mode
+    gives), run without it during the call, so that every method differentiates the same f."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, derivative: bool = False):
         self.model = model
         self.aliases = tensor_aliases(model)
         self.recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
+        self.frequency_scaled = [
+            m
+            for m in model.modules()
+            if derivative
+            and isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+            and m.scale_grad_by_freq
+        ]
 
     def __call__(self, tensors: dict[str, torch.Tensor], args, kwargs):
         full = dict(tensors)
         for name, others in self.aliases.items():
             if name in full:
                 full.update(dict.fromkeys(others, full[name]))
-        with _without_onednn() if self.recurrent else nullcontext():
+        with (
+            _without_onednn() if self.recurrent else nullcontext(),
+            _unscaled(self.frequency_scaled),
+        ):
             return functional_call(self.model, full, args, kwargs, tie_weights=False)
 
 
@@ -240,6 +253,19 @@ def _without_onednn():
         yield
     finally:
         torch.backends.mkldnn.enabled = previous
+
+
+@contextmanager
+def _unscaled(embeddings: list[nn.Module]):
+    """The embeddings with scale_grad_by_freq off, and on again afterwards (autograd records the
+    flag when the forward pass runs)."""
+    for m in embeddings:
+        m.scale_grad_by_freq = False
+    try:
+        yield
+    finally:
+        for m in embeddings:
+            m.scale_grad_by_freq = True
 
 
 class ModelView:
@@ -306,7 +332,7 @@ class ModelView:
         # Buffers are cloned so that nothing a forward pass does can reach the model's own state.
         self.buffers = {n: convert(b).clone() for n, b in model.named_buffers()}
         self.shared = self._registered_more_than_once(model)
-        self.call = FunctionalCall(model)
+        self.call = FunctionalCall(model, derivative=True)
 
     @staticmethod
     def _registered_more_than_once(model: nn.Module) -> set[str]:

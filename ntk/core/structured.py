@@ -60,8 +60,6 @@ def _supported(module: nn.Module) -> bool:
     kind = type(module)
     if kind in (nn.Conv1d, nn.Conv2d):
         return module.groups == 1
-    if kind is nn.Embedding:
-        return not module.scale_grad_by_freq  # max_norm is refused by ModelView
     return kind in _WEIGHTED or kind in _NORMS
 
 
