@@ -147,6 +147,19 @@ def test_embedding_with_max_norm_is_refused_before_it_renormalises_the_model(cal
     assert same(before, snapshot(model))
 
 
+def test_inputs_that_require_grad_are_constants():
+    """The kernel is a function of the parameters: an input with requires_grad leaves no graph
+    attached to kernels or to the arrays a surrogate hands to scikit-learn."""
+    model, x1, _ = make("mlp")
+    x = x1.clone().requires_grad_(True)
+    for method in ntk.METHODS:
+        k = ntk.empirical_ntk(model, x, method=method)
+        assert not k.requires_grad
+        assert torch.allclose(k, ntk.empirical_ntk(model, x1, method=method), rtol=1e-12)
+    surrogate = attribution.KernelSurrogate(model).fit(x)
+    assert surrogate.attribute(x).shape == (6, 6, 3)
+
+
 def test_batch_norm_without_running_statistics_is_refused_even_in_eval_mode():
     norm = nn.BatchNorm1d(7, track_running_stats=False)
     model = nn.Sequential(nn.Linear(5, 7), norm, nn.Linear(7, 2)).eval()
