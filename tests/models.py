@@ -120,6 +120,18 @@ class Frozen(MLP):
         self.head.bias.requires_grad_(False)
 
 
+class CallCounter(MLP):
+    """An MLP that counts its forward passes in a buffer, written in place (in eval mode too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
 class Scalar(nn.Module):
     def __init__(self):
         super().__init__()

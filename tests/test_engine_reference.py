@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from models import CASES, SequenceFirst, make
+from models import CASES, CallCounter, SequenceFirst, make
 from reference import kernels, layer_params, lpntk, of_kind, rel_err
 
 import ntk
@@ -165,6 +165,20 @@ def test_embedding_with_scale_grad_by_freq_gets_its_derivative(method):
     for layer, value in parts.items():
         assert rel_err(value, ref[layer]) <= 1e-10, layer
     assert embed.scale_grad_by_freq
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_forward_that_writes_to_a_buffer(method):
+    """A forward pass that writes to a buffer in place (torch.func refused the write to a captured
+    tensor) gets its own copy of the buffers: the model's stay as they were."""
+    torch.manual_seed(0)
+    model = CallCounter().double().eval()
+    x1, x2 = torch.randn(5, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+    ref = kernels(copy.deepcopy(model), x1, x2)
+    parts = ntk.empirical_ntk(model, x1, x2, kind="full", method=method, layers="all")
+    for layer, value in parts.items():
+        assert rel_err(value, ref[layer]) <= 1e-10, layer
+    assert int(model.calls) == 0
 
 
 def test_structured_plan_covers_known_layers_and_falls_back_for_the_rest():

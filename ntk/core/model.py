@@ -329,8 +329,8 @@ class ModelView:
                 "the model has no trainable parameters (requires_grad=True); "
                 "the eNTK is defined over trainable parameters only"
             )
-        # Buffers are cloned so that nothing a forward pass does can reach the model's own state.
-        self.buffers = {n: convert(b).clone() for n, b in model.named_buffers()}
+        # Each forward pass gets its own copies (`tensors`): none reaches the model's own state.
+        self.buffers = {n: convert(b) for n, b in model.named_buffers()}
         self.shared = self._registered_more_than_once(model)
         self.call = FunctionalCall(model, derivative=True)
 
@@ -404,19 +404,26 @@ class ModelView:
     def layer_size(self, layer: str) -> int:
         return sum(self.params[n].numel() for n in self.layers[layer])
 
+    def tensors(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The frozen parameters, fresh copies of the buffers and `params`, for one forward pass.
+        A pass that writes to a buffer in place (a call counter; spectral_norm's power iteration
+        in training mode) then reaches neither the model nor the next pass, which sees the same
+        function, and torch.func's transforms accept the write (they refuse to mutate a tensor
+        captured from outside)."""
+        return {**self.constants, **{n: b.clone() for n, b in self.buffers.items()}, **params}
+
     def forward(self, params: dict[str, torch.Tensor], x: inputs.Inputs) -> torch.Tensor:
         """Model outputs as a [B, O] tensor for a batch `x`, with `params` replacing the
         trainable parameters (frozen parameters and buffers stay constant)."""
         args, kwargs = inputs.as_call(x)
-        tensors = {**self.constants, **self.buffers, **params}
-        out = self.call(tensors, args, kwargs)
+        out = self.call(self.tensors(params), args, kwargs)
         return self.to_matrix(out)
 
     def forward_checked(self, x: inputs.Inputs, name: str) -> torch.Tensor:
         """`forward` with the view's parameters, a failure of the model on `x` (the argument
         `name`) reported by `naming_failures`."""
         args, kwargs = inputs.as_call(x)
-        tensors = {**self.constants, **self.buffers, **self.params}
+        tensors = self.tensors(self.params)
         with naming_failures(self.model, x, name):
             out = self.call(tensors, args, kwargs)
         return self.to_matrix(out)
