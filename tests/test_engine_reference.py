@@ -149,22 +149,23 @@ def test_sequence_first_layer_with_as_many_positions_as_the_planning_batch(n):
         assert rel_err(value, ref[layer]) <= 1e-10, layer
 
 
+@pytest.mark.parametrize("option", ["scale_grad_by_freq", "sparse"])
 @pytest.mark.parametrize("method", METHODS)
-def test_embedding_with_scale_grad_by_freq_gets_its_derivative(method):
+def test_embedding_gradient_options_leave_the_derivative(method, option):
     """scale_grad_by_freq divides autograd's gradient by each id's count in the batch (a training
-    heuristic, not ∂f/∂θ): every method gives the kernel of the derivative, as forward mode
-    (ntk_vp) does, and the module keeps its flag."""
+    heuristic, not ∂f/∂θ); sparse makes it a sparse tensor (torch.func failed on it): every
+    method gives the kernel of the derivative, and the module keeps its flag."""
     torch.manual_seed(0)
-    embed = torch.nn.Embedding(6, 3, scale_grad_by_freq=True)
+    embed = torch.nn.Embedding(6, 3, **{option: True})
     model = torch.nn.Sequential(embed, torch.nn.Flatten(), torch.nn.Linear(12, 2)).double().eval()
     x = torch.tensor([[1, 1, 2, 3], [4, 4, 4, 5], [0, 1, 0, 1]])
     exact = copy.deepcopy(model)
-    exact[0].scale_grad_by_freq = False
+    setattr(exact[0], option, False)
     ref = kernels(exact, x)
     parts = ntk.empirical_ntk(model, x, kind="full", method=method, layers="all")
     for layer, value in parts.items():
         assert rel_err(value, ref[layer]) <= 1e-10, layer
-    assert embed.scale_grad_by_freq
+    assert getattr(embed, option)
 
 
 @pytest.mark.parametrize("method", METHODS)

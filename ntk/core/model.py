@@ -205,6 +205,12 @@ def tensor_aliases(model: nn.Module) -> dict[str, list[str]]:
     return {names[0]: names[1:] for names in groups if len(names) > 1}
 
 
+# Embedding options that change autograd's gradient of the weight, not the function:
+# scale_grad_by_freq divides it by each id's count in the batch (a training heuristic, not ∂f/∂θ,
+# which forward mode gives); sparse returns it as a sparse tensor, which torch.func cannot batch.
+_GRADIENT_OPTIONS = ("scale_grad_by_freq", "sparse")
+
+
 class FunctionalCall:
     """`model(*args, **kwargs)` with given tensors ({name: tensor}, first names as
     `named_parameters()` / `named_buffers()` give them) in place of its parameters and buffers,
@@ -217,20 +223,20 @@ class FunctionalCall:
     a detached copy instead of its Parameter. Here every (module, attribute) slot is set once.
     The oneDNN (mkldnn) CPU kernels of LSTM/GRU/RNN have a backward that vmap cannot batch
     (per-sample Jacobians fail inside it): models with recurrent modules run without them.
-    derivative=True: embeddings with scale_grad_by_freq, whose backward divides their weight's
-    gradient by each id's count in the batch (a training heuristic: not ∂f/∂θ, which forward mode
-    gives), run without it during the call, so that every method differentiates the same f."""
+    derivative=True: embeddings run without the options that change autograd's gradient and
+    not the function (`_GRADIENT_OPTIONS`) during the call, so that every method differentiates
+    the same f."""
 
     def __init__(self, model: nn.Module, derivative: bool = False):
         self.model = model
         self.aliases = tensor_aliases(model)
         self.recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
-        self.frequency_scaled = [
-            m
+        self.gradient_options = [
+            (m, option)
             for m in model.modules()
-            if derivative
-            and isinstance(m, (nn.Embedding, nn.EmbeddingBag))
-            and m.scale_grad_by_freq
+            if derivative and isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+            for option in _GRADIENT_OPTIONS
+            if getattr(m, option)
         ]
 
     def __call__(self, tensors: dict[str, torch.Tensor], args, kwargs):
@@ -240,7 +246,7 @@ class FunctionalCall:
                 full.update(dict.fromkeys(others, full[name]))
         with (
             _without_onednn() if self.recurrent else nullcontext(),
-            _unscaled(self.frequency_scaled),
+            _switched_off(self.gradient_options),
         ):
             return functional_call(self.model, full, args, kwargs, tie_weights=False)
 
@@ -256,16 +262,16 @@ def _without_onednn():
 
 
 @contextmanager
-def _unscaled(embeddings: list[nn.Module]):
-    """The embeddings with scale_grad_by_freq off, and on again afterwards (autograd records the
-    flag when the forward pass runs)."""
-    for m in embeddings:
-        m.scale_grad_by_freq = False
+def _switched_off(options: list[tuple[nn.Module, str]]):
+    """The (module, flag) options off, and on again afterwards (autograd records them when the
+    forward pass runs)."""
+    for m, option in options:
+        setattr(m, option, False)
     try:
         yield
     finally:
-        for m in embeddings:
-            m.scale_grad_by_freq = True
+        for m, option in options:
+            setattr(m, option, True)
 
 
 class ModelView:
