@@ -182,6 +182,27 @@ def test_forward_that_writes_to_a_buffer(method):
     assert int(model.calls) == 0
 
 
+def test_forward_hooks_that_change_a_factored_layers_output():
+    """The model's own forward hooks act on a layer's output after the structured method reads
+    it: the layers are still factored, and the kernel follows the hooks."""
+    from ntk.core import structured
+    from ntk.core.model import ModelView
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(5, 6), torch.nn.LayerNorm(6), torch.nn.Tanh(), torch.nn.Linear(6, 3)
+    )
+    model = model.double().eval()
+    model[0].register_forward_hook(lambda module, args, out: 2.5 * out + 0.1)
+    model[1].register_forward_hook(lambda module, args, out: out.flip(-1))
+    x = torch.randn(4, 5, dtype=torch.float64)
+    assert set(structured.plan(ModelView(model), x, "full", 3, 4).covered) == {"0", "1", "3"}
+    ref = kernels(model, x)
+    parts = ntk.empirical_ntk(model, x, kind="full", method="structured", layers="all")
+    for layer, value in parts.items():
+        assert rel_err(value, ref[layer]) <= 1e-10, layer
+
+
 def test_structured_plan_covers_known_layers_and_falls_back_for_the_rest():
     from ntk.core import inputs
     from ntk.core.model import ModelView

@@ -279,7 +279,7 @@ def plan(
     try:
         for name, module in view.model.named_modules():
             handles.append(module.register_forward_pre_hook(pre_hook(name)))
-            handles.append(module.register_forward_hook(post_hook(name)))
+            handles.append(module.register_forward_hook(post_hook(name), prepend=True))
         with torch.no_grad(), probe:
             reference = view.forward(params, x_probe)
     finally:
@@ -351,7 +351,7 @@ def _leading_sample_axis(view: ModelView, x, names: dict[str, nn.Module]) -> set
 
         return record
 
-    handles = [module.register_forward_hook(hook(n)) for n, module in names.items()]
+    handles = [module.register_forward_hook(hook(n), prepend=True) for n, module in names.items()]
     try:
         with torch.no_grad():
             view.forward(view.params, inputs.take(x, torch.zeros(_CONFIRM, dtype=torch.long)))
@@ -388,7 +388,7 @@ def _expansion_keeps_output(view: ModelView, x_probe, layers: set[str], referenc
     def expand(module, args, out):
         return _expand_shared(out, args[0], _PROBE)[0]
 
-    handles = [module_of[n].register_forward_hook(expand) for n in layers]
+    handles = [module_of[n].register_forward_hook(expand, prepend=True) for n in layers]
     try:
         with torch.no_grad():
             out = view.forward(view.params, x_probe)
@@ -521,7 +521,8 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor, name: str | Non
 
     terms: list = []
     if not plan_.empty:
-        handles = [m.register_forward_hook(hook(n)) for n, m in plan_.modules.items()]
+        # before the model's own forward hooks, which may change the output (autograd follows)
+        handles = [m.register_forward_hook(hook(n), prepend=True) for n, m in plan_.modules.items()]
         try:
             with torch.enable_grad(), _checked(view, x, name):
                 out = view.forward(view.params, x)
