@@ -4,6 +4,7 @@ state."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 
@@ -184,6 +185,20 @@ def check_no_renorm(model: nn.Module) -> None:
                 "(torch.embedding_renorm_ under torch.no_grad(), over all rows) and set "
                 "max_norm=None before computing a kernel."
             )
+
+
+def copy_module(module: nn.Module) -> nn.Module:
+    """copy.deepcopy(module), also of a module whose hooks keep a tensor computed from its
+    parameters as a plain attribute (torch.nn.utils.prune's `weight`, the deprecated
+    torch.nn.utils.weight_norm and spectral_norm): deepcopy refuses such non-leaf tensors. The
+    copy gets a detached clone, which its hook recomputes on its next forward pass."""
+    memo = {
+        id(t): t.detach().clone()
+        for m in module.modules()
+        for t in vars(m).values()
+        if isinstance(t, torch.Tensor) and not t.is_leaf
+    }
+    return copy.deepcopy(module, memo)
 
 
 def tensor_aliases(model: nn.Module) -> dict[str, list[str]]:
