@@ -141,6 +141,19 @@ class Scalar(nn.Module):
         return self.body(x).squeeze(-1)  # [B]
 
 
+class TwoDtypes(nn.Module):
+    """A float32 body with a float64 head, as a float32 head on a bfloat16 body."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(5, 6)
+        self.head = nn.Linear(6, 3).double()
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x.to(self.body.weight.dtype)))
+        return self.head(h.to(self.head.weight.dtype))
+
+
 class DictInput(nn.Module):
     def __init__(self):
         super().__init__()

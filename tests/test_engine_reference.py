@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from models import CASES, CallCounter, SequenceFirst, SharedPositions, make
+from models import CASES, CallCounter, SequenceFirst, SharedPositions, TwoDtypes, make
 from reference import kernels, layer_params, lpntk, of_kind, rel_err
 
 import ntk
@@ -52,6 +52,16 @@ def test_float32_matches_reference(case, method):
         k = ntk.empirical_ntk(model32, x1_32, kind=kind, method=method)
         assert k.dtype == torch.float32
         assert rel_err(k.double(), of_kind(ref_sym[None], kind)) <= 1e-5
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_parameters_of_two_dtypes(method):
+    """The output's dtype is not the first parameter's (jacobian failed on it)."""
+    torch.manual_seed(0)
+    model = TwoDtypes().eval()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    k = ntk.empirical_ntk(model, x, kind="full", method=method)
+    assert rel_err(k, kernels(copy.deepcopy(model).double(), x)[None]) <= 1e-5
 
 
 def test_dtype_argument_computes_in_float64():
