@@ -147,6 +147,13 @@ def test_embedding_with_max_norm_is_refused_before_it_renormalises_the_model(cal
     assert same(before, snapshot(model))
 
 
+def test_a_data_parallel_wrapper_is_refused_naming_the_module_it_wraps():
+    """torch.func cannot call nn.DataParallel with other parameters (a failure that blamed x1)."""
+    model = nn.DataParallel(MLP()).eval()
+    with pytest.raises(TypeError, match=r"nn\.DataParallel wrapper.*`model\.module`"):
+        ntk.empirical_ntk(model, torch.randn(4, 5))
+
+
 def test_inputs_that_require_grad_are_constants():
     """The kernel is a function of the parameters: an input with requires_grad leaves no graph
     attached to kernels or to the arrays a surrogate hands to scikit-learn."""

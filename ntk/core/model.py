@@ -172,14 +172,23 @@ def check_eval_mode(model: nn.Module) -> None:
             )
 
 
-def check_no_renorm(model: nn.Module) -> None:
-    """Refuse embeddings with max_norm: their forward pass renormalises the rows it looks up in
-    place, which would write to the model's weights (the view's parameters share their storage),
-    and autograd does not differentiate through the renormalisation."""
+def check_functional(model: nn.Module) -> None:
+    """Refuse models that cannot be called with other parameters without being modified:
+    nn.DataParallel, which torch.func's functional calls refuse (its `module` is the same
+    function), and embeddings with max_norm, whose forward pass renormalises the rows it looks up
+    in place, which would write to the model's weights (the view's parameters share their
+    storage), and autograd does not differentiate through the renormalisation."""
     for name, module in model.named_modules():
+        label = name or type(module).__name__
+        if isinstance(module, nn.DataParallel):
+            raise TypeError(
+                f"module '{label}' is an nn.DataParallel wrapper, which cannot be called with "
+                "other parameters (torch.func); use the module it wraps, "
+                f"`{'.'.join(['model', name] if name else ['model'])}.module`, in its place"
+            )
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
             raise ValueError(
-                f"module '{name or type(module).__name__}' is an {type(module).__name__} with "
+                f"module '{label}' is an {type(module).__name__} with "
                 f"max_norm={module.max_norm}: its forward pass renormalises the rows it looks up "
                 "in place, which would modify the model. Renormalise its weight once "
                 "(torch.embedding_renorm_ under torch.no_grad(), over all rows) and set "
@@ -311,7 +320,7 @@ class ModelView:
             raise TypeError(
                 f"dtype must be a floating torch.dtype (torch.float64...), got {dtype!r}"
             )
-        check_no_renorm(model)
+        check_functional(model)
         self.model = model
         self.output_fn = output_fn
         first = next(iter(model.parameters()), None)
