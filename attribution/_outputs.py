@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 
 import torch
@@ -11,7 +10,7 @@ from torch import nn
 
 from ntk.core import inputs
 from ntk.core.kinds import class_labels  # checked in the core: lpntk needs them too
-from ntk.core.model import ModelView
+from ntk.core.model import ModelView, copy_module
 
 
 def labels(y, n: int, num_outputs: int, name: str = "y") -> torch.Tensor:
@@ -95,7 +94,7 @@ def models(model: nn.Module, checkpoints: Sequence | None) -> list[nn.Module]:
         if isinstance(c, nn.Module):
             out.append(c)
         elif isinstance(c, dict):
-            copy_ = copy.deepcopy(model)
+            copy_ = copy_module(model)
             try:
                 copy_.load_state_dict(c)
             except RuntimeError as e:  # torch lists every mismatch after a header line

@@ -9,7 +9,6 @@ over z.
 
 from __future__ import annotations
 
-import copy
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -24,7 +23,7 @@ from torch import nn
 from torch.func import stack_module_state
 
 from ntk.core import inputs
-from ntk.core.model import FunctionalCall
+from ntk.core.model import FunctionalCall, copy_module
 
 from ._outputs import margins
 
@@ -188,7 +187,7 @@ def train_on_subsets(
     ]
     params = {k: torch.cat([t[0][k] for t in trained]) for k in trained[0][0]}
     buffers = {k: torch.cat([t[1][k] for t in trained]) for k in trained[0][1]}
-    base = copy.deepcopy(trained[0][2])
+    base = copy_module(trained[0][2])
     return SubsetModels(base, params, buffers, len(members), seeds, output_fn)
 
 
@@ -208,7 +207,7 @@ def _train_chunk(
         with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
             torch.manual_seed(r)
             models.append(factory())
-    base = copy.deepcopy(models[0]).train()
+    base = copy_module(models[0]).train()
     params, buffers = stack_module_state(models)
     params = {k: v.detach().requires_grad_() for k, v in params.items()}
     opt = torch.optim.Adam(params.values(), lr=lr, weight_decay=weight_decay)

@@ -36,7 +36,6 @@ embeddings (large weights, sparse gradients) and overrates LayerNorms (weights â
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import torch
@@ -48,7 +47,7 @@ import ntk
 import projections
 from ntk.core import inputs
 from ntk.core.kinds import class_labels
-from ntk.core.model import ModelView, check_eval_mode
+from ntk.core.model import ModelView, check_eval_mode, copy_module
 from ntk.core.persample import map_samples
 from ntk.spectrum import as_matrix
 
@@ -114,7 +113,7 @@ def redraw(model: nn.Module, layer: str, seed: int) -> dict[str, torch.Tensor]:
     """Fresh values {parameter name: tensor} for the trainable parameters that module `layer` owns,
     drawn by its initialiser (`reset_parameters()`) on a copy with seed `seed`; zeros where the
     module has no initialiser. Nothing else (and not the model) changes."""
-    twin = copy.deepcopy(model.get_submodule(layer))
+    twin = copy_module(model.get_submodule(layer))
     init = getattr(twin, "reset_parameters", None) or getattr(twin, "_reset_parameters", None)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -211,7 +210,7 @@ def _block_influence(
     """1 âˆ’ cos(flattened input, flattened output) per sample, averaged, for every row module
     whose (first) input and output are tensors of the same shape; None for the others.
     Hooks go on a copy, so the user's model is untouched."""
-    twin = copy.deepcopy(model)
+    twin = copy_module(model)
     sums: dict[str, list[float]] = {row: [0.0, 0] for row in groups}
     handles = []
     for row in groups:

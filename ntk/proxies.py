@@ -43,7 +43,6 @@ copy whose BatchNorm layers have never seen data takes their statistics from the
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 import time
@@ -58,7 +57,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .core import inputs, kinds
-from .core.model import naming_failures, resolve_device
+from .core.model import copy_module, naming_failures, resolve_device
 from .core.tiles import require_finite
 from .empirical import empirical_ntk
 from .spectrum import condition_number, eigenvalues, kernel_alignment
@@ -367,7 +366,7 @@ def _prepare(candidate: Candidate, seed: int) -> nn.Module:
     """A private copy of a module, or a fresh instance from a factory under `seed` (the global
     random state is restored afterwards)."""
     if isinstance(candidate, nn.Module):
-        return copy.deepcopy(candidate)
+        return copy_module(candidate)
     if not callable(candidate):
         raise TypeError(f"model must be an nn.Module or a factory, got {type(candidate).__name__}")
     with torch.random.fork_rng(devices=[]):

@@ -78,6 +78,21 @@ class SharedPositions(nn.Module):
         return self.head(torch.tanh(h).mean(1))
 
 
+class SequenceFirst(nn.Module):
+    """Linear layers on a sequence-first [S, B, F] tensor (nn.TransformerEncoderLayer's default
+    layout): their first axis is not the sample axis."""
+
+    def __init__(self, d_in=3, dim=4, d_out=3):
+        super().__init__()
+        self.inp = nn.Linear(d_in, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, d_out)
+
+    def forward(self, x):  # [B, S, d_in]
+        h = torch.tanh(self.inp(x)).transpose(0, 1)  # [S, B, dim]
+        return self.head(torch.tanh(self.mix(h)).mean(0))
+
+
 class Tied(nn.Module):
     """A weight registered in two modules, an embedding matrix reused as an output projection
     outside its module, and a module called twice, once under each of its two names."""
@@ -105,6 +120,18 @@ class Frozen(MLP):
         self.head.bias.requires_grad_(False)
 
 
+class CallCounter(MLP):
+    """An MLP that counts its forward passes in a buffer, written in place (in eval mode too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
 class Scalar(nn.Module):
     def __init__(self):
         super().__init__()
@@ -112,6 +139,19 @@ class Scalar(nn.Module):
 
     def forward(self, x):
         return self.body(x).squeeze(-1)  # [B]
+
+
+class TwoDtypes(nn.Module):
+    """A float32 body with a float64 head, as a float32 head on a bfloat16 body."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(5, 6)
+        self.head = nn.Linear(6, 3).double()
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x.to(self.body.weight.dtype)))
+        return self.head(h.to(self.head.weight.dtype))
 
 
 class DictInput(nn.Module):

@@ -9,7 +9,9 @@ from models import MLP, make
 from reference import kernels, of_kind
 from torch import nn
 
+import attribution
 import ntk
+import projections
 from ntk.core.model import ModelForwardError, ModelView
 
 
@@ -124,6 +126,45 @@ def test_training_mode_randomness_and_batch_dependence_are_refused(module):
     with pytest.raises(ValueError, match=r"model\.eval\(\)"):
         ntk.empirical_ntk(model, torch.randn(6, 5))
     assert same(before, snapshot(model))
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m, x: ntk.empirical_ntk(m, x, method="jacobian"),
+        lambda m, x: projections.features(m, x, dim=8),
+        lambda m, x: attribution.KernelSurrogate(m).fit(x),
+    ],
+    ids=["empirical_ntk", "features", "surrogate"],
+)
+def test_embedding_with_max_norm_is_refused_before_it_renormalises_the_model(call):
+    """Its forward pass renormalises the looked-up rows in place: the model's own weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(9, 4, max_norm=1.0), nn.Flatten(), nn.Linear(12, 2))
+    before = snapshot(model.eval())
+    with pytest.raises(ValueError, match=r"'0' is an Embedding with max_norm=1\.0"):
+        call(model, torch.randint(0, 9, (5, 3)))
+    assert same(before, snapshot(model))
+
+
+def test_a_data_parallel_wrapper_is_refused_naming_the_module_it_wraps():
+    """torch.func cannot call nn.DataParallel with other parameters (a failure that blamed x1)."""
+    model = nn.DataParallel(MLP()).eval()
+    with pytest.raises(TypeError, match=r"nn\.DataParallel wrapper.*`model\.module`"):
+        ntk.empirical_ntk(model, torch.randn(4, 5))
+
+
+def test_inputs_that_require_grad_are_constants():
+    """The kernel is a function of the parameters: an input with requires_grad leaves no graph
+    attached to kernels or to the arrays a surrogate hands to scikit-learn."""
+    model, x1, _ = make("mlp")
+    x = x1.clone().requires_grad_(True)
+    for method in ntk.METHODS:
+        k = ntk.empirical_ntk(model, x, method=method)
+        assert not k.requires_grad
+        assert torch.allclose(k, ntk.empirical_ntk(model, x1, method=method), rtol=1e-12)
+    surrogate = attribution.KernelSurrogate(model).fit(x)
+    assert surrogate.attribute(x).shape == (6, 6, 3)
 
 
 def test_batch_norm_without_running_statistics_is_refused_even_in_eval_mode():

@@ -1,8 +1,10 @@
 """Every kind × method × layers combination against the independent float64 reference."""
 
+import copy
+
 import pytest
 import torch
-from models import CASES, make
+from models import CASES, CallCounter, SequenceFirst, SharedPositions, TwoDtypes, make
 from reference import kernels, layer_params, lpntk, of_kind, rel_err
 
 import ntk
@@ -50,6 +52,16 @@ def test_float32_matches_reference(case, method):
         k = ntk.empirical_ntk(model32, x1_32, kind=kind, method=method)
         assert k.dtype == torch.float32
         assert rel_err(k.double(), of_kind(ref_sym[None], kind)) <= 1e-5
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_parameters_of_two_dtypes(method):
+    """The output's dtype is not the first parameter's (jacobian failed on it)."""
+    torch.manual_seed(0)
+    model = TwoDtypes().eval()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    k = ntk.empirical_ntk(model, x, kind="full", method=method)
+    assert rel_err(k, kernels(copy.deepcopy(model).double(), x)[None]) <= 1e-5
 
 
 def test_dtype_argument_computes_in_float64():
@@ -118,6 +130,107 @@ def test_both_contractions_of_shared_weights(monkeypatch, name, factored):
             expected = of_kind(ref[layer], kind)
             if float(expected.abs().max()) > 0:
                 assert rel_err(value, expected) <= 1e-10, (kind, layer)
+
+
+@pytest.mark.parametrize("padding_mode", ["reflect", "replicate", "circular"])
+def test_conv1d_padding_modes(padding_mode):
+    """A Conv1d's non-zero padding pads its input's one spatial axis, as the layer does."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv1d(2, 3, 3, padding=2, dilation=2, padding_mode=padding_mode)
+    model = torch.nn.Sequential(conv, torch.nn.Tanh(), torch.nn.Flatten(), torch.nn.Linear(15, 2))
+    model = model.double().eval()
+    x = torch.randn(4, 2, 5, dtype=torch.float64)
+    ref = kernels(model, x)
+    parts = ntk.empirical_ntk(model, x, kind="full", method="structured", layers="all")
+    for layer, value in parts.items():
+        assert rel_err(value, ref[layer]) <= 1e-10, layer
+
+
+@pytest.mark.parametrize("n", [2, 5])
+@pytest.mark.parametrize("positions", [False, True], ids=["sequence-first", "shared-positions"])
+def test_layers_with_as_many_positions_as_the_planning_batch(positions, n):
+    """A Linear on [S, B, F] and an embedding of position ids [S] with S = 2, the planning pass's
+    batch size, are not factored as if their first axis were the samples (with n = 2 samples the
+    kernel came out wrong, by 70 % for the positions under method='auto')."""
+    torch.manual_seed(0)
+    if positions:
+        model, x = SharedPositions(seq=2), torch.randint(0, 5, (n, 2))
+    else:
+        model, x = SequenceFirst(), torch.randn(n, 2, 3, dtype=torch.float64)
+    model = model.double().eval()
+    ref = kernels(model, x)
+    parts = ntk.empirical_ntk(model, x, kind="full", method="structured", layers="all")
+    for layer, value in parts.items():
+        assert rel_err(value, ref[layer]) <= 1e-10, layer
+
+
+@pytest.mark.parametrize("option", ["scale_grad_by_freq", "sparse"])
+@pytest.mark.parametrize("method", METHODS)
+def test_embedding_gradient_options_leave_the_derivative(method, option):
+    """scale_grad_by_freq divides autograd's gradient by each id's count in the batch (a training
+    heuristic, not ∂f/∂θ); sparse makes it a sparse tensor (torch.func failed on it): every
+    method gives the kernel of the derivative, and the module keeps its flag."""
+    torch.manual_seed(0)
+    embed = torch.nn.Embedding(6, 3, **{option: True})
+    model = torch.nn.Sequential(embed, torch.nn.Flatten(), torch.nn.Linear(12, 2)).double().eval()
+    x = torch.tensor([[1, 1, 2, 3], [4, 4, 4, 5], [0, 1, 0, 1]])
+    exact = copy.deepcopy(model)
+    setattr(exact[0], option, False)
+    ref = kernels(exact, x)
+    parts = ntk.empirical_ntk(model, x, kind="full", method=method, layers="all")
+    for layer, value in parts.items():
+        assert rel_err(value, ref[layer]) <= 1e-10, layer
+    assert getattr(embed, option)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_forward_that_writes_to_a_buffer(method):
+    """A forward pass that writes to a buffer in place (torch.func refused the write to a captured
+    tensor) gets its own copy of the buffers: the model's stay as they were."""
+    torch.manual_seed(0)
+    model = CallCounter().double().eval()
+    x1, x2 = torch.randn(5, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+    ref = kernels(copy.deepcopy(model), x1, x2)
+    parts = ntk.empirical_ntk(model, x1, x2, kind="full", method=method, layers="all")
+    for layer, value in parts.items():
+        assert rel_err(value, ref[layer]) <= 1e-10, layer
+    assert int(model.calls) == 0
+
+
+def test_forward_hooks_that_change_a_factored_layers_output():
+    """The model's own forward hooks act on a layer's output after the structured method reads
+    it: the layers are still factored, and the kernel follows the hooks."""
+    from ntk.core import structured
+    from ntk.core.model import ModelView
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(5, 6), torch.nn.LayerNorm(6), torch.nn.Tanh(), torch.nn.Linear(6, 3)
+    )
+    model = model.double().eval()
+    model[0].register_forward_hook(lambda module, args, out: 2.5 * out + 0.1)
+    model[1].register_forward_hook(lambda module, args, out: out.flip(-1))
+    x = torch.randn(4, 5, dtype=torch.float64)
+    assert set(structured.plan(ModelView(model), x, "full", 3, 4).covered) == {"0", "1", "3"}
+    ref = kernels(model, x)
+    parts = ntk.empirical_ntk(model, x, kind="full", method="structured", layers="all")
+    for layer, value in parts.items():
+        assert rel_err(value, ref[layer]) <= 1e-10, layer
+
+
+def test_a_layer_whose_forward_is_replaced_on_the_instance_is_not_factored():
+    """A Linear whose instance has another forward (a patched module) computes something else
+    than W a + b: it is differentiated by autodiff (auto's kernel was 73 % off)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    model = model.double().eval()
+    linear = model[0]
+    linear.forward = lambda a: torch.nn.functional.linear(a, 2 * linear.weight, linear.bias)
+    x = torch.randn(4, 5, dtype=torch.float64)
+    ref = kernels(model, x)
+    parts = ntk.empirical_ntk(model, x, kind="full", method="structured", layers="all")
+    for layer, value in parts.items():
+        assert rel_err(value, ref[layer]) <= 1e-10, layer
 
 
 def test_structured_plan_covers_known_layers_and_falls_back_for_the_rest():

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 import ntk
 from attribution import layer_importance
@@ -274,6 +275,18 @@ def test_a_batchnorm_in_training_mode_is_named():
     x, y = torch.randn(10, 6), torch.arange(10) % 3
     with pytest.raises(ValueError, match="BatchNorm that uses batch statistics"):
         layer_importance(model, x, y)
+
+
+def test_a_pruned_layer_is_redrawn_on_a_copy():
+    """torch.nn.utils.prune keeps the masked weight as a tensor computed from weight_orig, which
+    copy.deepcopy refused (the sensitivity score's redraws failed)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
+    prune.l1_unstructured(model[0], "weight", amount=0.5)
+    x, y = torch.randn(10, 6), torch.arange(10) % 3
+    rows = layer_importance(model, x, y, group="blocks")
+    assert {r["layer"] for r in rows} == {"0", "2"}
+    assert all(np.isfinite(r["sensitivity"]) for r in rows)
 
 
 def test_small_integer_labels_are_class_labels(recwarn):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 from ntk import proxies
 
@@ -162,6 +163,19 @@ def test_the_model_is_never_modified_and_warm_up_changes_the_score(data):
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert warm != pytest.approx(cold, abs=1e-4)
+
+
+def test_a_pruned_model_is_copied_and_left_unchanged(data):
+    """torch.nn.utils.prune keeps the masked weight as a tensor computed from weight_orig, which
+    copy.deepcopy refuses; the private copy recomputes it in its warm-up steps."""
+    x, y = data
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 8), nn.ReLU(), nn.Linear(8, O))
+    prune.l1_unstructured(model[0], "weight", amount=0.5)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert math.isfinite(run(model, x, y, "lga", warmup_steps=3, warmup_lr=0.05))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
 
 
 def test_fresh_batchnorm_uses_the_batch_statistics(data):

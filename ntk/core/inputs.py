@@ -132,12 +132,13 @@ def cat(x1: Inputs, x2: Inputs) -> Inputs:
 
 def convert(x: Inputs, device: torch.device, dtype: torch.dtype | None) -> Inputs:
     """Move to `device`; cast floating tensors to `dtype` (integer tensors such as token ids
-    stay)."""
+    stay). Inputs are constants of every derivative taken here: detached from any graph (an
+    input with requires_grad left the kernels and outputs attached to it)."""
 
     def one(t: torch.Tensor) -> torch.Tensor:
         if dtype is not None and t.is_floating_point():
-            return t.to(device=device, dtype=dtype)
-        return t.to(device=device)
+            return t.detach().to(device=device, dtype=dtype)
+        return t.detach().to(device=device)
 
     if isinstance(x, torch.Tensor):
         return one(x)

@@ -22,7 +22,8 @@ def jacobian_features(
     rest = {n: p for n, p in view.params.items() if n not in wrt}
 
     def projected_output(params, x_single, u):
-        return u @ view.forward_single({**rest, **params}, x_single)
+        out = view.forward_single({**rest, **params}, x_single)
+        return u.to(out.dtype) @ out  # the output's dtype may differ (mixed-precision models)
 
     if cot.dim() == 3:  # per-sample cotangents [C, B, O]: sample b's are cot[:, b]
         jac = map_samples(view, jacrev(projected_output), wrt, x, cot.transpose(0, 1))

@@ -4,6 +4,7 @@ state."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from typing import TypeVar
@@ -202,6 +203,44 @@ def check_eval_mode(model: nn.Module) -> None:
             )
 
 
+def check_functional(model: nn.Module) -> None:
+    """Refuse models that cannot be called with other parameters without being modified:
+    nn.DataParallel, which torch.func's functional calls refuse (its `module` is the same
+    function), and embeddings with max_norm, whose forward pass renormalises the rows it looks up
+    in place, which would write to the model's weights (the view's parameters share their
+    storage), and autograd does not differentiate through the renormalisation."""
+    for name, module in model.named_modules():
+        label = name or type(module).__name__
+        if isinstance(module, nn.DataParallel):
+            raise TypeError(
+                f"module '{label}' is an nn.DataParallel wrapper, which cannot be called with "
+                "other parameters (torch.func); use the module it wraps, "
+                f"`{'.'.join(['model', name] if name else ['model'])}.module`, in its place"
+            )
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
+            raise ValueError(
+                f"module '{label}' is an {type(module).__name__} with "
+                f"max_norm={module.max_norm}: its forward pass renormalises the rows it looks up "
+                "in place, which would modify the model. Renormalise its weight once "
+                "(torch.embedding_renorm_ under torch.no_grad(), over all rows) and set "
+                "max_norm=None before computing a kernel."
+            )
+
+
+def copy_module(module: nn.Module) -> nn.Module:
+    """copy.deepcopy(module), also of a module whose hooks keep a tensor computed from its
+    parameters as a plain attribute (torch.nn.utils.prune's `weight`, the deprecated
+    torch.nn.utils.weight_norm and spectral_norm): deepcopy refuses such non-leaf tensors. The
+    copy gets a detached clone, which its hook recomputes on its next forward pass."""
+    memo = {
+        id(t): t.detach().clone()
+        for m in module.modules()
+        for t in vars(m).values()
+        if isinstance(t, torch.Tensor) and not t.is_leaf
+    }
+    return copy.deepcopy(module, memo)
+
+
 def tensor_aliases(model: nn.Module) -> dict[str, list[str]]:
     """{name: other names} of every parameter or buffer reachable under several names through
     distinct (module, attribute) slots: the tied weights of two modules (dec.weight =
@@ -221,6 +260,12 @@ def tensor_aliases(model: nn.Module) -> dict[str, list[str]]:
     return {names[0]: names[1:] for names in groups if len(names) > 1}
 
 
+# Embedding options that change autograd's gradient of the weight, not the function:
+# scale_grad_by_freq divides it by each id's count in the batch (a training heuristic, not ∂f/∂θ,
+# which forward mode gives); sparse returns it as a sparse tensor, which torch.func cannot batch.
+_GRADIENT_OPTIONS = ("scale_grad_by_freq", "sparse")
+
+
 class FunctionalCall:
     """`model(*args, **kwargs)` with given tensors ({name: tensor}, first names as
     `named_parameters()` / `named_buffers()` give them) in place of its parameters and buffers,
@@ -232,19 +277,32 @@ class FunctionalCall:
     attribute, so the second records the first's replacement as its original and the model keeps
     a detached copy instead of its Parameter. Here every (module, attribute) slot is set once.
     The oneDNN (mkldnn) CPU kernels of LSTM/GRU/RNN have a backward that vmap cannot batch
-    (per-sample Jacobians fail inside it): models with recurrent modules run without them."""
+    (per-sample Jacobians fail inside it): models with recurrent modules run without them.
+    derivative=True: embeddings run without the options that change autograd's gradient and
+    not the function (`_GRADIENT_OPTIONS`) during the call, so that every method differentiates
+    the same f."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, derivative: bool = False):
         self.model = model
         self.aliases = tensor_aliases(model)
         self.recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
+        self.gradient_options = [
+            (m, option)
+            for m in model.modules()
+            if derivative and isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+            for option in _GRADIENT_OPTIONS
+            if getattr(m, option)
+        ]
 
     def __call__(self, tensors: dict[str, torch.Tensor], args, kwargs):
         full = dict(tensors)
         for name, others in self.aliases.items():
             if name in full:
                 full.update(dict.fromkeys(others, full[name]))
-        with _without_onednn() if self.recurrent else nullcontext():
+        with (
+            _without_onednn() if self.recurrent else nullcontext(),
+            _switched_off(self.gradient_options),
+        ):
             return functional_call(self.model, full, args, kwargs, tie_weights=False)
 
 
@@ -256,6 +314,19 @@ def _without_onednn():
         yield
     finally:
         torch.backends.mkldnn.enabled = previous
+
+
+@contextmanager
+def _switched_off(options: list[tuple[nn.Module, str]]):
+    """The (module, flag) options off, and on again afterwards (autograd records them when the
+    forward pass runs)."""
+    for m, option in options:
+        setattr(m, option, False)
+    try:
+        yield
+    finally:
+        for m, option in options:
+            setattr(m, option, True)
 
 
 class ModelView:
@@ -280,6 +351,7 @@ class ModelView:
             raise TypeError(
                 f"dtype must be a floating torch.dtype (torch.float64...), got {dtype!r}"
             )
+        check_functional(model)
         self.model = model
         self.output_fn = output_fn
         first = next(iter(model.parameters()), None)
@@ -318,10 +390,10 @@ class ModelView:
                 "the model has no trainable parameters (requires_grad=True); "
                 "the eNTK is defined over trainable parameters only"
             )
-        # Buffers are cloned so that nothing a forward pass does can reach the model's own state.
-        self.buffers = {n: convert(b).clone() for n, b in model.named_buffers()}
+        # Each forward pass gets its own copies (`tensors`): none reaches the model's own state.
+        self.buffers = {n: convert(b) for n, b in model.named_buffers()}
         self.shared = self._registered_more_than_once(model)
-        self.call = FunctionalCall(model)
+        self.call = FunctionalCall(model, derivative=True)
 
     @staticmethod
     def _registered_more_than_once(model: nn.Module) -> set[str]:
@@ -393,19 +465,26 @@ class ModelView:
     def layer_size(self, layer: str) -> int:
         return sum(self.params[n].numel() for n in self.layers[layer])
 
+    def tensors(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The frozen parameters, fresh copies of the buffers and `params`, for one forward pass.
+        A pass that writes to a buffer in place (a call counter; spectral_norm's power iteration
+        in training mode) then reaches neither the model nor the next pass, which sees the same
+        function, and torch.func's transforms accept the write (they refuse to mutate a tensor
+        captured from outside)."""
+        return {**self.constants, **{n: b.clone() for n, b in self.buffers.items()}, **params}
+
     def forward(self, params: dict[str, torch.Tensor], x: inputs.Inputs) -> torch.Tensor:
         """Model outputs as a [B, O] tensor for a batch `x`, with `params` replacing the
         trainable parameters (frozen parameters and buffers stay constant)."""
         args, kwargs = inputs.as_call(x)
-        tensors = {**self.constants, **self.buffers, **params}
-        out = self.call(tensors, args, kwargs)
+        out = self.call(self.tensors(params), args, kwargs)
         return self.to_matrix(out)
 
     def forward_checked(self, x: inputs.Inputs, name: str) -> torch.Tensor:
         """`forward` with the view's parameters, a failure of the model on `x` (the argument
         `name`) reported by `naming_failures`."""
         args, kwargs = inputs.as_call(x)
-        tensors = {**self.constants, **self.buffers, **self.params}
+        tensors = self.tensors(self.params)
         out = naming_failures(self.model, x, name, lambda: self.call(tensors, args, kwargs))
         return self.to_matrix(out)
 

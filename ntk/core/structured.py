@@ -55,13 +55,13 @@ def _weighted(module: nn.Module) -> bool:
 
 
 def _supported(module: nn.Module) -> bool:
+    if "forward" in vars(module):  # replaced on the instance: not the computation of its type
+        return False
     if _is_hf_conv1d(module):
         return True
     kind = type(module)
     if kind in (nn.Conv1d, nn.Conv2d):
         return module.groups == 1
-    if kind is nn.Embedding:
-        return module.max_norm is None and not module.scale_grad_by_freq
     return kind in _WEIGHTED or kind in _NORMS
 
 
@@ -112,6 +112,10 @@ def _linear_factors(module: nn.Module, x: torch.Tensor, bias: bool = False) -> t
     if isinstance(module, nn.Linear) or _is_hf_conv1d(module):
         x = x.reshape(x.shape[0], -1, x.shape[-1])
         return _with_ones(x, x.shape[-1]) if bias else x
+    # padded before a Conv1d's input becomes 2-d: reflect/replicate/circular pad the last axes only
+    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    pad = list(module._reversed_padding_repeated_twice)
+    x = F.pad(x, pad, mode=mode) if any(pad) else x
     if isinstance(module, nn.Conv1d):
         x = x.unsqueeze(2)
         kernel, stride, dilation = (
@@ -121,9 +125,6 @@ def _linear_factors(module: nn.Module, x: torch.Tensor, bias: bool = False) -> t
         )
     else:
         kernel, stride, dilation = module.kernel_size, module.stride, module.dilation
-    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-    pad = list(module._reversed_padding_repeated_twice)
-    x = F.pad(x, pad, mode=mode) if any(pad) else x
     # Sliding windows as strided views (several times faster than F.unfold's im2col on CPU):
     # a window of extent d(k−1)+1 every `stride`, keeping every d-th element for dilation d.
     for axis, (k, s, d) in enumerate(zip(kernel, stride, dilation), start=2):
@@ -224,6 +225,7 @@ class Plan:
 
 
 _PROBE = 2  # samples in the planning pass: a module must see this batch axis to be factored
+_CONFIRM = 3  # samples in a second pass that tells the sample axis from an axis of _PROBE entries
 
 
 def plan(
@@ -235,8 +237,8 @@ def plan(
     only: list[str] | None = None,
     factor_all: bool = False,
 ) -> Plan:
-    """Decide, from one forward pass on two copies of the first sample of `x`, how each
-    parameter is differentiated.
+    """Decide, from a forward pass on two copies of the first sample of `x` (and one on three,
+    `_leading_sample_axis`), how each parameter is differentiated.
 
     Only the parameters in `only` (default: all) are planned. A known module is factored only if
     it was called exactly once, its input and output carry the sample axis first (or, for an
@@ -267,16 +269,7 @@ def plan(
             probe.stack.pop()
             if isinstance(out, torch.Tensor):
                 activations[0] += out.numel() // _PROBE
-            per_sample = (
-                isinstance(out, torch.Tensor)
-                and out.dim() > 0
-                and out.shape[0] == _PROBE
-                and args
-                and isinstance(args[0], torch.Tensor)
-                and args[0].dim() > 0
-                and args[0].shape[0] == _PROBE
-            )
-            if name in names and per_sample:
+            if name in names and _leads_with(args, out, _PROBE):
                 out_numel[name] = out.numel() // _PROBE
             elif name in names and _batch_shared(module, args, out):
                 out_numel[name] = out.numel()
@@ -288,7 +281,7 @@ def plan(
     try:
         for name, module in view.model.named_modules():
             handles.append(module.register_forward_pre_hook(pre_hook(name)))
-            handles.append(module.register_forward_hook(post_hook(name)))
+            handles.append(module.register_forward_hook(post_hook(name), prepend=True))
         with torch.no_grad(), probe:
             reference = view.forward(params, x_probe)
     finally:
@@ -298,7 +291,12 @@ def plan(
     shared = {n for n in candidates if _expansion_keeps_output(view, x_probe, {n}, reference)}
     if len(shared) > 1 and not _expansion_keeps_output(view, x_probe, shared, reference):
         shared = set()
-    out_numel = {n: v for n, v in out_numel.items() if n in shared or n not in candidates}
+    per_sample = _leading_sample_axis(view, x, names)
+    out_numel = {
+        n: v
+        for n, v in out_numel.items()
+        if n in shared or (n not in candidates and n in per_sample)
+    }
 
     modules, covered, fallback, positions, factored = {}, {}, [], {}, set()
     wanted = set(view.params if only is None else only)
@@ -328,6 +326,43 @@ def plan(
     )
 
 
+def _leads_with(args, out, b: int) -> bool:
+    """Whether a module's first input and its output are tensors whose first axis has b entries."""
+    return (
+        isinstance(out, torch.Tensor)
+        and out.dim() > 0
+        and out.shape[0] == b
+        and bool(args)
+        and isinstance(args[0], torch.Tensor)
+        and args[0].dim() > 0
+        and args[0].shape[0] == b
+    )
+
+
+def _leading_sample_axis(view: ModelView, x, names: dict[str, nn.Module]) -> set[str]:
+    """The layers among `names` whose input and output lead with the sample axis in a forward
+    pass on _CONFIRM copies of the first sample of `x`. The planning pass alone cannot tell it
+    from another axis of _PROBE entries: a sequence-first [S, B, F] with S = 2 (the default
+    layout of nn.TransformerEncoderLayer) would be factored as if S were the samples."""
+    seen: set[str] = set()
+
+    def hook(name):
+        def record(module, args, out):
+            if _leads_with(args, out, _CONFIRM):
+                seen.add(name)
+
+        return record
+
+    handles = [module.register_forward_hook(hook(n), prepend=True) for n, module in names.items()]
+    try:
+        with torch.no_grad():
+            view.forward(view.params, inputs.take(x, torch.zeros(_CONFIRM, dtype=torch.long)))
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
 def _batch_shared(module: nn.Module, args, out) -> bool:
     """An embedding whose ids carry no sample axis: [S], or [1, S] broadcast over the batch."""
     if type(module) is not nn.Embedding or not args or not isinstance(args[0], torch.Tensor):
@@ -355,7 +390,7 @@ def _expansion_keeps_output(view: ModelView, x_probe, layers: set[str], referenc
     def expand(module, args, out):
         return _expand_shared(out, args[0], _PROBE)[0]
 
-    handles = [module_of[n].register_forward_hook(expand) for n in layers]
+    handles = [module_of[n].register_forward_hook(expand, prepend=True) for n in layers]
     try:
         with torch.no_grad():
             out = view.forward(view.params, x_probe)
@@ -488,7 +523,8 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor, name: str | Non
 
     terms: list = []
     if not plan_.empty:
-        handles = [m.register_forward_hook(hook(n)) for n, m in plan_.modules.items()]
+        # before the model's own forward hooks, which may change the output (autograd follows)
+        handles = [m.register_forward_hook(hook(n), prepend=True) for n, m in plan_.modules.items()]
         try:
             with torch.enable_grad():
                 out = _checked(view, x, name)
