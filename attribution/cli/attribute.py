@@ -96,11 +96,10 @@ def attribute(
     test prediction (default: the built-in digits demo). The score is the influence of a
     training example on the test margin: higher raises it. With --checkpoint files the scores
     are averaged over those weights (--weights, or the demo, still gives the predictions)."""
-    import copy
-
     import torch
 
     from ntk.core import inputs
+    from ntk.core.model import copy_module
 
     from .._influence import influence, resolve_method
     from .._outputs import logits
@@ -123,7 +122,7 @@ def attribute(
     shown = f"{requested}: {method}" if requested != method else method
     checkpoints = []
     for path in checkpoint_files:
-        checkpoints.append(copy.deepcopy(model))
+        checkpoints.append(copy_module(model))
         load_weights(checkpoints[-1], path, "--checkpoint")
     with step(f"influence ({shown}) of {n_train} training examples on {n_test} predictions"):
         scores = influence(
