@@ -124,10 +124,11 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
     parameters P as N·O (PARAMETER_SPACE_RATIO), the same parameter-space form runs on the exact
     per-sample Jacobians (Φ = J: a P × P system instead of the N·O × N·O one, the same Σ(x) to
     rounding). prior_precision: δ > 0; "auto" for the δ that keeps EFFECTIVE_PARAMETERS
-    effective parameters (classification; module docstring) or maximises the evidence
-    (regression), or, when `fit` is given validation data, the δ minimising their negative log
-    predictive density; "evidence" to maximise the Laplace evidence `log_marginal_likelihood`
-    (bounded Brent search on log δ).
+    effective parameters, raised to keep the logit variance on the training inputs within
+    TRAINING_VARIANCE_RATIO of their spread (classification; module docstring), or maximises
+    the evidence (regression), or, when `fit` is given validation data, the δ minimising their
+    negative log predictive density; "evidence" to maximise the Laplace evidence
+    `log_marginal_likelihood` (bounded Brent search on log δ).
     link (classification):
     "probit" — p ≈ softmax(μ_o / √(1 + π/8 · s_o)) with s the diagonal of the covariance after
     removing its component along (1, …, 1), which no softmax can see — or "mc", the mean softmax of
