@@ -397,9 +397,11 @@ def _check_labels(net: nn.Module, x, y: torch.Tensor, output_fn: Callable | None
     training = net.training
     one = inputs.take(x, slice(0, 1))
     net.eval()
-    with torch.no_grad():
-        out = naming_failures(net, one, "x", functools.partial(_forward, net, one, output_fn))
-    net.train(training)
+    try:
+        with torch.no_grad():
+            out = naming_failures(net, one, "x", functools.partial(_forward, net, one, output_fn))
+    finally:
+        net.train(training)
     if not (isinstance(out, torch.Tensor) and out.dim() in (1, 2)):
         return
     outputs = 1 if out.dim() == 1 else out.shape[1]
