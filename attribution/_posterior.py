@@ -48,6 +48,7 @@ the e_k: no N × N or P × P system is formed.
 
 from __future__ import annotations
 
+import functools
 import math
 from numbers import Integral, Real
 
@@ -61,6 +62,7 @@ from torch import nn
 
 from ntk.core import inputs
 from ntk.core.jacobian import jacobian_features
+from ntk.core.memory import available_bytes
 from ntk.core.model import ModelView
 
 from . import _damping, _kernels
@@ -412,7 +414,12 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             return math.log(max(float(total), 1e-300) / bound)
 
         if a is None:
-            covariance = self.kronecker_.covariance_function(x)
+            # one pass per δ; the rotated Jacobians kept across δ only when they fit in memory
+            covariance = functools.partial(self.kronecker_.output_covariance, x)
+            if excess(math.log10(delta)) <= 0:
+                return delta
+            if len(rows) * o * self._size(None) * 8 <= available_bytes(torch.device("cpu")) // 4:
+                covariance = self.kronecker_.covariance_function(x)
         else:
             # one factorisation at δ; the eigendecomposition only when the cap binds
             b, prior = self._columns(x)
@@ -422,11 +429,9 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             if excess(math.log10(delta)) <= 0:
                 return delta
             covariance = self._spectral_covariance(a, x)[1]
-        lo = hi = math.log10(delta)
+        lo, hi = math.log10(delta), math.log10(delta) + 1.0
         while excess(hi) > 0:  # Σ_δ' → 0 as δ' → ∞
             lo, hi = hi, hi + 1.0
-        if hi == lo:
-            return delta
         return float(10.0 ** scipy.optimize.brentq(excess, lo, hi, xtol=1e-9))
 
     def _size(self, a: torch.Tensor | None) -> int:
