@@ -106,7 +106,9 @@ PARAMETER_SPACE_RATIO = 0.5
 class NTKPosterior(ClassifierMixin, BaseEstimator):
     """Calibrated probabilities and uncertainty from the eNTK of a trained `model`.
 
-    likelihood: "classification" (softmax over the model's O ≥ 2 outputs, integer labels) or
+    likelihood: "classification" (softmax over the model's O ≥ 2 outputs, integer labels; a
+    model with one output is a binary classifier's logit z, taken as the logits (0, z) of the
+    classes 0 and 1, so Σ has a zero row and column for class 0) or
     "regression" (Gaussian with variance `noise`: a float, or "auto": chosen together with δ,
     by the evidence, or by the validation data given to `fit`; with a numeric prior_precision,
     the mean squared training residual). kind: the covariance, "full" (exact, [N, N, O, O]) or a
@@ -249,7 +251,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             seed=self.seed,
             batch_size=self.batch_size,
             device=self.device,
-            output_fn=self.output_fn,
+            output_fn=self.output_fn_,
             dtype=self.dtype,
         )
 
@@ -262,14 +264,15 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         of keeping EFFECTIVE_PARAMETERS effective parameters (module docstring)."""
         self._check_params()
         x_train = self._inputs(x_train)
-        g = logits(self.model, x_train, output_fn=self.output_fn, name="x_train")
+        self.output_fn_ = self.output_fn
+        g = logits(self.model, x_train, output_fn=self.output_fn_, name="x_train")
         n, o = g.shape
         joint = False
         if self.likelihood == "classification":
-            if o < 2:
-                raise ValueError(
-                    f"classification needs a model with at least two outputs (classes), got {o}"
-                )
+            if o == 1:  # a binary classifier's logit z: the classes' logits (0, z)
+                self.output_fn_ = functools.partial(_two_class_logits, self.output_fn)
+                g = torch.cat([torch.zeros_like(g), g], 1)
+                o = 2
             y = labels(y_train, n, o, "y_train")
             root = psd_root(softmax_curvature(g))
             self.log_likelihood_ = -float(nn.functional.cross_entropy(g, y, reduction="sum"))
@@ -351,7 +354,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
                     strategy=strategy,
                     batch_size=self.batch_size,
                     device=self.device,
-                    output_fn=self.output_fn,
+                    output_fn=self.output_fn_,
                     dtype=self.dtype,
                 ).fit_roots(x_train, root)
             except UnfactorableModelError:
@@ -646,7 +649,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
                 seed=self.seed,
                 batch_size=self.batch_size,
                 device=self.device,
-                output_fn=self.output_fn,
+                output_fn=self.output_fn_,
                 dtype=self.dtype,
             )
         phi = torch.as_tensor(phi).to(torch.float64).cpu()
@@ -656,7 +659,9 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
 
     def _jacobians(self, x) -> torch.Tensor:
         """J(x) [N, O, P] over the trainable parameters, PREDICT_BLOCK samples at a time."""
-        view = ModelView(self.model, output_fn=self.output_fn, device=self.device, dtype=self.dtype)
+        view = ModelView(
+            self.model, output_fn=self.output_fn_, device=self.device, dtype=self.dtype
+        )
         dtype = next(iter(view.params.values())).dtype
         eye = torch.eye(self.n_outputs_, dtype=dtype, device=view.device)
         names = list(view.params)
@@ -669,7 +674,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         return torch.cat(blocks)
 
     def _mean(self, x) -> torch.Tensor:
-        return logits(self.model, self._inputs(x), output_fn=self.output_fn, name="x")
+        return logits(self.model, self._inputs(x), output_fn=self.output_fn_, name="x")
 
     def predict_proba(self, x) -> np.ndarray:
         """Predictive class probabilities [N, O] through `link`."""
@@ -738,6 +743,14 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         check_is_fitted(self, "factor_")
         if self.likelihood != "classification":
             raise ValueError(f"{what} needs likelihood='classification'")
+
+
+def _two_class_logits(output_fn, out) -> torch.Tensor:
+    """The logits (0, z) [B, 2] of a binary classifier whose output (after `output_fn`) is one
+    logit z per sample: softmax((0, z)) = (1 − σ(z), σ(z))."""
+    z = out if output_fn is None else output_fn(out)
+    z = z.reshape(z.shape[0], 1)
+    return torch.cat([torch.zeros_like(z), z], 1)
 
 
 def _gaussian_log_density(mean: torch.Tensor, covariance: torch.Tensor, y: torch.Tensor):

@@ -162,6 +162,39 @@ def test_auto_prior_caps_the_logit_variance_on_the_training_inputs(curvature):
             assert ratio < TRAINING_VARIANCE_RATIO
 
 
+class _TwoLogits(nn.Module):
+    """The binary classifier `net` (one logit z) written with the class logits (0, z)."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        z = self.net(x)
+        return torch.cat([torch.zeros_like(z), z], 1)
+
+
+@pytest.mark.parametrize("curvature", ["exact", "ekfac"])
+def test_a_single_logit_is_a_binary_classifier(curvature):
+    """A one-output model is the binary classifier with logits (0, z): the same prior, the same
+    probabilities and covariance as the two-output model written out, for both curvatures and
+    through output_fn."""
+    torch.manual_seed(0)
+    x = torch.randn(30, 4, dtype=torch.float64)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1)).double()
+    xt = torch.randn(7, 4, dtype=torch.float64)
+    expected = NTKPosterior(_TwoLogits(net), curvature=curvature).fit(x, y)
+    for model, output_fn in ((net, None), (DictOutput(net), lambda out: out["logits"])):
+        got = NTKPosterior(model, curvature=curvature, output_fn=output_fn).fit(x, y)
+        assert got.prior_precision_ == pytest.approx(expected.prior_precision_, rel=1e-9)
+        np.testing.assert_allclose(got.predict_proba(xt), expected.predict_proba(xt), rtol=1e-9)
+        np.testing.assert_allclose(
+            got.predict_variance(xt), expected.predict_variance(xt), rtol=1e-9, atol=1e-15
+        )
+        assert list(got.classes_) == [0, 1] and got.predict(xt).shape == (7,)
+
+
 def test_validation_data_choose_the_prior_precision_minimising_their_nll(small_classifier):
     """fit(..., validation=) picks δ whose validation NLL (= −score, computed by the ordinary
     Cholesky path) is the smallest of a brute-force grid, up to the search tolerance."""
@@ -270,8 +303,8 @@ def test_bad_input(small_classifier):
         NTKPosterior(model, likelihood="regression", noise=0).fit(x, torch.zeros(len(x), 3))
     with pytest.raises(ValueError, match=r"shape \[20, 3\]"):
         NTKPosterior(model, likelihood="regression").fit(x, torch.zeros(len(x)))
-    with pytest.raises(ValueError, match="at least two outputs"):
-        NTKPosterior(nn.Linear(8, 1).double()).fit(x, torch.zeros(len(x), dtype=torch.long))
+    with pytest.raises(ValueError, match="labels outside 0..1"):  # one output: a binary logit
+        NTKPosterior(nn.Linear(8, 1).double()).fit(x, y)
     regression = NTKPosterior(model, likelihood="regression", prior_precision=1.0)
     regression.fit(x, torch.randn(len(x), 3, dtype=torch.float64))
     with pytest.raises(ValueError, match="needs likelihood='classification'"):
