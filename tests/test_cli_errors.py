@@ -35,6 +35,9 @@ def dividing():
 def cnn():  # made for 8x8 images: its head takes 2 channels of 8x8
     return nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.Flatten(), nn.Linear(128, 3))
 
+def double():  # a float64 model
+    return build().double()
+
 CANDIDATES = {"one": build}
 
 class Bag(nn.Module):  # token ids of any length, mean-pooled
@@ -447,3 +450,18 @@ def test_a_dict_without_x_names_the_layouts_that_work(files, capsys):
         capsys, "kernel", "--model", f"{files}/factory.py:build", "--data", f"{files}/t.pt"
     )
     assert "arrays x.<name>" in err and "{'x': {name: tensor}, 'y': labels}" in err
+
+
+def test_float_inputs_take_the_models_dtype_and_values_it_cannot_hold_are_refused(files, capsys):
+    x = np.random.default_rng(0).normal(size=(6, 4))
+    np.savez(files / "f64.npz", x=x, y=np.arange(6) % 3)
+    for data in ("f64.npz", "train.npz"):  # float64 and float32 files for a float64 model
+        model = ["--model", f"{files}/factory.py:double", "--data", f"{files}/{data}"]
+        code, _, err = run(capsys, "attribute", *model, "--test", f"{files}/f64.npz", "--top", "2")
+        assert code == 0, err
+    x[2, 1] = 1e300  # finite in the file, inf in the float32 model's dtype
+    np.savez(files / "huge.npz", x=x)
+    err = usage_error(
+        capsys, "kernel", "--model", f"{files}/factory.py:build", "--data", f"{files}/huge.npz"
+    )
+    assert "--data: x holds values too large for the model's dtype torch.float32" in err

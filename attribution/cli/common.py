@@ -261,13 +261,12 @@ def load_arrays(
             "file, a dict {'x': {name: tensor}, 'y': labels}"
         )
     x = content["x"] if "x" in content else named
-
-    def tensor(a) -> torch.Tensor:
-        t = torch.as_tensor(a)
-        return t.float() if t.is_floating_point() else t
-
-    try:
-        x = {k: tensor(v) for k, v in x.items()} if isinstance(x, dict) else tensor(x)
+    try:  # floating arrays keep their dtype until the model's is known (`in_model_dtype`)
+        x = (
+            {k: torch.as_tensor(v) for k, v in x.items()}
+            if isinstance(x, dict)
+            else torch.as_tensor(x)
+        )
         y = content.get("y") if labels else None
         y = None if y is None else inputs.targets(y)
     except (TypeError, ValueError, RuntimeError) as exc:
@@ -679,8 +678,30 @@ def resolve_model_and_data(
             f"using the first {n} of the {total} samples of --{option} (--samples N to change)"
         )
     x, y = inputs.take(x, slice(0, n)), (None if y is None else y[:n])
+    x = in_model_dtype(model, x, "data")
     check_fits(model, x, "data")
     return model, x, y
+
+
+def in_model_dtype(model: nn.Module | None, x, option: str):
+    """x with its floating tensors in the dtype of the model's parameters (torch's default
+    without a model): a float64 model gets float64 inputs, a float32 one float32 inputs whatever
+    the file holds; integer tensors such as token ids stay. Values beyond the range of that
+    dtype are refused, naming --option."""
+    import torch
+
+    from ntk.core import inputs
+
+    first = None if model is None else next(model.parameters(), None)
+    dtype = torch.get_default_dtype() if first is None else first.dtype
+    converted = inputs.convert(x, None, dtype if dtype.is_floating_point else None)
+    try:
+        inputs.validate(converted, "x")
+    except ValueError:  # finite before: too large for `dtype`
+        raise UsageProblem(
+            f"--{option}: x holds values too large for the model's dtype {dtype} (they become inf)"
+        ) from None
+    return converted
 
 
 _LATER = "ntk.warnings_after_checks"  # click's per-invocation meta key of `warn_later`
@@ -732,6 +753,7 @@ def resolve_test_data(
     x_test = inputs.take(x_test, slice(0, test_samples))
     y_test = None if y_test is None else y_test[:test_samples]
     if model is not None:
+        x_test = in_model_dtype(model, x_test, "test")
         check_fits(model, x_test, "test")
     if x_train is not None:  # before any work: inputs the model takes but not like --data's
         try:

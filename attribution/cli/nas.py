@@ -13,6 +13,7 @@ from .common import (
     UsageProblem,
     emit,
     flag_names,
+    in_model_dtype,
     interactive,
     load_arrays,
     load_object,
@@ -111,6 +112,7 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
         x, y = d.x_train, d.y_train
     else:
         x, y = load_arrays(data)
+        x = in_model_dtype(None, x, "data")  # the candidates are built in torch's default dtype
     metrics = list(metrics or DEFAULT_RANKING)
     # a vote member undefined for some candidate is left out; the table says why
     with warnings.catch_warnings(record=True) as caught, flag_names(y="--data's y"):
