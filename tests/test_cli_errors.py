@@ -412,6 +412,7 @@ def labelled(files):
         ("report --train {f}/labels.npz --test {f}/train.npz", "--train: y holds labels outside"),
         ("report --train {f}/train.npz --test {f}/labels.npz", "--test: y holds labels outside"),
         ("report --train {f}/train.npz --test {f}/train.npz --image-shape 3x3", "--image-shape (3"),
+        ("report --train {f}/wide.npz --test {f}/train.npz", "--train: the model cannot take"),
         ("layers --data {f}/labels.npz", "--data: y holds labels outside 0..2: 3 at sample"),
         ("layers --data {f}/pairs.npz", "--data: y holds integer class labels of shape (10, 2)"),
         ("layers --data {f}/nolabels.npz --score fisher", "--score fisher needs labels: --data"),

@@ -677,10 +677,28 @@ def resolve_model_and_data(
         warn_later(
             f"using the first {n} of the {total} samples of --{option} (--samples N to change)"
         )
+    more_than_held("samples", total, option)
     x, y = inputs.take(x, slice(0, n)), (None if y is None else y[:n])
-    x = in_model_dtype(model, x, "data")
-    check_fits(model, x, "data")
+    x = in_model_dtype(model, x, option)
+    check_fits(model, x, option)
     return model, x, y
+
+
+def more_than_held(parameter: str, total: int, option: str) -> None:
+    """Warn (`warn_later`) when the command line asks for more samples (--samples,
+    --test-samples) than --option holds: all of them are used, fewer than asked."""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context()
+    asked = ctx.params.get(parameter)
+    if asked is None or asked <= total:
+        return
+    if ctx.get_parameter_source(parameter) in (
+        ParameterSource.COMMANDLINE,
+        ParameterSource.ENVIRONMENT,
+    ):
+        flag = "--" + parameter.replace("_", "-")
+        warn_later(f"{flag} {asked}: --{option} holds only {total} samples; using all {total}")
 
 
 def in_model_dtype(model: nn.Module | None, x, option: str):
@@ -750,6 +768,7 @@ def resolve_test_data(
             f"using the first {test_samples} of the {total} samples of --test "
             "(--test-samples N to change)"
         )
+    more_than_held("test_samples", total, "test")
     x_test = inputs.take(x_test, slice(0, test_samples))
     y_test = None if y_test is None else y_test[:test_samples]
     if model is not None:
