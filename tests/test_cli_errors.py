@@ -466,3 +466,12 @@ def test_float_inputs_take_the_models_dtype_and_values_it_cannot_hold_are_refuse
         capsys, "kernel", "--model", f"{files}/factory.py:build", "--data", f"{files}/huge.npz"
     )
     assert "--data: x holds values too large for the model's dtype torch.float32" in err
+
+
+def test_a_directory_given_for_a_file_is_named_as_one(files, capsys):
+    (files / "data.npz").mkdir()
+    model = ["--model", f"{files}/factory.py:build"]
+    err = usage_error(capsys, "layers", *model, "--data", f"{files}/data.npz")
+    assert f"--data: {files}/data.npz is a directory, not a file" in err
+    err = usage_error(capsys, "layers", *model, "--weights", str(files))
+    assert f"--weights: {files} is a directory, not a file" in err

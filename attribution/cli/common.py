@@ -65,6 +65,16 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
+def input_file(path: str, option: str) -> Path:
+    """The file `path` given to `option`, refused unless it is one (missing, or a directory)."""
+    file = Path(path)
+    if file.is_dir():
+        raise UsageProblem(f"{option}: {path} is a directory, not a file")
+    if not file.is_file():
+        raise UsageProblem(f"{option}: file {path} does not exist")
+    return file
+
+
 def load_object(spec: str, what: str = "model") -> Any:
     """Resolve `package.module:attr` (modules in the working directory included, as with
     `python -m`) or `path/to/file.py:attr`; any failure to import is a usage error naming the
@@ -77,9 +87,7 @@ def load_object(spec: str, what: str = "model") -> Any:
     if not attr.isidentifier():
         raise UsageProblem(f"--{what}: {attr!r} is not a valid attribute name")
     if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise UsageProblem(f"--{what}: file {target} does not exist")
+        path = input_file(target, f"--{what}")
     try:
         if target.endswith(".py"):
             module_spec = importlib.util.spec_from_file_location(path.stem, path)
@@ -133,9 +141,7 @@ def load_weights(model: nn.Module, weights: str, option: str = "--weights") -> N
     shapes (errors name the command-line `option` the file came from)."""
     import torch
 
-    path = Path(weights)
-    if not path.is_file():
-        raise UsageProblem(f"{option}: file {weights} does not exist")
+    path = input_file(weights, option)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
@@ -216,9 +222,7 @@ def load_arrays(
 
     from ntk.core import inputs
 
-    file = Path(path)
-    if not file.is_file():
-        raise UsageProblem(f"--{option}: file {path} does not exist")
+    file = input_file(path, f"--{option}")
     if file.suffix not in (".npz", ".pt"):
         raise UsageProblem(f"--{option}: {path} must be an .npz or .pt file")
     try:
