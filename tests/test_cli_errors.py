@@ -475,3 +475,14 @@ def test_a_directory_given_for_a_file_is_named_as_one(files, capsys):
     assert f"--data: {files}/data.npz is a directory, not a file" in err
     err = usage_error(capsys, "layers", *model, "--weights", str(files))
     assert f"--weights: {files} is a directory, not a file" in err
+
+
+def test_nas_blames_data_that_no_candidate_can_use_on_data_not_a_candidate(labelled, capsys):
+    candidates = f"{labelled}/factory.py:CANDIDATES"
+    err = usage_error(
+        capsys, "nas", "--data", f"{labelled}/nolabels.npz", "--candidates", candidates
+    )
+    assert "ntk: error: --data's y is missing: metric 'label_condition' needs class labels" in err
+    np.savez(labelled / "one.npz", x=np.zeros((1, 4), np.float32), y=np.zeros(1, int))
+    err = usage_error(capsys, "nas", "--data", f"{labelled}/one.npz", "--candidates", candidates)
+    assert "ntk: error: --data's x must hold at least 2 samples, got 1" in err

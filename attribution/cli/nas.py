@@ -115,7 +115,7 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
         x = in_model_dtype(None, x, "data")  # the candidates are built in torch's default dtype
     metrics = list(metrics or DEFAULT_RANKING)
     # a vote member undefined for some candidate is left out; the table says why
-    with warnings.catch_warnings(record=True) as caught, flag_names(y="--data's y"):
+    with warnings.catch_warnings(record=True) as caught, flag_names(x="--data's x", y="--data's y"):
         warnings.simplefilter("always")
         ranked = proxies.rank(
             candidates,
