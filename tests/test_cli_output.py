@@ -310,3 +310,7 @@ def test_asking_for_more_samples_than_a_file_holds_is_said(tmp_path, capsys):
     code, _, err = run(capsys, *args, "--test-samples", "7")
     assert code == 0, err
     assert "ntk: warning: --test-samples 7: --test holds only 3 samples; using all 3" in err
+    report = ["report", *common, "--test", str(test), "--out", str(tmp_path / "r.html")]
+    code, _, err = run(capsys, *report, "--no-posterior", "--kernel-samples", "40")
+    assert code == 0, err
+    assert "ntk: warning: --kernel-samples 40: --data holds only 12 samples; using all 12" in err
