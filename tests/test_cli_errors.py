@@ -486,3 +486,15 @@ def test_nas_blames_data_that_no_candidate_can_use_on_data_not_a_candidate(label
     np.savez(labelled / "one.npz", x=np.zeros((1, 4), np.float32), y=np.zeros(1, int))
     err = usage_error(capsys, "nas", "--data", f"{labelled}/one.npz", "--candidates", candidates)
     assert "ntk: error: --data's x must hold at least 2 samples, got 1" in err
+
+
+def test_a_train_features_store_that_does_not_fit_names_the_flag(files, capsys):
+    common = ["--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
+    args = ["attribute", *common, "--test", f"{files}/train.npz", "--top", "1"]
+    err = usage_error(capsys, *args, "--train-features", str(files))
+    assert err.startswith(f"ntk: error: --train-features: {files} is not a feature store")
+    code, _, err = run(capsys, "featurize", str(files / "store"), *common, "--dim", "8")
+    assert code == 0, err
+    code, _, err = run(capsys, *args, "--train-features", str(files / "store"))
+    assert code == 2 and "Traceback" not in err, err
+    assert f"ntk: error: --train-features {files / 'store'}: it holds kind='trace' features" in err
