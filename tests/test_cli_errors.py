@@ -498,3 +498,12 @@ def test_a_train_features_store_that_does_not_fit_names_the_flag(files, capsys):
     code, _, err = run(capsys, *args, "--train-features", str(files / "store"))
     assert code == 2 and "Traceback" not in err, err
     assert f"ntk: error: --train-features {files / 'store'}: it holds kind='trace' features" in err
+
+
+@pytest.mark.parametrize("content", [b"", b"hello", b"PK\x03\x04 cut short"])
+def test_a_pt_file_that_torch_cannot_parse_is_called_one(files, capsys, content):
+    (files / "bad.pt").write_bytes(content)
+    model = ["--model", f"{files}/factory.py:build"]
+    for flag in ("--data", "--weights"):
+        err = usage_error(capsys, "layers", *model, flag, f"{files}/bad.pt")
+        assert f"{flag}: cannot read {files}/bad.pt: not a file written by torch.save" in err

@@ -127,13 +127,16 @@ def load_model(spec: str, weights: str | None = None, device: str | None = None)
 
 def _load_failure(exc: BaseException) -> str:
     """Why torch.load refused a file, without torch's advice to load it with weights_only=False
-    (unsafe for a file of unknown origin, and useless for one that is not a torch file)."""
+    (unsafe for a file of unknown origin, and useless for one that is not a torch file); its
+    parser's own failure (KeyError: 101 on text, EOFError on an empty file) says what it is."""
     if "weights_only" in str(exc):
         return (
             "not a file of tensors written by torch.save (or it holds Python objects, which "
             "are not loaded)"
         )
-    return _first_line(exc)
+    if isinstance(exc, OSError):
+        return _first_line(exc)
+    return f"not a file written by torch.save, or a truncated one ({_first_line(exc)})"
 
 
 def load_weights(model: nn.Module, weights: str, option: str = "--weights") -> None:
