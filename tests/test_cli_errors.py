@@ -507,3 +507,26 @@ def test_a_pt_file_that_torch_cannot_parse_is_called_one(files, capsys, content)
     for flag in ("--data", "--weights"):
         err = usage_error(capsys, "layers", *model, flag, f"{files}/bad.pt")
         assert f"{flag}: cannot read {files}/bad.pt: not a file written by torch.save" in err
+
+
+def test_arrays_that_are_not_read_are_named(files, capsys):
+    x = np.zeros((6, 4), np.float32)
+    np.savez(files / "named.npz", x=x, labels=np.arange(6) % 3, **{"x.mask": x})
+    model = ["--model", f"{files}/factory.py:build"]
+    code, _, err = run(capsys, "kernel", *model, "--data", f"{files}/named.npz")
+    assert code == 0, err
+    message = "holds arrays that are not read: 'labels', 'x.mask' (read: x, or x.<name>"
+    assert f"ntk: warning: --data: {files}/named.npz {message}" in err
+    code, _, err = run(
+        capsys,
+        "nas",
+        "--candidates",
+        f"{files}/factory.py:CANDIDATES",
+        "--data",
+        f"{files}/named.npz",
+        "--metric",
+        "naswot",
+        "--repeats",
+        "1",
+    )
+    assert code == 0 and message in err, err

@@ -267,6 +267,13 @@ def load_arrays(
             "taking keyword inputs, arrays x.<name> (x.input_ids, x.attention_mask) or, in a .pt "
             "file, a dict {'x': {name: tensor}, 'y': labels}"
         )
+    read = {"x", "y"} if "x" in content else {"y", *(f"x.{k}" for k in named)}
+    ignored = [repr(k) for k in content if k not in read]
+    if ignored:
+        warn_later(
+            f"--{option}: {path} holds arrays that are not read: {', '.join(ignored)} (read: x, or "
+            "x.<name> for keyword inputs, and y)"
+        )
     x = content["x"] if "x" in content else named
     try:  # floating arrays keep their dtype until the model's is known (`in_model_dtype`)
         x = (
