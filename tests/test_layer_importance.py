@@ -316,3 +316,15 @@ def test_whole_number_float_labels_are_class_labels_as_elsewhere():
     )
     with pytest.raises(ValueError, match="real-valued targets need 3"):
         layer_importance(model, x, y + 0.5, score="fisher")
+
+
+def test_non_finite_targets_are_refused():
+    """A NaN among real targets (or float labels) made every label score NaN, silently."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).eval()
+    x, y = torch.randn(12, 6), torch.randn(12, 1)
+    y[3] = float("nan")
+    with pytest.raises(
+        ValueError, match=r"y contains non-finite values \(NaN or inf\), first at sample 3"
+    ):
+        layer_importance(model, x, y, score="fisher")
