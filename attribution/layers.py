@@ -160,15 +160,22 @@ def check_labels(y, n: int) -> torch.Tensor:
             f"y holds integer class labels of shape {tuple(y.shape)}; class labels are one per "
             f"sample, shape ({n},) (real-valued targets are floats)"
         )
+    if y.is_floating_point() and not bool(torch.isfinite(y).all()):
+        i = int((~torch.isfinite(y)).reshape(n, -1).any(1).nonzero()[0])
+        raise ValueError(f"y contains non-finite values (NaN or inf), first at sample {i}")
     return y
 
 
-def _check_targets(view: ModelView, x, y: torch.Tensor) -> None:
-    """Labels must index the model's outputs; real targets must have one value per output."""
+def _check_targets(view: ModelView, x, y: torch.Tensor) -> torch.Tensor:
+    """Labels must index the model's outputs; real targets must have one value per output. One
+    whole-number float per sample for a model of several outputs holds class labels (as
+    everywhere in the toolkit): returned as integers."""
     with torch.no_grad():
         outputs = view.forward_checked(
             inputs.convert(inputs.take(x, slice(0, 1)), view.device, None), "x"
         ).shape[1]
+    if y.is_floating_point() and y.dim() == 1 and outputs > 1 and bool((y == y.round()).all()):
+        y = y.long()
     if not y.is_floating_point():
         class_labels(y, len(y), outputs, "y")
     elif y[0].numel() != outputs:
@@ -176,6 +183,7 @@ def _check_targets(view: ModelView, x, y: torch.Tensor) -> None:
             f"y holds {y[0].numel()} real value(s) per sample; real-valued targets need "
             f"{outputs} (one per model output)"
         )
+    return y
 
 
 def _gradient_stats(
@@ -291,13 +299,13 @@ def layer_importance(
         y = check_labels(y, n)
     elif score in LABEL_SCORES:
         raise ValueError(f"score {score!r} needs labels y")
-    if kind == "lpntk" and (y is None or y.is_floating_point()):
-        raise ValueError("kind='lpntk' weights the kernel by class labels: pass them as y")
     groups = layer_groups(model, group)
     view = ModelView(model, output_fn=output_fn, device=device)
     if y is not None:
         check_eval_mode(model)  # before the label scores' per-sample forward passes
-        _check_targets(view, x, y)
+        y = _check_targets(view, x, y)
+    if kind == "lpntk" and (y is None or y.is_floating_point()):
+        raise ValueError("kind='lpntk' weights the kernel by class labels: pass them as y")
     common = dict(
         kind=kind,
         labels=y if kind == "lpntk" else None,  # the label-aware kernel's s(y)

@@ -99,6 +99,7 @@ FLOAT_INPUT_METRICS = ("synflow", "jacob_cov")
 # kernel. With jacob_cov allowed the rule would pick lpNTK κ + jacob_cov (worst 0.652), which
 # fails on token ids and dict inputs.
 DEFAULT = "label_condition"
+DEFAULT_KIND = "sum_logits"
 DEFAULT_BATCH_SIZE = 256
 DEFAULT_RANKING = ("label_condition", "naswot")
 RANKING_BATCH_SIZE = 64
@@ -155,7 +156,7 @@ def score(
     y=None,
     *,
     metric: str = DEFAULT,
-    kind: str = "sum_logits",
+    kind: str = DEFAULT_KIND,
     batch_size: int = DEFAULT_BATCH_SIZE,
     repeats: int = 1,
     warmup_steps: int = 0,
@@ -258,6 +259,8 @@ def rank(
                 f"candidate {name!r} is a {type(candidate).__name__}, not an nn.Module "
                 "or a factory returning one"
             )
+    for m in metrics:  # the data once, before any candidate: its errors are no candidate's
+        _check_data(x, y, m, options.get("warmup_steps", 0), options.get("kind", DEFAULT_KIND))
     details: dict[str, dict] = {}
     for name, candidate in tqdm(
         candidates.items(), disable=not progress, desc=f"{'+'.join(metrics)} proxy", unit="arch"
@@ -354,7 +357,7 @@ def _check_data(x, y, metric, warmup_steps, kind):
         if metric in _NEEDS_LABELS or warmup_steps or kind == "lpntk":
             needs = "with warm-up " if warmup_steps else ""
             needs += "on kind 'lpntk' " if kind == "lpntk" else ""
-            raise ValueError(f"metric {metric!r} {needs}needs class labels y")
+            raise ValueError(f"y is missing: metric {metric!r} {needs}needs class labels")
         return x, None
     y = inputs.targets(y)
     if y.dim() == 1 and len(y) != n:

@@ -35,6 +35,9 @@ def dividing():
 def cnn():  # made for 8x8 images: its head takes 2 channels of 8x8
     return nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.Flatten(), nn.Linear(128, 3))
 
+def double():  # a float64 model
+    return build().double()
+
 CANDIDATES = {"one": build}
 
 class Bag(nn.Module):  # token ids of any length, mean-pooled
@@ -409,6 +412,7 @@ def labelled(files):
         ("report --train {f}/labels.npz --test {f}/train.npz", "--train: y holds labels outside"),
         ("report --train {f}/train.npz --test {f}/labels.npz", "--test: y holds labels outside"),
         ("report --train {f}/train.npz --test {f}/train.npz --image-shape 3x3", "--image-shape (3"),
+        ("report --train {f}/wide.npz --test {f}/train.npz", "--train: the model cannot take"),
         ("layers --data {f}/labels.npz", "--data: y holds labels outside 0..2: 3 at sample"),
         ("layers --data {f}/pairs.npz", "--data: y holds integer class labels of shape (10, 2)"),
         ("layers --data {f}/nolabels.npz --score fisher", "--score fisher needs labels: --data"),
@@ -447,3 +451,82 @@ def test_a_dict_without_x_names_the_layouts_that_work(files, capsys):
         capsys, "kernel", "--model", f"{files}/factory.py:build", "--data", f"{files}/t.pt"
     )
     assert "arrays x.<name>" in err and "{'x': {name: tensor}, 'y': labels}" in err
+
+
+def test_float_inputs_take_the_models_dtype_and_values_it_cannot_hold_are_refused(files, capsys):
+    x = np.random.default_rng(0).normal(size=(6, 4))
+    np.savez(files / "f64.npz", x=x, y=np.arange(6) % 3)
+    for data in ("f64.npz", "train.npz"):  # float64 and float32 files for a float64 model
+        model = ["--model", f"{files}/factory.py:double", "--data", f"{files}/{data}"]
+        code, _, err = run(capsys, "attribute", *model, "--test", f"{files}/f64.npz", "--top", "2")
+        assert code == 0, err
+    x[2, 1] = 1e300  # finite in the file, inf in the float32 model's dtype
+    np.savez(files / "huge.npz", x=x)
+    err = usage_error(
+        capsys, "kernel", "--model", f"{files}/factory.py:build", "--data", f"{files}/huge.npz"
+    )
+    assert "--data: x holds values too large for the model's dtype torch.float32" in err
+
+
+def test_a_directory_given_for_a_file_is_named_as_one(files, capsys):
+    (files / "data.npz").mkdir()
+    model = ["--model", f"{files}/factory.py:build"]
+    err = usage_error(capsys, "layers", *model, "--data", f"{files}/data.npz")
+    assert f"--data: {files}/data.npz is a directory, not a file" in err
+    err = usage_error(capsys, "layers", *model, "--weights", str(files))
+    assert f"--weights: {files} is a directory, not a file" in err
+
+
+def test_nas_blames_data_that_no_candidate_can_use_on_data_not_a_candidate(labelled, capsys):
+    candidates = f"{labelled}/factory.py:CANDIDATES"
+    err = usage_error(
+        capsys, "nas", "--data", f"{labelled}/nolabels.npz", "--candidates", candidates
+    )
+    assert "ntk: error: --data's y is missing: metric 'label_condition' needs class labels" in err
+    np.savez(labelled / "one.npz", x=np.zeros((1, 4), np.float32), y=np.zeros(1, int))
+    err = usage_error(capsys, "nas", "--data", f"{labelled}/one.npz", "--candidates", candidates)
+    assert "ntk: error: --data's x must hold at least 2 samples, got 1" in err
+
+
+def test_a_train_features_store_that_does_not_fit_names_the_flag(files, capsys):
+    common = ["--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
+    args = ["attribute", *common, "--test", f"{files}/train.npz", "--top", "1"]
+    err = usage_error(capsys, *args, "--train-features", str(files))
+    assert err.startswith(f"ntk: error: --train-features: {files} is not a feature store")
+    code, _, err = run(capsys, "featurize", str(files / "store"), *common, "--dim", "8")
+    assert code == 0, err
+    code, _, err = run(capsys, *args, "--train-features", str(files / "store"))
+    assert code == 2 and "Traceback" not in err, err
+    assert f"ntk: error: --train-features {files / 'store'}: it holds kind='trace' features" in err
+
+
+@pytest.mark.parametrize("content", [b"", b"hello", b"PK\x03\x04 cut short"])
+def test_a_pt_file_that_torch_cannot_parse_is_called_one(files, capsys, content):
+    (files / "bad.pt").write_bytes(content)
+    model = ["--model", f"{files}/factory.py:build"]
+    for flag in ("--data", "--weights"):
+        err = usage_error(capsys, "layers", *model, flag, f"{files}/bad.pt")
+        assert f"{flag}: cannot read {files}/bad.pt: not a file written by torch.save" in err
+
+
+def test_arrays_that_are_not_read_are_named(files, capsys):
+    x = np.zeros((6, 4), np.float32)
+    np.savez(files / "named.npz", x=x, labels=np.arange(6) % 3, **{"x.mask": x})
+    model = ["--model", f"{files}/factory.py:build"]
+    code, _, err = run(capsys, "kernel", *model, "--data", f"{files}/named.npz")
+    assert code == 0, err
+    message = "holds arrays that are not read: 'labels', 'x.mask' (read: x, or x.<name>"
+    assert f"ntk: warning: --data: {files}/named.npz {message}" in err
+    code, _, err = run(
+        capsys,
+        "nas",
+        "--candidates",
+        f"{files}/factory.py:CANDIDATES",
+        "--data",
+        f"{files}/named.npz",
+        "--metric",
+        "naswot",
+        "--repeats",
+        "1",
+    )
+    assert code == 0 and message in err, err

@@ -293,3 +293,24 @@ def test_data_cut_to_a_default_size_is_said(tmp_path, capsys):
     code, _, err = run(capsys, *args, "--test", common[3], "--test-samples", "2", "--top", "1")
     assert code == 0, err
     assert "using the first 2 of the 300 samples of --test (--test-samples N to change)" in err
+
+
+def test_asking_for_more_samples_than_a_file_holds_is_said(tmp_path, capsys):
+    """--samples or --test-samples above what the file holds: all of it is used, with a warning
+    (a default above it, like attribute's 5 test samples, says nothing)."""
+    common = write_model(tmp_path, samples=12)
+    code, _, err = run(capsys, "kernel", *common, "--kind", "trace", "--samples", "50")
+    assert code == 0, err
+    assert "ntk: warning: --samples 50: --data holds only 12 samples; using all 12" in err
+    test = tmp_path / "test.npz"
+    np.savez(test, x=np.zeros((3, 4), np.float32))
+    args = ["attribute", *common, "--test", str(test), "--top", "1"]
+    code, _, err = run(capsys, *args)
+    assert code == 0 and "holds only" not in err, err
+    code, _, err = run(capsys, *args, "--test-samples", "7")
+    assert code == 0, err
+    assert "ntk: warning: --test-samples 7: --test holds only 3 samples; using all 3" in err
+    report = ["report", *common, "--test", str(test), "--out", str(tmp_path / "r.html")]
+    code, _, err = run(capsys, *report, "--no-posterior", "--kernel-samples", "40")
+    assert code == 0, err
+    assert "ntk: warning: --kernel-samples 40: --data holds only 12 samples; using all 12" in err

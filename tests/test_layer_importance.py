@@ -299,3 +299,32 @@ def test_small_integer_labels_are_class_labels(recwarn):
     got = layer_importance(model, x, y.to(torch.uint8).numpy(), score="grad_norm")
     assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in expected])
     assert not [w for w in recwarn if "vmapped" in str(w.message)]
+
+
+def test_whole_number_float_labels_are_class_labels_as_elsewhere():
+    """One float per sample (labels read from a CSV) for a model of several outputs: class labels,
+    as in influence, KernelSurrogate and the NAS proxies; half-integers are still refused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).eval()
+    x, y = torch.randn(12, 6), torch.arange(12) % 3
+    expected = layer_importance(model, x, y, score="fisher")
+    got = layer_importance(model, x, y.double().numpy(), score="fisher")
+    assert [r["fisher"] for r in got] == pytest.approx([r["fisher"] for r in expected])
+    shares = layer_importance(model, x, y.float(), kind="lpntk", score="share")
+    assert [r["share"] for r in shares] == pytest.approx(
+        [r["share"] for r in layer_importance(model, x, y, kind="lpntk", score="share")]
+    )
+    with pytest.raises(ValueError, match="real-valued targets need 3"):
+        layer_importance(model, x, y + 0.5, score="fisher")
+
+
+def test_non_finite_targets_are_refused():
+    """A NaN among real targets (or float labels) made every label score NaN, silently."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).eval()
+    x, y = torch.randn(12, 6), torch.randn(12, 1)
+    y[3] = float("nan")
+    with pytest.raises(
+        ValueError, match=r"y contains non-finite values \(NaN or inf\), first at sample 3"
+    ):
+        layer_importance(model, x, y, score="fisher")

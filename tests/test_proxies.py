@@ -220,6 +220,14 @@ def test_clear_errors(data):
         proxies.rank({"good": tiny, "bad": broken}, x, y, metric="params")
     with pytest.raises(TypeError, match="candidate 'num'"):
         proxies.rank({"num": 3}, x, y)
+    # data no candidate can use is refused before any candidate is built, and blamed on none
+    built = []
+    counted = {"a": lambda: built.append(1) or tiny()}
+    with pytest.raises(ValueError, match="^y is missing: metric 'lga' needs class labels"):
+        proxies.rank(counted, x, None, metric=["naswot", "lga"])
+    with pytest.raises(ValueError, match="^x must hold at least 2 samples"):
+        proxies.rank(counted, x[:1], y[:1], metric="naswot")
+    assert not built
     with pytest.raises(ValueError, match="12 samples but y has 5"):
         proxies.score(tiny(), x, y[:5])
     with pytest.raises(ValueError, match="integer class labels, got 0.5 at sample 0"):

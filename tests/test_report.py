@@ -180,6 +180,34 @@ def test_calibration_section_off_by_choice_or_by_size(setup, tmp_path):
     assert "without Kronecker structure" in off["note"]
 
 
+def test_a_report_that_fails_while_written_leaves_the_earlier_files(setup, tmp_path, monkeypatch):
+    """The HTML and the JSON take their names only once both are ready: a failure (here in the
+    JSON) leaves the earlier report as it was and no partial file."""
+    model, x_train, y_train, x_test, y_test = setup
+    (tmp_path / "r.html").write_text("earlier")
+    (tmp_path / "r.json").write_text("{}")
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(json, "dumps", fail)
+    with pytest.raises(OSError, match="disk full"):
+        report(
+            model,
+            x_train,
+            y_train,
+            x_test,
+            y_test,
+            path=tmp_path / "r.html",
+            posterior=False,
+            examples=1,
+            top=1,
+            kernel_samples=20,
+        )
+    assert (tmp_path / "r.html").read_text() == "earlier"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.html", "r.json"]
+
+
 def test_example_choice():
     p = torch.tensor([[0.9, 0.1], [0.2, 0.8], [0.55, 0.45], [0.97, 0.03], [0.6, 0.4]])
     y = torch.tensor([0, 0, 0, 0, 1])

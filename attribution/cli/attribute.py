@@ -10,6 +10,7 @@ from .common import (
     UsageProblem,
     class_labels,
     emit,
+    flag_names,
     load_output_fn,
     load_weights,
     model_options,
@@ -98,6 +99,7 @@ def attribute(
     are averaged over those weights (--weights, or the demo, still gives the predictions)."""
     import torch
 
+    import projections
     from ntk.core import inputs
     from ntk.core.model import copy_module
 
@@ -117,6 +119,11 @@ def attribute(
             f"--top {top} with {n_train} training samples: the proponents and opponents would "
             f"share examples; at most {n_train // 2}"
         )
+    if train_features is not None:
+        try:
+            projections.store_info(train_features)
+        except ValueError as exc:
+            raise UsageProblem(f"--train-features: {exc}") from None
     untrained = untrained_note(model_spec, weights)
     requested, method = method, resolve_method(method)
     shown = f"{requested}: {method}" if requested != method else method
@@ -124,7 +131,10 @@ def attribute(
     for path in checkpoint_files:
         checkpoints.append(copy_module(model))
         load_weights(checkpoints[-1], path, "--checkpoint")
-    with step(f"influence ({shown}) of {n_train} training examples on {n_test} predictions"):
+    with (
+        step(f"influence ({shown}) of {n_train} training examples on {n_test} predictions"),
+        flag_names(train_features="--train-features"),
+    ):
         scores = influence(
             model,
             x_train,

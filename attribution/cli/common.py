@@ -65,6 +65,16 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
+def input_file(path: str, option: str) -> Path:
+    """The file `path` given to `option`, refused unless it is one (missing, or a directory)."""
+    file = Path(path)
+    if file.is_dir():
+        raise UsageProblem(f"{option}: {path} is a directory, not a file")
+    if not file.is_file():
+        raise UsageProblem(f"{option}: file {path} does not exist")
+    return file
+
+
 def load_object(spec: str, what: str = "model") -> Any:
     """Resolve `package.module:attr` (modules in the working directory included, as with
     `python -m`) or `path/to/file.py:attr`; any failure to import is a usage error naming the
@@ -77,9 +87,7 @@ def load_object(spec: str, what: str = "model") -> Any:
     if not attr.isidentifier():
         raise UsageProblem(f"--{what}: {attr!r} is not a valid attribute name")
     if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise UsageProblem(f"--{what}: file {target} does not exist")
+        path = input_file(target, f"--{what}")
     try:
         if target.endswith(".py"):
             module_spec = importlib.util.spec_from_file_location(path.stem, path)
@@ -119,13 +127,16 @@ def load_model(spec: str, weights: str | None = None, device: str | None = None)
 
 def _load_failure(exc: BaseException) -> str:
     """Why torch.load refused a file, without torch's advice to load it with weights_only=False
-    (unsafe for a file of unknown origin, and useless for one that is not a torch file)."""
+    (unsafe for a file of unknown origin, and useless for one that is not a torch file); its
+    parser's own failure (KeyError: 101 on text, EOFError on an empty file) says what it is."""
     if "weights_only" in str(exc):
         return (
             "not a file of tensors written by torch.save (or it holds Python objects, which "
             "are not loaded)"
         )
-    return _first_line(exc)
+    if isinstance(exc, OSError):
+        return _first_line(exc)
+    return f"not a file written by torch.save, or a truncated one ({_first_line(exc)})"
 
 
 def load_weights(model: nn.Module, weights: str, option: str = "--weights") -> None:
@@ -133,9 +144,7 @@ def load_weights(model: nn.Module, weights: str, option: str = "--weights") -> N
     shapes (errors name the command-line `option` the file came from)."""
     import torch
 
-    path = Path(weights)
-    if not path.is_file():
-        raise UsageProblem(f"{option}: file {weights} does not exist")
+    path = input_file(weights, option)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
@@ -216,9 +225,7 @@ def load_arrays(
 
     from ntk.core import inputs
 
-    file = Path(path)
-    if not file.is_file():
-        raise UsageProblem(f"--{option}: file {path} does not exist")
+    file = input_file(path, f"--{option}")
     if file.suffix not in (".npz", ".pt"):
         raise UsageProblem(f"--{option}: {path} must be an .npz or .pt file")
     try:
@@ -260,14 +267,20 @@ def load_arrays(
             "taking keyword inputs, arrays x.<name> (x.input_ids, x.attention_mask) or, in a .pt "
             "file, a dict {'x': {name: tensor}, 'y': labels}"
         )
+    read = {"x", "y"} if "x" in content else {"y", *(f"x.{k}" for k in named)}
+    ignored = [repr(k) for k in content if k not in read]
+    if ignored:
+        warn_later(
+            f"--{option}: {path} holds arrays that are not read: {', '.join(ignored)} (read: x, or "
+            "x.<name> for keyword inputs, and y)"
+        )
     x = content["x"] if "x" in content else named
-
-    def tensor(a) -> torch.Tensor:
-        t = torch.as_tensor(a)
-        return t.float() if t.is_floating_point() else t
-
-    try:
-        x = {k: tensor(v) for k, v in x.items()} if isinstance(x, dict) else tensor(x)
+    try:  # floating arrays keep their dtype until the model's is known (`in_model_dtype`)
+        x = (
+            {k: torch.as_tensor(v) for k, v in x.items()}
+            if isinstance(x, dict)
+            else torch.as_tensor(x)
+        )
         y = content.get("y") if labels else None
         y = None if y is None else inputs.targets(y)
     except (TypeError, ValueError, RuntimeError) as exc:
@@ -678,9 +691,49 @@ def resolve_model_and_data(
         warn_later(
             f"using the first {n} of the {total} samples of --{option} (--samples N to change)"
         )
+    more_than_held("samples", total, option)
     x, y = inputs.take(x, slice(0, n)), (None if y is None else y[:n])
-    check_fits(model, x, "data")
+    x = in_model_dtype(model, x, option)
+    check_fits(model, x, option)
     return model, x, y
+
+
+def more_than_held(parameter: str, total: int, option: str) -> None:
+    """Warn (`warn_later`) when the command line asks for more samples (--samples,
+    --test-samples) than --option holds: all of them are used, fewer than asked."""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context()
+    asked = ctx.params.get(parameter)
+    if asked is None or asked <= total:
+        return
+    if ctx.get_parameter_source(parameter) in (
+        ParameterSource.COMMANDLINE,
+        ParameterSource.ENVIRONMENT,
+    ):
+        flag = "--" + parameter.replace("_", "-")
+        warn_later(f"{flag} {asked}: --{option} holds only {total} samples; using all {total}")
+
+
+def in_model_dtype(model: nn.Module | None, x, option: str):
+    """x with its floating tensors in the dtype of the model's parameters (torch's default
+    without a model): a float64 model gets float64 inputs, a float32 one float32 inputs whatever
+    the file holds; integer tensors such as token ids stay. Values beyond the range of that
+    dtype are refused, naming --option."""
+    import torch
+
+    from ntk.core import inputs
+
+    first = None if model is None else next(model.parameters(), None)
+    dtype = torch.get_default_dtype() if first is None else first.dtype
+    converted = inputs.convert(x, None, dtype if dtype.is_floating_point else None)
+    try:
+        inputs.validate(converted, "x")
+    except ValueError:  # finite before: too large for `dtype`
+        raise UsageProblem(
+            f"--{option}: x holds values too large for the model's dtype {dtype} (they become inf)"
+        ) from None
+    return converted
 
 
 _LATER = "ntk.warnings_after_checks"  # click's per-invocation meta key of `warn_later`
@@ -729,9 +782,11 @@ def resolve_test_data(
             f"using the first {test_samples} of the {total} samples of --test "
             "(--test-samples N to change)"
         )
+    more_than_held("test_samples", total, "test")
     x_test = inputs.take(x_test, slice(0, test_samples))
     y_test = None if y_test is None else y_test[:test_samples]
     if model is not None:
+        x_test = in_model_dtype(model, x_test, "test")
         check_fits(model, x_test, "test")
     if x_train is not None:  # before any work: inputs the model takes but not like --data's
         try:

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import click
 
@@ -200,12 +197,7 @@ def _save_npy(array, path: str) -> None:
     """Write atomically: a partial file never carries the final name."""
     import numpy as np
 
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".npy.part")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from .._report import atomic_file
+
+    with atomic_file(path) as f:
+        np.save(f, array)

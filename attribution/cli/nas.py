@@ -13,11 +13,13 @@ from .common import (
     UsageProblem,
     emit,
     flag_names,
+    in_model_dtype,
     interactive,
     load_arrays,
     load_object,
     load_output_fn,
     output_options,
+    untrained_note,
 )
 
 
@@ -111,9 +113,11 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
         x, y = d.x_train, d.y_train
     else:
         x, y = load_arrays(data)
+        x = in_model_dtype(None, x, "data")  # the candidates are built in torch's default dtype
+    untrained_note(None, None)  # the warnings kept until the inputs are loaded
     metrics = list(metrics or DEFAULT_RANKING)
     # a vote member undefined for some candidate is left out; the table says why
-    with warnings.catch_warnings(record=True) as caught, flag_names(y="--data's y"):
+    with warnings.catch_warnings(record=True) as caught, flag_names(x="--data's x", y="--data's y"):
         warnings.simplefilter("always")
         ranked = proxies.rank(
             candidates,

@@ -18,6 +18,7 @@ from .common import (
     interactive,
     load_output_fn,
     model_options,
+    more_than_held,
     resolve_model_and_data,
     resolve_test_data,
     untrained_note,
@@ -157,6 +158,8 @@ def report(
     n_train = inputs.count(x_train)
     kernel_samples = kernel_samples or min(n_train, DEMO_SAMPLES)
     x_test, y_test = resolve_test_data(test_file, data, test_samples, model, x_train)
+    more_than_held("kernel_samples", n_train, option)
+    more_than_held("examples", inputs.count(x_test), "test")
     output_fn = load_output_fn(output_fn)
     y_train = class_labels(model, x_train, y_train, option, output_fn)
     y_test = class_labels(model, x_test, y_test, "test", output_fn)
