@@ -7,7 +7,7 @@ import importlib
 
 _PUBLIC = {
     "KernelSurrogate": ".surrogate",
-    "NTKPosterior": "._posterior",
+    "NTKPosterior": ".posterior",
     "calibration_metrics": ".evaluation",
     "expected_calibration_error": ".evaluation",
     "flip_labels": ".evaluation",

@@ -40,8 +40,9 @@ from ntk.core.memory import available_bytes
 from ntk.core.model import ModelView
 
 from . import _kernels, curvature
-from ._damping import cholesky_solve, damped_cholesky, kernel_system
-from ._outputs import (
+from ._trak import trak
+from .damping import cholesky_solve, damped_cholesky, kernel_system
+from .outputs import (
     labels,
     logits,
     margin_gradient,
@@ -51,7 +52,6 @@ from ._outputs import (
     softmax_curvature,
     test_labels,
 )
-from ._trak import trak
 from .surrogate import KernelSurrogate
 
 METHODS = ("auto", "gauss_newton", "trak", "surrogate", "grad_dot", "ekfac", "kfac")
@@ -125,7 +125,7 @@ def influence(
     curvature; None uses `model` alone): independently trained copies, or checkpoints saved along
     one training run (`ntk.demo.train_checkpoints`), which predict retraining better than the
     final weights alone (`python benchmarks/checkpoints.py`). damping (gauss_newton, ekfac,
-    kfac): λ, or "auto" for `_damping.auto_damping`: the λ at which the damped curvature keeps an
+    kfac): λ, or "auto" for `damping.auto_damping`: the λ at which the damped curvature keeps an
     effective number of parameters Σ_k e_k/(e_k + λ) = DOF_FRACTION · N·(O − 1) (e: eigenvalues
     of ΛΘ); for ekfac/kfac, KRONECKER_DAMPING × tr(G)/(N·O) of the factored curvature; for
     trak, a number is TRAK's λ ("auto": the paper's λ = 0).
@@ -312,7 +312,7 @@ def _joined(x_train, x_test):
 def _exact_fits(n_train: int, n_test: int, o: int, kind: str, device: torch.device) -> bool:
     """Whether the exact kernels (at most one of train + test; a scalar kind's without its
     O × O identity) and the (N·O)² system (float64; factored in place on the CPU, with torch's
-    working copy elsewhere: `_damping.cholesky`) fit in half the free memory of `device`, where
+    working copy elsewhere: `damping.cholesky`) fit in half the free memory of `device`, where
     they are computed and solved."""
     kernels = (n_train + n_test) ** 2 * (o * o if kind == "full" else 1)
     systems = 1 if device.type == "cpu" else 2

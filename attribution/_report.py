@@ -46,11 +46,11 @@ from ntk.core.model import ModelView
 from ntk.spectrum import condition_from_eigenvalues
 
 from . import _figures
-from ._outputs import labels, logits
-from ._posterior import EFFECTIVE_PARAMETERS, TRAINING_VARIANCE_RATIO, NTKPosterior, entropy
 from .curvature import UnfactorableModelError
 from .evaluation import calibration_metrics, reliability
 from .layers import DEFAULT_SCORE, layer_importance, layer_label
+from .outputs import labels, logits
+from .posterior import EFFECTIVE_PARAMETERS, TRAINING_VARIANCE_RATIO, NTKPosterior, entropy
 from .surrogate import KernelSurrogate, cancellation
 
 STAGES = (

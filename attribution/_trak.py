@@ -19,7 +19,7 @@ from torch import nn
 import ntk
 from ntk.core import kinds
 
-from ._outputs import (
+from .outputs import (
     labels,
     logits,
     margin_gradient,

@@ -25,7 +25,7 @@ from torch.func import stack_module_state
 from ntk.core import inputs
 from ntk.core.model import FunctionalCall, copy_module
 
-from ._outputs import margins
+from .outputs import margins
 
 
 def random_subsets(n: int, num_subsets: int, alpha: float = 0.5, *, seed: int = 0) -> torch.Tensor:

@@ -34,7 +34,7 @@ from torch import nn
 
 import ntk
 
-from ._outputs import labels, logits
+from .outputs import labels, logits
 
 
 def sample_interactions(

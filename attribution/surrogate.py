@@ -35,7 +35,7 @@ themselves, t_i = g_i (no step). The machine minimises
 With S_i = Λ_i^½ its dual is a kernel ridge over the N·O rows of the symmetric system
 (SKS + λI) β = S t, and F(x) = Σ_i K(x, x_i) S_i β_i: coefficients A_i = S_i β_i, intercept 0,
 so the contributions K(x, x_i) A_i add up to d(x) exactly. λ: `alpha`, or (alpha=None) the
-effective-parameter rule of `influence`'s Gauss–Newton damping (`_damping.DOF_FRACTION`). It is
+effective-parameter rule of `influence`'s Gauss–Newton damping (`damping.DOF_FRACTION`). It is
 the kernel-machine twin of `influence`'s Gauss–Newton path (same system), and its removal
 effect below is exact for the machine. Cost: an (N·O)² system, O² times the ridge's N².
 
@@ -71,8 +71,8 @@ from ntk.core import inputs
 from ntk.core.memory import available_bytes
 
 from . import _kernels
-from ._damping import cholesky_solve, damped_cholesky, scalar_kernel_system
-from ._outputs import labels, logits, psd_root, softmax_curvature
+from .damping import cholesky_solve, damped_cholesky, scalar_kernel_system
+from .outputs import labels, logits, psd_root, softmax_curvature
 
 MACHINES = ("ridge", "svm", "logistic", "representer", "gauss_newton")
 ARGMAX_MACHINES = ("ridge", "representer", "gauss_newton")  # predict = argmax of the decision

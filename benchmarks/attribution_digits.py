@@ -46,8 +46,8 @@ from attribution import (
     train_on_subsets,
     trak,
 )
-from attribution._outputs import margins
 from attribution.evaluation import SubsetModels
+from attribution.outputs import margins
 from benchmarks.attribution_settings import run_peers
 from ntk import demo
 

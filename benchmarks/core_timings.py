@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import projections
-from attribution._outputs import labels, logits, margin_gradient
+from attribution.outputs import labels, logits, margin_gradient
 from ntk import demo
 from ntk.core import kinds
 

@@ -4,7 +4,7 @@
     python benchmarks/posterior_prior.py --smoke          # tiny data, two settings
 
 The rule family: δ such that the damped Gauss–Newton system keeps a fixed effective number of
-parameters γ(δ) = Σ_k e_k/(e_k + δ) (`attribution._damping`), raised where needed so that the
+parameters γ(δ) = Σ_k e_k/(e_k + δ) (`attribution.damping`), raised where needed so that the
 posterior variance of the centred logits on the training inputs is at most a fraction ρ of their
 mean square (`NTKPosterior._cap_training_variance`; ρ = inf: no cap). For every rule (γ, ρ) of a
 grid, and for every γ of a finer grid without the cap, every setting's test NLL, ECE and OOD
@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import uncertainty
 
-from attribution import NTKPosterior, _damping, calibration_metrics
-from attribution._posterior import EFFECTIVE_PARAMETERS, TRAINING_VARIANCE_RATIO, entropy
+from attribution import NTKPosterior, calibration_metrics, damping
+from attribution.posterior import EFFECTIVE_PARAMETERS, TRAINING_VARIANCE_RATIO, entropy
 from ntk import demo
 
 SETTINGS = {  # name: (data and architecture of benchmarks/uncertainty.py, training recipe)
@@ -185,13 +185,13 @@ def curves(model, d: dict[str, torch.Tensor], curvature: str = "exact") -> dict:
 
     rows = []
     for gamma in GAMMAS:
-        delta = _damping.damping_for(eigenvalues, float(gamma))
+        delta = damping.damping_for(eigenvalues, float(gamma))
         rows.append(
             dict(gamma=float(gamma), delta=delta, **scores(post._proba(mean, covariance(delta))))
         )
     rules = {}
     for gamma in RULE_GAMMAS:
-        kept = _damping.damping_for(eigenvalues, float(gamma))
+        kept = damping.damping_for(eigenvalues, float(gamma))
         for ratio in RULE_RATIOS:
             delta = post._cap_training_variance(system, kept, ratio=ratio)
             rules[_rule(gamma, ratio)] = dict(

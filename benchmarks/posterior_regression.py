@@ -44,7 +44,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attribution import NTKPosterior, _damping
+from attribution import NTKPosterior, damping
 
 RECIPES = {
     "diabetes": dict(),
@@ -146,7 +146,7 @@ def measure(name: str) -> dict[str, float]:
 
     fixed = NTKPosterior(model, likelihood="regression", noise=residual, prior_precision=1.0)
     eigenvalues = fixed.fit(x, y).kronecker_.eigenvalues
-    previous = _damping.damping_for(eigenvalues, PREVIOUS_EFFECTIVE_PARAMETERS)
+    previous = damping.damping_for(eigenvalues, PREVIOUS_EFFECTIVE_PARAMETERS)
     rows = {
         "MAP": 0.5 * math.log(2 * math.pi * residual) + 0.5 * test_mse / residual,
         "previous default": nll(

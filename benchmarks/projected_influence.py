@@ -44,7 +44,7 @@ def worker(way: str, n: int, dim: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     import projections
     from attribution import influence
-    from attribution._outputs import margin_gradient, softmax_curvature
+    from attribution.outputs import margin_gradient, softmax_curvature
 
     model, x, y, xt, yt = problem(n)
     start = time.perf_counter()

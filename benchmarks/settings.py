@@ -190,7 +190,7 @@ def _seed_noise(stack: SubsetModels, xt, yt) -> float:
     (the training noise an LDS against the seed mean is measured through)."""
     from scipy.stats import spearmanr
 
-    from attribution._outputs import margins
+    from attribution.outputs import margins
 
     out = stack.outputs(xt).double()
     a, b = (margins(out[:, r], yt) for r in (0, 1))

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import attribution.surrogate
 from attribution import KernelSurrogate, lds
-from attribution._outputs import logits, margin_gradient
+from attribution.outputs import logits, margin_gradient
 from benchmarks import settings
 
 VARIANTS = {

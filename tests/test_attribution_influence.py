@@ -313,7 +313,7 @@ def test_exact_kernels_are_sized_by_the_computation_device(setup, monkeypatch):
 
 def test_auto_damping_keeps_the_chosen_effective_number_of_parameters():
     """Equal eigenvalues c: γ(λ) = K·c/(c + λ) = f·N·(O − 1) has λ = c(K/(f·N·(O − 1)) − 1)."""
-    from attribution._damping import DOF_FRACTION, auto_damping
+    from attribution.damping import DOF_FRACTION, auto_damping
 
     e = torch.full((60,), 2.0, dtype=torch.float64)
     target = DOF_FRACTION * 100 * 2
@@ -328,70 +328,68 @@ def test_auto_damping_keeps_the_chosen_effective_number_of_parameters():
 def test_randomized_spectrum_gives_the_exact_damping(monkeypatch):
     """Above EXACT_SPECTRUM rows the rule sees a randomized top of the spectrum plus the trace's
     remainder; on a power-law spectrum its λ is within 2 % of the exact one."""
-    from attribution import _damping
+    from attribution import damping
 
     gen = torch.Generator().manual_seed(0)
     d, n, o = 800, 400, 3  # rank N·(O − 1) = 800
     q = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64)).Q
     e = 100.0 * torch.arange(1, d + 1, dtype=torch.float64) ** -1.5
     a = (q * e) @ q.T
-    exact = _damping.auto_damping(e, n, o)
-    monkeypatch.setattr(_damping, "EXACT_SPECTRUM", 100)
-    target = _damping.DOF_FRACTION * d
-    spectrum = _damping.spectrum(a, d, int(4 * target) + 64)
-    assert len(spectrum) == d and len(spectrum) > int(4 * _damping.DOF_FRACTION * d) + 64
-    assert _damping.auto_damping(spectrum, n, o) == pytest.approx(exact, rel=0.02)
+    exact = damping.auto_damping(e, n, o)
+    monkeypatch.setattr(damping, "EXACT_SPECTRUM", 100)
+    target = damping.DOF_FRACTION * d
+    spectrum = damping.spectrum(a, d, int(4 * target) + 64)
+    assert len(spectrum) == d and len(spectrum) > int(4 * damping.DOF_FRACTION * d) + 64
+    assert damping.auto_damping(spectrum, n, o) == pytest.approx(exact, rel=0.02)
     # the library's path (influence's damped Cholesky) sees that same spectrum
-    assert _damping.damping_keeping(a, d, target) == _damping.auto_damping(spectrum, n, o)
+    assert damping.damping_keeping(a, d, target) == damping.auto_damping(spectrum, n, o)
 
 
 def test_scalar_kernel_system_and_its_product(monkeypatch):
     """A scalar kind's system S(k ⊗ I)S equals the one built from the expanded kernel, its
     structured product equals the dense one, and the randomized spectrum (hence λ) is the same
     through either product."""
-    from attribution import _damping
-    from attribution._outputs import psd_root, softmax_curvature
+    from attribution import damping
+    from attribution.outputs import psd_root, softmax_curvature
 
     gen = torch.Generator().manual_seed(1)
     n, o = 60, 4
     x = torch.randn(n, 5, generator=gen, dtype=torch.float64)
     k = x @ x.T
     s = psd_root(softmax_curvature(3 * torch.randn(n, o, generator=gen, dtype=torch.float64)))
-    a, product = _damping.scalar_kernel_system(k, s)
+    a, product = damping.scalar_kernel_system(k, s)
     theta = k[:, :, None, None] * torch.eye(o, dtype=torch.float64)
     dense = torch.einsum("iop,ijpr,jrq->iojq", s, theta, s).reshape(n * o, n * o)
     torch.testing.assert_close(a, dense, rtol=1e-12, atol=1e-12)
     y = torch.randn(n * o, 9, generator=gen, dtype=torch.float64)
     torch.testing.assert_close(product(y), dense @ y, rtol=1e-10, atol=1e-10)
-    monkeypatch.setattr(_damping, "EXACT_SPECTRUM", 50)
+    monkeypatch.setattr(damping, "EXACT_SPECTRUM", 50)
     rank = n * (o - 1)
-    structured, plain = _damping.spectrum(a, rank, 40, product), _damping.spectrum(a, rank, 40)
+    structured, plain = damping.spectrum(a, rank, 40, product), damping.spectrum(a, rank, 40)
     assert len(plain) == rank  # the randomized route, not the exact eigenvalues
     torch.testing.assert_close(structured, plain, rtol=0, atol=1e-10 * float(plain.max()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_cholesky_overwrites_the_system_on_the_cpu(dtype):
-    """`_damping.cholesky` gives torch's factor, written over the system's own memory on the CPU
+    """`damping.cholesky` gives torch's factor, written over the system's own memory on the CPU
     (no second (N·O)² matrix), None for a matrix that is not positive definite; `cholesky_solve`
     solves with it."""
-    from attribution import _damping
+    from attribution import damping
 
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(40, 70, generator=gen, dtype=torch.float64)
     a = (x @ x.T).to(dtype)
     expected = torch.linalg.cholesky(a)
     storage = a.data_ptr()
-    factor = _damping.cholesky(a)
+    factor = damping.cholesky(a)
     assert factor.data_ptr() == storage
     torch.testing.assert_close(factor, expected)
     b = torch.randn(40, 3, generator=gen, dtype=torch.float64).to(dtype)
-    torch.testing.assert_close(
-        _damping.cholesky_solve(b, factor), torch.cholesky_solve(b, expected)
-    )
+    torch.testing.assert_close(damping.cholesky_solve(b, factor), torch.cholesky_solve(b, expected))
     singular = x[:, :5] @ x[:, :5].T
     singular.diagonal().sub_(1.0)
-    assert _damping.cholesky(singular) is None
+    assert damping.cholesky(singular) is None
 
 
 @pytest.mark.parametrize("method", ["ekfac", "kfac", "gauss_newton"])
@@ -403,21 +401,21 @@ def test_numpy_inputs_give_the_scores_of_tensors(setup, method):
 
 
 def test_influence_and_the_posterior_factor_their_damped_system_alike(setup, small_classifier):
-    """One factorisation of a damped system (`_damping.damped_factor`) serves influence's damping
+    """One factorisation of a damped system (`damping.damped_factor`) serves influence's damping
     and NTKPosterior's prior precision: in place on the CPU (copy=True keeps the system), and a
     system still singular after damping is refused in the same words, naming each one's option."""
-    from attribution import NTKPosterior, _damping
+    from attribution import NTKPosterior, damping
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(30, 8, generator=gen, dtype=torch.float64)
     a = x @ x.T  # rank 8
     kept = a.clone()
-    factor = _damping.damped_factor(a, 0.5, copy=True)
+    factor = damping.damped_factor(a, 0.5, copy=True)
     assert torch.equal(a, kept)
     expected = torch.linalg.cholesky(kept + 0.5 * torch.eye(30, dtype=torch.float64))
     torch.testing.assert_close(factor, expected)
-    assert _damping.log_det(factor) == pytest.approx(float(torch.logdet(expected @ expected.T)))
-    assert _damping.damped_factor(a, 0.5).data_ptr() == a.data_ptr()
+    assert damping.log_det(factor) == pytest.approx(float(torch.logdet(expected @ expected.T)))
+    assert damping.damped_factor(a, 0.5).data_ptr() == a.data_ptr()
     model, x, y, xt, yt = setup
     with pytest.raises(ValueError, match=r"not positive definite at damping=1e-300 .*larger damp"):
         influence(model, x, y, xt, method="gauss_newton", damping=1e-300)

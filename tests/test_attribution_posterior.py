@@ -110,9 +110,9 @@ def test_auto_prior_precision_keeps_the_chosen_effective_number_of_parameters(
     Σ_k e_k/(e_k + δ) = EFFECTIVE_PARAMETERS, with e the eigenvalues of the parameter-space
     Gauss–Newton matrix Σ_i J_iᵀ Λ_i J_i (the same nonzero eigenvalues as SΘS), computed here
     from per-sample Jacobians."""
-    from attribution._posterior import EFFECTIVE_PARAMETERS
+    from attribution.posterior import EFFECTIVE_PARAMETERS
 
-    monkeypatch.setattr("attribution._posterior.TRAINING_VARIANCE_RATIO", math.inf)
+    monkeypatch.setattr("attribution.posterior.TRAINING_VARIANCE_RATIO", math.inf)
     model, x, y, _, _ = small_classifier
     post = NTKPosterior(model).fit(x, y)
     j = _jacobian(model, x)
@@ -133,8 +133,8 @@ def test_auto_prior_caps_the_logit_variance_on_the_training_inputs(curvature):
     TRAINING_VARIANCE_RATIO of their mean square, so δ rises until the ratio equals it
     (computed here from predict_variance). Stopped early, the cap does not bind: δ is the γ
     rule's."""
-    from attribution import _damping
-    from attribution._posterior import EFFECTIVE_PARAMETERS, TRAINING_VARIANCE_RATIO
+    from attribution import damping
+    from attribution.posterior import EFFECTIVE_PARAMETERS, TRAINING_VARIANCE_RATIO
 
     torch.manual_seed(0)
     x = torch.randn(40, 6, dtype=torch.float64)
@@ -146,9 +146,9 @@ def test_auto_prior_caps_the_logit_variance_on_the_training_inputs(curvature):
         model = demo.train(model, x, y, epochs=epochs, batch_size=10, lr=1e-2, weight_decay=0.0)
         post = NTKPosterior(model, curvature=curvature).fit(x, y)
         if curvature == "exact":
-            rule = _damping.damping_keeping(post._system(), post._rank(), EFFECTIVE_PARAMETERS)
+            rule = damping.damping_keeping(post._system(), post._rank(), EFFECTIVE_PARAMETERS)
         else:
-            rule = _damping.damping_for(post.kronecker_.eigenvalues, EFFECTIVE_PARAMETERS)
+            rule = damping.damping_for(post.kronecker_.eigenvalues, EFFECTIVE_PARAMETERS)
         with torch.no_grad():
             g = model(x)
         spread = float((g - g.mean(1, keepdim=True)).pow(2).sum())
@@ -380,7 +380,7 @@ def test_exact_parameter_space_when_parameters_are_few(small_classifier):
     """P = 75 ≤ N·O/2 = 90: the exact posterior runs as a P × P system on the per-sample
     Jacobians, with the kernel form's covariance, evidence and effective-parameter prior (all
     checked against the parameter-space Laplace written out); frozen parameters stay out of P."""
-    from attribution._posterior import EFFECTIVE_PARAMETERS
+    from attribution.posterior import EFFECTIVE_PARAMETERS
 
     model, x20, _, xt, yt = small_classifier
     x = torch.cat(

@@ -13,8 +13,8 @@ from torch import nn
 from torch.func import functional_call, jacrev
 
 from attribution import NTKPosterior
-from attribution._posterior import EFFECTIVE_PARAMETERS, EVIDENCE_TOL
 from attribution.curvature import MAX_DENSE, UnfactorableModelError
+from attribution.posterior import EFFECTIVE_PARAMETERS, EVIDENCE_TOL
 
 FACTORED = ["ekfac", "kfac"]
 
@@ -76,7 +76,7 @@ def test_covariance_evidence_and_prior_are_those_of_the_factored_laplace_posteri
     evidence = loglik - 0.5 * delta * sq_norm - 0.5 * logdet
     assert post.log_marginal_likelihood() == pytest.approx(evidence, rel=1e-8)
 
-    monkeypatch.setattr("attribution._posterior.TRAINING_VARIANCE_RATIO", math.inf)
+    monkeypatch.setattr("attribution.posterior.TRAINING_VARIANCE_RATIO", math.inf)
     auto = NTKPosterior(model, curvature=curvature).fit(x, y)
     gamma = float((e / (e + auto.prior_precision_)).sum())
     assert gamma == pytest.approx(EFFECTIVE_PARAMETERS, rel=1e-6)

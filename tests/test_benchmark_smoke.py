@@ -168,7 +168,7 @@ def test_posterior_prior_smoke_run_scores_the_library_default():
     """benchmarks/posterior_prior.py: the leave-one-setting-out table, and the library's default
     fit reproduces the benchmark's rule at EFFECTIVE_PARAMETERS and TRAINING_VARIANCE_RATIO
     (which must lie on its grid)."""
-    from attribution._posterior import EFFECTIVE_PARAMETERS, TRAINING_VARIANCE_RATIO
+    from attribution.posterior import EFFECTIVE_PARAMETERS, TRAINING_VARIANCE_RATIO
 
     out = _run_benchmark("posterior_prior.py")
     rows = {_cells(line)[0]: _cells(line)[1:] for line in out.splitlines() if line.startswith("|")}

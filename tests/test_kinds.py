@@ -9,7 +9,7 @@ from reference import rel_err
 import ntk
 import projections
 from attribution import trak
-from attribution._outputs import logits, margin_gradient
+from attribution.outputs import logits, margin_gradient
 from ntk.core import kinds, structured
 
 

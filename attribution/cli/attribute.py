@@ -104,7 +104,7 @@ def attribute(
     from ntk.core.model import copy_module
 
     from .._influence import influence, resolve_method
-    from .._outputs import logits
+    from ..outputs import logits
 
     model, x_train, y_train = resolve_model_and_data(model_spec, weights, data, samples, device)
     if y_train is None:

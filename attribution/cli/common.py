@@ -303,7 +303,7 @@ def class_labels(model: nn.Module, x, y, option: str, output_fn: Callable | None
         return None
     from ntk.core import inputs
 
-    from .._outputs import labels, logits
+    from ..outputs import labels, logits
 
     one = logits(model, inputs.take(x, slice(0, 1)), output_fn=output_fn, name=f"--{option}: x")
     try:

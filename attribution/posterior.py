@@ -20,7 +20,7 @@ The evidence takes the prior N(0, δ⁻¹I) literally, and a network trained wit
 a large ‖θ*‖² (its initialisation scale), so the evidence's δ = γ/‖θ*‖² is small and the
 predictive is underconfident (`prior_precision="evidence"`). The default ("auto") instead keeps a
 fixed effective number of parameters γ(δ) = Σ_k e_k/(e_k + δ) = EFFECTIVE_PARAMETERS of the
-eigenvalues e of SΘS (`_damping`; the scale-free rule `influence` uses for its damping), and
+eigenvalues e of SΘS (`damping`; the scale-free rule `influence` uses for its damping), and
 raises δ where that would spread the centred logits on the training inputs by more than
 TRAINING_VARIANCE_RATIO of their mean square (a network so confident on its training set that
 its curvature collapses); both chosen leave-one-setting-out on trained networks (the constants'
@@ -65,9 +65,9 @@ from ntk.core.jacobian import jacobian_features
 from ntk.core.memory import available_bytes
 from ntk.core.model import ModelView
 
-from . import _damping, _kernels
-from ._outputs import labels, logits, psd_root, softmax_curvature
+from . import _kernels, damping
 from .curvature import STRATEGIES, KroneckerCurvature, UnfactorableModelError
+from .outputs import labels, logits, psd_root, softmax_curvature
 
 LIKELIHOODS = ("classification", "regression")
 LINKS = ("probit", "mc")
@@ -314,10 +314,8 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         if a is None:
             self.factor_, logdet = None, self._logdet(a, self.prior_precision_)
         else:
-            self.factor_ = _damping.damped_factor(
-                a, self.prior_precision_, option="prior_precision"
-            )
-            logdet = _damping.log_det(self.factor_)
+            self.factor_ = damping.damped_factor(a, self.prior_precision_, option="prior_precision")
+            logdet = damping.log_det(self.factor_)
         self.evidence_ = self._evidence(self.prior_precision_, logdet, self._size(a))
         return self
 
@@ -382,14 +380,14 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             psi = torch.einsum("iop,ipk->iok", root, phi).reshape(n * o, phi.shape[-1])
             return psi.T @ psi
         theta = _kernels.output_kernel_factor(self.model, x_train, **self._opts())
-        return _damping.kernel_system(theta, root)[0]
+        return damping.kernel_system(theta, root)[0]
 
     def _keep_effective_parameters(self, a: torch.Tensor) -> float:
-        """The δ with γ(δ) = EFFECTIVE_PARAMETERS for the system `a` (`_damping`; the rank of
+        """The δ with γ(δ) = EFFECTIVE_PARAMETERS for the system `a` (`damping`; the rank of
         SΘS is N·(O − 1) for the softmax, N·O for the Gaussian likelihood)."""
         if a is None:  # the factored curvature's whole spectrum
-            return _damping.damping_for(self.kronecker_.eigenvalues, EFFECTIVE_PARAMETERS)
-        return _damping.damping_keeping(a, self._rank(), EFFECTIVE_PARAMETERS)
+            return damping.damping_for(self.kronecker_.eigenvalues, EFFECTIVE_PARAMETERS)
+        return damping.damping_keeping(a, self._rank(), EFFECTIVE_PARAMETERS)
 
     def _cap_training_variance(
         self, a: torch.Tensor | None, delta: float, ratio: float | None = None
@@ -426,7 +424,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         else:
             # one factorisation at δ; the eigendecomposition only when the cap binds
             b, prior = self._columns(x)
-            factor = _damping.damped_factor(a, delta, option="prior_precision", copy=True)
+            factor = damping.damped_factor(a, delta, option="prior_precision", copy=True)
             w = torch.linalg.solve_triangular(factor, b, upper=False).reshape(-1, len(rows), o)
             covariance = lambda _: self._assemble(w, prior, delta)  # noqa: E731
             if excess(math.log10(delta)) <= 0:
@@ -462,8 +460,8 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         if a is None:
             e = self._factored_spectrum()
             return float((e + delta).log().sum()) + (self._size(a) - e.numel()) * math.log(delta)
-        factor = _damping.damped_factor(a, delta, option="prior_precision", copy=True)
-        return _damping.log_det(factor)
+        factor = damping.damped_factor(a, delta, option="prior_precision", copy=True)
+        return damping.log_det(factor)
 
     def _evidence(self, delta: float, logdet: float, count: int) -> float:
         """log Z(δ) from log det(A + δI) of the count × count system A (SΘS, or ΨᵀΨ in parameter
