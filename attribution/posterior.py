@@ -134,8 +134,9 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
     negative log predictive density; "evidence" to maximise the Laplace evidence
     `log_marginal_likelihood` (bounded Brent search on log δ).
     link (classification):
-    "probit" — p ≈ softmax(μ_o / √(1 + π/8 · s_o)) with s the diagonal of the covariance after
-    removing its component along (1, …, 1), which no softmax can see — or "mc", the mean softmax of
+    "probit" — p ≈ softmax(μ_o / √(1 + π/8 · s_o)) with μ the mean logits and s the diagonal of
+    their covariance, both after removing the component along (1, …, 1), which no softmax can see
+    (so that a constant added to every logit changes nothing) — or "mc", the mean softmax of
     `mc_samples` draws of the logits. output_fn maps the model's output to the logits [B, O]
     (e.g. `lambda out: out.logits` for a HuggingFace model); dtype: the kernels' dtype (None: the
     model's; the posterior algebra is float64 either way). The model is never modified. Only its
@@ -685,7 +686,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         o = self.n_outputs_
         centre = torch.eye(o, dtype=torch.float64) - 1.0 / o
         s = (centre @ cov @ centre).diagonal(dim1=1, dim2=2).clamp_min(0)
-        return (mean / torch.sqrt(1 + math.pi / 8 * s)).softmax(-1)
+        return ((mean @ centre) / torch.sqrt(1 + math.pi / 8 * s)).softmax(-1)
 
     def _samples(self, mean: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
         """`mc_samples` draws of the outputs [S, N, O] (seeded by `seed`)."""

@@ -253,6 +253,19 @@ def test_common_mode_covariance_does_not_change_probit(small_classifier):
     assert torch.allclose(post._proba(mean, cov), post._proba(mean, cov + 7.0 * ones))
 
 
+def test_a_constant_added_to_every_logit_does_not_change_the_probabilities(small_classifier):
+    """Adding c to every head bias leaves the softmax, the curvature and the covariance as they
+    are, so the predictive probabilities of both links must not move either."""
+    model, x, y, xt, _ = small_classifier
+    shifted = copy.deepcopy(model)
+    with torch.no_grad():
+        shifted[-1].bias += 20.0
+    for link in ("probit", "mc"):
+        p = NTKPosterior(model, prior_precision=1.0, link=link).fit(x, y).predict_proba(xt)
+        q = NTKPosterior(shifted, prior_precision=1.0, link=link).fit(x, y).predict_proba(xt)
+        assert np.allclose(p, q, atol=1e-10), link
+
+
 @pytest.mark.parametrize("kind", ["trace", "sum_logits"])
 def test_scalar_kinds(small_classifier, kind):
     model, x, y, xt, _ = small_classifier
