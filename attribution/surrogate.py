@@ -454,12 +454,15 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             self.intercept_ = fitted.intercept_ @ signs
         else:
             self.classes_ = fitted.classes_
-            self.dual_, self.intercept_ = fitted.coef_.T, fitted.intercept_
+            # two classes: one log-odds column → ∓ half of it, a column per class
+            half = np.array([-0.5, 0.5]) if len(self.classes_) == 2 else 1.0
+            self.dual_, self.intercept_ = fitted.coef_.T * half, fitted.intercept_ * half
 
     # -- prediction and attribution -------------------------------------------------------------
     def decision_function(self, x) -> np.ndarray:
         """d(x) [N, C]: logits (ridge on outputs), class scores (svm) or class log-odds
-        (logistic)."""
+        (logistic; with two classes ∓ half the log-odds of the second, so that softmax and argmax
+        of d are the machine's probabilities and predictions)."""
         return self._decision(self._test_kernel(x))
 
     def _decision(self, k: np.ndarray) -> np.ndarray:
