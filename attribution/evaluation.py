@@ -23,9 +23,10 @@ from torch import nn
 from torch.func import stack_module_state
 
 from ntk.core import inputs
+from ntk.core.kinds import class_labels
 from ntk.core.model import FunctionalCall, copy_module
 
-from .outputs import margins
+from .outputs import labels, margins
 
 
 def random_subsets(n: int, num_subsets: int, alpha: float = 0.5, *, seed: int = 0) -> torch.Tensor:
@@ -121,7 +122,8 @@ class SubsetModels:
 
     def margins(self, x, y: torch.Tensor) -> torch.Tensor:
         """Margins g_y − logsumexp_{j≠y} g_j on (x, y), averaged over seeds: [S, N]."""
-        return margins(self.outputs(x).double(), inputs.targets(y).long()).mean(1)
+        out = self.outputs(x).double()
+        return margins(out, labels(y, out.shape[2], out.shape[3]).to(out.device)).mean(1)
 
 
 def train_on_subsets(
@@ -163,8 +165,8 @@ def train_on_subsets(
         raise ValueError("every subset must be non-empty and of the same size")
     if loss not in ("cross_entropy", "mse"):
         raise ValueError(f"loss must be 'cross_entropy' or 'mse', got {loss!r}")
-    if loss == "cross_entropy":
-        y = y.long()  # class labels of any integer dtype index the outputs
+    if loss == "cross_entropy":  # integer labels ≥ 0 of any dtype (their range: `_train_chunk`)
+        y = class_labels(y, n, None, "y")
     if seeds < 1:
         raise ValueError(f"seeds must be a positive integer, got {seeds}")
     members = torch.stack([torch.nonzero(row).squeeze(1) for row in mask])  # [S, m]
@@ -217,6 +219,7 @@ def _train_chunk(
     seed_of = [r for _, r in jobs]
     forward = FunctionalCall(base)
     call = lambda p, b, xb: _call(forward, p, b, xb, output_fn)  # noqa: E731
+    checked = loss != "cross_entropy"  # the labels' range, once the outputs are known
     for _ in range(epochs):
         orders = {r: torch.randperm(m, generator=g) for r, g in gens.items()}
         order = torch.stack([orders[r] for r in seed_of])  # [K, m]
@@ -224,6 +227,9 @@ def _train_chunk(
             idx = members[rows[:, None], order[:, start : start + batch_size]]  # [K, B]
             out = torch.vmap(call, randomness="different")(params, buffers, inputs.take(x, idx))
             target = y[idx]
+            if not checked:
+                class_labels(y, len(y), out.shape[-1], "y")
+                checked = True
             if loss == "cross_entropy":
                 per_model = (
                     nn.functional.cross_entropy(

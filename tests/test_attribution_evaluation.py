@@ -205,3 +205,26 @@ def test_evaluation_inputs_found_by_fuzzing_are_refused_clearly():
         lds(torch.randn(4, 16), subsets, torch.randn(2, 4))
     with pytest.raises(ValueError, match="one per row of probs"):
         calibration_metrics(np.full((4, 3), 1 / 3), [0, 1, 2])
+
+
+def test_subset_training_and_margins_check_class_labels():
+    # fractional labels were truncated silently (0.7 → class 0), labels outside the outputs failed
+    # deep in torch ("Target 4 is out of bounds", "index 3 is out of bounds for dimension 3")
+    torch.manual_seed(0)
+    x, y = torch.randn(12, 3), torch.arange(12) % 3
+    subsets = random_subsets(12, 3)
+    train = lambda labels: train_on_subsets(  # noqa: E731
+        lambda: torch.nn.Linear(3, 3), x, labels, subsets, epochs=1
+    )
+    with pytest.raises(ValueError, match="y must hold integer class labels, got 0.5"):
+        train(y + 0.5)
+    with pytest.raises(ValueError, match=r"y holds labels outside 0..2: 3 at sample 0"):
+        train(y + 3)
+    models = train(y.int())
+    with pytest.raises(ValueError, match=r"y holds labels outside 0..2: 3 at sample 0"):
+        models.margins(x, y + 3)
+    with pytest.raises(ValueError, match="y must hold integer class labels, got 1.5"):
+        models.margins(x, y + 1.5)
+    with pytest.raises(ValueError, match="12 class labels, got shape"):
+        models.margins(x, y[:5])
+    torch.testing.assert_close(models.margins(x, y.numpy().astype(np.uint8)), models.margins(x, y))
