@@ -252,6 +252,10 @@ def flip_labels(y: torch.Tensor, fraction: float, num_classes: int, *, seed: int
     Returns (noisy labels, bool mask of the flipped examples)."""
     if not 0 < fraction < 1:
         raise ValueError(f"fraction must be in (0, 1), got {fraction}")
+    if not (isinstance(num_classes, Integral) and num_classes >= 2):
+        raise ValueError(f"num_classes must be an integer ≥ 2, got {num_classes!r}")
+    y = inputs.targets(y, "y")
+    y = class_labels(y, len(y), num_classes, "y")
     gen = torch.Generator().manual_seed(seed)
     n = len(y)
     flipped = torch.zeros(n, dtype=torch.bool)

@@ -228,3 +228,16 @@ def test_subset_training_and_margins_check_class_labels():
     with pytest.raises(ValueError, match="12 class labels, got shape"):
         models.margins(x, y[:5])
     torch.testing.assert_close(models.margins(x, y.numpy().astype(np.uint8)), models.margins(x, y))
+
+
+def test_flip_labels_checks_its_labels_and_classes():
+    # labels outside 0..num_classes−1 came back unflipped and out of range, numpy or list labels
+    # failed on `+` with a torch tensor, num_classes=1 failed inside torch.randint
+    y = np.arange(20) % 4
+    noisy, flipped = flip_labels(y, 0.25, 4)
+    assert int(flipped.sum()) == 5 and bool((noisy[flipped] != torch.as_tensor(y)[flipped]).all())
+    torch.testing.assert_close(flip_labels(y.tolist(), 0.25, 4)[0], noisy)
+    with pytest.raises(ValueError, match=r"y holds labels outside 0..2: 3 at sample 3"):
+        flip_labels(y, 0.25, 3)
+    with pytest.raises(ValueError, match="num_classes must be an integer ≥ 2, got 1"):
+        flip_labels(y * 0, 0.25, 1)
