@@ -30,6 +30,7 @@ Scalar kinds (`trace`, `sum_logits`) stand in for Θ as k(x, x') ⊗ I_O. Severa
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from numbers import Real
 
 import numpy as np
 import torch
@@ -169,7 +170,7 @@ def influence(
             f"method={method!r} factors the full Gauss–Newton curvature: kind and dim do not apply"
         )
     kind = kind or ("full" if method == "grad_dot" else "trace")
-    if damping != "auto" and not (isinstance(damping, (int, float)) and damping > 0):
+    if damping != "auto" and not (isinstance(damping, Real) and damping > 0):
         raise ValueError(
             f"damping must be 'auto' or a positive number (Λ is singular), got {damping!r}"
         )

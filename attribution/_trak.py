@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from numbers import Integral, Real
 
 import torch
 from torch import nn
@@ -60,9 +61,9 @@ def trak(
     gradient (one cotangent, not O). output_fn and dtype: as in `influence` (kernels and
     features in `dtype`, None: the model's; solves in float64).
     """
-    if not (isinstance(damping, (int, float)) and damping >= 0):
+    if not (isinstance(damping, Real) and damping >= 0):
         raise ValueError(f"damping must be a non-negative number, got {damping!r}")
-    if dim is not None and not (isinstance(dim, int) and dim > 0):
+    if dim is not None and not (isinstance(dim, Integral) and dim > 0):
         raise ValueError(f"dim must be a positive integer or None, got {dim!r}")
     kernel_part, q = 0.0, 0.0
     y_test = predicted_labels(model, x_test, y_test, checkpoints, output_fn)

@@ -4,6 +4,7 @@ per-sample Jacobians; TRAK's averaging over models; error paths."""
 import importlib
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch.func import functional_call, jacrev, vmap
@@ -424,3 +425,17 @@ def test_influence_and_the_posterior_factor_their_damped_system_alike(setup, sma
         ValueError, match=r"not positive definite at prior_precision=1e-300 .*larger prior_prec"
     ):
         NTKPosterior(model, prior_precision=1e-300, curvature="exact").fit(x, y)
+
+
+def test_numpy_scalars_are_numbers(setup):
+    # damping=np.float32(0.5) was refused as "not a positive number" (only int and float were),
+    # and trak refused dim=np.int64(16)
+    model, x, y, xt, yt = setup
+    for method in ("gauss_newton", "ekfac", "trak"):
+        torch.testing.assert_close(
+            influence(model, x, y, xt, yt, method=method, damping=np.float32(0.5)),
+            influence(model, x, y, xt, yt, method=method, damping=0.5),
+        )
+    torch.testing.assert_close(
+        trak(model, x, y, xt, yt, dim=np.int64(16)), trak(model, x, y, xt, yt, dim=16)
+    )
