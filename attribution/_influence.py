@@ -45,13 +45,13 @@ from ._trak import trak
 from .damping import cholesky_solve, damped_cholesky, kernel_system
 from .outputs import (
     labels,
-    logits,
     margin_gradient,
     models,
     predicted_labels,
     psd_root,
     softmax_curvature,
     test_labels,
+    train_test_logits,
 )
 from .surrogate import KernelSurrogate
 
@@ -216,8 +216,7 @@ def _one_model(
     output_fn,
     dtype,
 ) -> torch.Tensor:
-    g_train = logits(model, x_train, output_fn=output_fn, name="x_train")
-    g_test = logits(model, x_test, output_fn=output_fn, name="x_test")
+    g_train, g_test = train_test_logits(model, x_train, x_test, output_fn)
     y_train = labels(y_train, g_train.shape[0], g_train.shape[1], "y_train")
     u = margin_gradient(g_test, test_labels(g_test, y_test))  # [M, O]
     if method == "surrogate":

@@ -22,12 +22,12 @@ from ntk.core import kinds
 
 from .outputs import (
     labels,
-    logits,
     margin_gradient,
     margins,
     models,
     predicted_labels,
     test_labels,
+    train_test_logits,
 )
 
 DEFAULT_DIM = 2048
@@ -69,10 +69,9 @@ def trak(
     y_test = predicted_labels(model, x_test, y_test, checkpoints, output_fn)
     nets = models(model, checkpoints)
     for net in nets:
-        g_train = logits(net, x_train, output_fn=output_fn, name="x_train")
+        g_train, g_test = train_test_logits(net, x_train, x_test, output_fn)
         if damping == 0 and net is nets[0]:
             _warn_if_interpolating(net, dim, g_train.shape[0])
-        g_test = logits(net, x_test, output_fn=output_fn, name="x_test")
         y_tr = labels(y_train, g_train.shape[0], g_train.shape[1], "y_train")
         u_train, u_test = (
             margin_gradient(g_train, y_tr),

@@ -439,3 +439,35 @@ def test_numpy_scalars_are_numbers(setup):
     torch.testing.assert_close(
         trak(model, x, y, xt, yt, dim=np.int64(16)), trak(model, x, y, xt, yt, dim=16)
     )
+
+
+class _BatchOut(torch.nn.Module):
+    """The batch's outputs pooled (one row) or flattened (B·O rows), not a row per sample."""
+
+    def __init__(self, pool):
+        super().__init__()
+        self.pool, self.linear = pool, torch.nn.Linear(5, O).double()
+
+    def forward(self, x):
+        out = self.linear(x)
+        return out.mean(0, keepdim=True) if self.pool else out.reshape(-1)
+
+
+@pytest.mark.parametrize("method", ["gauss_newton", "trak", "ekfac"])
+def test_outputs_that_are_not_a_row_per_sample_are_named(setup, method):
+    # a model returning one row per batch was blamed on the labels ("y_train must be a 1-d tensor
+    # of 1 class labels"); one test sample without its sample axis (its features taken as
+    # samples) on the model's classes ("the margin needs a classifier with at least two outputs;
+    # the model has 1 output")
+    _, x, y, xt, _ = setup
+    for pool, rows in ((True, 1), (False, 14 * O)):
+        with pytest.raises(ValueError, match=f"returned {rows} rows for 14 samples of x_train"):
+            influence(_BatchOut(pool), x, y, xt, method=method)
+    with pytest.raises(ValueError, match="returned 3 rows for 5 samples of x_test"):
+        influence(setup[0], x, y, xt[0], method=method)
+    square = torch.nn.Sequential(torch.nn.Linear(O, 4), torch.nn.Tanh(), torch.nn.Linear(4, O))
+    x_square = torch.randn(6, O)
+    with pytest.raises(
+        ValueError, match=r"3 outputs per sample on x_train but 1 on x_test.*\[None\]"
+    ):
+        influence(square, x_square, y[:6], x_square[0], method=method)
