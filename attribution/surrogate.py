@@ -348,6 +348,11 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         t = (g - g.mean(1, keepdim=True)).numpy()
         kr = k @ residual
         kc, tc = kr - kr.mean(0), t - t.mean(0)
+        if not (kc * kc).sum() > 0:
+            raise ValueError(
+                "machine='representer' fits its scale to how K·(e_y − p) varies over the training "
+                "samples, and it does not vary over these (one sample, or identical ones)"
+            )
         scale = float((kc * tc).sum() / (kc * kc).sum())
         self.dual_, self.intercept_ = scale * residual, (t - scale * kr).mean(0)
         self.classes_, self.alpha_, self.machine_ = np.arange(o), None, None

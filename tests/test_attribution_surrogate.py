@@ -221,3 +221,13 @@ def test_binary_logistic_decision_has_a_column_per_class():
     rows = np.arange(len(xt))
     assert (s.attribute(xt)[rows, idx[:, 0], d.argmax(1)] > 0).all()
     assert "tau_prob" in s.faithfulness(xt)
+
+
+def test_representer_on_identical_training_samples_is_refused_not_nan():
+    # identical samples give every row of K·(e_y − p) the same value: the fitted scale was 0/0 and
+    # every decision and contribution NaN, silently
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    x = torch.randn(1, 3).repeat(4, 1)
+    with pytest.raises(ValueError, match="does not vary over these"):
+        KernelSurrogate(model, machine="representer").fit(x, [0, 1, 2, 0])
