@@ -289,7 +289,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             y = np.asarray(y)
         g = logits(self.model, x_train, output_fn=self.output_fn, name="x_train")
         n, o = g.shape
-        if self.cv > n:
+        if self._searched() and self.cv > n:
             raise ValueError(
                 f"cv={self.cv} folds need at least {self.cv} training samples; got {n} sample(s)"
             )
@@ -555,6 +555,10 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         if self.machine == "gauss_newton":
             return self._gauss_newton_removal(k, remove)
         n = self.dual_.shape[0]
+        if remove is None and n == 1:  # the bordered system needs a training point
+            raise ValueError(
+                "cannot remove the only training point: the machine would have no data"
+            )
         h = np.linalg.inv(
             np.block(
                 [

@@ -12,7 +12,7 @@ from sklearn.utils.estimator_checks import check_estimator
 from torch import nn
 
 import ntk
-from attribution import KernelSurrogate
+from attribution import KernelSurrogate, influence
 from attribution.surrogate import DEFAULT_ALPHA, cancellation, label_share
 from ntk import demo
 
@@ -153,7 +153,7 @@ def test_cv_settings_are_checked(small):
     with pytest.raises(ValueError, match="'cv' parameter"):
         KernelSurrogate(model, cv=1).fit(x)
     with pytest.raises(ValueError, match="cv=26 folds"):
-        KernelSurrogate(model, cv=26).fit(x)
+        KernelSurrogate(model, machine="svm", cv=26).fit(x)  # alpha=None: searched by CV
     with pytest.raises(ValueError, match="'alpha' parameter"):
         KernelSurrogate(model, alpha="best").fit(x)
     with pytest.raises(ValueError, match="'reference' parameter"):
@@ -388,3 +388,19 @@ class _Shift(nn.Module):
 
     def forward(self, g):
         return g + torch.tensor([100.0, 0.0, 0.0], dtype=g.dtype)
+
+
+def test_machines_without_cross_validation_fit_one_or_two_samples(small):
+    # cv (unused unless alpha is searched) refused fewer than 3 training samples for every
+    # machine, and so `influence(method="surrogate")`, which has no cv, on N = 1 or 2
+    model, x, xt = small
+    y = torch.tensor([0, 2])
+    for machine in ("ridge", "gauss_newton"):
+        s = KernelSurrogate(model, machine=machine).fit(x[:2], y)
+        np.testing.assert_allclose(s.attribute(xt).sum(1) + s.intercept_, s.decision_function(xt))
+        assert s.influence(xt).shape == (6, 2)
+    assert influence(model, x[:1], y[:1], xt, method="surrogate").shape == (6, 1)
+    with pytest.raises(ValueError, match="cannot remove the only training point"):
+        KernelSurrogate(model).fit(x[:1], y[:1]).influence(xt)
+    with pytest.raises(ValueError, match="cv=3 folds need at least 3"):
+        KernelSurrogate(model, alpha="cv").fit(x[:2], y)
