@@ -4,10 +4,17 @@ over samples for models that cannot be vmapped (`persample`)."""
 from __future__ import annotations
 
 import torch
-from torch.func import jacrev
+from torch import nn
+from torch.func import grad, jacrev
 
 from .model import ModelView
 from .persample import map_samples
+
+# Modules whose parameter derivatives torch.func gets wrong under nested vmap (samples ×
+# cotangents): nn.PReLU's weight gradient (torch 2.13) comes out silently wrong when as many
+# samples as cotangents are mapped, and fails otherwise. Their parameters are differentiated one
+# cotangent at a time (vmap over the samples only, which is right).
+NESTED_VMAP_UNSAFE = (nn.PReLU,)
 
 
 def jacobian_features(
@@ -25,9 +32,16 @@ def jacobian_features(
         out = view.forward_single({**rest, **params}, x_single)
         return u.to(out.dtype) @ out  # the output's dtype may differ (mixed-precision models)
 
+    c = cot.shape[0]
+    if any(isinstance(view.model.get_submodule(view.owner[n]), NESTED_VMAP_UNSAFE) for n in wrt):
+        derivative = grad(projected_output)  # of one cotangent's scalar u·f
+        if cot.dim() == 3:
+            rows = [map_samples(view, derivative, wrt, x, cot[k]) for k in range(c)]
+        else:
+            rows = [map_samples(view, lambda p, xb, u=u: derivative(p, xb, u), wrt, x) for u in cot]
+        return {n: torch.stack([r[n].reshape(r[n].shape[0], -1) for r in rows]) for n in wrt}
     if cot.dim() == 3:  # per-sample cotangents [C, B, O]: sample b's are cot[:, b]
         jac = map_samples(view, jacrev(projected_output), wrt, x, cot.transpose(0, 1))
     else:
         jac = map_samples(view, lambda p, xb: jacrev(projected_output)(p, xb, cot), wrt, x)
-    c = cot.shape[0]
     return {n: j.reshape(j.shape[0], c, -1).transpose(0, 1) for n, j in jac.items()}
