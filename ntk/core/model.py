@@ -351,6 +351,12 @@ class ModelView:
             raise TypeError(
                 f"dtype must be a floating torch.dtype (torch.float64...), got {dtype!r}"
             )
+        if torch.is_inference_mode_enabled():  # it failed deep in autograd ("does not require
+            raise RuntimeError(  # grad and does not have a grad_fn")
+                "torch.inference_mode() is on: kernels, features and attributions differentiate "
+                "the model, which inference mode forbids; call this outside it (torch.no_grad() "
+                "is fine)"
+            )
         check_functional(model)
         self.model = model
         self.output_fn = output_fn
