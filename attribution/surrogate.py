@@ -476,6 +476,14 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         return k @ self.dual_ + self.intercept_
 
     def predict(self, x) -> np.ndarray:
+        """The predicted class of each sample (a single-output model has no classes: its
+        surrogate's output is `decision_function`)."""
+        check_is_fitted(self, "dual_")
+        if self.num_outputs_ == 1:
+            raise ValueError(
+                "predict returns classes, and the model has a single output (no classes): "
+                "decision_function gives the surrogate's output"
+            )
         k = self._test_kernel(x)
         if self.machine in ARGMAX_MACHINES:
             return self.classes_[self._decision(k).argmax(1)]

@@ -374,6 +374,11 @@ def test_single_output_model_is_fitted_to_its_output():
         np.testing.assert_allclose(s.influence(xt, np.array([2, 5])), expected[:, 0], atol=1e-8)
     with pytest.raises(ValueError, match="machine='svm' needs a classifier with two or more"):
         KernelSurrogate(body, machine="svm").fit(x)
+    # predict (and score, its accuracy) was the argmax of one column: class 0 for every sample
+    with pytest.raises(ValueError, match="single output .*decision_function"):
+        s.predict(xt)
+    with pytest.raises(ValueError, match="single output .*decision_function"):
+        s.score(xt, np.zeros(9))
 
 
 def test_classification_machine_with_one_predicted_class_is_refused(small):
