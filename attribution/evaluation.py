@@ -26,6 +26,7 @@ from ntk.core import inputs
 from ntk.core.kinds import class_labels
 from ntk.core.model import FunctionalCall, copy_module
 
+from .layers import check_labels
 from .outputs import labels, margins
 
 
@@ -167,6 +168,8 @@ def train_on_subsets(
         raise ValueError(f"loss must be 'cross_entropy' or 'mse', got {loss!r}")
     if loss == "cross_entropy":  # integer labels ≥ 0 of any dtype (their range: `_train_chunk`)
         y = class_labels(y, n, None, "y")
+    else:  # finite targets (their width: `_train_chunk`)
+        y = check_labels(y, n)
     if seeds < 1:
         raise ValueError(f"seeds must be a positive integer, got {seeds}")
     members = torch.stack([torch.nonzero(row).squeeze(1) for row in mask])  # [S, m]
@@ -219,7 +222,7 @@ def _train_chunk(
     seed_of = [r for _, r in jobs]
     forward = FunctionalCall(base)
     call = lambda p, b, xb: _call(forward, p, b, xb, output_fn)  # noqa: E731
-    checked = loss != "cross_entropy"  # the labels' range, once the outputs are known
+    checked = False  # the labels' range or the targets' width, once the outputs are known
     for _ in range(epochs):
         orders = {r: torch.randperm(m, generator=g) for r, g in gens.items()}
         order = torch.stack([orders[r] for r in seed_of])  # [K, m]
@@ -228,7 +231,7 @@ def _train_chunk(
             out = torch.vmap(call, randomness="different")(params, buffers, inputs.take(x, idx))
             target = y[idx]
             if not checked:
-                class_labels(y, len(y), out.shape[-1], "y")
+                _check_against_outputs(y, out.shape[-1], loss)
                 checked = True
             if loss == "cross_entropy":
                 per_model = (
@@ -245,6 +248,17 @@ def _train_chunk(
             per_model.sum().backward()
             opt.step()
     return ({k: v.detach() for k, v in params.items()}, buffers, base.eval())
+
+
+def _check_against_outputs(y: torch.Tensor, o: int, loss: str) -> None:
+    """Class labels in 0..o−1 (cross-entropy) or o target values per sample (mse)."""
+    if loss == "cross_entropy":
+        class_labels(y, len(y), o, "y")
+    elif y[0].numel() != o:
+        raise ValueError(
+            f"y holds {y[0].numel()} target value(s) per sample; loss='mse' needs one per model "
+            f"output ({o})"
+        )
 
 
 def flip_labels(y: torch.Tensor, fraction: float, num_classes: int, *, seed: int = 0):

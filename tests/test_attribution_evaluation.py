@@ -241,3 +241,20 @@ def test_flip_labels_checks_its_labels_and_classes():
         flip_labels(y, 0.25, 3)
     with pytest.raises(ValueError, match="num_classes must be an integer ≥ 2, got 1"):
         flip_labels(y * 0, 0.25, 1)
+
+
+def test_subset_regression_targets_are_checked():
+    # loss="mse" with one target per sample for a 3-output model failed in torch ("shape '[3, 6,
+    # 3]' is invalid for input of size 18"), and NaN targets trained every model to NaN silently
+    x = torch.randn(12, 3)
+    subsets = random_subsets(12, 3)
+    train = lambda targets, outputs: train_on_subsets(  # noqa: E731
+        lambda: torch.nn.Linear(3, outputs), x, targets, subsets, epochs=1, loss="mse"
+    )
+    with pytest.raises(ValueError, match=r"y holds 1 target value\(s\) per sample; .* \(3\)"):
+        train(torch.randn(12), 3)
+    targets = torch.randn(12)
+    targets[4] = float("nan")
+    with pytest.raises(ValueError, match="non-finite values .* first at sample 4"):
+        train(targets, 1)
+    assert train(torch.randn(12, 3), 3).outputs(x).shape == (3, 1, 12, 3)
