@@ -169,6 +169,11 @@ def influence(
         raise ValueError(
             f"method={method!r} factors the full Gauss–Newton curvature: kind and dim do not apply"
         )
+    if method == "surrogate" and kind == "full":
+        raise ValueError(
+            "method='surrogate' is the Gauss–Newton kernel machine on a scalar kernel: kind must "
+            "be 'trace' or 'sum_logits'"
+        )
     kind = kind or ("full" if method == "grad_dot" else "trace")
     if damping != "auto" and not (isinstance(damping, Real) and damping > 0):
         raise ValueError(

@@ -296,6 +296,9 @@ def test_model_untouched_and_errors(setup):
         influence(model, x, y, xt, checkpoints=[])
     with pytest.raises(ValueError, match="positive"):
         influence(model, x, y, xt, damping=0.0)
+    # named the surrogate's machine and normalize, which influence does not take
+    with pytest.raises(ValueError, match="method='surrogate' .* kind must be 'trace' or"):
+        influence(model, x, y, xt, method="surrogate", kind="full")
 
 
 def test_exact_kernels_are_sized_by_the_computation_device(setup, monkeypatch):
