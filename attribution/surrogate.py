@@ -703,6 +703,8 @@ def label_share(c: np.ndarray, y_train: np.ndarray, predicted: np.ndarray, k: in
 def _removal_indices(remove, n: int) -> np.ndarray:
     """Indices of a removal set given as a boolean mask [n] or as indices; never all n."""
     remove = np.asarray(remove)
+    if remove.shape == (0,):  # an empty list is float64 to numpy, not indices
+        raise ValueError("remove selects no training point")
     if remove.dtype == bool:
         if remove.shape != (n,):
             raise ValueError(f"the removal mask must have shape ({n},), got {remove.shape}")

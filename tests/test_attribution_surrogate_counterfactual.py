@@ -100,6 +100,8 @@ def test_removal_errors(small):
         s.influence(xt, np.ones(24, bool))
     with pytest.raises(ValueError, match="no training point"):
         s.influence(xt, np.zeros(len(x), bool))
+    with pytest.raises(ValueError, match="no training point"):  # was "a boolean mask or … indices"
+        s.influence(xt, [])
     with pytest.raises(ValueError, match="indices must be in"):
         s.influence(xt, np.array([3, 25]))
     with pytest.raises(ValueError, match=r"output must be 'all', None or a column in 0\.\.2"):
