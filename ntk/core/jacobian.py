@@ -3,18 +3,45 @@ over samples for models that cannot be vmapped (`persample`)."""
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-from torch.func import grad, jacrev
+import weakref
 
+import torch
+from torch.func import grad, jacrev
+from torch.overrides import TorchFunctionMode
+
+from . import inputs
 from .model import ModelView
 from .persample import map_samples
 
-# Modules whose parameter derivatives torch.func gets wrong under nested vmap (samples ×
-# cotangents): nn.PReLU's weight gradient (torch 2.13) comes out silently wrong when as many
-# samples as cotangents are mapped, and fails otherwise. Their parameters are differentiated one
-# cotangent at a time (vmap over the samples only, which is right).
-NESTED_VMAP_UNSAFE = (nn.PReLU,)
+# Operations whose parameter derivatives torch.func gets wrong under nested vmap (samples ×
+# cotangents): the weight gradient of prelu (nn.PReLU, F.prelu; torch 2.13) comes out silently
+# wrong when as many samples as cotangents are mapped, and fails otherwise. A model whose forward
+# calls one is differentiated one cotangent at a time (vmap over the samples only, which is right).
+NESTED_VMAP_UNSAFE = frozenset({torch.prelu})
+_UNSAFE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> calls one
+
+
+class _Calls(TorchFunctionMode):
+    """The torch functions a forward pass calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.called: set = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.called.add(func)
+        return func(*args, **(kwargs or {}))
+
+
+def nested_vmap_unsafe(view: ModelView, x) -> bool:
+    """Whether the model's forward on (the first sample of) `x` calls an operation of
+    NESTED_VMAP_UNSAFE (probed once per model)."""
+    if view.model not in _UNSAFE:
+        calls = _Calls()
+        with torch.no_grad(), calls:
+            view.forward(view.params, inputs.take(x, slice(0, 1)))
+        _UNSAFE[view.model] = bool(calls.called & NESTED_VMAP_UNSAFE)
+    return _UNSAFE[view.model]
 
 
 def jacobian_features(
@@ -33,7 +60,7 @@ def jacobian_features(
         return u.to(out.dtype) @ out  # the output's dtype may differ (mixed-precision models)
 
     c = cot.shape[0]
-    if any(isinstance(view.model.get_submodule(view.owner[n]), NESTED_VMAP_UNSAFE) for n in wrt):
+    if nested_vmap_unsafe(view, x):
         derivative = grad(projected_output)  # of one cotangent's scalar u·f
         if cot.dim() == 3:
             rows = [map_samples(view, derivative, wrt, x, cot[k]) for k in range(c)]
