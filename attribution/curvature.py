@@ -391,7 +391,7 @@ class KroneckerCurvature:
         for sl, terms in self._stream(x_train, torch.as_tensor(r_train)):
             batch = scores[:, sl]
             for k, block in self.blocks.items():
-                batch += left[k] @ block.gradients(*terms[k]).T
+                batch += left[k] @ block.gradients(*terms[k]).to(self._dtype).T
         return scores.cpu()
 
 
