@@ -30,6 +30,7 @@ Scalar kinds (`trace`, `sum_logits`) stand in for Θ as k(x, x') ⊗ I_O. Severa
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from numbers import Real
 
 import numpy as np
 import torch
@@ -44,13 +45,13 @@ from ._trak import trak
 from .damping import cholesky_solve, damped_cholesky, kernel_system
 from .outputs import (
     labels,
-    logits,
     margin_gradient,
     models,
     predicted_labels,
     psd_root,
     softmax_curvature,
     test_labels,
+    train_test_logits,
 )
 from .surrogate import KernelSurrogate
 
@@ -168,8 +169,13 @@ def influence(
         raise ValueError(
             f"method={method!r} factors the full Gauss–Newton curvature: kind and dim do not apply"
         )
+    if method == "surrogate" and kind == "full":
+        raise ValueError(
+            "method='surrogate' is the Gauss–Newton kernel machine on a scalar kernel: kind must "
+            "be 'trace' or 'sum_logits'"
+        )
     kind = kind or ("full" if method == "grad_dot" else "trace")
-    if damping != "auto" and not (isinstance(damping, (int, float)) and damping > 0):
+    if damping != "auto" and not (isinstance(damping, Real) and damping > 0):
         raise ValueError(
             f"damping must be 'auto' or a positive number (Λ is singular), got {damping!r}"
         )
@@ -215,8 +221,7 @@ def _one_model(
     output_fn,
     dtype,
 ) -> torch.Tensor:
-    g_train = logits(model, x_train, output_fn=output_fn, name="x_train")
-    g_test = logits(model, x_test, output_fn=output_fn, name="x_test")
+    g_train, g_test = train_test_logits(model, x_train, x_test, output_fn)
     y_train = labels(y_train, g_train.shape[0], g_train.shape[1], "y_train")
     u = margin_gradient(g_test, test_labels(g_test, y_test))  # [M, O]
     if method == "surrogate":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from numbers import Integral, Real
 
 import torch
 from torch import nn
@@ -21,12 +22,12 @@ from ntk.core import kinds
 
 from .outputs import (
     labels,
-    logits,
     margin_gradient,
     margins,
     models,
     predicted_labels,
     test_labels,
+    train_test_logits,
 )
 
 DEFAULT_DIM = 2048
@@ -60,18 +61,17 @@ def trak(
     gradient (one cotangent, not O). output_fn and dtype: as in `influence` (kernels and
     features in `dtype`, None: the model's; solves in float64).
     """
-    if not (isinstance(damping, (int, float)) and damping >= 0):
+    if not (isinstance(damping, Real) and damping >= 0):
         raise ValueError(f"damping must be a non-negative number, got {damping!r}")
-    if dim is not None and not (isinstance(dim, int) and dim > 0):
+    if dim is not None and not (isinstance(dim, Integral) and dim > 0):
         raise ValueError(f"dim must be a positive integer or None, got {dim!r}")
     kernel_part, q = 0.0, 0.0
     y_test = predicted_labels(model, x_test, y_test, checkpoints, output_fn)
     nets = models(model, checkpoints)
     for net in nets:
-        g_train = logits(net, x_train, output_fn=output_fn, name="x_train")
+        g_train, g_test = train_test_logits(net, x_train, x_test, output_fn)
         if damping == 0 and net is nets[0]:
             _warn_if_interpolating(net, dim, g_train.shape[0])
-        g_test = logits(net, x_test, output_fn=output_fn, name="x_test")
         y_tr = labels(y_train, g_train.shape[0], g_train.shape[1], "y_train")
         u_train, u_test = (
             margin_gradient(g_train, y_tr),

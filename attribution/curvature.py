@@ -30,6 +30,7 @@ in float64.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Real
 
 import torch
 import torch.nn.functional as F
@@ -374,7 +375,7 @@ class KroneckerCurvature:
         """τ(z, i) = u_zᵀ J_z (G + λI)⁻¹ J_iᵀ r_i [N_test, N_train] for output cotangents u_test
         [N_test, O] (the margin's gradient) and r_train [N_train, O] (e_y − p)."""
         self._check_fitted()
-        if not (isinstance(damping, (int, float)) and damping > 0):
+        if not (isinstance(damping, Real) and damping > 0):
             raise ValueError(f"damping must be a positive number, got {damping!r}")
         x_train, x_test = inputs.from_numpy(x_train, "x_train"), inputs.from_numpy(x_test, "x_test")
         n_train, n_test = inputs.count(x_train), inputs.count(x_test)
@@ -390,7 +391,7 @@ class KroneckerCurvature:
         for sl, terms in self._stream(x_train, torch.as_tensor(r_train)):
             batch = scores[:, sl]
             for k, block in self.blocks.items():
-                batch += left[k] @ block.gradients(*terms[k]).T
+                batch += left[k] @ block.gradients(*terms[k]).to(self._dtype).T
         return scores.cpu()
 
 

@@ -23,9 +23,11 @@ from torch import nn
 from torch.func import stack_module_state
 
 from ntk.core import inputs
+from ntk.core.kinds import class_labels
 from ntk.core.model import FunctionalCall, copy_module
 
-from .outputs import margins
+from .layers import check_labels
+from .outputs import labels, margins
 
 
 def random_subsets(n: int, num_subsets: int, alpha: float = 0.5, *, seed: int = 0) -> torch.Tensor:
@@ -121,7 +123,8 @@ class SubsetModels:
 
     def margins(self, x, y: torch.Tensor) -> torch.Tensor:
         """Margins g_y − logsumexp_{j≠y} g_j on (x, y), averaged over seeds: [S, N]."""
-        return margins(self.outputs(x).double(), inputs.targets(y).long()).mean(1)
+        out = self.outputs(x).double()
+        return margins(out, labels(y, out.shape[2], out.shape[3]).to(out.device)).mean(1)
 
 
 def train_on_subsets(
@@ -163,8 +166,10 @@ def train_on_subsets(
         raise ValueError("every subset must be non-empty and of the same size")
     if loss not in ("cross_entropy", "mse"):
         raise ValueError(f"loss must be 'cross_entropy' or 'mse', got {loss!r}")
-    if loss == "cross_entropy":
-        y = y.long()  # class labels of any integer dtype index the outputs
+    if loss == "cross_entropy":  # integer labels ≥ 0 of any dtype (their range: `_train_chunk`)
+        y = class_labels(y, n, None, "y")
+    else:  # finite targets (their width: `_train_chunk`)
+        y = check_labels(y, n)
     if seeds < 1:
         raise ValueError(f"seeds must be a positive integer, got {seeds}")
     members = torch.stack([torch.nonzero(row).squeeze(1) for row in mask])  # [S, m]
@@ -217,6 +222,7 @@ def _train_chunk(
     seed_of = [r for _, r in jobs]
     forward = FunctionalCall(base)
     call = lambda p, b, xb: _call(forward, p, b, xb, output_fn)  # noqa: E731
+    checked = False  # the labels' range or the targets' width, once the outputs are known
     for _ in range(epochs):
         orders = {r: torch.randperm(m, generator=g) for r, g in gens.items()}
         order = torch.stack([orders[r] for r in seed_of])  # [K, m]
@@ -224,6 +230,9 @@ def _train_chunk(
             idx = members[rows[:, None], order[:, start : start + batch_size]]  # [K, B]
             out = torch.vmap(call, randomness="different")(params, buffers, inputs.take(x, idx))
             target = y[idx]
+            if not checked:
+                _check_against_outputs(y, out.shape[-1], loss)
+                checked = True
             if loss == "cross_entropy":
                 per_model = (
                     nn.functional.cross_entropy(
@@ -241,11 +250,26 @@ def _train_chunk(
     return ({k: v.detach() for k, v in params.items()}, buffers, base.eval())
 
 
+def _check_against_outputs(y: torch.Tensor, o: int, loss: str) -> None:
+    """Class labels in 0..o−1 (cross-entropy) or o target values per sample (mse)."""
+    if loss == "cross_entropy":
+        class_labels(y, len(y), o, "y")
+    elif y[0].numel() != o:
+        raise ValueError(
+            f"y holds {y[0].numel()} target value(s) per sample; loss='mse' needs one per model "
+            f"output ({o})"
+        )
+
+
 def flip_labels(y: torch.Tensor, fraction: float, num_classes: int, *, seed: int = 0):
     """Replace the labels of a random `fraction` of examples by a different random class.
     Returns (noisy labels, bool mask of the flipped examples)."""
     if not 0 < fraction < 1:
         raise ValueError(f"fraction must be in (0, 1), got {fraction}")
+    if not (isinstance(num_classes, Integral) and num_classes >= 2):
+        raise ValueError(f"num_classes must be an integer ≥ 2, got {num_classes!r}")
+    y = inputs.targets(y, "y")
+    y = class_labels(y, len(y), num_classes, "y")
     gen = torch.Generator().manual_seed(seed)
     n = len(y)
     flipped = torch.zeros(n, dtype=torch.bool)

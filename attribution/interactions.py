@@ -27,6 +27,7 @@ Benchmarks (mislabel detection, data pruning): python benchmarks/lpntk_uses.py.
 from __future__ import annotations
 
 from collections.abc import Callable
+from numbers import Integral
 
 import numpy as np
 import torch
@@ -57,7 +58,9 @@ def sample_interactions(
     exact lpNTK, else the Gram matrix of `projections.features(kind="lpntk")` of that dimension
     (seeded by `seed`). output_fn and dtype as in `ntk.empirical_ntk`. The model is never
     modified."""
-    if projection_dim is not None and not (isinstance(projection_dim, int) and projection_dim > 0):
+    if projection_dim is not None and not (
+        isinstance(projection_dim, Integral) and projection_dim > 0
+    ):
         raise ValueError(
             f"projection_dim must be a positive integer or None, got {projection_dim!r}"
         )

@@ -47,7 +47,7 @@ import ntk
 import projections
 from ntk.core import inputs
 from ntk.core.kinds import class_labels
-from ntk.core.model import ModelView, check_eval_mode, copy_module
+from ntk.core.model import ModelView, check_eval_mode, check_output_rows, copy_module
 from ntk.core.persample import map_samples
 from ntk.spectrum import as_matrix
 
@@ -171,9 +171,11 @@ def _check_targets(view: ModelView, x, y: torch.Tensor) -> torch.Tensor:
     whole-number float per sample for a model of several outputs holds class labels (as
     everywhere in the toolkit): returned as integers."""
     with torch.no_grad():
-        outputs = view.forward_checked(
+        out = view.forward_checked(
             inputs.convert(inputs.take(x, slice(0, 1)), view.device, None), "x"
-        ).shape[1]
+        )
+    check_output_rows(out, 1, "x")
+    outputs = out.shape[1]
     if y.is_floating_point() and y.dim() == 1 and outputs > 1 and bool((y == y.round()).all()):
         y = y.long()
     if not y.is_floating_point():

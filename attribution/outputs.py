@@ -10,7 +10,7 @@ from torch import nn
 
 from ntk.core import inputs
 from ntk.core.kinds import class_labels  # checked in the core: lpntk needs them too
-from ntk.core.model import ModelView, copy_module
+from ntk.core.model import ModelView, check_output_rows, copy_module
 
 
 def labels(y, n: int, num_outputs: int, name: str = "y") -> torch.Tensor:
@@ -39,9 +39,24 @@ def logits(
             for s in range(0, n, batch_size)
         ]
     out = torch.cat(out)
-    if not bool(torch.isfinite(out).all()):
-        raise ValueError(f"the model produced non-finite outputs (NaN or inf) on {name}")
+    check_output_rows(out, n, name)
     return out.to(device="cpu", dtype=torch.float64)
+
+
+def train_test_logits(
+    model: nn.Module, x_train, x_test, output_fn: Callable | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`logits` of x_train [N, O] and of x_test [M, O], refused when their O differ (most often
+    one test sample passed without its sample axis: its features were taken as samples)."""
+    g_train = logits(model, x_train, output_fn=output_fn, name="x_train")
+    g_test = logits(model, x_test, output_fn=output_fn, name="x_test")
+    if g_test.shape[1] != g_train.shape[1]:
+        raise ValueError(
+            f"the model gives {g_train.shape[1]} outputs per sample on x_train but "
+            f"{g_test.shape[1]} on x_test; a single test sample needs its sample axis "
+            "(x_test[None])"
+        )
+    return g_train, g_test
 
 
 def _check_classes(g: torch.Tensor) -> None:

@@ -289,7 +289,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             y = np.asarray(y)
         g = logits(self.model, x_train, output_fn=self.output_fn, name="x_train")
         n, o = g.shape
-        if self.cv > n:
+        if self._searched() and self.cv > n:
             raise ValueError(
                 f"cv={self.cv} folds need at least {self.cv} training samples; got {n} sample(s)"
             )
@@ -348,6 +348,11 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         t = (g - g.mean(1, keepdim=True)).numpy()
         kr = k @ residual
         kc, tc = kr - kr.mean(0), t - t.mean(0)
+        if not (kc * kc).sum() > 0:
+            raise ValueError(
+                "machine='representer' fits its scale to how K·(e_y − p) varies over the training "
+                "samples, and it does not vary over these (one sample, or identical ones)"
+            )
         scale = float((kc * tc).sum() / (kc * kc).sum())
         self.dual_, self.intercept_ = scale * residual, (t - scale * kr).mean(0)
         self.classes_, self.alpha_, self.machine_ = np.arange(o), None, None
@@ -454,12 +459,15 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             self.intercept_ = fitted.intercept_ @ signs
         else:
             self.classes_ = fitted.classes_
-            self.dual_, self.intercept_ = fitted.coef_.T, fitted.intercept_
+            # two classes: one log-odds column → ∓ half of it, a column per class
+            half = np.array([-0.5, 0.5]) if len(self.classes_) == 2 else 1.0
+            self.dual_, self.intercept_ = fitted.coef_.T * half, fitted.intercept_ * half
 
     # -- prediction and attribution -------------------------------------------------------------
     def decision_function(self, x) -> np.ndarray:
         """d(x) [N, C]: logits (ridge on outputs), class scores (svm) or class log-odds
-        (logistic)."""
+        (logistic; with two classes ∓ half the log-odds of the second, so that softmax and argmax
+        of d are the machine's probabilities and predictions)."""
         return self._decision(self._test_kernel(x))
 
     def _decision(self, k: np.ndarray) -> np.ndarray:
@@ -468,6 +476,14 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         return k @ self.dual_ + self.intercept_
 
     def predict(self, x) -> np.ndarray:
+        """The predicted class of each sample (a single-output model has no classes: its
+        surrogate's output is `decision_function`)."""
+        check_is_fitted(self, "dual_")
+        if self.num_outputs_ == 1:
+            raise ValueError(
+                "predict returns classes, and the model has a single output (no classes): "
+                "decision_function gives the surrogate's output"
+            )
         k = self._test_kernel(x)
         if self.machine in ARGMAX_MACHINES:
             return self.classes_[self._decision(k).argmax(1)]
@@ -547,6 +563,10 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         if self.machine == "gauss_newton":
             return self._gauss_newton_removal(k, remove)
         n = self.dual_.shape[0]
+        if remove is None and n == 1:  # the bordered system needs a training point
+            raise ValueError(
+                "cannot remove the only training point: the machine would have no data"
+            )
         h = np.linalg.inv(
             np.block(
                 [
@@ -683,6 +703,8 @@ def label_share(c: np.ndarray, y_train: np.ndarray, predicted: np.ndarray, k: in
 def _removal_indices(remove, n: int) -> np.ndarray:
     """Indices of a removal set given as a boolean mask [n] or as indices; never all n."""
     remove = np.asarray(remove)
+    if remove.shape == (0,):  # an empty list is float64 to numpy, not indices
+        raise ValueError("remove selects no training point")
     if remove.dtype == bool:
         if remove.shape != (n,):
             raise ValueError(f"the removal mask must have shape ({n},), got {remove.shape}")

@@ -34,6 +34,7 @@ depends only on the layer's shapes and the projector, so it is the same for ever
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -128,6 +129,7 @@ class Sketcher:
         `layers` (None: every layer, summed under the key None)."""
         out: dict = {}
         counts: dict[str, int] = {}
+        dtype = self.bank.dtype  # a layer of a mixed-precision model may hold another
         for t in terms:
             key = None if layers is None else t.layer
             if layers is not None and t.layer not in layers:
@@ -135,8 +137,9 @@ class Sketcher:
             if isinstance(t, Explicit):
                 part = counts.get(t.layer, 0)
                 counts[t.layer] = part + 1
-                phi = self.explicit(t.layer, part, t.g)
+                phi = self.explicit(t.layer, part, t.g.to(dtype))
             else:
-                phi = self.factored(t)
+                a = t.a if t.index else t.a.to(dtype)
+                phi = self.factored(dataclasses.replace(t, a=a, d=t.d.to(dtype)))
             out[key] = phi if key not in out else out[key] + phi
         return out

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from models import DictOutput
+from models import DictOutput, TwoDtypes
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
@@ -217,3 +217,15 @@ def test_output_fn_reaches_the_factored_curvature(mlp, method):
         DictOutput(model), x, y, xt, yt, method=method, output_fn=lambda out: out["logits"]
     )
     torch.testing.assert_close(mapped, plain, rtol=1e-10, atol=1e-12)
+
+
+def test_a_mixed_precision_model_is_scored():
+    # a float32 body with a float64 head failed in the scoring product ("expected m1 and m2 to
+    # have the same dtype, but got: float != double"); with a large damping λ, λ·τ is grad-dot
+    torch.manual_seed(0)
+    model, x = TwoDtypes().eval(), torch.randn(8, 5)
+    y = torch.arange(8) % 3
+    expected = influence(model, x, y, x[:3], method="grad_dot")
+    for method in ("ekfac", "kfac"):
+        scores = influence(model, x, y, x[:3], method=method, damping=1e7) * 1e7
+        assert float((scores - expected).abs().max()) <= 1e-5 * float(expected.abs().max())

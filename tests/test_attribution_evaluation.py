@@ -205,3 +205,56 @@ def test_evaluation_inputs_found_by_fuzzing_are_refused_clearly():
         lds(torch.randn(4, 16), subsets, torch.randn(2, 4))
     with pytest.raises(ValueError, match="one per row of probs"):
         calibration_metrics(np.full((4, 3), 1 / 3), [0, 1, 2])
+
+
+def test_subset_training_and_margins_check_class_labels():
+    # fractional labels were truncated silently (0.7 → class 0), labels outside the outputs failed
+    # deep in torch ("Target 4 is out of bounds", "index 3 is out of bounds for dimension 3")
+    torch.manual_seed(0)
+    x, y = torch.randn(12, 3), torch.arange(12) % 3
+    subsets = random_subsets(12, 3)
+    train = lambda labels: train_on_subsets(  # noqa: E731
+        lambda: torch.nn.Linear(3, 3), x, labels, subsets, epochs=1
+    )
+    with pytest.raises(ValueError, match="y must hold integer class labels, got 0.5"):
+        train(y + 0.5)
+    with pytest.raises(ValueError, match=r"y holds labels outside 0..2: 3 at sample 0"):
+        train(y + 3)
+    models = train(y.int())
+    with pytest.raises(ValueError, match=r"y holds labels outside 0..2: 3 at sample 0"):
+        models.margins(x, y + 3)
+    with pytest.raises(ValueError, match="y must hold integer class labels, got 1.5"):
+        models.margins(x, y + 1.5)
+    with pytest.raises(ValueError, match="12 class labels, got shape"):
+        models.margins(x, y[:5])
+    torch.testing.assert_close(models.margins(x, y.numpy().astype(np.uint8)), models.margins(x, y))
+
+
+def test_flip_labels_checks_its_labels_and_classes():
+    # labels outside 0..num_classes−1 came back unflipped and out of range, numpy or list labels
+    # failed on `+` with a torch tensor, num_classes=1 failed inside torch.randint
+    y = np.arange(20) % 4
+    noisy, flipped = flip_labels(y, 0.25, 4)
+    assert int(flipped.sum()) == 5 and bool((noisy[flipped] != torch.as_tensor(y)[flipped]).all())
+    torch.testing.assert_close(flip_labels(y.tolist(), 0.25, 4)[0], noisy)
+    with pytest.raises(ValueError, match=r"y holds labels outside 0..2: 3 at sample 3"):
+        flip_labels(y, 0.25, 3)
+    with pytest.raises(ValueError, match="num_classes must be an integer ≥ 2, got 1"):
+        flip_labels(y * 0, 0.25, 1)
+
+
+def test_subset_regression_targets_are_checked():
+    # loss="mse" with one target per sample for a 3-output model failed in torch ("shape '[3, 6,
+    # 3]' is invalid for input of size 18"), and NaN targets trained every model to NaN silently
+    x = torch.randn(12, 3)
+    subsets = random_subsets(12, 3)
+    train = lambda targets, outputs: train_on_subsets(  # noqa: E731
+        lambda: torch.nn.Linear(3, outputs), x, targets, subsets, epochs=1, loss="mse"
+    )
+    with pytest.raises(ValueError, match=r"y holds 1 target value\(s\) per sample; .* \(3\)"):
+        train(torch.randn(12), 3)
+    targets = torch.randn(12)
+    targets[4] = float("nan")
+    with pytest.raises(ValueError, match="non-finite values .* first at sample 4"):
+        train(targets, 1)
+    assert train(torch.randn(12, 3), 3).outputs(x).shape == (3, 1, 12, 3)

@@ -4,6 +4,7 @@ per-sample Jacobians; TRAK's averaging over models; error paths."""
 import importlib
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch.func import functional_call, jacrev, vmap
@@ -295,6 +296,9 @@ def test_model_untouched_and_errors(setup):
         influence(model, x, y, xt, checkpoints=[])
     with pytest.raises(ValueError, match="positive"):
         influence(model, x, y, xt, damping=0.0)
+    # named the surrogate's machine and normalize, which influence does not take
+    with pytest.raises(ValueError, match="method='surrogate' .* kind must be 'trace' or"):
+        influence(model, x, y, xt, method="surrogate", kind="full")
 
 
 def test_exact_kernels_are_sized_by_the_computation_device(setup, monkeypatch):
@@ -424,3 +428,49 @@ def test_influence_and_the_posterior_factor_their_damped_system_alike(setup, sma
         ValueError, match=r"not positive definite at prior_precision=1e-300 .*larger prior_prec"
     ):
         NTKPosterior(model, prior_precision=1e-300, curvature="exact").fit(x, y)
+
+
+def test_numpy_scalars_are_numbers(setup):
+    # damping=np.float32(0.5) was refused as "not a positive number" (only int and float were),
+    # and trak refused dim=np.int64(16)
+    model, x, y, xt, yt = setup
+    for method in ("gauss_newton", "ekfac", "trak"):
+        torch.testing.assert_close(
+            influence(model, x, y, xt, yt, method=method, damping=np.float32(0.5)),
+            influence(model, x, y, xt, yt, method=method, damping=0.5),
+        )
+    torch.testing.assert_close(
+        trak(model, x, y, xt, yt, dim=np.int64(16)), trak(model, x, y, xt, yt, dim=16)
+    )
+
+
+class _BatchOut(torch.nn.Module):
+    """The batch's outputs pooled (one row) or flattened (B·O rows), not a row per sample."""
+
+    def __init__(self, pool):
+        super().__init__()
+        self.pool, self.linear = pool, torch.nn.Linear(5, O).double()
+
+    def forward(self, x):
+        out = self.linear(x)
+        return out.mean(0, keepdim=True) if self.pool else out.reshape(-1)
+
+
+@pytest.mark.parametrize("method", ["gauss_newton", "trak", "ekfac"])
+def test_outputs_that_are_not_a_row_per_sample_are_named(setup, method):
+    # a model returning one row per batch was blamed on the labels ("y_train must be a 1-d tensor
+    # of 1 class labels"); one test sample without its sample axis (its features taken as
+    # samples) on the model's classes ("the margin needs a classifier with at least two outputs;
+    # the model has 1 output")
+    _, x, y, xt, _ = setup
+    for pool, rows in ((True, 1), (False, 14 * O)):
+        with pytest.raises(ValueError, match=f"returned {rows} rows for 14 samples of x_train"):
+            influence(_BatchOut(pool), x, y, xt, method=method)
+    with pytest.raises(ValueError, match="returned 3 rows for 5 samples of x_test"):
+        influence(setup[0], x, y, xt[0], method=method)
+    square = torch.nn.Sequential(torch.nn.Linear(O, 4), torch.nn.Tanh(), torch.nn.Linear(4, O))
+    x_square = torch.randn(6, O)
+    with pytest.raises(
+        ValueError, match=r"3 outputs per sample on x_train but 1 on x_test.*\[None\]"
+    ):
+        influence(square, x_square, y[:6], x_square[0], method=method)

@@ -200,3 +200,34 @@ def test_numpy_images_and_token_ids_are_taken_as_the_model_takes_them():
     assert surrogate.decision_function(ids[:2]).shape == (2, 3)
     with pytest.raises(ValueError, match="needs at least 2"):
         surrogate.faithfulness(ids[:1])
+
+
+def test_binary_logistic_decision_has_a_column_per_class():
+    # sklearn's binary LogisticRegression has one log-odds column: its argmax was always class 0,
+    # so coherence compared the proponents of class 1 with class 0 and faithfulness dropped its
+    # probability metrics
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    x, xt = torch.randn(30, 3), torch.randn(8, 3)
+    y = (x[:, 0] > 0).long()
+    s = KernelSurrogate(model, machine="logistic", alpha=1.0).fit(x, y)
+    d = s.decision_function(xt)
+    assert d.shape == (8, 2)
+    np.testing.assert_array_equal(s.classes_[d.argmax(1)], s.predict(xt))
+    k = s._test_kernel(xt)
+    np.testing.assert_allclose(d[:, 1] - d[:, 0], s.machine_.decision_function(k), rtol=1e-9)
+    np.testing.assert_allclose(s.attribute(xt).sum(1) + s.intercept_, d, rtol=1e-9, atol=1e-9)
+    idx, _ = s.proponents(xt, k=1)
+    rows = np.arange(len(xt))
+    assert (s.attribute(xt)[rows, idx[:, 0], d.argmax(1)] > 0).all()
+    assert "tau_prob" in s.faithfulness(xt)
+
+
+def test_representer_on_identical_training_samples_is_refused_not_nan():
+    # identical samples give every row of K·(e_y − p) the same value: the fitted scale was 0/0 and
+    # every decision and contribution NaN, silently
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    x = torch.randn(1, 3).repeat(4, 1)
+    with pytest.raises(ValueError, match="does not vary over these"):
+        KernelSurrogate(model, machine="representer").fit(x, [0, 1, 2, 0])

@@ -12,7 +12,7 @@ from sklearn.utils.estimator_checks import check_estimator
 from torch import nn
 
 import ntk
-from attribution import KernelSurrogate
+from attribution import KernelSurrogate, influence
 from attribution.surrogate import DEFAULT_ALPHA, cancellation, label_share
 from ntk import demo
 
@@ -100,6 +100,8 @@ def test_removal_errors(small):
         s.influence(xt, np.ones(24, bool))
     with pytest.raises(ValueError, match="no training point"):
         s.influence(xt, np.zeros(len(x), bool))
+    with pytest.raises(ValueError, match="no training point"):  # was "a boolean mask or … indices"
+        s.influence(xt, [])
     with pytest.raises(ValueError, match="indices must be in"):
         s.influence(xt, np.array([3, 25]))
     with pytest.raises(ValueError, match=r"output must be 'all', None or a column in 0\.\.2"):
@@ -153,7 +155,7 @@ def test_cv_settings_are_checked(small):
     with pytest.raises(ValueError, match="'cv' parameter"):
         KernelSurrogate(model, cv=1).fit(x)
     with pytest.raises(ValueError, match="cv=26 folds"):
-        KernelSurrogate(model, cv=26).fit(x)
+        KernelSurrogate(model, machine="svm", cv=26).fit(x)  # alpha=None: searched by CV
     with pytest.raises(ValueError, match="'alpha' parameter"):
         KernelSurrogate(model, alpha="best").fit(x)
     with pytest.raises(ValueError, match="'reference' parameter"):
@@ -374,6 +376,11 @@ def test_single_output_model_is_fitted_to_its_output():
         np.testing.assert_allclose(s.influence(xt, np.array([2, 5])), expected[:, 0], atol=1e-8)
     with pytest.raises(ValueError, match="machine='svm' needs a classifier with two or more"):
         KernelSurrogate(body, machine="svm").fit(x)
+    # predict (and score, its accuracy) was the argmax of one column: class 0 for every sample
+    with pytest.raises(ValueError, match="single output .*decision_function"):
+        s.predict(xt)
+    with pytest.raises(ValueError, match="single output .*decision_function"):
+        s.score(xt, np.zeros(9))
 
 
 def test_classification_machine_with_one_predicted_class_is_refused(small):
@@ -388,3 +395,19 @@ class _Shift(nn.Module):
 
     def forward(self, g):
         return g + torch.tensor([100.0, 0.0, 0.0], dtype=g.dtype)
+
+
+def test_machines_without_cross_validation_fit_one_or_two_samples(small):
+    # cv (unused unless alpha is searched) refused fewer than 3 training samples for every
+    # machine, and so `influence(method="surrogate")`, which has no cv, on N = 1 or 2
+    model, x, xt = small
+    y = torch.tensor([0, 2])
+    for machine in ("ridge", "gauss_newton"):
+        s = KernelSurrogate(model, machine=machine).fit(x[:2], y)
+        np.testing.assert_allclose(s.attribute(xt).sum(1) + s.intercept_, s.decision_function(xt))
+        assert s.influence(xt).shape == (6, 2)
+    assert influence(model, x[:1], y[:1], xt, method="surrogate").shape == (6, 1)
+    with pytest.raises(ValueError, match="cannot remove the only training point"):
+        KernelSurrogate(model).fit(x[:1], y[:1]).influence(xt)
+    with pytest.raises(ValueError, match="cv=3 folds need at least 3"):
+        KernelSurrogate(model, alpha="cv").fit(x[:2], y)

@@ -167,6 +167,26 @@ def test_inputs_that_require_grad_are_constants():
     assert surrogate.attribute(x).shape == (6, 6, 3)
 
 
+def test_inference_mode_is_named_and_no_grad_is_fine():
+    # under torch.inference_mode() every kernel and attribution failed deep in autograd ("element
+    # 0 of tensors does not require grad and does not have a grad_fn")
+    model, x1, _ = make("mlp")
+    y = torch.arange(6) % 3
+    with torch.no_grad():
+        k = ntk.empirical_ntk(model, x1)
+    torch.testing.assert_close(k, ntk.empirical_ntk(model, x1))
+    calls = (
+        lambda: ntk.empirical_ntk(model, x1),
+        lambda: projections.features(model, x1, dim=8),
+        lambda: attribution.influence(model, x1, y, x1[:2]),
+        lambda: attribution.KernelSurrogate(model).fit(x1),
+        lambda: attribution.layer_importance(model, x1, y),
+    )
+    for call in calls:
+        with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
+            call()
+
+
 def test_batch_norm_without_running_statistics_is_refused_even_in_eval_mode():
     norm = nn.BatchNorm1d(7, track_running_stats=False)
     model = nn.Sequential(nn.Linear(5, 7), norm, nn.Linear(7, 2)).eval()

@@ -287,3 +287,33 @@ def test_lpntk_matches_reference(case, method):
             assert float(value.abs().max()) == 0.0, layer
     cross = ntk.empirical_ntk(model, x1, x2, kind="lpntk", labels=y1, labels2=y2, method=method)
     assert rel_err(cross, lpntk(ref_cross[None], y1, y2)) <= 1e-9
+
+
+class _FunctionalPReLU(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.head = torch.nn.Linear(3, 4), torch.nn.Linear(4, 3)
+        self.slope = torch.nn.Parameter(torch.tensor([0.25]))
+
+    def forward(self, x):
+        return self.head(torch.nn.functional.prelu(self.linear(x), self.slope))
+
+
+@pytest.mark.parametrize("prelu", ["module", "channels", "functional"])
+def test_prelu_weight_matches_reference_when_samples_equal_outputs(prelu):
+    # torch.func's nested vmap (samples × cotangents) gets prelu's weight gradient wrong: with
+    # as many samples as outputs (3) the first kernel was silently off (relative error ~0.3;
+    # later calls, after another batch size had failed under vmap, looped and were right)
+    torch.manual_seed(0)
+    if prelu == "functional":
+        model = _FunctionalPReLU().double()
+    else:
+        channels = 4 if prelu == "channels" else 1
+        layers = [torch.nn.Linear(3, 4), torch.nn.PReLU(channels), torch.nn.Linear(4, 3)]
+        model = torch.nn.Sequential(*layers).double()
+    x1, x2 = torch.randn(3, 3, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    expected = kernels(model, x1, x2)[None]
+    for method in ("auto", "jacobian"):
+        assert (
+            rel_err(ntk.empirical_ntk(model, x1, x2, kind="full", method=method), expected) <= 1e-10
+        )

@@ -72,6 +72,9 @@ def test_projected_kernel_approximates_the_exact_one():
     assert rel < 0.1
     again = sample_interactions(model, x, y, projection_dim=8192, seed=0, return_kernel=True)
     np.testing.assert_array_equal(again["kernel"], projected["kernel"])  # seeded
+    # a numpy integer is a dimension (it was refused as "not a positive integer")
+    numpy_dim = sample_interactions(model, x, y, projection_dim=np.int64(8192), return_kernel=True)
+    np.testing.assert_array_equal(numpy_dim["kernel"], projected["kernel"])
 
 
 def test_bad_input_is_named():

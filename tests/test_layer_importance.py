@@ -328,3 +328,19 @@ def test_non_finite_targets_are_refused():
         ValueError, match=r"y contains non-finite values \(NaN or inf\), first at sample 3"
     ):
         layer_importance(model, x, y, score="fisher")
+
+
+def test_a_model_without_a_row_per_sample_is_named_not_its_labels():
+    # a model flattening its batch's outputs was blamed on the labels ("y holds labels outside
+    # 0..0: 1 at sample 0 (the model has 1 output)")
+    class Flat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.linear(x).reshape(-1)
+
+    x, y = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
+    with pytest.raises(ValueError, match="returned 3 rows for 1 samples of x"):
+        layer_importance(Flat(), x, y)

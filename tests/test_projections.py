@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from models import make
+from models import TwoDtypes, make
 from torch import nn
 
 import ntk
@@ -418,3 +418,14 @@ def test_default_batch_counts_the_route_each_weight_takes(monkeypatch):
     assert fz.default_batch(4096) == 512
     ref = projections.features(model, x, dim=4096, kind="sum_logits", batch_size=3)
     torch.testing.assert_close(projections.features(model, x, dim=4096, kind="sum_logits"), ref)
+
+
+def test_features_of_a_mixed_precision_model():
+    # a float32 body with a float64 head failed projecting the head ("expected m1 and m2 to have
+    # the same dtype, but got: double != float"), and so did trak's default projected path
+    torch.manual_seed(0)
+    model, x = TwoDtypes().eval(), torch.randn(8, 5)
+    phi = torch.as_tensor(projections.features(model, x, dim=8192, kind="full")).double()
+    exact = ntk.empirical_ntk(model, x, kind="full").double()
+    estimate = torch.einsum("iak,jbk->ijab", phi, phi)
+    assert float((estimate - exact).norm() / exact.norm()) < 0.1

@@ -3,11 +3,45 @@ over samples for models that cannot be vmapped (`persample`)."""
 
 from __future__ import annotations
 
-import torch
-from torch.func import jacrev
+import weakref
 
+import torch
+from torch.func import grad, jacrev
+from torch.overrides import TorchFunctionMode
+
+from . import inputs
 from .model import ModelView
 from .persample import map_samples
+
+# Operations whose parameter derivatives torch.func gets wrong under nested vmap (samples ×
+# cotangents): the weight gradient of prelu (nn.PReLU, F.prelu; torch 2.13) comes out silently
+# wrong when as many samples as cotangents are mapped, and fails otherwise. A model whose forward
+# calls one is differentiated one cotangent at a time (vmap over the samples only, which is right).
+NESTED_VMAP_UNSAFE = frozenset({torch.prelu})
+_UNSAFE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> calls one
+
+
+class _Calls(TorchFunctionMode):
+    """The torch functions a forward pass calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.called: set = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.called.add(func)
+        return func(*args, **(kwargs or {}))
+
+
+def nested_vmap_unsafe(view: ModelView, x) -> bool:
+    """Whether the model's forward on (the first sample of) `x` calls an operation of
+    NESTED_VMAP_UNSAFE (probed once per model)."""
+    if view.model not in _UNSAFE:
+        calls = _Calls()
+        with torch.no_grad(), calls:
+            view.forward(view.params, inputs.take(x, slice(0, 1)))
+        _UNSAFE[view.model] = bool(calls.called & NESTED_VMAP_UNSAFE)
+    return _UNSAFE[view.model]
 
 
 def jacobian_features(
@@ -25,9 +59,16 @@ def jacobian_features(
         out = view.forward_single({**rest, **params}, x_single)
         return u.to(out.dtype) @ out  # the output's dtype may differ (mixed-precision models)
 
+    c = cot.shape[0]
+    if nested_vmap_unsafe(view, x):
+        derivative = grad(projected_output)  # of one cotangent's scalar u·f
+        if cot.dim() == 3:
+            rows = [map_samples(view, derivative, wrt, x, cot[k]) for k in range(c)]
+        else:
+            rows = [map_samples(view, lambda p, xb, u=u: derivative(p, xb, u), wrt, x) for u in cot]
+        return {n: torch.stack([r[n].reshape(r[n].shape[0], -1) for r in rows]) for n in wrt}
     if cot.dim() == 3:  # per-sample cotangents [C, B, O]: sample b's are cot[:, b]
         jac = map_samples(view, jacrev(projected_output), wrt, x, cot.transpose(0, 1))
     else:
         jac = map_samples(view, lambda p, xb: jacrev(projected_output)(p, xb, cot), wrt, x)
-    c = cot.shape[0]
     return {n: j.reshape(j.shape[0], c, -1).transpose(0, 1) for n, j in jac.items()}

@@ -171,7 +171,7 @@ def _hooked(model: nn.Module, name: str, trace: _Trace | None):
 def check_output_rows(y: torch.Tensor, n: int, name: str) -> None:
     """The model's outputs `y` [B, O] on n samples of `name`: one finite row per sample."""
     if y.shape[0] != n:
-        raise ValueError(f"the model returned {y.shape[0]} rows for {n} samples")
+        raise ValueError(f"the model returned {y.shape[0]} rows for {n} samples of {name}")
     if not bool(torch.isfinite(y).all()):
         raise ValueError(f"the model produced non-finite outputs (NaN or inf) on {name}")
 
@@ -350,6 +350,12 @@ class ModelView:
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(
                 f"dtype must be a floating torch.dtype (torch.float64...), got {dtype!r}"
+            )
+        if torch.is_inference_mode_enabled():  # it failed deep in autograd ("does not require
+            raise RuntimeError(  # grad and does not have a grad_fn")
+                "torch.inference_mode() is on: kernels, features and attributions differentiate "
+                "the model, which inference mode forbids; call this outside it (torch.no_grad() "
+                "is fine)"
             )
         check_functional(model)
         self.model = model
