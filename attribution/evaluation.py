@@ -47,8 +47,16 @@ def random_subsets(n: int, num_subsets: int, alpha: float = 0.5, *, seed: int = 
     return mask
 
 
+def _array(x) -> np.ndarray:
+    """`x` (a tensor on any device, with or without autograd history, a numpy array or a list)
+    as a numpy array."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
 def _as_mask(subsets, n: int) -> torch.Tensor:
-    mask = torch.as_tensor(np.asarray(subsets))
+    mask = torch.as_tensor(_array(subsets))
     if mask.dim() != 2 or mask.shape[1] != n:
         raise ValueError(
             f"subsets must be a mask [num_subsets, {n}], got shape {tuple(mask.shape)}"
@@ -65,8 +73,8 @@ def lds(scores, subsets, subset_outputs) -> float:
     `subset_outputs` [S, N_test] the retrained models' outputs (e.g. margins, averaged over seeds).
     Test examples whose outputs or predictions are constant over subsets are skipped (warning).
     """
-    scores = torch.as_tensor(np.asarray(scores), dtype=torch.float64)
-    outputs = torch.as_tensor(np.asarray(subset_outputs), dtype=torch.float64)
+    scores = torch.as_tensor(_array(scores), dtype=torch.float64)
+    outputs = torch.as_tensor(_array(subset_outputs), dtype=torch.float64)
     if scores.dim() != 2:
         raise ValueError(f"scores must be [N_test, N_train], got shape {tuple(scores.shape)}")
     mask = _as_mask(subsets, scores.shape[1])
@@ -281,7 +289,7 @@ def flip_labels(y: torch.Tensor, fraction: float, num_classes: int, *, seed: int
 
 def mislabel_auc(self_influence: Sequence[float], flipped: Sequence[bool]) -> float:
     """ROC AUC of detecting flipped labels by ranking training examples by self-influence."""
-    return float(roc_auc_score(np.asarray(flipped, dtype=bool), np.asarray(self_influence)))
+    return float(roc_auc_score(_array(flipped).astype(bool), _array(self_influence)))
 
 
 def reliability(probs, labels, n_bins: int = 15) -> dict[str, np.ndarray]:
@@ -289,8 +297,8 @@ def reliability(probs, labels, n_bins: int = 15) -> dict[str, np.ndarray]:
     bins, bin b holding confidences in ((b−1)/n_bins, b/n_bins] (the first also 0). Returns, for
     the non-empty bins in order, "confidence" (mean), "accuracy" (fraction correct) and "count".
     probs [N, C] rows of class probabilities, labels [N] class indices."""
-    p = np.asarray(probs, dtype=np.float64)
-    y = np.asarray(labels)
+    p = _array(probs).astype(np.float64)
+    y = _array(labels)
     if p.ndim != 2 or y.shape != (p.shape[0],):
         raise ValueError(f"probs must be [N, C] and labels [N], got shapes {p.shape} and {y.shape}")
     if not np.isfinite(p).all() or (p < 0).any():
@@ -319,10 +327,10 @@ def calibration_metrics(probs, labels, n_bins: int = 15) -> dict[str, float]:
     """Accuracy, negative log-likelihood, ECE (`n_bins` bins) and Brier score (scikit-learn's:
     mean squared distance to the one-hot label) of class probabilities [N, C] (rows renormalised
     in float64) against labels [N]."""
-    p = np.asarray(probs, dtype=np.float64)
+    p = _array(probs).astype(np.float64)
     if p.ndim == 2:
         p = p / p.sum(1, keepdims=True)
-    y = np.asarray(labels)
+    y = _array(labels)
     if y.shape != p.shape[:1]:
         raise ValueError(f"labels must be [{len(p)}], one per row of probs, got {y.shape}")
     classes = list(range(p.shape[-1]))

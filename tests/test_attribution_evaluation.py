@@ -178,6 +178,20 @@ def test_expected_calibration_error_on_a_hand_computed_case():
         expected_calibration_error(probs, labels, n_bins=0)
 
 
+def test_metrics_take_tensors_that_require_grad():
+    """The metrics take a model's outputs as they come (model(x).softmax(1) carries autograd
+    history): they failed in numpy() ("Can't call numpy() on Tensor that requires grad")."""
+    torch.manual_seed(0)
+    model, x, y = torch.nn.Linear(4, 3), torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
+    probs = model(x).softmax(1)
+    plain = probs.detach().numpy()
+    assert calibration_metrics(probs, y) == calibration_metrics(plain, y.numpy())
+    assert expected_calibration_error(probs, y) == expected_calibration_error(plain, y.numpy())
+    assert mislabel_auc(probs[:, 0], y > 0) == mislabel_auc(plain[:, 0], y.numpy() > 0)
+    scores, outputs, subsets = model(x).T, model(x)[:4], random_subsets(6, 4)  # [3, 6], [4, 3]
+    assert lds(scores, subsets, outputs) == lds(scores.detach(), subsets, outputs.detach())
+
+
 def test_train_on_subsets_with_a_module_registered_under_two_names():
     """A module reachable by two names (self.again = self.twice) and a weight tied across two
     modules: the stacked models train, and each one's outputs are those of the factory's model
