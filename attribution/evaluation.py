@@ -292,17 +292,26 @@ def mislabel_auc(self_influence: Sequence[float], flipped: Sequence[bool]) -> fl
     return float(roc_auc_score(_array(flipped).astype(bool), _array(self_influence)))
 
 
+def _probabilities(probs, labels) -> tuple[np.ndarray, np.ndarray]:
+    """probs as float64 rows [N, C] of class probabilities (finite, non-negative) and labels as
+    class indices [N] in 0..C−1, refused naming the argument otherwise."""
+    p, y = _array(probs).astype(np.float64), _array(labels)
+    if p.ndim != 2 or y.shape != (p.shape[0],):
+        raise ValueError(
+            f"probs must be [N, C] (a column per class; two classes: [1 − p, p]) and labels [N], "
+            f"one per row of probs, got shapes {p.shape} and {y.shape}"
+        )
+    if not np.isfinite(p).all() or (p < 0).any():
+        raise ValueError("probs must be finite and non-negative")
+    return p, class_labels(y, len(p), p.shape[1], "labels").numpy()
+
+
 def reliability(probs, labels, n_bins: int = 15) -> dict[str, np.ndarray]:
     """The reliability diagram's bins: the confidence max_c p_c cut into `n_bins` equal-width
     bins, bin b holding confidences in ((b−1)/n_bins, b/n_bins] (the first also 0). Returns, for
     the non-empty bins in order, "confidence" (mean), "accuracy" (fraction correct) and "count".
     probs [N, C] rows of class probabilities, labels [N] class indices."""
-    p = _array(probs).astype(np.float64)
-    y = _array(labels)
-    if p.ndim != 2 or y.shape != (p.shape[0],):
-        raise ValueError(f"probs must be [N, C] and labels [N], got shapes {p.shape} and {y.shape}")
-    if not np.isfinite(p).all() or (p < 0).any():
-        raise ValueError("probs must be finite and non-negative")
+    p, y = _probabilities(probs, labels)
     if not (isinstance(n_bins, Integral) and n_bins >= 1):
         raise ValueError(f"n_bins must be a positive integer, got {n_bins!r}")
     confidence, correct = p.max(1), (p.argmax(1) == y)
@@ -327,12 +336,11 @@ def calibration_metrics(probs, labels, n_bins: int = 15) -> dict[str, float]:
     """Accuracy, negative log-likelihood, ECE (`n_bins` bins) and Brier score (scikit-learn's:
     mean squared distance to the one-hot label) of class probabilities [N, C] (rows renormalised
     in float64) against labels [N]."""
-    p = _array(probs).astype(np.float64)
-    if p.ndim == 2:
-        p = p / p.sum(1, keepdims=True)
-    y = _array(labels)
-    if y.shape != p.shape[:1]:
-        raise ValueError(f"labels must be [{len(p)}], one per row of probs, got {y.shape}")
+    p, y = _probabilities(probs, labels)
+    total = p.sum(1, keepdims=True)
+    if not (total > 0).all():
+        raise ValueError(f"probs row {int(np.argmin(total[:, 0] > 0))} sums to 0")
+    p = p / total
     classes = list(range(p.shape[-1]))
     return {
         "accuracy": float((p.argmax(-1) == y).mean()),

@@ -192,6 +192,23 @@ def test_metrics_take_tensors_that_require_grad():
     assert lds(scores, subsets, outputs) == lds(scores.detach(), subsets, outputs.detach())
 
 
+def test_calibration_checks_labels_and_probability_rows():
+    """Labels outside the classes were counted as wrong predictions by reliability and the ECE
+    (silently), 1-D probabilities of the positive class failed in scikit-learn ("The number of
+    classes in labels is different"), a row of zeros in NaN ("Input contains NaN")."""
+    probs = [[0.9, 0.1], [0.2, 0.8], [0.6, 0.4]]
+    for metric in (reliability, expected_calibration_error, calibration_metrics):
+        with pytest.raises(ValueError, match=r"labels holds labels outside 0\.\.1: 5 at sample 2"):
+            metric(probs, [0, 1, 5])
+        with pytest.raises(ValueError, match="integer class labels, got 0.5 at sample 1"):
+            metric(probs, [0, 0.5, 1])
+        with pytest.raises(ValueError, match=r"probs must be \[N, C\].*\[1 − p, p\]"):
+            metric([0.1, 0.8, 0.4], [0, 1, 1])
+    with pytest.raises(ValueError, match="probs row 1 sums to 0"):
+        calibration_metrics([[0.9, 0.1], [0.0, 0.0]], [0, 1])
+    assert calibration_metrics(probs, [0.0, 1.0, 0.0]) == calibration_metrics(probs, [0, 1, 0])
+
+
 def test_train_on_subsets_with_a_module_registered_under_two_names():
     """A module reachable by two names (self.again = self.twice) and a weight tied across two
     modules: the stacked models train, and each one's outputs are those of the factory's model
