@@ -33,8 +33,10 @@ from .outputs import labels, margins
 def random_subsets(n: int, num_subsets: int, alpha: float = 0.5, *, seed: int = 0) -> torch.Tensor:
     """`num_subsets` random subsets of size round(α·n) of range(n), as a bool mask [num_subsets,
     n]."""
-    if num_subsets < 1:
-        raise ValueError(f"num_subsets must be at least 1, got {num_subsets}")
+    if not (isinstance(n, Integral) and n >= 0):
+        raise ValueError(f"n must be a non-negative integer (the training set's size), got {n!r}")
+    if not (isinstance(num_subsets, Integral) and num_subsets >= 1):
+        raise ValueError(f"num_subsets must be an integer, at least 1, got {num_subsets!r}")
     if not 0 < alpha < 1:
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
     size = round(alpha * n)

@@ -209,6 +209,16 @@ def test_calibration_checks_labels_and_probability_rows():
     assert calibration_metrics(probs, [0.0, 1.0, 0.0]) == calibration_metrics(probs, [0, 1, 0])
 
 
+def test_random_subsets_takes_integers_only():
+    """A float size or count failed inside torch ("zeros(): argument 'size' failed to unpack",
+    "zeros() takes 1 positional argument but 2 were given")."""
+    with pytest.raises(ValueError, match="n must be a non-negative integer.*got 10.0"):
+        random_subsets(10.0, 3)
+    with pytest.raises(ValueError, match="num_subsets must be an integer, at least 1, got 2.5"):
+        random_subsets(10, 2.5)
+    assert random_subsets(np.int64(10), np.int64(3)).shape == (3, 10)
+
+
 def test_train_on_subsets_with_a_module_registered_under_two_names():
     """A module reachable by two names (self.again = self.twice) and a weight tied across two
     modules: the stacked models train, and each one's outputs are those of the factory's model
@@ -229,7 +239,7 @@ def test_train_on_subsets_with_a_module_registered_under_two_names():
 
 
 def test_evaluation_inputs_found_by_fuzzing_are_refused_clearly():
-    with pytest.raises(ValueError, match="num_subsets must be at least 1"):
+    with pytest.raises(ValueError, match="num_subsets must be an integer, at least 1"):
         random_subsets(16, 0)
     subsets = random_subsets(16, 2)
     with pytest.raises(ValueError, match="needs at least 3"):
