@@ -1,6 +1,7 @@
 """influence(): each method against a direct parameter-space computation with explicit
 per-sample Jacobians; TRAK's averaging over models; error paths."""
 
+import copy
 import importlib
 import warnings
 
@@ -296,6 +297,21 @@ def test_model_untouched_and_errors(setup):
         influence(model, x, y, xt, checkpoints=[])
     with pytest.raises(ValueError, match="positive"):
         influence(model, x, y, xt, damping=0.0)
+
+
+def test_checkpoint_modules_must_have_the_models_architecture(setup):
+    """A module checkpoint of another architecture was scored and averaged in silently (one with
+    4 outputs against the model's 3 gave scores); state dicts were already checked."""
+    model, x, y, xt, yt = setup
+    other = torch.nn.Sequential(torch.nn.Linear(x.shape[1], 4))
+    for method in ("auto", "trak", "ekfac"):
+        with pytest.raises(ValueError, match=r"checkpoints\[1\] is not a model of the model's"):
+            influence(model, x, y, xt, method=method, checkpoints=[model, other])
+    wider = copy.deepcopy(model)
+    last = [m for m in wider.modules() if isinstance(m, torch.nn.Linear)][-1]
+    last.weight = torch.nn.Parameter(torch.randn(last.out_features + 1, last.in_features))
+    with pytest.raises(ValueError, match=r"weight has shape \(\d+, \d+\), the model's"):
+        trak(model, x, y, xt, checkpoints=[wider], dim=None)
 
 
 def test_exact_kernels_are_sized_by_the_computation_device(setup, monkeypatch):
