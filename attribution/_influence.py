@@ -170,9 +170,9 @@ def influence(
             f"method={method!r} factors the full Gauss–Newton curvature: kind and dim do not apply"
         )
     kind = kind or ("full" if method == "grad_dot" else "trace")
-    if damping != "auto" and not (isinstance(damping, Real) and damping > 0):
+    if damping != "auto" and not (isinstance(damping, Real) and 0 < damping < float("inf")):
         raise ValueError(
-            f"damping must be 'auto' or a positive number (Λ is singular), got {damping!r}"
+            f"damping must be 'auto' or a finite positive number (Λ is singular), got {damping!r}"
         )
     y_test = predicted_labels(model, x_test, y_test, checkpoints, output_fn)
     scores = [

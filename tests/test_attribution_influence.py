@@ -314,6 +314,14 @@ def test_checkpoint_modules_must_have_the_models_architecture(setup):
         trak(model, x, y, xt, checkpoints=[wider], dim=None)
 
 
+def test_infinite_damping_is_refused(setup):
+    """damping=inf gave TRAK scores of NaN (and the other methods zeros) without an error."""
+    model, x, y, xt, yt = setup
+    for method in ("trak", "auto", "ekfac"):
+        with pytest.raises(ValueError, match="damping must be .*finite.* got inf"):
+            influence(model, x, y, xt, method=method, damping=float("inf"))
+
+
 def test_exact_kernels_are_sized_by_the_computation_device(setup, monkeypatch):
     """Whether exact kernels fit is asked of the device the kernels are computed on (the
     model's, or `device`), not of the host's memory."""
