@@ -500,8 +500,9 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         return k[:, :, None] * self.dual_[None]
 
     def proponents(self, x_test, k: int = 5, output=None) -> tuple[np.ndarray, np.ndarray]:
-        """The k training examples that most increase each test example's decision for `output`
-        (default: the predicted class): (indices [N_test, k], contributions [N_test, k])."""
+        """The k training examples that most increase each test example's decision for the class
+        `output` (one of `classes_`; default: the predicted class): (indices [N_test, k],
+        contributions [N_test, k])."""
         return self._ranked(x_test, k, output, 1.0)
 
     def opponents(self, x_test, k: int = 5, output=None) -> tuple[np.ndarray, np.ndarray]:
@@ -512,10 +513,15 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         c = self.attribute(x_test)
         if output is None:
             column = (c.sum(1) + self.intercept_).argmax(1)
-        else:
-            if not 0 <= output < c.shape[2]:
-                raise ValueError(f"output must be in 0..{c.shape[2] - 1}, got {output}")
-            column = np.full(c.shape[0], output)
+        else:  # svm and logistic have a column per class among the training labels only
+            integer = isinstance(output, Integral)
+            columns = np.flatnonzero(self.classes_ == output) if integer else []
+            if len(columns) != 1:
+                raise ValueError(
+                    f"output must be one of the surrogate's classes {self.classes_.tolist()} (the "
+                    f"classes among its training labels), got {output!r}"
+                )
+            column = np.full(c.shape[0], columns[0])
         if not 0 < k <= c.shape[1]:
             raise ValueError(f"k must be in 1..{c.shape[1]}, got {k}")
         chosen = c[np.arange(c.shape[0]), :, column] * sign

@@ -145,6 +145,22 @@ def test_proponents_and_opponents(trained):
         s.proponents(xt[:2], k=0)
 
 
+def test_proponents_take_a_class_when_a_class_is_absent_from_the_labels():
+    """svm and logistic have a column per class among the training labels: with class 1 absent,
+    output=1 ranked the contributions to class 2 (column 1) silently and output=2 was refused."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    x, xt, y = torch.randn(12, 4), torch.randn(3, 4), torch.tensor([0, 2] * 6)
+    for machine in ("svm", "logistic"):
+        s = KernelSurrogate(model, machine=machine).fit(x, y)
+        assert s.classes_.tolist() == [0, 2]
+        _, val = s.proponents(xt, k=2, output=2)
+        np.testing.assert_allclose(val, -np.sort(-s.attribute(xt)[:, :, 1], 1)[:, :2])
+        for output in (1, 3, 0.5):
+            with pytest.raises(ValueError, match=r"output must be one of the surrogate's classes"):
+                s.opponents(xt, output=output)
+
+
 def test_bad_input(trained):
     model, x, y, xt, _ = trained
     with pytest.raises(ValueError, match="kind"):
