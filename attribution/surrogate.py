@@ -611,16 +611,20 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         """Whether the decomposition of each test example's predicted column reads as an
         explanation: `cancellation` [N_test] = Σ_i |c_i| / |Σ_i c_i| (1: no cancellation) and
         `label_share` [N_test], the share of the top-k proponents whose label (y_train, default
-        the network's predicted labels) is the predicted class; with their medians / means."""
+        the network's predicted labels) is the predicted class; with their medians / means.
+        A single-output model has no classes: its output's cancellation and median only."""
+        if self.num_outputs_ == 1 and y_train is not None:
+            raise ValueError("y_train needs a classifier; the model has a single output")
         c = self.attribute(x_test)
         column = (c.sum(1) + self.intercept_).argmax(1)
-        own = self.classes_[column]
+        chosen = c[np.arange(len(c)), :, column]
+        ratio = cancellation(chosen)
+        if self.num_outputs_ == 1:
+            return {"cancellation": ratio, "median_cancellation": float(np.median(ratio))}
         if y_train is None:
             y_train = logits(self.model, self.x_train_, output_fn=self.output_fn).argmax(1)
         y_train = labels(y_train, c.shape[1], self.num_outputs_, "y_train").numpy()
-        chosen = c[np.arange(len(c)), :, column]
-        ratio = cancellation(chosen)
-        share = label_share(chosen, y_train, own, k)
+        share = label_share(chosen, y_train, self.classes_[column], k)
         return {
             "cancellation": ratio,
             "label_share": share,
