@@ -56,6 +56,7 @@ def train_test_logits(
             f"{g_test.shape[1]} on x_test; a single test sample needs its sample axis "
             "(x_test[None])"
         )
+    _check_classes(g_train)  # before the labels, which a single output cannot index
     return g_train, g_test
 
 
@@ -63,7 +64,8 @@ def _check_classes(g: torch.Tensor) -> None:
     if g.shape[-1] < 2:
         raise ValueError(
             f"the margin needs a classifier with at least two outputs (class scores); the model "
-            f"has {g.shape[-1]} output"
+            f"has {g.shape[-1]} output (a binary classifier with one logit z has the class scores "
+            "output_fn=lambda z: torch.cat([torch.zeros_like(z), z], -1))"
         )
 
 

@@ -322,6 +322,21 @@ def test_infinite_damping_is_refused(setup):
             influence(model, x, y, xt, method=method, damping=float("inf"))
 
 
+def test_a_single_logit_binary_classifier_is_named_not_its_labels():
+    """A binary classifier with one logit (BCEWithLogitsLoss) and labels 0/1 was told "y_train
+    holds labels outside 0..0: 1 at sample 1"; the model is what needs two outputs, and the
+    output_fn the message suggests gives its influence."""
+    torch.manual_seed(0)
+    logit = torch.nn.Linear(4, 1).double()
+    x, xt = torch.randn(8, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    y = torch.tensor([0, 1] * 4)
+    for method in ("auto", "trak", "ekfac", "grad_dot", "surrogate"):
+        with pytest.raises(ValueError, match=r"at least two outputs.*has 1 output \(a binary"):
+            influence(logit, x, y, xt, method=method)
+    scores = influence(logit, x, y, xt, output_fn=lambda z: torch.cat([torch.zeros_like(z), z], -1))
+    assert scores.shape == (3, 8) and bool(torch.isfinite(scores).all())
+
+
 def test_exact_kernels_are_sized_by_the_computation_device(setup, monkeypatch):
     """Whether exact kernels fit is asked of the device the kernels are computed on (the
     model's, or `device`), not of the host's memory."""
