@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ntk.core import inputs
-from ntk.core.kinds import class_labels  # checked in the core: lpntk needs them too
+from ntk.core.kinds import ONE_LOGIT, class_labels  # checked in the core: lpntk needs them too
 from ntk.core.model import ModelView, check_output_rows, copy_module
 
 
@@ -64,8 +64,7 @@ def _check_classes(g: torch.Tensor) -> None:
     if g.shape[-1] < 2:
         raise ValueError(
             f"the margin needs a classifier with at least two outputs (class scores); the model "
-            f"has {g.shape[-1]} output (a binary classifier with one logit z has the class scores "
-            "output_fn=lambda z: torch.cat([torch.zeros_like(z), z], -1))"
+            f"has {g.shape[-1]} output ({ONE_LOGIT})"
         )
 
 
