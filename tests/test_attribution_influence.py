@@ -337,6 +337,30 @@ def test_a_single_logit_binary_classifier_is_named_not_its_labels():
     assert scores.shape == (3, 8) and bool(torch.isfinite(scores).all())
 
 
+class _TwoInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(3, 4), torch.nn.Linear(3, 4)
+        self.out = torch.nn.Linear(4, 3)
+
+    def forward(self, a, b):
+        return self.out(torch.tanh(self.a(a) + self.b(b)))
+
+
+def test_dict_inputs_are_joined_by_key():
+    """x_test with the keys of x_train in another order (e.g. attention_mask before input_ids):
+    the joint train + test kernel concatenated the dicts' values by position, so each test
+    sample's a was read as b (silently wrong scores when the shapes agree, a torch error when
+    they do not)."""
+    torch.manual_seed(0)
+    model = _TwoInputs().double()
+    x = {"a": torch.randn(8, 3, dtype=torch.float64), "b": torch.randn(8, 3, dtype=torch.float64)}
+    xt = {"a": torch.randn(3, 3, dtype=torch.float64), "b": torch.randn(3, 3, dtype=torch.float64)}
+    y = torch.tensor([0, 1, 2, 0, 1, 2, 1, 0])
+    swapped = {"b": xt["b"], "a": xt["a"]}
+    torch.testing.assert_close(influence(model, x, y, swapped), influence(model, x, y, xt))
+
+
 def test_exact_kernels_are_sized_by_the_computation_device(setup, monkeypatch):
     """Whether exact kernels fit is asked of the device the kernels are computed on (the
     model's, or `device`), not of the host's memory."""

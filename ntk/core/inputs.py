@@ -120,14 +120,13 @@ def take(x: Inputs, index: slice | torch.Tensor) -> Inputs:
 
 
 def cat(x1: Inputs, x2: Inputs) -> Inputs:
-    """The samples of x1 followed by those of x2 (same structure; x2 moved to x1's devices)."""
+    """The samples of x1 followed by those of x2 (same structure; x2 moved to x1's devices;
+    dicts joined by key, whatever their order)."""
     check_compatible(x1, x2)
-    joined = [torch.cat([a, b.to(a.device)]) for a, b in zip(_leaves(x1), _leaves(x2))]
-    if isinstance(x1, torch.Tensor):
-        return joined[0]
     if isinstance(x1, dict):
-        return dict(zip(x1, joined))
-    return tuple(joined)
+        return {k: torch.cat([a, x2[k].to(a.device)]) for k, a in x1.items()}
+    joined = [torch.cat([a, b.to(a.device)]) for a, b in zip(_leaves(x1), _leaves(x2))]
+    return joined[0] if isinstance(x1, torch.Tensor) else tuple(joined)
 
 
 def convert(x: Inputs, device: torch.device, dtype: torch.dtype | None) -> Inputs:
