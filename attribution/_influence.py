@@ -306,7 +306,11 @@ def _one_model(
 
 
 def _joined(x_train, x_test):
-    return inputs.cat(inputs.from_numpy(x_train, "x_train"), inputs.from_numpy(x_test, "x_test"))
+    return inputs.cat(
+        inputs.from_numpy(x_train, "x_train"),
+        inputs.from_numpy(x_test, "x_test"),
+        ("x_train", "x_test"),
+    )
 
 
 def _exact_fits(n_train: int, n_test: int, o: int, kind: str, device: torch.device) -> bool:

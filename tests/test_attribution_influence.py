@@ -361,6 +361,24 @@ def test_dict_inputs_are_joined_by_key():
     torch.testing.assert_close(influence(model, x, y, swapped), influence(model, x, y, xt))
 
 
+def test_inputs_of_another_structure_are_named_as_train_and_test():
+    """A dict x_test that lacks a key of x_train (a model with an optional input, such as an
+    attention mask) was refused as "x1 and x2 have different per-sample shapes"."""
+
+    class Optional(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+
+        def forward(self, a, b=None):
+            return self.lin(a if b is None else a * b)
+
+    torch.manual_seed(0)
+    x, xt = {"a": torch.randn(6, 3), "b": torch.ones(6, 3)}, {"a": torch.randn(2, 3)}
+    with pytest.raises(ValueError, match="^x_train and x_test have different per-sample shapes"):
+        influence(Optional(), x, torch.tensor([0, 1, 2] * 2), xt)
+
+
 def test_exact_kernels_are_sized_by_the_computation_device(setup, monkeypatch):
     """Whether exact kernels fit is asked of the device the kernels are computed on (the
     model's, or `device`), not of the host's memory."""
