@@ -260,11 +260,14 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
                 )
         return x
 
-    def _test_kernel(self, x, centred: bool = True) -> np.ndarray:
+    def _test_kernel(self, x, centred: bool = True, name: str = "x_test") -> np.ndarray:
         """K(x, X) as the machine sees it (when `center_`, K(x, x_i) − κ(x) with κ(x) the
-        `reference` quantile of the row), or uncentred."""
+        `reference` quantile of the row), or uncentred; x (the caller's `name`) is checked
+        against the training inputs."""
         check_is_fitted(self, "dual_")
-        x = self._inputs(x, reset=False)
+        x = inputs.from_numpy(self._inputs(x, reset=False), name)
+        inputs.validate(x, name)
+        inputs.check_compatible(x, self.x_train_, (name, "x_train"))
         k = _kernels.compute(self.model, x, self.x_train_, **self._opts())
         if self.normalize:
             k = _kernels.cosine(
@@ -468,7 +471,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         """d(x) [N, C]: logits (ridge on outputs), class scores (svm) or class log-odds
         (logistic; with two classes ∓ half the log-odds of the second, so that softmax and argmax
         of d are the machine's probabilities and predictions)."""
-        return self._decision(self._test_kernel(x))
+        return self._decision(self._test_kernel(x, name="x"))
 
     def _decision(self, k: np.ndarray) -> np.ndarray:
         if self.kind == "full":
@@ -484,7 +487,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
                 "predict returns classes, and the model has a single output (no classes): "
                 "decision_function gives the surrogate's output"
             )
-        k = self._test_kernel(x)
+        k = self._test_kernel(x, name="x")
         if self.machine in ARGMAX_MACHINES:
             return self.classes_[self._decision(k).argmax(1)]
         return self.machine_.predict(k)
