@@ -487,15 +487,22 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
                 "predict returns classes, and the model has a single output (no classes): "
                 "decision_function gives the surrogate's output"
             )
-        k = self._test_kernel(x, name="x")
+        return self.classes_[self._predicted_columns(self._test_kernel(x, name="x"))]
+
+    def _predicted_columns(self, k: np.ndarray) -> np.ndarray:
+        """The decision column of each test row's predicted class, for test kernel rows k as the
+        machine sees them: the argmax of the decision, or svm's one-vs-one vote (which the
+        argmax of its summed pair values need not match)."""
         if self.machine in ARGMAX_MACHINES:
-            return self.classes_[self._decision(k).argmax(1)]
-        return self.machine_.predict(k)
+            return self._decision(k).argmax(1)
+        return np.searchsorted(self.classes_, self.machine_.predict(k))
 
     def attribute(self, x_test) -> np.ndarray:
         """Contributions [N_test, N_train, C] of every training example to every column of
         `decision_function`; summed over training examples, plus `intercept_`, they equal it."""
-        k = self._test_kernel(x_test)
+        return self._contributions(self._test_kernel(x_test))
+
+    def _contributions(self, k: np.ndarray) -> np.ndarray:
         n = self.dual_.shape[0]
         if self.kind == "full":
             o = self.num_outputs_
@@ -513,9 +520,10 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         return self._ranked(x_test, k, output, -1.0)
 
     def _ranked(self, x_test, k, output, sign):
-        c = self.attribute(x_test)
+        kernel = self._test_kernel(x_test)
+        c = self._contributions(kernel)
         if output is None:
-            column = (c.sum(1) + self.intercept_).argmax(1)
+            column = self._predicted_columns(kernel)
         else:  # svm and logistic have a column per class among the training labels only
             integer = isinstance(output, Integral)
             columns = np.flatnonzero(self.classes_ == output) if integer else []
@@ -611,15 +619,16 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         return (k @ torch.einsum("jcp,jp->jc", root, v)).numpy()
 
     def coherence(self, x_test, y_train=None, k: int = 5) -> dict:
-        """Whether the decomposition of each test example's predicted column reads as an
+        """Whether the decomposition of each test example's predicted class (`predict`) reads as an
         explanation: `cancellation` [N_test] = Σ_i |c_i| / |Σ_i c_i| (1: no cancellation) and
         `label_share` [N_test], the share of the top-k proponents whose label (y_train, default
         the network's predicted labels) is the predicted class; with their medians / means.
         A single-output model has no classes: its output's cancellation and median only."""
         if self.num_outputs_ == 1 and y_train is not None:
             raise ValueError("y_train needs a classifier; the model has a single output")
-        c = self.attribute(x_test)
-        column = (c.sum(1) + self.intercept_).argmax(1)
+        kernel = self._test_kernel(x_test)
+        c = self._contributions(kernel)
+        column = self._predicted_columns(kernel)
         chosen = c[np.arange(len(c)), :, column]
         ratio = cancellation(chosen)
         if self.num_outputs_ == 1:
@@ -660,11 +669,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
                 raise ValueError("y_test needs a classifier; the model has a single output")
             return _rank_agreement(g.ravel(), d.ravel())
         pred_net = g.argmax(1)
-        pred_sur = (
-            self.classes_[d.argmax(1)]
-            if self.machine in ARGMAX_MACHINES
-            else self.machine_.predict(k)
-        )
+        pred_sur = self.classes_[self._predicted_columns(k)]
         result = {"label_agreement": float(np.mean(pred_net == pred_sur))}
         rows = np.arange(len(g))
         if d.shape[1] == g.shape[1]:
