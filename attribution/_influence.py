@@ -170,6 +170,11 @@ def influence(
             f"method={method!r} factors the full Gauss–Newton curvature: kind and dim do not apply"
         )
     kind = kind or ("full" if method == "grad_dot" else "trace")
+    if method in ("grad_dot", "surrogate") and not (isinstance(damping, str) and damping == "auto"):
+        raise ValueError(
+            f"method={method!r} takes no damping (it applies to gauss_newton, ekfac, kfac and "
+            f"trak; the surrogate's Gauss–Newton machine sets its own), got damping={damping!r}"
+        )
     if damping != "auto" and not (isinstance(damping, Real) and 0 < damping < float("inf")):
         raise ValueError(
             f"damping must be 'auto' or a finite positive number (Λ is singular), got {damping!r}"

@@ -314,6 +314,17 @@ def test_checkpoint_modules_must_have_the_models_architecture(setup):
         trak(model, x, y, xt, checkpoints=[wider], dim=None)
 
 
+def test_damping_is_refused_where_it_does_not_apply(setup):
+    """grad_dot and the surrogate have no damping: damping=0.5 was ignored without a word (the
+    same scores as damping='auto')."""
+    model, x, y, xt, yt = setup
+    for method in ("grad_dot", "surrogate"):
+        with pytest.raises(
+            ValueError, match=f"method='{method}' takes no damping.*got damping=0.5"
+        ):
+            influence(model, x, y, xt, method=method, damping=0.5)
+
+
 def test_infinite_damping_is_refused(setup):
     """damping=inf gave TRAK scores of NaN (and the other methods zeros) without an error."""
     model, x, y, xt, yt = setup
