@@ -196,6 +196,11 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             )
         if self.center and (self.machine != "ridge" or self.kind == "full"):
             raise ValueError("center=True needs machine='ridge' and a scalar kind")
+        if self.machine == "representer" and self.alpha is not None:
+            raise ValueError(
+                "machine='representer' has no regularisation (its coefficients are the network's "
+                f"residuals, one fitted scale): alpha does not apply, got alpha={self.alpha!r}"
+            )
         if self.machine == "gauss_newton" and (self.kind == "full" or self.alpha == "cv"):
             raise ValueError(
                 "machine='gauss_newton' needs a scalar kind and alpha=None (the "

@@ -178,6 +178,16 @@ def test_svm_proponents_and_coherence_explain_its_prediction():
     np.testing.assert_allclose(s.coherence(xt)["cancellation"], cancellation(c))
 
 
+def test_representer_takes_no_alpha():
+    """The representer machine has no regularisation: alpha=5.0 or "cv" was ignored (the same
+    contributions as alpha=None)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    x, y = torch.randn(12, 4), torch.tensor([0, 1, 2] * 4)
+    for alpha in (5.0, "cv"):
+        with pytest.raises(ValueError, match="machine='representer' has no regularisation"):
+            KernelSurrogate(model, machine="representer", alpha=alpha).fit(x, y)
+
+
 def test_test_inputs_are_checked_against_the_training_inputs():
     """One test sample without its sample axis, or none, was refused in the kernel's words
     ("x1 and x2 have different per-sample shapes: () vs (4,)", "x1 holds no samples")."""
