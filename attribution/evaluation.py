@@ -312,8 +312,15 @@ def reliability(probs, labels, n_bins: int = 15) -> dict[str, np.ndarray]:
     """The reliability diagram's bins: the confidence max_c p_c cut into `n_bins` equal-width
     bins, bin b holding confidences in ((b−1)/n_bins, b/n_bins] (the first also 0). Returns, for
     the non-empty bins in order, "confidence" (mean), "accuracy" (fraction correct) and "count".
-    probs [N, C] rows of class probabilities, labels [N] class indices."""
+    probs [N, C] rows of class probabilities (each summing to 1), labels [N] class indices."""
     p, y = _probabilities(probs, labels)
+    off = np.abs(p.sum(1) - 1) > 1e-2
+    if off.any():
+        i = int(np.argmax(off))
+        raise ValueError(
+            f"probs must be rows of class probabilities summing to 1; row {i} sums to "
+            f"{p[i].sum():.4g} (calibration_metrics renormalises its rows)"
+        )
     if not (isinstance(n_bins, Integral) and n_bins >= 1):
         raise ValueError(f"n_bins must be a positive integer, got {n_bins!r}")
     confidence, correct = p.max(1), (p.argmax(1) == y)

@@ -209,6 +209,15 @@ def test_calibration_checks_labels_and_probability_rows():
     assert calibration_metrics(probs, [0.0, 1.0, 0.0]) == calibration_metrics(probs, [0, 1, 0])
 
 
+def test_reliability_needs_rows_summing_to_one():
+    """Unnormalised scores were binned as confidences (2.0 clipped into the top bin), an ECE of
+    nothing; calibration_metrics renormalises its rows and is unaffected."""
+    for metric in (reliability, expected_calibration_error):
+        with pytest.raises(ValueError, match="summing to 1; row 1 sums to 2.5"):
+            metric([[0.9, 0.1], [2.0, 0.5]], [0, 0])
+    assert calibration_metrics([[0.9, 0.1], [2.0, 0.5]], [0, 0])["accuracy"] == 1.0
+
+
 def test_random_subsets_takes_integers_only():
     """A float size or count failed inside torch ("zeros(): argument 'size' failed to unpack",
     "zeros() takes 1 positional argument but 2 were given")."""
