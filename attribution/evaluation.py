@@ -180,8 +180,14 @@ def train_on_subsets(
         y = class_labels(y, n, None, "y")
     else:  # finite targets (their width: `_train_chunk`)
         y = check_labels(y, n)
-    if seeds < 1:
-        raise ValueError(f"seeds must be a positive integer, got {seeds}")
+    for name, value, least in (
+        ("seeds", seeds, 1),
+        ("epochs", epochs, 0),
+        ("batch_size", batch_size, 1),
+        ("chunk", chunk, 1),
+    ):
+        if not (isinstance(value, Integral) and value >= least):
+            raise ValueError(f"{name} must be an integer ≥ {least}, got {value!r}")
     members = torch.stack([torch.nonzero(row).squeeze(1) for row in mask])  # [S, m]
     jobs = [(s, r) for s in range(len(members)) for r in range(seeds)]
     trained = [

@@ -218,6 +218,23 @@ def test_reliability_needs_rows_summing_to_one():
     assert calibration_metrics([[0.9, 0.1], [2.0, 0.5]], [0, 0])["accuracy"] == 1.0
 
 
+def test_train_on_subsets_checks_its_counts():
+    """Fractional counts failed in range() ("'float' object cannot be interpreted as an
+    integer"), batch_size=0 or chunk=0 as "range() arg 3 must not be zero", and epochs=-1
+    returned untrained models."""
+    x, y, subsets = torch.randn(12, 4), torch.tensor([0, 1, 2] * 4), random_subsets(12, 3)
+    for setting, least in (
+        (dict(seeds=2.5), 1),
+        (dict(epochs=1.5), 0),
+        (dict(epochs=-1), 0),
+        (dict(batch_size=0), 1),
+        (dict(chunk=0), 1),
+    ):
+        ((name, value),) = setting.items()
+        with pytest.raises(ValueError, match=f"^{name} must be an integer ≥ {least}, got {value}"):
+            train_on_subsets(lambda: torch.nn.Linear(4, 3), x, y, subsets, **setting)
+
+
 def test_random_subsets_takes_integers_only():
     """A float size or count failed inside torch ("zeros(): argument 'size' failed to unpack",
     "zeros() takes 1 positional argument but 2 were given")."""
