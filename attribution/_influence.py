@@ -175,9 +175,14 @@ def influence(
             "be 'trace' or 'sum_logits'"
         )
     kind = kind or ("full" if method == "grad_dot" else "trace")
-    if damping != "auto" and not (isinstance(damping, Real) and damping > 0):
+    if method in ("grad_dot", "surrogate") and not (isinstance(damping, str) and damping == "auto"):
         raise ValueError(
-            f"damping must be 'auto' or a positive number (Λ is singular), got {damping!r}"
+            f"method={method!r} takes no damping (it applies to gauss_newton, ekfac, kfac and "
+            f"trak; the surrogate's Gauss–Newton machine sets its own), got damping={damping!r}"
+        )
+    if damping != "auto" and not (isinstance(damping, Real) and 0 < damping < float("inf")):
+        raise ValueError(
+            f"damping must be 'auto' or a finite positive number (Λ is singular), got {damping!r}"
         )
     y_test = predicted_labels(model, x_test, y_test, checkpoints, output_fn)
     scores = [
@@ -311,7 +316,11 @@ def _one_model(
 
 
 def _joined(x_train, x_test):
-    return inputs.cat(inputs.from_numpy(x_train, "x_train"), inputs.from_numpy(x_test, "x_test"))
+    return inputs.cat(
+        inputs.from_numpy(x_train, "x_train"),
+        inputs.from_numpy(x_test, "x_test"),
+        ("x_train", "x_test"),
+    )
 
 
 def _exact_fits(n_train: int, n_test: int, o: int, kind: str, device: torch.device) -> bool:

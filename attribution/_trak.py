@@ -61,8 +61,8 @@ def trak(
     gradient (one cotangent, not O). output_fn and dtype: as in `influence` (kernels and
     features in `dtype`, None: the model's; solves in float64).
     """
-    if not (isinstance(damping, Real) and damping >= 0):
-        raise ValueError(f"damping must be a non-negative number, got {damping!r}")
+    if not (isinstance(damping, Real) and 0 <= damping < float("inf")):
+        raise ValueError(f"damping must be a finite non-negative number, got {damping!r}")
     if dim is not None and not (isinstance(dim, Integral) and dim > 0):
         raise ValueError(f"dim must be a positive integer or None, got {dim!r}")
     kernel_part, q = 0.0, 0.0

@@ -33,8 +33,10 @@ from .outputs import labels, margins
 def random_subsets(n: int, num_subsets: int, alpha: float = 0.5, *, seed: int = 0) -> torch.Tensor:
     """`num_subsets` random subsets of size round(α·n) of range(n), as a bool mask [num_subsets,
     n]."""
-    if num_subsets < 1:
-        raise ValueError(f"num_subsets must be at least 1, got {num_subsets}")
+    if not (isinstance(n, Integral) and n >= 0):
+        raise ValueError(f"n must be a non-negative integer (the training set's size), got {n!r}")
+    if not (isinstance(num_subsets, Integral) and num_subsets >= 1):
+        raise ValueError(f"num_subsets must be an integer, at least 1, got {num_subsets!r}")
     if not 0 < alpha < 1:
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
     size = round(alpha * n)
@@ -47,8 +49,16 @@ def random_subsets(n: int, num_subsets: int, alpha: float = 0.5, *, seed: int = 
     return mask
 
 
+def _array(x) -> np.ndarray:
+    """`x` (a tensor on any device, with or without autograd history, a numpy array or a list)
+    as a numpy array."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
 def _as_mask(subsets, n: int) -> torch.Tensor:
-    mask = torch.as_tensor(np.asarray(subsets))
+    mask = torch.as_tensor(_array(subsets))
     if mask.dim() != 2 or mask.shape[1] != n:
         raise ValueError(
             f"subsets must be a mask [num_subsets, {n}], got shape {tuple(mask.shape)}"
@@ -65,8 +75,8 @@ def lds(scores, subsets, subset_outputs) -> float:
     `subset_outputs` [S, N_test] the retrained models' outputs (e.g. margins, averaged over seeds).
     Test examples whose outputs or predictions are constant over subsets are skipped (warning).
     """
-    scores = torch.as_tensor(np.asarray(scores), dtype=torch.float64)
-    outputs = torch.as_tensor(np.asarray(subset_outputs), dtype=torch.float64)
+    scores = torch.as_tensor(_array(scores), dtype=torch.float64)
+    outputs = torch.as_tensor(_array(subset_outputs), dtype=torch.float64)
     if scores.dim() != 2:
         raise ValueError(f"scores must be [N_test, N_train], got shape {tuple(scores.shape)}")
     mask = _as_mask(subsets, scores.shape[1])
@@ -170,8 +180,14 @@ def train_on_subsets(
         y = class_labels(y, n, None, "y")
     else:  # finite targets (their width: `_train_chunk`)
         y = check_labels(y, n)
-    if seeds < 1:
-        raise ValueError(f"seeds must be a positive integer, got {seeds}")
+    for name, value, least in (
+        ("seeds", seeds, 1),
+        ("epochs", epochs, 0),
+        ("batch_size", batch_size, 1),
+        ("chunk", chunk, 1),
+    ):
+        if not (isinstance(value, Integral) and value >= least):
+            raise ValueError(f"{name} must be an integer ≥ {least}, got {value!r}")
     members = torch.stack([torch.nonzero(row).squeeze(1) for row in mask])  # [S, m]
     jobs = [(s, r) for s in range(len(members)) for r in range(seeds)]
     trained = [
@@ -281,20 +297,36 @@ def flip_labels(y: torch.Tensor, fraction: float, num_classes: int, *, seed: int
 
 def mislabel_auc(self_influence: Sequence[float], flipped: Sequence[bool]) -> float:
     """ROC AUC of detecting flipped labels by ranking training examples by self-influence."""
-    return float(roc_auc_score(np.asarray(flipped, dtype=bool), np.asarray(self_influence)))
+    return float(roc_auc_score(_array(flipped).astype(bool), _array(self_influence)))
+
+
+def _probabilities(probs, labels) -> tuple[np.ndarray, np.ndarray]:
+    """probs as float64 rows [N, C] of class probabilities (finite, non-negative) and labels as
+    class indices [N] in 0..C−1, refused naming the argument otherwise."""
+    p, y = _array(probs).astype(np.float64), _array(labels)
+    if p.ndim != 2 or y.shape != (p.shape[0],):
+        raise ValueError(
+            f"probs must be [N, C] (a column per class; two classes: [1 − p, p]) and labels [N], "
+            f"one per row of probs, got shapes {p.shape} and {y.shape}"
+        )
+    if not np.isfinite(p).all() or (p < 0).any():
+        raise ValueError("probs must be finite and non-negative")
+    return p, class_labels(y, len(p), p.shape[1], "labels").numpy()
 
 
 def reliability(probs, labels, n_bins: int = 15) -> dict[str, np.ndarray]:
     """The reliability diagram's bins: the confidence max_c p_c cut into `n_bins` equal-width
     bins, bin b holding confidences in ((b−1)/n_bins, b/n_bins] (the first also 0). Returns, for
     the non-empty bins in order, "confidence" (mean), "accuracy" (fraction correct) and "count".
-    probs [N, C] rows of class probabilities, labels [N] class indices."""
-    p = np.asarray(probs, dtype=np.float64)
-    y = np.asarray(labels)
-    if p.ndim != 2 or y.shape != (p.shape[0],):
-        raise ValueError(f"probs must be [N, C] and labels [N], got shapes {p.shape} and {y.shape}")
-    if not np.isfinite(p).all() or (p < 0).any():
-        raise ValueError("probs must be finite and non-negative")
+    probs [N, C] rows of class probabilities (each summing to 1), labels [N] class indices."""
+    p, y = _probabilities(probs, labels)
+    off = np.abs(p.sum(1) - 1) > 1e-2
+    if off.any():
+        i = int(np.argmax(off))
+        raise ValueError(
+            f"probs must be rows of class probabilities summing to 1; row {i} sums to "
+            f"{p[i].sum():.4g} (calibration_metrics renormalises its rows)"
+        )
     if not (isinstance(n_bins, Integral) and n_bins >= 1):
         raise ValueError(f"n_bins must be a positive integer, got {n_bins!r}")
     confidence, correct = p.max(1), (p.argmax(1) == y)
@@ -319,12 +351,11 @@ def calibration_metrics(probs, labels, n_bins: int = 15) -> dict[str, float]:
     """Accuracy, negative log-likelihood, ECE (`n_bins` bins) and Brier score (scikit-learn's:
     mean squared distance to the one-hot label) of class probabilities [N, C] (rows renormalised
     in float64) against labels [N]."""
-    p = np.asarray(probs, dtype=np.float64)
-    if p.ndim == 2:
-        p = p / p.sum(1, keepdims=True)
-    y = np.asarray(labels)
-    if y.shape != p.shape[:1]:
-        raise ValueError(f"labels must be [{len(p)}], one per row of probs, got {y.shape}")
+    p, y = _probabilities(probs, labels)
+    total = p.sum(1, keepdims=True)
+    if not (total > 0).all():
+        raise ValueError(f"probs row {int(np.argmin(total[:, 0] > 0))} sums to 0")
+    p = p / total
     classes = list(range(p.shape[-1]))
     return {
         "accuracy": float((p.argmax(-1) == y).mean()),

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ntk.core import inputs
-from ntk.core.kinds import class_labels  # checked in the core: lpntk needs them too
+from ntk.core.kinds import ONE_LOGIT, class_labels  # checked in the core: lpntk needs them too
 from ntk.core.model import ModelView, check_output_rows, copy_module
 
 
@@ -56,6 +56,7 @@ def train_test_logits(
             f"{g_test.shape[1]} on x_test; a single test sample needs its sample axis "
             "(x_test[None])"
         )
+    _check_classes(g_train)  # before the labels, which a single output cannot index
     return g_train, g_test
 
 
@@ -63,7 +64,7 @@ def _check_classes(g: torch.Tensor) -> None:
     if g.shape[-1] < 2:
         raise ValueError(
             f"the margin needs a classifier with at least two outputs (class scores); the model "
-            f"has {g.shape[-1]} output"
+            f"has {g.shape[-1]} output ({ONE_LOGIT})"
         )
 
 
@@ -107,6 +108,7 @@ def models(model: nn.Module, checkpoints: Sequence | None) -> list[nn.Module]:
     out = []
     for k, c in enumerate(checkpoints):
         if isinstance(c, nn.Module):
+            _check_architecture(model, c, f"checkpoints[{k}]")
             out.append(c)
         elif isinstance(c, dict):
             copy_ = copy_module(model)
@@ -123,6 +125,23 @@ def models(model: nn.Module, checkpoints: Sequence | None) -> list[nn.Module]:
                 f"checkpoints must hold nn.Modules or state dicts, got {type(c).__name__}"
             )
     return out
+
+
+def _check_architecture(model: nn.Module, other: nn.Module, name: str) -> None:
+    """Refuse `other` unless its state dict has `model`'s names and shapes (what loading it as a
+    state dict checks)."""
+    ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    theirs = {k: tuple(v.shape) for k, v in other.state_dict().items()}
+    if ours == theirs:
+        return
+    problems = [f"missing {k}" for k in ours if k not in theirs]
+    problems += [f"unexpected {k}" for k in theirs if k not in ours]
+    problems += [
+        f"{k} has shape {theirs[k]}, the model's {ours[k]}"
+        for k in ours
+        if k in theirs and ours[k] != theirs[k]
+    ]
+    raise ValueError(f"{name} is not a model of the model's architecture: {'; '.join(problems)}")
 
 
 def predicted_labels(model: nn.Module, x_test, y_test, checkpoints, output_fn=None):

@@ -196,6 +196,11 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             )
         if self.center and (self.machine != "ridge" or self.kind == "full"):
             raise ValueError("center=True needs machine='ridge' and a scalar kind")
+        if self.machine == "representer" and self.alpha is not None:
+            raise ValueError(
+                "machine='representer' has no regularisation (its coefficients are the network's "
+                f"residuals, one fitted scale): alpha does not apply, got alpha={self.alpha!r}"
+            )
         if self.machine == "gauss_newton" and (self.kind == "full" or self.alpha == "cv"):
             raise ValueError(
                 "machine='gauss_newton' needs a scalar kind and alpha=None (the "
@@ -260,11 +265,14 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
                 )
         return x
 
-    def _test_kernel(self, x, centred: bool = True) -> np.ndarray:
+    def _test_kernel(self, x, centred: bool = True, name: str = "x_test") -> np.ndarray:
         """K(x, X) as the machine sees it (when `center_`, K(x, x_i) − κ(x) with κ(x) the
-        `reference` quantile of the row), or uncentred."""
+        `reference` quantile of the row), or uncentred; x (the caller's `name`) is checked
+        against the training inputs."""
         check_is_fitted(self, "dual_")
-        x = self._inputs(x, reset=False)
+        x = inputs.from_numpy(self._inputs(x, reset=False), name)
+        inputs.validate(x, name)
+        inputs.check_compatible(x, self.x_train_, (name, "x_train"))
         k = _kernels.compute(self.model, x, self.x_train_, **self._opts())
         if self.normalize:
             k = _kernels.cosine(
@@ -468,7 +476,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         """d(x) [N, C]: logits (ridge on outputs), class scores (svm) or class log-odds
         (logistic; with two classes ∓ half the log-odds of the second, so that softmax and argmax
         of d are the machine's probabilities and predictions)."""
-        return self._decision(self._test_kernel(x))
+        return self._decision(self._test_kernel(x, name="x"))
 
     def _decision(self, k: np.ndarray) -> np.ndarray:
         if self.kind == "full":
@@ -484,15 +492,22 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
                 "predict returns classes, and the model has a single output (no classes): "
                 "decision_function gives the surrogate's output"
             )
-        k = self._test_kernel(x)
+        return self.classes_[self._predicted_columns(self._test_kernel(x, name="x"))]
+
+    def _predicted_columns(self, k: np.ndarray) -> np.ndarray:
+        """The decision column of each test row's predicted class, for test kernel rows k as the
+        machine sees them: the argmax of the decision, or svm's one-vs-one vote (which the
+        argmax of its summed pair values need not match)."""
         if self.machine in ARGMAX_MACHINES:
-            return self.classes_[self._decision(k).argmax(1)]
-        return self.machine_.predict(k)
+            return self._decision(k).argmax(1)
+        return np.searchsorted(self.classes_, self.machine_.predict(k))
 
     def attribute(self, x_test) -> np.ndarray:
         """Contributions [N_test, N_train, C] of every training example to every column of
         `decision_function`; summed over training examples, plus `intercept_`, they equal it."""
-        k = self._test_kernel(x_test)
+        return self._contributions(self._test_kernel(x_test))
+
+    def _contributions(self, k: np.ndarray) -> np.ndarray:
         n = self.dual_.shape[0]
         if self.kind == "full":
             o = self.num_outputs_
@@ -500,8 +515,9 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         return k[:, :, None] * self.dual_[None]
 
     def proponents(self, x_test, k: int = 5, output=None) -> tuple[np.ndarray, np.ndarray]:
-        """The k training examples that most increase each test example's decision for `output`
-        (default: the predicted class): (indices [N_test, k], contributions [N_test, k])."""
+        """The k training examples that most increase each test example's decision for the class
+        `output` (one of `classes_`; default: the predicted class): (indices [N_test, k],
+        contributions [N_test, k])."""
         return self._ranked(x_test, k, output, 1.0)
 
     def opponents(self, x_test, k: int = 5, output=None) -> tuple[np.ndarray, np.ndarray]:
@@ -509,13 +525,19 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         return self._ranked(x_test, k, output, -1.0)
 
     def _ranked(self, x_test, k, output, sign):
-        c = self.attribute(x_test)
+        kernel = self._test_kernel(x_test)
+        c = self._contributions(kernel)
         if output is None:
-            column = (c.sum(1) + self.intercept_).argmax(1)
-        else:
-            if not 0 <= output < c.shape[2]:
-                raise ValueError(f"output must be in 0..{c.shape[2] - 1}, got {output}")
-            column = np.full(c.shape[0], output)
+            column = self._predicted_columns(kernel)
+        else:  # svm and logistic have a column per class among the training labels only
+            integer = isinstance(output, Integral)
+            columns = np.flatnonzero(self.classes_ == output) if integer else []
+            if len(columns) != 1:
+                raise ValueError(
+                    f"output must be one of the surrogate's classes {self.classes_.tolist()} (the "
+                    f"classes among its training labels), got {output!r}"
+                )
+            column = np.full(c.shape[0], columns[0])
         if not 0 < k <= c.shape[1]:
             raise ValueError(f"k must be in 1..{c.shape[1]}, got {k}")
         chosen = c[np.arange(c.shape[0]), :, column] * sign
@@ -602,19 +624,24 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         return (k @ torch.einsum("jcp,jp->jc", root, v)).numpy()
 
     def coherence(self, x_test, y_train=None, k: int = 5) -> dict:
-        """Whether the decomposition of each test example's predicted column reads as an
+        """Whether the decomposition of each test example's predicted class (`predict`) reads as an
         explanation: `cancellation` [N_test] = Σ_i |c_i| / |Σ_i c_i| (1: no cancellation) and
         `label_share` [N_test], the share of the top-k proponents whose label (y_train, default
-        the network's predicted labels) is the predicted class; with their medians / means."""
-        c = self.attribute(x_test)
-        column = (c.sum(1) + self.intercept_).argmax(1)
-        own = self.classes_[column]
+        the network's predicted labels) is the predicted class; with their medians / means.
+        A single-output model has no classes: its output's cancellation and median only."""
+        if self.num_outputs_ == 1 and y_train is not None:
+            raise ValueError("y_train needs a classifier; the model has a single output")
+        kernel = self._test_kernel(x_test)
+        c = self._contributions(kernel)
+        column = self._predicted_columns(kernel)
+        chosen = c[np.arange(len(c)), :, column]
+        ratio = cancellation(chosen)
+        if self.num_outputs_ == 1:
+            return {"cancellation": ratio, "median_cancellation": float(np.median(ratio))}
         if y_train is None:
             y_train = logits(self.model, self.x_train_, output_fn=self.output_fn).argmax(1)
         y_train = labels(y_train, c.shape[1], self.num_outputs_, "y_train").numpy()
-        chosen = c[np.arange(len(c)), :, column]
-        ratio = cancellation(chosen)
-        share = label_share(chosen, y_train, own, k)
+        share = label_share(chosen, y_train, self.classes_[column], k)
         return {
             "cancellation": ratio,
             "label_share": share,
@@ -647,11 +674,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
                 raise ValueError("y_test needs a classifier; the model has a single output")
             return _rank_agreement(g.ravel(), d.ravel())
         pred_net = g.argmax(1)
-        pred_sur = (
-            self.classes_[d.argmax(1)]
-            if self.machine in ARGMAX_MACHINES
-            else self.machine_.predict(k)
-        )
+        pred_sur = self.classes_[self._predicted_columns(k)]
         result = {"label_agreement": float(np.mean(pred_net == pred_sur))}
         rows = np.arange(len(g))
         if d.shape[1] == g.shape[1]:

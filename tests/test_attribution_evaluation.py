@@ -178,6 +178,73 @@ def test_expected_calibration_error_on_a_hand_computed_case():
         expected_calibration_error(probs, labels, n_bins=0)
 
 
+def test_metrics_take_tensors_that_require_grad():
+    """The metrics take a model's outputs as they come (model(x).softmax(1) carries autograd
+    history): they failed in numpy() ("Can't call numpy() on Tensor that requires grad")."""
+    torch.manual_seed(0)
+    model, x, y = torch.nn.Linear(4, 3), torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
+    probs = model(x).softmax(1)
+    plain = probs.detach().numpy()
+    assert calibration_metrics(probs, y) == calibration_metrics(plain, y.numpy())
+    assert expected_calibration_error(probs, y) == expected_calibration_error(plain, y.numpy())
+    assert mislabel_auc(probs[:, 0], y > 0) == mislabel_auc(plain[:, 0], y.numpy() > 0)
+    scores, outputs, subsets = model(x).T, model(x)[:4], random_subsets(6, 4)  # [3, 6], [4, 3]
+    assert lds(scores, subsets, outputs) == lds(scores.detach(), subsets, outputs.detach())
+
+
+def test_calibration_checks_labels_and_probability_rows():
+    """Labels outside the classes were counted as wrong predictions by reliability and the ECE
+    (silently), 1-D probabilities of the positive class failed in scikit-learn ("The number of
+    classes in labels is different"), a row of zeros in NaN ("Input contains NaN")."""
+    probs = [[0.9, 0.1], [0.2, 0.8], [0.6, 0.4]]
+    for metric in (reliability, expected_calibration_error, calibration_metrics):
+        with pytest.raises(ValueError, match=r"labels holds labels outside 0\.\.1: 5 at sample 2"):
+            metric(probs, [0, 1, 5])
+        with pytest.raises(ValueError, match="integer class labels, got 0.5 at sample 1"):
+            metric(probs, [0, 0.5, 1])
+        with pytest.raises(ValueError, match=r"probs must be \[N, C\].*\[1 − p, p\]"):
+            metric([0.1, 0.8, 0.4], [0, 1, 1])
+    with pytest.raises(ValueError, match="probs row 1 sums to 0"):
+        calibration_metrics([[0.9, 0.1], [0.0, 0.0]], [0, 1])
+    assert calibration_metrics(probs, [0.0, 1.0, 0.0]) == calibration_metrics(probs, [0, 1, 0])
+
+
+def test_reliability_needs_rows_summing_to_one():
+    """Unnormalised scores were binned as confidences (2.0 clipped into the top bin), an ECE of
+    nothing; calibration_metrics renormalises its rows and is unaffected."""
+    for metric in (reliability, expected_calibration_error):
+        with pytest.raises(ValueError, match="summing to 1; row 1 sums to 2.5"):
+            metric([[0.9, 0.1], [2.0, 0.5]], [0, 0])
+    assert calibration_metrics([[0.9, 0.1], [2.0, 0.5]], [0, 0])["accuracy"] == 1.0
+
+
+def test_train_on_subsets_checks_its_counts():
+    """Fractional counts failed in range() ("'float' object cannot be interpreted as an
+    integer"), batch_size=0 or chunk=0 as "range() arg 3 must not be zero", and epochs=-1
+    returned untrained models."""
+    x, y, subsets = torch.randn(12, 4), torch.tensor([0, 1, 2] * 4), random_subsets(12, 3)
+    for setting, least in (
+        (dict(seeds=2.5), 1),
+        (dict(epochs=1.5), 0),
+        (dict(epochs=-1), 0),
+        (dict(batch_size=0), 1),
+        (dict(chunk=0), 1),
+    ):
+        ((name, value),) = setting.items()
+        with pytest.raises(ValueError, match=f"^{name} must be an integer ≥ {least}, got {value}"):
+            train_on_subsets(lambda: torch.nn.Linear(4, 3), x, y, subsets, **setting)
+
+
+def test_random_subsets_takes_integers_only():
+    """A float size or count failed inside torch ("zeros(): argument 'size' failed to unpack",
+    "zeros() takes 1 positional argument but 2 were given")."""
+    with pytest.raises(ValueError, match="n must be a non-negative integer.*got 10.0"):
+        random_subsets(10.0, 3)
+    with pytest.raises(ValueError, match="num_subsets must be an integer, at least 1, got 2.5"):
+        random_subsets(10, 2.5)
+    assert random_subsets(np.int64(10), np.int64(3)).shape == (3, 10)
+
+
 def test_train_on_subsets_with_a_module_registered_under_two_names():
     """A module reachable by two names (self.again = self.twice) and a weight tied across two
     modules: the stacked models train, and each one's outputs are those of the factory's model
@@ -198,7 +265,7 @@ def test_train_on_subsets_with_a_module_registered_under_two_names():
 
 
 def test_evaluation_inputs_found_by_fuzzing_are_refused_clearly():
-    with pytest.raises(ValueError, match="num_subsets must be at least 1"):
+    with pytest.raises(ValueError, match="num_subsets must be an integer, at least 1"):
         random_subsets(16, 0)
     subsets = random_subsets(16, 2)
     with pytest.raises(ValueError, match="needs at least 3"):

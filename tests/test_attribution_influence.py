@@ -1,6 +1,7 @@
 """influence(): each method against a direct parameter-space computation with explicit
 per-sample Jacobians; TRAK's averaging over models; error paths."""
 
+import copy
 import importlib
 import warnings
 
@@ -299,6 +300,97 @@ def test_model_untouched_and_errors(setup):
     # named the surrogate's machine and normalize, which influence does not take
     with pytest.raises(ValueError, match="method='surrogate' .* kind must be 'trace' or"):
         influence(model, x, y, xt, method="surrogate", kind="full")
+
+
+def test_checkpoint_modules_must_have_the_models_architecture(setup):
+    """A module checkpoint of another architecture was scored and averaged in silently (one with
+    4 outputs against the model's 3 gave scores); state dicts were already checked."""
+    model, x, y, xt, yt = setup
+    other = torch.nn.Sequential(torch.nn.Linear(x.shape[1], 4))
+    for method in ("auto", "trak", "ekfac"):
+        with pytest.raises(ValueError, match=r"checkpoints\[1\] is not a model of the model's"):
+            influence(model, x, y, xt, method=method, checkpoints=[model, other])
+    wider = copy.deepcopy(model)
+    last = [m for m in wider.modules() if isinstance(m, torch.nn.Linear)][-1]
+    last.weight = torch.nn.Parameter(torch.randn(last.out_features + 1, last.in_features))
+    with pytest.raises(ValueError, match=r"weight has shape \(\d+, \d+\), the model's"):
+        trak(model, x, y, xt, checkpoints=[wider], dim=None)
+
+
+def test_damping_is_refused_where_it_does_not_apply(setup):
+    """grad_dot and the surrogate have no damping: damping=0.5 was ignored without a word (the
+    same scores as damping='auto')."""
+    model, x, y, xt, yt = setup
+    for method in ("grad_dot", "surrogate"):
+        with pytest.raises(
+            ValueError, match=f"method='{method}' takes no damping.*got damping=0.5"
+        ):
+            influence(model, x, y, xt, method=method, damping=0.5)
+
+
+def test_infinite_damping_is_refused(setup):
+    """damping=inf gave TRAK scores of NaN (and the other methods zeros) without an error."""
+    model, x, y, xt, yt = setup
+    for method in ("trak", "auto", "ekfac"):
+        with pytest.raises(ValueError, match="damping must be .*finite.* got inf"):
+            influence(model, x, y, xt, method=method, damping=float("inf"))
+
+
+def test_a_single_logit_binary_classifier_is_named_not_its_labels():
+    """A binary classifier with one logit (BCEWithLogitsLoss) and labels 0/1 was told "y_train
+    holds labels outside 0..0: 1 at sample 1"; the model is what needs two outputs, and the
+    output_fn the message suggests gives its influence."""
+    torch.manual_seed(0)
+    logit = torch.nn.Linear(4, 1).double()
+    x, xt = torch.randn(8, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    y = torch.tensor([0, 1] * 4)
+    for method in ("auto", "trak", "ekfac", "grad_dot", "surrogate"):
+        with pytest.raises(ValueError, match=r"at least two outputs.*has 1 output \(a binary"):
+            influence(logit, x, y, xt, method=method)
+    scores = influence(logit, x, y, xt, output_fn=lambda z: torch.cat([torch.zeros_like(z), z], -1))
+    assert scores.shape == (3, 8) and bool(torch.isfinite(scores).all())
+
+
+class _TwoInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(3, 4), torch.nn.Linear(3, 4)
+        self.out = torch.nn.Linear(4, 3)
+
+    def forward(self, a, b):
+        return self.out(torch.tanh(self.a(a) + self.b(b)))
+
+
+def test_dict_inputs_are_joined_by_key():
+    """x_test with the keys of x_train in another order (e.g. attention_mask before input_ids):
+    the joint train + test kernel concatenated the dicts' values by position, so each test
+    sample's a was read as b (silently wrong scores when the shapes agree, a torch error when
+    they do not)."""
+    torch.manual_seed(0)
+    model = _TwoInputs().double()
+    x = {"a": torch.randn(8, 3, dtype=torch.float64), "b": torch.randn(8, 3, dtype=torch.float64)}
+    xt = {"a": torch.randn(3, 3, dtype=torch.float64), "b": torch.randn(3, 3, dtype=torch.float64)}
+    y = torch.tensor([0, 1, 2, 0, 1, 2, 1, 0])
+    swapped = {"b": xt["b"], "a": xt["a"]}
+    torch.testing.assert_close(influence(model, x, y, swapped), influence(model, x, y, xt))
+
+
+def test_inputs_of_another_structure_are_named_as_train_and_test():
+    """A dict x_test that lacks a key of x_train (a model with an optional input, such as an
+    attention mask) was refused as "x1 and x2 have different per-sample shapes"."""
+
+    class Optional(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+
+        def forward(self, a, b=None):
+            return self.lin(a if b is None else a * b)
+
+    torch.manual_seed(0)
+    x, xt = {"a": torch.randn(6, 3), "b": torch.ones(6, 3)}, {"a": torch.randn(2, 3)}
+    with pytest.raises(ValueError, match="^x_train and x_test have different per-sample shapes"):
+        influence(Optional(), x, torch.tensor([0, 1, 2] * 2), xt)
 
 
 def test_exact_kernels_are_sized_by_the_computation_device(setup, monkeypatch):

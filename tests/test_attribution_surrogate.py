@@ -10,6 +10,7 @@ from sklearn.kernel_ridge import KernelRidge
 
 import ntk
 from attribution import KernelSurrogate
+from attribution.surrogate import cancellation
 from ntk import demo
 
 
@@ -143,6 +144,67 @@ def test_proponents_and_opponents(trained):
     np.testing.assert_allclose(val, np.sort(c[:, :, 2], 1)[:, :3])
     with pytest.raises(ValueError, match="k must be"):
         s.proponents(xt[:2], k=0)
+
+
+def test_proponents_take_a_class_when_a_class_is_absent_from_the_labels():
+    """svm and logistic have a column per class among the training labels: with class 1 absent,
+    output=1 ranked the contributions to class 2 (column 1) silently and output=2 was refused."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    x, xt, y = torch.randn(12, 4), torch.randn(3, 4), torch.tensor([0, 2] * 6)
+    for machine in ("svm", "logistic"):
+        s = KernelSurrogate(model, machine=machine).fit(x, y)
+        assert s.classes_.tolist() == [0, 2]
+        _, val = s.proponents(xt, k=2, output=2)
+        np.testing.assert_allclose(val, -np.sort(-s.attribute(xt)[:, :, 1], 1)[:, :2])
+        for output in (1, 3, 0.5):
+            with pytest.raises(ValueError, match=r"output must be one of the surrogate's classes"):
+                s.opponents(xt, output=output)
+
+
+def test_svm_proponents_and_coherence_explain_its_prediction():
+    """SVC predicts by one-vs-one votes, which the argmax of its summed pair values (the decision
+    columns) need not match: proponents "of the predicted class" and coherence ranked another
+    class for 9 of these 30 test samples."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 4))
+    x, xt, y = torch.randn(20, 4), torch.randn(30, 4), torch.tensor([0, 1, 2, 3] * 5)
+    s = KernelSurrogate(model, machine="svm", alpha=0.1).fit(x, y)
+    predicted = s.predict(xt)
+    assert (s.decision_function(xt).argmax(1) != predicted).any()  # the case in question
+    c = s.attribute(xt)[np.arange(30), :, np.searchsorted(s.classes_, predicted)]
+    _, val = s.proponents(xt, k=3)
+    np.testing.assert_allclose(val, -np.sort(-c, 1)[:, :3])
+    np.testing.assert_allclose(s.coherence(xt)["cancellation"], cancellation(c))
+
+
+def test_representer_takes_no_alpha():
+    """The representer machine has no regularisation: alpha=5.0 or "cv" was ignored (the same
+    contributions as alpha=None)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    x, y = torch.randn(12, 4), torch.tensor([0, 1, 2] * 4)
+    for alpha in (5.0, "cv"):
+        with pytest.raises(ValueError, match="machine='representer' has no regularisation"):
+            KernelSurrogate(model, machine="representer", alpha=alpha).fit(x, y)
+
+
+def test_test_inputs_are_checked_against_the_training_inputs():
+    """One test sample without its sample axis, or none, was refused in the kernel's words
+    ("x1 and x2 have different per-sample shapes: () vs (4,)", "x1 holds no samples")."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    x, xt = torch.randn(8, 4), torch.randn(3, 4)
+    s = KernelSurrogate(model).fit(x, torch.tensor([0, 1, 2, 0, 1, 2, 1, 0]))
+    shapes = r"^{} and x_train have different per-sample shapes: \(\) vs \(4,\)"
+    for call in (s.attribute, s.influence, s.coherence, s.proponents):
+        with pytest.raises(ValueError, match=shapes.format("x_test")):
+            call(xt[0])
+    for call in (s.predict, s.decision_function):
+        with pytest.raises(ValueError, match=shapes.format("x")):
+            call(xt[0])
+    with pytest.raises(ValueError, match="^x_test holds no samples"):
+        s.attribute(xt[:0])
+    assert s.attribute(xt[:1]).shape == (1, 8, 3)
 
 
 def test_bad_input(trained):

@@ -383,6 +383,21 @@ def test_single_output_model_is_fitted_to_its_output():
         s.score(xt, np.zeros(9))
 
 
+def test_coherence_of_a_single_output_model_has_no_label_share():
+    """A single-output model has no classes: coherence gave label_share 1.0 for every test
+    sample (every training 'label' the argmax of one column, class 0) and took y_train."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    x, xt = torch.randn(12, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+    s = KernelSurrogate(model).fit(x)
+    got = s.coherence(xt)
+    assert set(got) == {"cancellation", "median_cancellation"}
+    c = s.attribute(xt)[:, :, 0]
+    np.testing.assert_allclose(got["cancellation"], np.abs(c).sum(1) / np.abs(c.sum(1)))
+    with pytest.raises(ValueError, match="y_train needs a classifier; the model has a single"):
+        s.coherence(xt, np.zeros(12))
+
+
 def test_classification_machine_with_one_predicted_class_is_refused(small):
     model, x, _ = small
     shifted = nn.Sequential(model, _Shift())

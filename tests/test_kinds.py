@@ -83,3 +83,25 @@ def test_projected_per_layer_false_is_the_sum_of_the_layers():
     assert rel_err(total, parts["fc1"] + parts["head"]) <= 1e-12
     k = projections.projected_ntk(model, x1, dim=16, layers=["fc1"], per_layer=False, seed=2)
     assert rel_err(k, torch.einsum("iok,jok->ij", parts["fc1"], parts["fc1"])) <= 1e-12
+
+
+def test_labels_for_a_single_output_model_name_the_one_logit_remedy():
+    """0/1 labels for a one-logit binary classifier were refused as labels only ("y holds labels
+    outside 0..0: 1 at sample 1 (the model has 1 output)", by sample_interactions, KernelSurrogate,
+    layer_importance, train_on_subsets); the message now says how to give it a score per class."""
+    from attribution import KernelSurrogate, sample_interactions
+
+    with pytest.raises(
+        ValueError, match=r"outside 0\.\.0: 1 at sample 1 \(the model has 1 output;"
+    ):
+        kinds.class_labels(torch.tensor([0, 1, 0]), 3, 1, "y")
+    torch.manual_seed(0)
+    model, x, y = torch.nn.Linear(4, 1), torch.randn(6, 4), torch.tensor([0, 1] * 3)
+    for call in (
+        lambda: sample_interactions(model, x, y),
+        lambda: KernelSurrogate(model).fit(x, y),
+    ):
+        with pytest.raises(ValueError, match=r"one logit z .*output_fn=lambda z: torch\.cat"):
+            call()
+    with_classes = lambda z: torch.cat([torch.zeros_like(z), z], -1)  # noqa: E731
+    assert sample_interactions(model, x, y, output_fn=with_classes)["support"].shape == (6,)

@@ -93,17 +93,21 @@ def signature(x: Inputs) -> Any:
     return tuple(tuple(v.shape[1:]) for v in x)
 
 
-def check_compatible(x1: Inputs, x2: Inputs) -> None:
+def check_compatible(x1: Inputs, x2: Inputs, names: tuple[str, str] = ("x1", "x2")) -> None:
+    """Refuse x1 and x2 (named `names` in the error) unless they have the same structure and
+    per-sample shapes."""
     s1, s2 = signature(x1), signature(x2)
     if type(x1) is not type(x2) and not (
         isinstance(x1, (tuple, list)) and isinstance(x2, (tuple, list))
     ):
         raise ValueError(
-            f"x1 and x2 must have the same structure, got {type(x1).__name__} and "
-            f"{type(x2).__name__}"
+            f"{names[0]} and {names[1]} must have the same structure, got {type(x1).__name__} "
+            f"and {type(x2).__name__}"
         )
     if s1 != s2:
-        raise ValueError(f"x1 and x2 have different per-sample shapes: {s1} vs {s2}")
+        raise ValueError(
+            f"{names[0]} and {names[1]} have different per-sample shapes: {s1} vs {s2}"
+        )
 
 
 def count(x: Inputs) -> int:
@@ -119,15 +123,14 @@ def take(x: Inputs, index: slice | torch.Tensor) -> Inputs:
     return tuple(v[index] for v in x)
 
 
-def cat(x1: Inputs, x2: Inputs) -> Inputs:
-    """The samples of x1 followed by those of x2 (same structure; x2 moved to x1's devices)."""
-    check_compatible(x1, x2)
-    joined = [torch.cat([a, b.to(a.device)]) for a, b in zip(_leaves(x1), _leaves(x2))]
-    if isinstance(x1, torch.Tensor):
-        return joined[0]
+def cat(x1: Inputs, x2: Inputs, names: tuple[str, str] = ("x1", "x2")) -> Inputs:
+    """The samples of x1 followed by those of x2 (same structure, checked under `names`; x2 moved
+    to x1's devices; dicts joined by key, whatever their order)."""
+    check_compatible(x1, x2, names)
     if isinstance(x1, dict):
-        return dict(zip(x1, joined))
-    return tuple(joined)
+        return {k: torch.cat([a, x2[k].to(a.device)]) for k, a in x1.items()}
+    joined = [torch.cat([a, b.to(a.device)]) for a, b in zip(_leaves(x1), _leaves(x2))]
+    return joined[0] if isinstance(x1, torch.Tensor) else tuple(joined)
 
 
 def convert(x: Inputs, device: torch.device, dtype: torch.dtype | None) -> Inputs:

@@ -279,6 +279,13 @@ def rows(cot: torch.Tensor, index) -> torch.Tensor:
     return cot if cot.dim() == 2 else cot[:, index]
 
 
+# How a binary classifier with one logit (BCEWithLogitsLoss) gets an output per class.
+ONE_LOGIT = (
+    "a binary classifier with one logit z has the class scores "
+    "output_fn=lambda z: torch.cat([torch.zeros_like(z), z], -1)"
+)
+
+
 def class_labels(y, n: int, num_outputs: int | None, name: str = "y") -> torch.Tensor:
     """Class labels (a tensor, numpy array or list of integers, or of integral floats) as a long
     tensor [n] in 0..num_outputs−1, refused otherwise with an error naming `name` (the caller's
@@ -311,8 +318,9 @@ def class_labels(y, n: int, num_outputs: int | None, name: str = "y") -> torch.T
     bad = (y < 0) | (y >= num_outputs)
     if bool(bad.any()):
         i = int(bad.nonzero()[0])
+        outputs = f"{num_outputs} outputs" if num_outputs != 1 else f"1 output; {ONE_LOGIT}"
         raise ValueError(
             f"{name} holds labels outside 0..{num_outputs - 1}: {int(y[i])} at sample {i} (the "
-            f"model has {num_outputs} output{'s' if num_outputs != 1 else ''})"
+            f"model has {outputs})"
         )
     return y
