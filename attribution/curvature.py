@@ -159,12 +159,13 @@ class KroneckerCurvature:
 
     # -- per-batch gradients -----------------------------------------------------------------
 
-    def _terms(self, x, cot: torch.Tensor) -> dict[tuple[str, str], tuple]:
+    def _terms(self, x, cot: torch.Tensor, name: str | None = None) -> dict[tuple[str, str], tuple]:
         """Per-block derivatives of a batch for cotangents cot [C, B, O]: ("kron", layer) →
-        (a [B, S, F_in], δ [C, B, S, F_out]) and ("dense", layer) → g [C, B, P]."""
+        (a [B, S, F_in], δ [C, B, S, F_out]) and ("dense", layer) → g [C, B, P]. name: check the
+        forward pass as the argument `name` (`structured.features`)."""
         out: dict[tuple[str, str], tuple] = {}
         dense: dict[str, list[torch.Tensor]] = {}
-        for t in structured.features(self.view, self.plan, x, cot):
+        for t in structured.features(self.view, self.plan, x, cot, name):
             if isinstance(t, structured.Factored):
                 a = t.a
                 if t.index:  # an embedding: one-hot inputs
@@ -307,7 +308,7 @@ class KroneckerCurvature:
         o = self.num_outputs
         b = inputs.count(x)
         eye = torch.eye(o, dtype=self._dtype, device=self.view.device)
-        terms = self._terms(x, eye[:, None, :].expand(o, b, o))
+        terms = self._terms(x, eye[:, None, :].expand(o, b, o), "x")  # new inputs: checked
         out = []
         for key, block in self.blocks.items():
             if isinstance(block, _Kronecker):

@@ -10,7 +10,7 @@ from torch import nn
 
 from ntk.core import inputs
 from ntk.core.kinds import class_labels  # checked in the core: lpntk needs them too
-from ntk.core.model import ModelView, copy_module
+from ntk.core.model import ModelView, check_output_rows, copy_module
 
 
 def labels(y, n: int, num_outputs: int, name: str = "y") -> torch.Tensor:
@@ -33,15 +33,13 @@ def logits(
     x = inputs.from_numpy(x, name)
     n = inputs.validate(x, name)
     x = inputs.convert(x, view.device, None)
+    out = []
     with torch.no_grad():
-        out = [
-            view.forward_checked(inputs.take(x, slice(s, s + batch_size)), name)
-            for s in range(0, n, batch_size)
-        ]
-    out = torch.cat(out)
-    if not bool(torch.isfinite(out).all()):
-        raise ValueError(f"the model produced non-finite outputs (NaN or inf) on {name}")
-    return out.to(device="cpu", dtype=torch.float64)
+        for s in range(0, n, batch_size):
+            block = view.forward_checked(inputs.take(x, slice(s, s + batch_size)), name)
+            check_output_rows(block, min(batch_size, n - s), name)
+            out.append(block)
+    return torch.cat(out).to(device="cpu", dtype=torch.float64)
 
 
 def _check_classes(g: torch.Tensor) -> None:

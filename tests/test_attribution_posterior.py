@@ -313,6 +313,21 @@ def test_bad_input(small_classifier):
         NTKPosterior("not a model").fit(x, y)
 
 
+@pytest.mark.parametrize("curvature", ["exact", "ekfac"])
+def test_a_sample_without_its_sample_axis_is_refused(small_classifier, curvature):
+    """x_test[0] ([8], no sample axis) is 8 samples to the library, and the MLP maps it to 3
+    outputs: predict returned those as 3 predictions of one output, silently."""
+    model, x, y, xt, _ = small_classifier
+    post = NTKPosterior(model, curvature=curvature).fit(x, y)
+    regression = NTKPosterior(model, curvature=curvature, likelihood="regression")
+    regression.fit(x, torch.randn(len(x), 3, dtype=torch.float64))
+    for predict in (post.predict_proba, post.predict, regression.predict):
+        with pytest.raises(ValueError, match="3 output rows for the 8 samples of x"):
+            predict(xt[0])
+    with pytest.raises(ValueError, match="per-sample shape"):
+        post.predict_variance(xt[0])
+
+
 def test_output_fn_maps_the_models_output_to_the_logits(small_classifier):
     model, x, y, xt, _ = small_classifier
     plain = NTKPosterior(model, prior_precision=1.0).fit(x, y)
