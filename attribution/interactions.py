@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 import ntk
+from ntk.core.memory import check_size
 
 from .outputs import labels, logits
 
@@ -57,10 +58,7 @@ def sample_interactions(
     exact lpNTK, else the Gram matrix of `projections.features(kind="lpntk")` of that dimension
     (seeded by `seed`). output_fn and dtype as in `ntk.empirical_ntk`. The model is never
     modified."""
-    if projection_dim is not None and not (isinstance(projection_dim, int) and projection_dim > 0):
-        raise ValueError(
-            f"projection_dim must be a positive integer or None, got {projection_dim!r}"
-        )
+    projection_dim = check_size(projection_dim, "projection_dim", optional=True)
     g = logits(model, x, output_fn=output_fn, name="x")
     n, o = g.shape
     if n < 2:
