@@ -279,7 +279,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             self.classes_ = np.arange(o)
         else:
             self.flat_targets_ = np.ndim(y_train) == 1  # predict then returns [N], as sklearn's
-            y = _targets(y_train, n, o)
+            y = _targets(y_train, n, o, "y_train")
             rss = float(((y - g) ** 2).sum())
             # noise and prior from the evidence together: the system is fitted at unit noise
             joint = self.noise == "auto" and self.prior_precision in PRIORS
@@ -538,7 +538,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         y_val = (
             labels(y_val, m, o, "y_val")
             if self.likelihood == "classification"
-            else _targets(y_val, m, o)
+            else _targets(y_val, m, o, "y_val")
         )
         if a is None:
             covariance = self.kronecker_.covariance_function(x_val)
@@ -724,9 +724,13 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         if self.likelihood == "classification":
             y = labels(y, n, o, "y")
         else:
-            y = _targets(y, n, o)
+            y = _targets(y, n, o, "y")
         logp = self._log_density(mean, cov, y)
         w = None if sample_weight is None else np.asarray(sample_weight, dtype=float)
+        if w is not None and w.shape != (n,):
+            raise ValueError(
+                f"sample_weight must hold one weight per sample, shape ({n},), got {w.shape}"
+            )
         return float(np.average(logp.numpy(), weights=w))
 
     def _log_density(self, mean: torch.Tensor, cov: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -771,15 +775,18 @@ def _grid_then_brent(f, lo: float, hi: float) -> float:
     return float(found.x if found.fun <= values[best] else grid[best])
 
 
-def _targets(y, n: int, o: int) -> torch.Tensor:
-    """Regression targets as float64 [n, o] ([n] allowed for a single output)."""
-    y = torch.as_tensor(y).to(device="cpu", dtype=torch.float64)
+def _targets(y, n: int, o: int, name: str) -> torch.Tensor:
+    """Regression targets as float64 [n, o] ([n] allowed for a single output); `name` names
+    the argument in errors."""
+    y = inputs.targets(y, name).to(device="cpu", dtype=torch.float64)
     if y.dim() == 1 and o == 1:
         y = y[:, None]
     if tuple(y.shape) != (n, o):
-        raise ValueError(f"regression targets must have shape [{n}, {o}], got {tuple(y.shape)}")
+        raise ValueError(
+            f"{name}: regression targets must have shape [{n}, {o}], got {tuple(y.shape)}"
+        )
     if not bool(torch.isfinite(y).all()):
-        raise ValueError("regression targets must be finite")
+        raise ValueError(f"{name}: regression targets must be finite")
     return y
 
 

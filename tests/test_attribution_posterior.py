@@ -328,6 +328,25 @@ def test_a_sample_without_its_sample_axis_is_refused(small_classifier, curvature
         post.predict_variance(xt[0])
 
 
+def test_bad_targets_and_weights_are_named(small_classifier):
+    """Regression targets of strings raised torch's "can't convert np.ndarray of type
+    numpy.str_", a sample_weight of the wrong length numpy's "Axis must be specified"."""
+    model, x, y, xt, yt = small_classifier
+    regression = NTKPosterior(model, likelihood="regression", prior_precision=1.0)
+    with pytest.raises(TypeError, match="y_train must hold numbers"):
+        regression.fit(x, np.array([["a", "b", "c"]] * len(x)))
+    regression.fit(x, torch.randn(len(x), 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"y: regression targets must have shape \[8, 3\]"):
+        regression.score(xt, torch.zeros(len(xt)))
+    post = NTKPosterior(model).fit(x, y)
+    with pytest.raises(ValueError, match=r"sample_weight must hold one weight per sample"):
+        post.score(xt, yt, sample_weight=[1.0, 2.0])
+    weights = np.arange(1.0, len(xt) + 1)
+    assert post.score(xt, yt, sample_weight=weights) == pytest.approx(
+        np.average(np.log(post.predict_proba(xt)[np.arange(len(xt)), yt.numpy()]), weights=weights)
+    )
+
+
 def test_output_fn_maps_the_models_output_to_the_logits(small_classifier):
     model, x, y, xt, _ = small_classifier
     plain = NTKPosterior(model, prior_precision=1.0).fit(x, y)
