@@ -240,8 +240,10 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
 
     def _inputs(self, x):
         """numpy arrays, alone or in a tuple/dict, as tensors (floating ones in the model's
-        parameter dtype)."""
-        return inputs.from_numpy(x, "x", next(self.model.parameters()).dtype)
+        parameter dtype; left as they are for a model without parameters, which `logits` refuses
+        naming the problem)."""
+        first = next(self.model.parameters(), None)
+        return inputs.from_numpy(x, "x", None if first is None else first.dtype)
 
     def _opts(self) -> dict:
         return dict(

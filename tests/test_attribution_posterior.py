@@ -347,6 +347,18 @@ def test_bad_targets_and_weights_are_named(small_classifier):
     )
 
 
+@pytest.mark.parametrize("curvature", ["exact", "ekfac"])
+def test_a_model_without_parameters_is_named(small_classifier, curvature):
+    """A model with no parameters at all raised a bare StopIteration (the inputs' dtype was read
+    from its first parameter)."""
+    _, x, y, _, _ = small_classifier
+    post = NTKPosterior(nn.Softmax(-1), curvature=curvature)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        post.fit(x[:, :3], y)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        post.fit(x[:, :3].numpy(), y)
+
+
 def test_output_fn_maps_the_models_output_to_the_logits(small_classifier):
     model, x, y, xt, _ = small_classifier
     plain = NTKPosterior(model, prior_precision=1.0).fit(x, y)
