@@ -238,12 +238,12 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         Kronecker-factored curvatures need."""
         return self.kind == "full" and self.projection_dim is None
 
-    def _inputs(self, x):
+    def _inputs(self, x, name: str = "x"):
         """numpy arrays, alone or in a tuple/dict, as tensors (floating ones in the model's
         parameter dtype; left as they are for a model without parameters, which `logits` refuses
-        naming the problem)."""
+        naming the problem); `name` names the argument in errors."""
         first = next(self.model.parameters(), None)
-        return inputs.from_numpy(x, "x", None if first is None else first.dtype)
+        return inputs.from_numpy(x, name, None if first is None else first.dtype)
 
     def _opts(self) -> dict:
         return dict(
@@ -265,7 +265,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         prior_precision="auto" δ then minimises their negative log predictive density instead
         of keeping EFFECTIVE_PARAMETERS effective parameters (module docstring)."""
         self._check_params()
-        x_train = self._inputs(x_train)
+        x_train = self._inputs(x_train, "x_train")
         self.output_fn_ = self.output_fn
         g = logits(self.model, x_train, output_fn=self.output_fn_, name="x_train")
         n, o = g.shape
@@ -534,8 +534,8 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         if not self.sq_norm_ > 0:
             raise ValueError("prior_precision='auto' needs trainable parameters with nonzero norm")
         x_val, y_val = validation
-        x_val = self._inputs(x_val)
-        mean = self._mean(x_val)
+        x_val = self._inputs(x_val, "x_val")
+        mean = self._mean(x_val, "x_val")
         m, o = mean.shape
         y_val = (
             labels(y_val, m, o, "y_val")
@@ -673,8 +673,8 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             blocks.append(torch.cat([jac[n] for n in names], -1).transpose(0, 1).cpu())
         return torch.cat(blocks)
 
-    def _mean(self, x) -> torch.Tensor:
-        return logits(self.model, self._inputs(x), output_fn=self.output_fn_, name="x")
+    def _mean(self, x, name: str = "x") -> torch.Tensor:
+        return logits(self.model, self._inputs(x, name), output_fn=self.output_fn_, name=name)
 
     def predict_proba(self, x) -> np.ndarray:
         """Predictive class probabilities [N, O] through `link`."""

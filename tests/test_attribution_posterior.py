@@ -359,6 +359,22 @@ def test_a_model_without_parameters_is_named(small_classifier, curvature):
         post.fit(x[:, :3].numpy(), y)
 
 
+@pytest.mark.parametrize("curvature", ["exact", "ekfac"])
+def test_validation_and_training_inputs_are_named(small_classifier, curvature):
+    """Errors in the validation inputs named `x` (the inputs of predict), as did a numpy
+    x_train of strings."""
+    model, x, y, xt, yt = small_classifier
+    post = NTKPosterior(model, curvature=curvature)
+    with pytest.raises(ValueError, match="x_val contains non-finite"):
+        post.fit(x, y, validation=(xt * np.nan, yt))
+    with pytest.raises(ValueError, match="x_val: the model failed"):
+        post.fit(x, y, validation=(xt[:, :5], yt))
+    with pytest.raises(TypeError, match="x_val holds a numpy array"):
+        post.fit(x, y, validation=(np.full(tuple(xt.shape), "a"), yt))
+    with pytest.raises(TypeError, match="x_train holds a numpy array"):
+        post.fit(np.full(tuple(x.shape), "a"), y)
+
+
 def test_output_fn_maps_the_models_output_to_the_logits(small_classifier):
     model, x, y, xt, _ = small_classifier
     plain = NTKPosterior(model, prior_precision=1.0).fit(x, y)
