@@ -33,9 +33,10 @@ import torch
 from torch import nn
 
 import ntk
+from ntk.core import kinds
 from ntk.core.memory import check_size
 
-from .outputs import labels, logits
+from .outputs import logits
 
 
 def sample_interactions(
@@ -63,7 +64,7 @@ def sample_interactions(
     n, o = g.shape
     if n < 2:
         raise ValueError(f"sample interactions need at least 2 samples, got {n}")
-    y = labels(y, n, o, "y")
+    y = kinds.get("lpntk").check_labels(y, n, o, "y").cpu()  # a classifier's labels
     opts = dict(batch_size=batch_size, device=device, output_fn=output_fn, dtype=dtype)
     if projection_dim is None:
         k = ntk.empirical_ntk(model, x, kind="lpntk", labels=y, **opts)

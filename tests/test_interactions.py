@@ -98,3 +98,13 @@ def test_projection_dim_may_be_a_numpy_integer():
     np.testing.assert_array_equal(got["kernel"], expected["kernel"])
     with pytest.raises(ValueError, match="projection_dim must be a positive integer"):
         sample_interactions(model, x, y, projection_dim=True)
+
+
+def test_a_one_output_model_is_named_as_such():
+    """A binary classifier with one logit: labels 0/1 were refused as "labels outside 0..0",
+    labels all 0 as lpNTK's "at least two outputs"; now that, whatever the labels."""
+    model = _mlp(1)
+    x = torch.randn(6, 5)
+    for y in (torch.tensor([0, 1, 1, 0, 1, 0]), torch.zeros(6, dtype=torch.long)):
+        with pytest.raises(ValueError, match="at least two outputs"):
+            sample_interactions(model, x, y)
