@@ -591,7 +591,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
     def predict_variance(self, x, diagonal: bool = False) -> np.ndarray:
         """Posterior covariance of the outputs Σ(x) [N, O, O], or its diagonal [N, O]."""
         check_is_fitted(self, "factor_")
-        cov = self._covariance(x)
+        cov = self._predictive(x)[1]
         return (cov.diagonal(dim1=1, dim2=2) if diagonal else cov).numpy()
 
     def _covariance(self, x) -> torch.Tensor:
@@ -673,13 +673,19 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             blocks.append(torch.cat([jac[n] for n in names], -1).transpose(0, 1).cpu())
         return torch.cat(blocks)
 
+    def _predictive(self, x) -> tuple[torch.Tensor, torch.Tensor]:
+        """The posterior mean f_θ*(x) [N, O] and covariance Σ(x) [N, O, O]: the mean first, whose
+        checked forward pass names `x` when the model fails on it (the kernels name it x1)."""
+        x = self._inputs(x)
+        return self._mean(x), self._covariance(x)
+
     def _mean(self, x, name: str = "x") -> torch.Tensor:
         return logits(self.model, self._inputs(x, name), output_fn=self.output_fn_, name=name)
 
     def predict_proba(self, x) -> np.ndarray:
         """Predictive class probabilities [N, O] through `link`."""
         self._check_classification("predict_proba")
-        return self._proba(self._mean(x), self._covariance(x)).numpy()
+        return self._proba(*self._predictive(x)).numpy()
 
     def _proba(self, mean: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
         if self.link == "mc":
@@ -709,7 +715,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         "mutual_information" between the label and the outputs, H[E p] − E[H[p]] over
         `mc_samples` draws (the epistemic part)."""
         self._check_classification("uncertainty")
-        mean, cov = self._mean(x), self._covariance(x)
+        mean, cov = self._predictive(x)
         p = self._proba(mean, cov)
         draws = self._samples(mean, cov).log_softmax(-1)
         expected = -(draws.exp() * draws).sum(-1).mean(0)
@@ -721,7 +727,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         """Mean log predictive density of y (higher is better): log p(y | x) through `link`
         (classification), or log N(y; f_θ*(x), Σ(x) + σ²I) (regression)."""
         check_is_fitted(self, "factor_")
-        mean, cov = self._mean(x), self._covariance(x)
+        mean, cov = self._predictive(x)
         n, o = mean.shape
         if self.likelihood == "classification":
             y = labels(y, n, o, "y")

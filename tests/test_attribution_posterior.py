@@ -321,11 +321,22 @@ def test_a_sample_without_its_sample_axis_is_refused(small_classifier, curvature
     post = NTKPosterior(model, curvature=curvature).fit(x, y)
     regression = NTKPosterior(model, curvature=curvature, likelihood="regression")
     regression.fit(x, torch.randn(len(x), 3, dtype=torch.float64))
-    for predict in (post.predict_proba, post.predict, regression.predict):
+    for predict in (post.predict_proba, post.predict, regression.predict, post.predict_variance):
         with pytest.raises(ValueError, match="3 output rows for the 8 samples of x"):
             predict(xt[0])
-    with pytest.raises(ValueError, match="per-sample shape"):
-        post.predict_variance(xt[0])
+
+
+@pytest.mark.parametrize("curvature", ["exact", "ekfac"])
+def test_predict_variance_names_its_argument(small_classifier, curvature):
+    """The exact posterior's covariance named the test inputs x1 (the kernel's argument) when the
+    model failed on them (a float32 x for the float64 model, too few features); the mean's
+    checked forward pass now runs first."""
+    model, x, y, xt, _ = small_classifier
+    post = NTKPosterior(model, curvature=curvature).fit(x, y)
+    for bad in (xt.float(), xt[:, :5]):
+        for predict in (post.predict_variance, post.predict_proba, post.uncertainty):
+            with pytest.raises(ValueError, match="^x: the model failed"):
+                predict(bad)
 
 
 def test_bad_targets_and_weights_are_named(small_classifier):
