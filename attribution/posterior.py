@@ -289,8 +289,14 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
                 noise = 1.0
             else:
                 noise = rss / (n * o) if self.noise == "auto" else float(self.noise)
-            if not noise > 0:
-                raise ValueError("the model fits the targets exactly; pass noise > 0")
+            if self.noise == "auto" and validation is None and not rss > 0:
+                # σ² from the training residual, or the evidence's σ², which then runs to the
+                # bottom of its search range
+                raise ValueError(
+                    "the model fits the targets exactly (zero training residual), so "
+                    "noise='auto' has no residual to estimate it from; pass noise > 0 or "
+                    "validation data"
+                )
             root = torch.eye(o, dtype=torch.float64).expand(n, o, o) / math.sqrt(noise)
             self._set_noise(noise, rss, n * o)
         self.n_outputs_, self.x_train_, self.root_ = o, x_train, root

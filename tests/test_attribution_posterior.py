@@ -386,6 +386,23 @@ def test_validation_and_training_inputs_are_named(small_classifier, curvature):
         post.fit(np.full(tuple(x.shape), "a"), y)
 
 
+@pytest.mark.parametrize("curvature", ["exact", "ekfac"])
+def test_targets_fitted_exactly_need_a_noise(small_classifier, curvature):
+    """Targets the network fits exactly (its own outputs): with the default prior the joint
+    evidence put σ² at the bottom of its search range (1e-10), silently, where a numeric prior
+    already refused them; a given noise, or validation data, is used."""
+    model, x, _, xt, _ = small_classifier
+    with torch.no_grad():
+        own, own_test = model(x), model(xt) + 0.1
+    for prior in ("auto", "evidence", 1.0):
+        post = NTKPosterior(model, likelihood="regression", curvature=curvature)
+        with pytest.raises(ValueError, match="fits the targets exactly"):
+            post.set_params(prior_precision=prior).fit(x, own)
+        assert post.set_params(noise=0.1).fit(x, own).noise_ == 0.1
+    post = NTKPosterior(model, likelihood="regression", curvature=curvature)
+    assert post.fit(x, own, validation=(xt, own_test)).noise_ > 1e-4
+
+
 def test_output_fn_maps_the_models_output_to_the_logits(small_classifier):
     model, x, y, xt, _ = small_classifier
     plain = NTKPosterior(model, prior_precision=1.0).fit(x, y)
