@@ -299,7 +299,8 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
                 )
             root = torch.eye(o, dtype=torch.float64).expand(n, o, o) / math.sqrt(noise)
             self._set_noise(noise, rss, n * o)
-        self.n_outputs_, self.x_train_, self.root_ = o, x_train, root
+        # a copy: the kernel form compares new inputs with these at every prediction
+        self.n_outputs_, self.x_train_, self.root_ = o, inputs.clone(x_train), root
         a = self._fit_curvature(x_train, root)
         self.sq_norm_ = sum(
             float(p.detach().double().pow(2).sum())

@@ -403,6 +403,18 @@ def test_targets_fitted_exactly_need_a_noise(small_classifier, curvature):
     assert post.fit(x, own, validation=(xt, own_test)).noise_ > 1e-4
 
 
+def test_changing_the_training_array_after_fit_changes_nothing(small_classifier):
+    """The posterior kept the caller's training array (a numpy array shared its memory), and its
+    kernel form compares new inputs with it at every prediction: standardising the array in
+    place after fit changed the predictive covariance silently."""
+    model, x, y, xt, _ = small_classifier
+    for x_train in (x.numpy().copy(), x.clone()):
+        post = NTKPosterior(model, prior_precision=0.5).fit(x_train, y)
+        before = post.predict_variance(xt)
+        x_train *= 2
+        np.testing.assert_array_equal(post.predict_variance(xt), before)
+
+
 def test_output_fn_maps_the_models_output_to_the_logits(small_classifier):
     model, x, y, xt, _ = small_classifier
     plain = NTKPosterior(model, prior_precision=1.0).fit(x, y)

@@ -147,6 +147,16 @@ def convert(x: Inputs, device: torch.device, dtype: torch.dtype | None) -> Input
     return tuple(one(v) for v in x)
 
 
+def clone(x: Inputs) -> Inputs:
+    """A detached copy of every tensor: the inputs an estimator keeps (its training set) do not
+    change when the caller changes the arrays or tensors it passed in place afterwards."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, dict):
+        return {k: v.detach().clone() for k, v in x.items()}
+    return tuple(v.detach().clone() for v in x)
+
+
 def as_call(x: Inputs) -> tuple[tuple, dict]:
     """Positional and keyword arguments for `model(*args, **kwargs)`."""
     if isinstance(x, torch.Tensor):
