@@ -704,7 +704,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
 
     def _samples(self, mean: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
         """`mc_samples` draws of the outputs [S, N, O] (seeded by `seed`)."""
-        gen = torch.Generator().manual_seed(self.seed)
+        gen = torch.Generator().manual_seed(int(self.seed))  # numpy integers too
         eps = torch.randn(self.mc_samples, *mean.shape, generator=gen, dtype=torch.float64)
         return mean + torch.einsum("npq,snq->snp", psd_root(cov), eps)
 

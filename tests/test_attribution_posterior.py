@@ -415,6 +415,18 @@ def test_changing_the_training_array_after_fit_changes_nothing(small_classifier)
         np.testing.assert_array_equal(post.predict_variance(xt), before)
 
 
+def test_a_numpy_integer_seed_draws_the_monte_carlo_samples(small_classifier):
+    """seed=np.int64(3) passes the parameter check (an Integral) but torch.Generator.manual_seed
+    raised "TypeError: an integer is required" in predict_proba (link="mc") and uncertainty."""
+    model, x, y, xt, _ = small_classifier
+    options = dict(link="mc", mc_samples=50, prior_precision=1.0)
+    expected = NTKPosterior(model, seed=3, **options).fit(x, y)
+    post = NTKPosterior(model, seed=np.int64(3), **options).fit(x, y)
+    np.testing.assert_array_equal(post.predict_proba(xt), expected.predict_proba(xt))
+    got, want = post.uncertainty(xt), expected.uncertainty(xt)
+    np.testing.assert_array_equal(got["mutual_information"], want["mutual_information"])
+
+
 def test_output_fn_maps_the_models_output_to_the_logits(small_classifier):
     model, x, y, xt, _ = small_classifier
     plain = NTKPosterior(model, prior_precision=1.0).fit(x, y)
