@@ -37,9 +37,11 @@ import torch.nn.functional as F
 from ntk.core import inputs, structured
 from ntk.core.memory import available_bytes, check_size
 from ntk.core.model import ModelView, check_eval_mode
+from ntk.empirical import check_outputs
 
 STRATEGIES = ("kfac", "ekfac")
 MAX_DENSE = 8192  # most parameters of a block without Kronecker structure (kept dense)
+PROBE = 4  # training samples whose outputs are checked to be neither random nor batch-dependent
 
 
 class UnfactorableModelError(ValueError):
@@ -237,6 +239,9 @@ class KroneckerCurvature:
             )
         self._dtype = next(iter(self.view.params.values())).dtype
         x = inputs.convert(x, self.view.device, self.dtype)
+        # as the kernels do: a functional dropout or a statistic over the batch in forward
+        # would make every per-sample term below depend on the draw or on the batch
+        check_outputs(self.view, [inputs.take(x, slice(0, PROBE))], ["x_train"])
         cot = roots.permute(2, 0, 1).to(self.view.device, self._dtype)  # [C, N, O]
         self.plan = structured.plan(self.view, x, "full", roots.shape[1], 1, factor_all=True)
         self.num_train, self.num_outputs = n, roots.shape[1]

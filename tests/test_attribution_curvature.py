@@ -217,3 +217,44 @@ def test_output_fn_reaches_the_factored_curvature(mlp, method):
         DictOutput(model), x, y, xt, yt, method=method, output_fn=lambda out: out["logits"]
     )
     torch.testing.assert_close(mapped, plain, rtol=1e-10, atol=1e-12)
+
+class _FunctionalDropout(nn.Module):
+    """A dropout the eval-mode check cannot see (F.dropout with training=True in forward)."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(nn.functional.dropout(x, 0.5, training=True))
+
+
+class _CentredOverTheBatch(nn.Module):
+    """Outputs centred over the batch in forward: each depends on the other samples."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        out = self.net(x)
+        return out - out.mean(0, keepdim=True)
+
+
+@pytest.mark.parametrize(
+    "wrap, message",
+    [(_FunctionalDropout, "output is random"), (_CentredOverTheBatch, "depends on the rest")],
+)
+def test_random_or_batch_dependent_outputs_are_refused(mlp, wrap, message):
+    """The kernels refuse such models; the factored curvature (the default of NTKPosterior)
+    fitted one silently, on a random draw or on the batches it happened to form."""
+    from attribution import NTKPosterior
+
+    model, x, y, xt, yt = mlp
+    bad = wrap(model).eval()
+    with pytest.raises(ValueError, match=message):
+        influence(bad, x, y, xt, yt, method="ekfac")
+    with pytest.raises(ValueError, match=message):
+        NTKPosterior(bad).fit(x, y)
+    with pytest.raises(ValueError, match=message):
+        KroneckerCurvature(bad).fit(x, torch.zeros(len(x), O, dtype=torch.float64))
