@@ -550,7 +550,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             else _targets(y_val, m, o, "y_val")
         )
         if a is None:
-            covariance = self.kronecker_.covariance_function(x_val)
+            covariance = self.kronecker_.covariance_function(x_val, "x_val")
         else:
             covariance = self._spectral_covariance(a, x_val)[1]
 

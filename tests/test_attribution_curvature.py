@@ -10,7 +10,7 @@ from models import DictOutput
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
-from attribution import influence
+from attribution import NTKPosterior, influence
 from attribution.curvature import MAX_DENSE, KroneckerCurvature
 
 O = 3
@@ -207,6 +207,39 @@ def test_bad_inputs(mlp):
         influence(wide.double().eval(), x[:4], y[:4], xt, yt, method="ekfac")
 
 
+class _Sqrt(nn.Module):
+    """√|Wx| with W's bias zero: the gradient is infinite at x = 0 while the output is finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 4), nn.Linear(4, O)
+        with torch.no_grad():
+            self.a.bias.zero_()
+
+    def forward(self, x):
+        return self.b(self.a(x).abs().sqrt())
+
+
+def test_non_finite_gradients_of_new_inputs_are_refused(mlp):
+    """A test input whose Jacobian is not finite gave NaN rows in influence(method="ekfac") and
+    in the EK-FAC posterior's variance and probabilities, silently (the exact paths refuse it)."""
+    _, x, y, xt, yt = mlp
+    torch.manual_seed(0)
+    model = _Sqrt().double().eval()
+    bad = xt.clone()
+    bad[0] = 0.0
+    with pytest.raises(ValueError, match="outputs on x_test is not finite"):
+        influence(model, x, y, bad, yt, method="ekfac")
+    post = NTKPosterior(model, curvature="ekfac").fit(x, y)
+    for predict in (post.predict_variance, post.predict_proba):
+        with pytest.raises(ValueError, match="outputs on x is not finite"):
+            predict(bad)
+    with pytest.raises(ValueError, match="outputs on x_val is not finite"):
+        NTKPosterior(model, curvature="ekfac").fit(x, y, validation=(bad, yt))
+    with pytest.raises(ValueError, match="outputs on x_train is not finite"):
+        post.fit(bad, yt)
+
+
 @pytest.mark.parametrize("method", ["ekfac", "kfac"])
 def test_output_fn_reaches_the_factored_curvature(mlp, method):
     """influence(method="ekfac"/"kfac", output_fn=...) on a model returning a dict equals the
@@ -217,6 +250,7 @@ def test_output_fn_reaches_the_factored_curvature(mlp, method):
         DictOutput(model), x, y, xt, yt, method=method, output_fn=lambda out: out["logits"]
     )
     torch.testing.assert_close(mapped, plain, rtol=1e-10, atol=1e-12)
+
 
 class _FunctionalDropout(nn.Module):
     """A dropout the eval-mode check cannot see (F.dropout with training=True in forward)."""
