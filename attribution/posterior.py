@@ -101,6 +101,11 @@ PREDICT_BLOCK = 128  # test samples per block of the predictive covariance
 # four predictions): digits CNN P/(N·O) = 0.34, 18.9 s → 3.1 s; digits MLP at 0.88 was 8 %
 # slower in parameter space (results/uncertainty.md).
 PARAMETER_SPACE_RATIO = 0.5
+# The kernel form's Σ(x) = (Θ(x, x) − WᵀW)/δ subtracts two terms of the kernels' size: a variance
+# below PRECISION_MARGIN rounding units of the kernels' dtype times Θ(x, x)/δ is not resolved by
+# them (float32 kernels, a small δ and a small noise: negative variances, and a validation search
+# that failed in torch's MultivariateNormal), and is refused (predictions) or skipped (the search).
+PRECISION_MARGIN = 10.0
 
 
 class NTKPosterior(ClassifierMixin, BaseEstimator):
@@ -551,8 +556,9 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         )
         if a is None:
             covariance = self.kronecker_.covariance_function(x_val, "x_val")
+            prior = None
         else:
-            covariance = self._spectral_covariance(a, x_val)[1]
+            _, covariance, prior = self._spectral_covariance(a, x_val)
 
         eye = torch.eye(o, dtype=torch.float64)
         residual = (y_val - mean).unsqueeze(-1) if joint else None
@@ -564,6 +570,8 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
 
         def loss(log_value: float) -> float:
             value = 10.0**log_value
+            if not self._resolved(covariance(value), prior, value):
+                return math.inf  # below the kernels' precision: no value to compare
             if joint:
                 noise, total = scaled(value)
                 return -float(_gaussian_log_density(mean, noise * total, y_val).mean())
@@ -579,15 +587,19 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         return noise, chosen / noise
 
     def _spectral_covariance(self, a: torch.Tensor, x):
-        """The eigenvalues e of the fitted system `a` and δ ↦ Σ(x) [M, O, O], from one
-        eigendecomposition a = U diag(e) Uᵀ (module docstring): with W = diag(1/√(e + δ)) Uᵀ B(x),
-        `_assemble`."""
+        """The eigenvalues e of the fitted system `a`, δ ↦ Σ(x) [M, O, O] and the prior blocks
+        Θ(x, x), from one eigendecomposition a = U diag(e) Uᵀ (module docstring): with
+        W = diag(1/√(e + δ)) Uᵀ B(x), `_assemble`."""
         e, u = torch.linalg.eigh(a)
         e = e.clamp_min(0)
         b, prior = self._columns(x)
         z = (u.T @ b).reshape(u.shape[1], -1, self.n_outputs_)
         del b, u
-        return e, lambda delta: self._assemble(z / (e + delta).sqrt()[:, None, None], prior, delta)
+
+        def covariance(delta: float) -> torch.Tensor:
+            return self._assemble(z / (e + delta).sqrt()[:, None, None], prior, delta)
+
+        return e, covariance, prior
 
     def log_marginal_likelihood(self) -> float:
         """The Laplace evidence log Z(δ) at the fitted prior precision δ (module docstring)."""
@@ -612,7 +624,16 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         for s in range(0, n, PREDICT_BLOCK):
             b, prior = self._columns(inputs.take(x, slice(s, s + PREDICT_BLOCK)))
             w = torch.linalg.solve_triangular(self.factor_, b, upper=False)
-            out.append(self._assemble(w.reshape(w.shape[0], -1, self.n_outputs_), prior))
+            cov = self._assemble(w.reshape(w.shape[0], -1, self.n_outputs_), prior)
+            if not self._resolved(cov, prior, self.prior_precision_):
+                raise ValueError(
+                    "the predictive variance of x is below the precision of the kernels "
+                    f"({self._kernel_dtype()}): the kernel form's Σ = (Θ(x, x) − explained)/δ "
+                    f"loses it to cancellation at prior_precision {self.prior_precision_:.3g}; "
+                    "pass dtype=torch.float64, curvature='ekfac' (kind='full') or a larger "
+                    "prior_precision"
+                )
+            out.append(cov)
         return torch.cat(out)
 
     def _columns(self, x) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -637,6 +658,24 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         if prior is None:
             return explained
         return (prior - explained) / (self.prior_precision_ if delta is None else delta)
+
+    def _kernel_dtype(self) -> torch.dtype:
+        """The dtype the kernels are computed in: `dtype`, else the model's least precise
+        floating parameter's."""
+        if self.dtype is not None:
+            return self.dtype
+        floating = [p.dtype for p in self.model.parameters() if p.is_floating_point()]
+        return max(floating, key=lambda t: torch.finfo(t).eps, default=torch.float64)
+
+    def _resolved(self, cov: torch.Tensor, prior, delta: float) -> bool:
+        """Whether every variance of the kernel form's Σ = (Θ(x, x) − WᵀW)/δ is resolved by the
+        kernels' precision, at least PRECISION_MARGIN rounding units of Θ(x, x)/δ (always, in
+        parameter space: prior None)."""
+        if prior is None:
+            return True
+        unit = torch.finfo(self._kernel_dtype()).eps / delta
+        floor = PRECISION_MARGIN * unit * prior.diagonal(dim1=1, dim2=2)
+        return bool((cov.diagonal(dim1=1, dim2=2) >= floor).all())
 
     def _features(self, x) -> torch.Tensor:
         """Φ(x) [N, O, k] in float64: the projected Jacobians (`projections.features`, the

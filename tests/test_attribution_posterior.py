@@ -427,6 +427,36 @@ def test_a_numpy_integer_seed_draws_the_monte_carlo_samples(small_classifier):
     np.testing.assert_array_equal(got["mutual_information"], want["mutual_information"])
 
 
+def test_float32_kernels_below_their_precision_are_refused_or_skipped():
+    """The kernel form's Σ = (Θ(x, x) − WᵀW)/δ cancels: from float32 kernels, with a small δ and
+    a small noise, it gave negative variances (−0.07 for 0.01), and a validation search over δ
+    failed inside torch ("covariance_matrix ... PositiveDefinite"). Now such a variance is
+    refused at prediction and skipped by the search, which matches the float64 model's δ."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 256), nn.Tanh(), nn.Linear(256, 3))
+    wide = copy.deepcopy(model).double()
+    x, y = torch.randn(40, 4), torch.randn(40, 3)
+    xv, yv = torch.randn(30, 4), torch.randn(30, 3)
+    settings = dict(likelihood="regression", curvature="exact", noise=0.01)
+    for delta in (1e-2, 1e-4):
+        post = NTKPosterior(model, prior_precision=delta, **settings).fit(x, y)
+        exact = NTKPosterior(wide, prior_precision=delta, **settings).fit(x.double(), y.double())
+        expected = exact.predict_variance(x[:10].double(), diagonal=True)
+        try:
+            got = post.predict_variance(x[:10], diagonal=True)
+        except ValueError as e:
+            assert "below the precision of the kernels (torch.float32)" in str(e)
+        else:
+            np.testing.assert_allclose(got, expected, rtol=1e-2)
+    for kind in ("full", "trace"):
+        settings = dict(likelihood="regression", curvature="exact", kind=kind)
+        post = NTKPosterior(model, **settings).fit(x, y, validation=(xv, yv))
+        validation = (xv.double(), yv.double())
+        exact = NTKPosterior(wide, **settings).fit(x.double(), y.double(), validation=validation)
+        assert post.prior_precision_ == pytest.approx(exact.prior_precision_, rel=0.05)
+        assert post.noise_ == pytest.approx(exact.noise_, rel=0.05)
+
+
 def test_output_fn_maps_the_models_output_to_the_logits(small_classifier):
     model, x, y, xt, _ = small_classifier
     plain = NTKPosterior(model, prior_precision=1.0).fit(x, y)
