@@ -558,7 +558,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             covariance = self.kronecker_.covariance_function(x_val, "x_val")
             prior = None
         else:
-            _, covariance, prior = self._spectral_parts(a, x_val)
+            _, covariance, prior = self._spectral_parts(a, x_val, "x_val")
 
         eye = torch.eye(o, dtype=torch.float64)
         residual = (y_val - mean).unsqueeze(-1) if joint else None
@@ -590,13 +590,13 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         """The eigenvalues e of the fitted system `a` and δ ↦ Σ(x) [M, O, O] (`_spectral_parts`)."""
         return self._spectral_parts(a, x)[:2]
 
-    def _spectral_parts(self, a: torch.Tensor, x):
+    def _spectral_parts(self, a: torch.Tensor, x, name: str = "x"):
         """The eigenvalues e of the fitted system `a`, δ ↦ Σ(x) [M, O, O] and the prior blocks
         Θ(x, x), from one eigendecomposition a = U diag(e) Uᵀ (module docstring): with
-        W = diag(1/√(e + δ)) Uᵀ B(x), `_assemble`."""
+        W = diag(1/√(e + δ)) Uᵀ B(x), `_assemble`; `name` names the inputs in errors."""
         e, u = torch.linalg.eigh(a)
         e = e.clamp_min(0)
-        b, prior = self._columns(x)
+        b, prior = self._columns(x, name)
         z = (u.T @ b).reshape(u.shape[1], -1, self.n_outputs_)
         del b, u
 
@@ -640,14 +640,15 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             out.append(cov)
         return torch.cat(out)
 
-    def _columns(self, x) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _columns(self, x, name: str = "x") -> tuple[torch.Tensor, torch.Tensor | None]:
         """B(x) [system size, N·O], the right-hand sides of the damped system for the samples x,
         and the prior blocks Θ(x, x) [N, O, O]: B = S Θ(X, x) in kernel form; in parameter space
-        B = Φ(x)ᵀ and no prior blocks (None)."""
+        B = Φ(x)ᵀ and no prior blocks (None). `name` names the inputs in errors."""
         o = self.n_outputs_
         if self.parameter_space_:
             phi = self._features(x)
             return phi.reshape(phi.shape[0] * o, -1).T, None
+        inputs.check_compatible(x, self.x_train_, (name, "x_train"))  # the kernel's x1 and x2
         cross = _kernels.output_kernel(self.model, x, self.x_train_, **self._opts())
         m = cross.shape[0]
         b = torch.einsum("mipq,iqr->irmp", cross, self.root_).reshape(-1, m * o)

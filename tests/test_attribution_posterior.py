@@ -457,6 +457,22 @@ def test_float32_kernels_below_their_precision_are_refused_or_skipped():
         assert post.noise_ == pytest.approx(exact.noise_, rel=0.05)
 
 
+@pytest.mark.parametrize("kind", ["full", "trace"])
+def test_inputs_of_other_shapes_are_named_by_the_kernel_form(small_classifier, kind):
+    """A model that flattens its input takes x of per-sample shape (2, 4) after x_train of (8,):
+    the exact kernel form refused them as "x1 and x2 have different per-sample shapes", the
+    kernel's arguments, not the posterior's."""
+    model, x, y, xt, yt = small_classifier
+    flat = nn.Sequential(nn.Flatten(), model)
+    post = NTKPosterior(flat, kind=kind, curvature="exact").fit(x, y)
+    assert not post.parameter_space_
+    other = xt.reshape(len(xt), 2, 4)
+    with pytest.raises(ValueError, match=r"^x and x_train have different per-sample shapes"):
+        post.predict_variance(other)
+    with pytest.raises(ValueError, match=r"^x_val and x_train have different per-sample"):
+        NTKPosterior(flat, kind=kind, curvature="exact").fit(x, y, validation=(other, yt))
+
+
 def test_output_fn_maps_the_models_output_to_the_logits(small_classifier):
     model, x, y, xt, _ = small_classifier
     plain = NTKPosterior(model, prior_precision=1.0).fit(x, y)

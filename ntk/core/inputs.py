@@ -93,17 +93,19 @@ def signature(x: Inputs) -> Any:
     return tuple(tuple(v.shape[1:]) for v in x)
 
 
-def check_compatible(x1: Inputs, x2: Inputs) -> None:
+def check_compatible(x1: Inputs, x2: Inputs, names: tuple[str, str] = ("x1", "x2")) -> None:
+    """Refuse inputs of another structure or per-sample shapes; `names` name them in errors."""
     s1, s2 = signature(x1), signature(x2)
+    first, second = names
     if type(x1) is not type(x2) and not (
         isinstance(x1, (tuple, list)) and isinstance(x2, (tuple, list))
     ):
         raise ValueError(
-            f"x1 and x2 must have the same structure, got {type(x1).__name__} and "
+            f"{first} and {second} must have the same structure, got {type(x1).__name__} and "
             f"{type(x2).__name__}"
         )
     if s1 != s2:
-        raise ValueError(f"x1 and x2 have different per-sample shapes: {s1} vs {s2}")
+        raise ValueError(f"{first} and {second} have different per-sample shapes: {s1} vs {s2}")
 
 
 def count(x: Inputs) -> int:
