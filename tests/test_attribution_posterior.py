@@ -473,6 +473,16 @@ def test_inputs_of_other_shapes_are_named_by_the_kernel_form(small_classifier, k
         NTKPosterior(flat, kind=kind, curvature="exact").fit(x, y, validation=(other, yt))
 
 
+def test_targets_that_require_grad_are_scored(small_classifier):
+    """Regression targets taken from a model's output without torch.no_grad (they carry its
+    graph) made score fail with torch's "Can't call numpy() on Tensor that requires grad"."""
+    model, x, _, xt, _ = small_classifier
+    y, yt = model(x) + 0.1 * torch.randn(len(x), 3), model(xt) + 0.1
+    assert yt.requires_grad
+    post = NTKPosterior(model, likelihood="regression").fit(x, y)
+    assert post.score(xt, yt) == post.score(xt, yt.detach())
+
+
 def test_output_fn_maps_the_models_output_to_the_logits(small_classifier):
     model, x, y, xt, _ = small_classifier
     plain = NTKPosterior(model, prior_precision=1.0).fit(x, y)

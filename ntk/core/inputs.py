@@ -45,10 +45,11 @@ def from_numpy(x, name: str, dtype: torch.dtype | None = None):
 
 
 def targets(y, name: str = "y") -> torch.Tensor:
-    """Labels or targets (a tensor, numpy array or list) as a tensor; anything that is not numbers
-    or booleans (strings, objects) refused with a message naming `name`."""
+    """Labels or targets (a tensor, numpy array or list) as a tensor, detached (targets taken from
+    a model's output carry its graph); anything that is not numbers or booleans (strings,
+    objects) refused with a message naming `name`."""
     if isinstance(y, torch.Tensor):
-        return y
+        return y.detach()
     array = np.asarray(y)
     if array.dtype.kind not in "biuf":
         raise TypeError(
