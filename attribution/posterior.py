@@ -268,7 +268,9 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         (classification) or targets [N, O] / [N] for a single output (regression).
         validation: optional (x_val, y_val) the network was not trained on; with
         prior_precision="auto" δ then minimises their negative log predictive density instead
-        of keeping EFFECTIVE_PARAMETERS effective parameters (module docstring)."""
+        of keeping EFFECTIVE_PARAMETERS effective parameters (module docstring). A fit that
+        fails leaves the posterior unfitted (not half of the new fit over the previous one)."""
+        vars(self).pop("factor_", None)  # what check_is_fitted looks for: set last
         self._check_params()
         x_train = self._inputs(x_train, "x_train")
         self.output_fn_ = self.output_fn

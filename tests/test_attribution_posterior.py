@@ -483,6 +483,23 @@ def test_targets_that_require_grad_are_scored(small_classifier):
     assert post.score(xt, yt) == post.score(xt, yt.detach())
 
 
+@pytest.mark.parametrize("curvature", ["exact", "ekfac"])
+def test_a_failed_refit_leaves_the_posterior_unfitted(small_classifier, curvature):
+    """A refit that failed on its validation data left the new training set and curvature beside
+    the previous factor and prior: predict raised a shape error from solve_triangular (exact) or
+    returned variances mixing both fits (EK-FAC, 0.19 off), silently."""
+    model, x, y, xt, yt = small_classifier
+    for likelihood, targets, bad in (
+        ("classification", y, yt + 10),
+        ("regression", torch.randn(len(x), 3, dtype=torch.float64), torch.zeros(len(xt), 2)),
+    ):
+        post = NTKPosterior(model, curvature=curvature, likelihood=likelihood).fit(x, targets)
+        with pytest.raises(ValueError, match="y_val"):
+            post.fit(x[:5], targets[:5], validation=(xt, bad))
+        with pytest.raises(NotFittedError):
+            post.predict_variance(xt)
+
+
 def test_output_fn_maps_the_models_output_to_the_logits(small_classifier):
     model, x, y, xt, _ = small_classifier
     plain = NTKPosterior(model, prior_precision=1.0).fit(x, y)
