@@ -38,9 +38,12 @@ import torch.nn.functional as F
 from ntk.core import inputs, structured
 from ntk.core.memory import available_bytes, check_size
 from ntk.core.model import ModelView, check_eval_mode
+from ntk.core.tiles import require_finite
+from ntk.empirical import check_outputs
 
 STRATEGIES = ("kfac", "ekfac")
 MAX_DENSE = 8192  # most parameters of a block without Kronecker structure (kept dense)
+PROBE = 4  # training samples whose outputs are checked to be neither random nor batch-dependent
 
 
 class UnfactorableModelError(ValueError):
@@ -160,12 +163,14 @@ class KroneckerCurvature:
 
     # -- per-batch gradients -----------------------------------------------------------------
 
-    def _terms(self, x, cot: torch.Tensor) -> dict[tuple[str, str], tuple]:
+    def _terms(self, x, cot: torch.Tensor, name: str | None = None) -> dict[tuple[str, str], tuple]:
         """Per-block derivatives of a batch for cotangents cot [C, B, O]: ("kron", layer) →
-        (a [B, S, F_in], δ [C, B, S, F_out]) and ("dense", layer) → g [C, B, P]."""
+        (a [B, S, F_in], δ [C, B, S, F_out]) and ("dense", layer) → g [C, B, P], refused where
+        not finite. name: check the forward pass as the argument `name` (`structured.features`)
+        and name it in errors."""
         out: dict[tuple[str, str], tuple] = {}
         dense: dict[str, list[torch.Tensor]] = {}
-        for t in structured.features(self.view, self.plan, x, cot):
+        for t in structured.features(self.view, self.plan, x, cot, name):
             if isinstance(t, structured.Factored):
                 a = t.a
                 if t.index:  # an embedding: one-hot inputs
@@ -190,6 +195,9 @@ class KroneckerCurvature:
                     "as an exact dense block"
                 )
             out[("dense", layer)] = (g,)
+        for value in out.values():
+            for t in value:
+                require_finite(t, f"the Jacobian of the model's outputs on {name or 'the inputs'}")
         return out
 
     def _batches(self, x, per_sample: int):
@@ -237,13 +245,16 @@ class KroneckerCurvature:
             )
         self._dtype = next(iter(self.view.params.values())).dtype
         x = inputs.convert(x, self.view.device, self.dtype)
+        # as the kernels do: a functional dropout or a statistic over the batch in forward
+        # would make every per-sample term below depend on the draw or on the batch
+        check_outputs(self.view, [inputs.take(x, slice(0, PROBE))], ["x_train"])
         cot = roots.permute(2, 0, 1).to(self.view.device, self._dtype)  # [C, N, O]
         self.plan = structured.plan(self.view, x, "full", roots.shape[1], 1, factor_all=True)
         self.num_train, self.num_outputs = n, roots.shape[1]
         self.blocks = {}
         batches = list(self._batches(x, self._per_sample_bytes(cot.shape[0])))
         for sl in batches:
-            for key, value in self._terms(inputs.take(x, sl), cot[:, sl]).items():
+            for key, value in self._terms(inputs.take(x, sl), cot[:, sl], "x_train").items():
                 self._accumulate(key, value)
         corrected = self.strategy == "ekfac"
         for block in self.blocks.values():
@@ -283,7 +294,7 @@ class KroneckerCurvature:
             )
         rotations = {k: (b.qa.to(self._dtype), b.qg.to(self._dtype)) for k, b in kron.items()}
         for sl in batches:
-            terms = self._terms(inputs.take(x, sl), cot[:, sl])
+            terms = self._terms(inputs.take(x, sl), cot[:, sl], "x_train")
             for key, block in kron.items():
                 a, d = terms[key]
                 qa, qg = rotations[key]
@@ -302,13 +313,14 @@ class KroneckerCurvature:
         self._check_fitted()
         return torch.cat([b.eigenvalues.flatten().cpu() for b in self.blocks.values()])
 
-    def _rotated(self, x) -> list[_Rotated]:
+    def _rotated(self, x, name: str = "x") -> list[_Rotated]:
         """Per block, the Jacobian of every output in the block's eigenbasis, J_W(x)(Q_G ⊗ Q_A)
-        (float64): as its two factors for a weight used at one position, else [O, B, P_W]."""
+        (float64): as its two factors for a weight used at one position, else [O, B, P_W]; `name`
+        names the inputs in errors."""
         o = self.num_outputs
         b = inputs.count(x)
         eye = torch.eye(o, dtype=self._dtype, device=self.view.device)
-        terms = self._terms(x, eye[:, None, :].expand(o, b, o))
+        terms = self._terms(x, eye[:, None, :].expand(o, b, o), name)  # new inputs: checked
         out = []
         for key, block in self.blocks.items():
             if isinstance(block, _Kronecker):
@@ -323,10 +335,11 @@ class KroneckerCurvature:
             out.append(_Rotated(block.eigenvalues.flatten(), g=g))
         return out
 
-    def _output_batches(self, x):
-        """Batches of `x` for `_rotated` (its per-sample memory: at most O·P float64 values)."""
-        x = inputs.from_numpy(x, "x")
-        inputs.validate(x, "x")
+    def _output_batches(self, x, name: str = "x"):
+        """Batches of `x` (the argument `name`) for `_rotated` (its per-sample memory: at most
+        O·P float64 values)."""
+        x = inputs.from_numpy(x, name)
+        inputs.validate(x, name)
         x = inputs.convert(x, self.view.device, self.dtype)
         o = self.num_outputs
         for sl in self._batches(x, self._per_sample_bytes(o) + 8 * o * self.view.num_params):
@@ -340,11 +353,11 @@ class KroneckerCurvature:
             [_covariance(self._rotated(xb), damping) for xb in self._output_batches(x)]
         )
 
-    def covariance_function(self, x):
+    def covariance_function(self, x, name: str = "x"):
         """δ ↦ Σ(x) for many δ from one pass over `x` (its rotated Jacobians, M·O·P values, are
-        kept)."""
+        kept); `name` names the inputs in errors."""
         self._check_fitted()
-        rotated = [self._rotated(xb) for xb in self._output_batches(x)]
+        rotated = [self._rotated(xb, name) for xb in self._output_batches(x, name)]
         return lambda damping: torch.cat([_covariance(r, damping) for r in rotated])
 
     # -- influence -------------------------------------------------------------------------
@@ -359,15 +372,16 @@ class KroneckerCurvature:
         if not self.blocks:
             raise RuntimeError("call fit(x_train, logits) first")
 
-    def _stream(self, x, cot: torch.Tensor):
-        """Per-block derivatives (`_terms`) of batches of `x` for one cotangent per sample."""
-        n = inputs.validate(x, "x")
+    def _stream(self, x, cot: torch.Tensor, name: str):
+        """Per-block derivatives (`_terms`) of batches of `x` (the argument `name`) for one
+        cotangent per sample."""
+        n = inputs.validate(x, name)
         if cot.shape[0] != n:
             raise ValueError(f"{cot.shape[0]} cotangents for {n} inputs")
         x = inputs.convert(x, self.view.device, self.dtype)
         cot = cot.to(self.view.device, self._dtype)
         for sl in self._batches(x, self._per_sample_bytes(1)):
-            yield sl, self._terms(inputs.take(x, sl), cot[sl].unsqueeze(0))
+            yield sl, self._terms(inputs.take(x, sl), cot[sl].unsqueeze(0), name)
 
     def influence(
         self, x_test, u_test: torch.Tensor, x_train, r_train: torch.Tensor, damping: float
@@ -383,12 +397,12 @@ class KroneckerCurvature:
             if isinstance(block, _Kronecker):
                 block.choose_basis(n_train, n_test, self._dtype)
         left = {k: [] for k in self.blocks}
-        for _, terms in self._stream(x_test, torch.as_tensor(u_test)):
+        for _, terms in self._stream(x_test, torch.as_tensor(u_test), "x_test"):
             for k, block in self.blocks.items():
                 left[k].append(block.preconditioned(*terms[k], damping).to(self._dtype))
         left = {k: torch.cat(v) for k, v in left.items()}
         scores = torch.zeros(n_test, n_train, dtype=torch.float64, device=self.view.device)
-        for sl, terms in self._stream(x_train, torch.as_tensor(r_train)):
+        for sl, terms in self._stream(x_train, torch.as_tensor(r_train), "x_train"):
             batch = scores[:, sl]
             for k, block in self.blocks.items():
                 batch += left[k] @ block.gradients(*terms[k]).to(self._dtype).T

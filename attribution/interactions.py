@@ -27,15 +27,16 @@ Benchmarks (mislabel detection, data pruning): python benchmarks/lpntk_uses.py.
 from __future__ import annotations
 
 from collections.abc import Callable
-from numbers import Integral
 
 import numpy as np
 import torch
 from torch import nn
 
 import ntk
+from ntk.core import kinds
+from ntk.core.memory import check_size
 
-from .outputs import labels, logits
+from .outputs import logits
 
 
 def sample_interactions(
@@ -58,17 +59,12 @@ def sample_interactions(
     exact lpNTK, else the Gram matrix of `projections.features(kind="lpntk")` of that dimension
     (seeded by `seed`). output_fn and dtype as in `ntk.empirical_ntk`. The model is never
     modified."""
-    if projection_dim is not None and not (
-        isinstance(projection_dim, Integral) and projection_dim > 0
-    ):
-        raise ValueError(
-            f"projection_dim must be a positive integer or None, got {projection_dim!r}"
-        )
+    projection_dim = check_size(projection_dim, "projection_dim", optional=True)
     g = logits(model, x, output_fn=output_fn, name="x")
     n, o = g.shape
     if n < 2:
         raise ValueError(f"sample interactions need at least 2 samples, got {n}")
-    y = labels(y, n, o, "y")
+    y = kinds.get("lpntk").check_labels(y, n, o, "y").cpu()  # a classifier's labels
     opts = dict(batch_size=batch_size, device=device, output_fn=output_fn, dtype=dtype)
     if projection_dim is None:
         k = ntk.empirical_ntk(model, x, kind="lpntk", labels=y, **opts)

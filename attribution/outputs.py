@@ -33,14 +33,13 @@ def logits(
     x = inputs.from_numpy(x, name)
     n = inputs.validate(x, name)
     x = inputs.convert(x, view.device, None)
+    out = []
     with torch.no_grad():
-        out = [
-            view.forward_checked(inputs.take(x, slice(s, s + batch_size)), name)
-            for s in range(0, n, batch_size)
-        ]
-    out = torch.cat(out)
-    check_output_rows(out, n, name)
-    return out.to(device="cpu", dtype=torch.float64)
+        for s in range(0, n, batch_size):
+            block = view.forward_checked(inputs.take(x, slice(s, s + batch_size)), name)
+            check_output_rows(block, min(batch_size, n - s), name)
+            out.append(block)
+    return torch.cat(out).to(device="cpu", dtype=torch.float64)
 
 
 def train_test_logits(

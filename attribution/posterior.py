@@ -101,6 +101,11 @@ PREDICT_BLOCK = 128  # test samples per block of the predictive covariance
 # four predictions): digits CNN P/(N·O) = 0.34, 18.9 s → 3.1 s; digits MLP at 0.88 was 8 %
 # slower in parameter space (results/uncertainty.md).
 PARAMETER_SPACE_RATIO = 0.5
+# The kernel form's Σ(x) = (Θ(x, x) − WᵀW)/δ subtracts two terms of the kernels' size: a variance
+# below PRECISION_MARGIN rounding units of the kernels' dtype times Θ(x, x)/δ is not resolved by
+# them (float32 kernels, a small δ and a small noise: negative variances, and a validation search
+# that failed in torch's MultivariateNormal), and is refused (predictions) or skipped (the search).
+PRECISION_MARGIN = 10.0
 
 
 class NTKPosterior(ClassifierMixin, BaseEstimator):
@@ -239,10 +244,12 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         Kronecker-factored curvatures need."""
         return self.kind == "full" and self.projection_dim is None
 
-    def _inputs(self, x):
+    def _inputs(self, x, name: str = "x"):
         """numpy arrays, alone or in a tuple/dict, as tensors (floating ones in the model's
-        parameter dtype)."""
-        return inputs.from_numpy(x, "x", next(self.model.parameters()).dtype)
+        parameter dtype; left as they are for a model without parameters, which `logits` refuses
+        naming the problem); `name` names the argument in errors."""
+        first = next(self.model.parameters(), None)
+        return inputs.from_numpy(x, name, None if first is None else first.dtype)
 
     def _opts(self) -> dict:
         return dict(
@@ -262,9 +269,11 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         (classification) or targets [N, O] / [N] for a single output (regression).
         validation: optional (x_val, y_val) the network was not trained on; with
         prior_precision="auto" δ then minimises their negative log predictive density instead
-        of keeping EFFECTIVE_PARAMETERS effective parameters (module docstring)."""
+        of keeping EFFECTIVE_PARAMETERS effective parameters (module docstring). A fit that
+        fails leaves the posterior unfitted (not half of the new fit over the previous one)."""
+        vars(self).pop("factor_", None)  # what check_is_fitted looks for: set last
         self._check_params()
-        x_train = self._inputs(x_train)
+        x_train = self._inputs(x_train, "x_train")
         self.output_fn_ = self.output_fn
         g = logits(self.model, x_train, output_fn=self.output_fn_, name="x_train")
         n, o = g.shape
@@ -280,7 +289,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             self.classes_ = np.arange(o)
         else:
             self.flat_targets_ = np.ndim(y_train) == 1  # predict then returns [N], as sklearn's
-            y = _targets(y_train, n, o)
+            y = _targets(y_train, n, o, "y_train")
             rss = float(((y - g) ** 2).sum())
             # noise and prior from the evidence together: the system is fitted at unit noise
             joint = self.noise == "auto" and self.prior_precision in PRIORS
@@ -288,11 +297,18 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
                 noise = 1.0
             else:
                 noise = rss / (n * o) if self.noise == "auto" else float(self.noise)
-            if not noise > 0:
-                raise ValueError("the model fits the targets exactly; pass noise > 0")
+            if self.noise == "auto" and validation is None and not rss > 0:
+                # σ² from the training residual, or the evidence's σ², which then runs to the
+                # bottom of its search range
+                raise ValueError(
+                    "the model fits the targets exactly (zero training residual), so "
+                    "noise='auto' has no residual to estimate it from; pass noise > 0 or "
+                    "validation data"
+                )
             root = torch.eye(o, dtype=torch.float64).expand(n, o, o) / math.sqrt(noise)
             self._set_noise(noise, rss, n * o)
-        self.n_outputs_, self.x_train_, self.root_ = o, x_train, root
+        # a copy: the kernel form compares new inputs with these at every prediction
+        self.n_outputs_, self.x_train_, self.root_ = o, inputs.clone(x_train), root
         a = self._fit_curvature(x_train, root)
         self.sq_norm_ = sum(
             float(p.detach().double().pow(2).sum())
@@ -533,18 +549,19 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         if not self.sq_norm_ > 0:
             raise ValueError("prior_precision='auto' needs trainable parameters with nonzero norm")
         x_val, y_val = validation
-        x_val = self._inputs(x_val)
-        mean = self._mean(x_val)
+        x_val = self._inputs(x_val, "x_val")
+        mean = self._mean(x_val, "x_val")
         m, o = mean.shape
         y_val = (
             labels(y_val, m, o, "y_val")
             if self.likelihood == "classification"
-            else _targets(y_val, m, o)
+            else _targets(y_val, m, o, "y_val")
         )
         if a is None:
-            covariance = self.kronecker_.covariance_function(x_val)
+            covariance = self.kronecker_.covariance_function(x_val, "x_val")
+            prior = None
         else:
-            covariance = self._spectral_covariance(a, x_val)[1]
+            _, covariance, prior = self._spectral_parts(a, x_val, "x_val")
 
         eye = torch.eye(o, dtype=torch.float64)
         residual = (y_val - mean).unsqueeze(-1) if joint else None
@@ -556,6 +573,8 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
 
         def loss(log_value: float) -> float:
             value = 10.0**log_value
+            if not self._resolved(covariance(value), prior, value):
+                return math.inf  # below the kernels' precision: no value to compare
             if joint:
                 noise, total = scaled(value)
                 return -float(_gaussian_log_density(mean, noise * total, y_val).mean())
@@ -571,15 +590,23 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         return noise, chosen / noise
 
     def _spectral_covariance(self, a: torch.Tensor, x):
-        """The eigenvalues e of the fitted system `a` and δ ↦ Σ(x) [M, O, O], from one
-        eigendecomposition a = U diag(e) Uᵀ (module docstring): with W = diag(1/√(e + δ)) Uᵀ B(x),
-        `_assemble`."""
+        """The eigenvalues e of the fitted system `a` and δ ↦ Σ(x) [M, O, O] (`_spectral_parts`)."""
+        return self._spectral_parts(a, x)[:2]
+
+    def _spectral_parts(self, a: torch.Tensor, x, name: str = "x"):
+        """The eigenvalues e of the fitted system `a`, δ ↦ Σ(x) [M, O, O] and the prior blocks
+        Θ(x, x), from one eigendecomposition a = U diag(e) Uᵀ (module docstring): with
+        W = diag(1/√(e + δ)) Uᵀ B(x), `_assemble`; `name` names the inputs in errors."""
         e, u = torch.linalg.eigh(a)
         e = e.clamp_min(0)
-        b, prior = self._columns(x)
+        b, prior = self._columns(x, name)
         z = (u.T @ b).reshape(u.shape[1], -1, self.n_outputs_)
         del b, u
-        return e, lambda delta: self._assemble(z / (e + delta).sqrt()[:, None, None], prior, delta)
+
+        def covariance(delta: float) -> torch.Tensor:
+            return self._assemble(z / (e + delta).sqrt()[:, None, None], prior, delta)
+
+        return e, covariance, prior
 
     def log_marginal_likelihood(self) -> float:
         """The Laplace evidence log Z(δ) at the fitted prior precision δ (module docstring)."""
@@ -590,7 +617,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
     def predict_variance(self, x, diagonal: bool = False) -> np.ndarray:
         """Posterior covariance of the outputs Σ(x) [N, O, O], or its diagonal [N, O]."""
         check_is_fitted(self, "factor_")
-        cov = self._covariance(x)
+        cov = self._predictive(x)[1]
         return (cov.diagonal(dim1=1, dim2=2) if diagonal else cov).numpy()
 
     def _covariance(self, x) -> torch.Tensor:
@@ -604,17 +631,27 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         for s in range(0, n, PREDICT_BLOCK):
             b, prior = self._columns(inputs.take(x, slice(s, s + PREDICT_BLOCK)))
             w = torch.linalg.solve_triangular(self.factor_, b, upper=False)
-            out.append(self._assemble(w.reshape(w.shape[0], -1, self.n_outputs_), prior))
+            cov = self._assemble(w.reshape(w.shape[0], -1, self.n_outputs_), prior)
+            if not self._resolved(cov, prior, self.prior_precision_):
+                raise ValueError(
+                    "the predictive variance of x is below the precision of the kernels "
+                    f"({self._kernel_dtype()}): the kernel form's Σ = (Θ(x, x) − explained)/δ "
+                    f"loses it to cancellation at prior_precision {self.prior_precision_:.3g}; "
+                    "pass dtype=torch.float64, curvature='ekfac' (kind='full') or a larger "
+                    "prior_precision"
+                )
+            out.append(cov)
         return torch.cat(out)
 
-    def _columns(self, x) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _columns(self, x, name: str = "x") -> tuple[torch.Tensor, torch.Tensor | None]:
         """B(x) [system size, N·O], the right-hand sides of the damped system for the samples x,
         and the prior blocks Θ(x, x) [N, O, O]: B = S Θ(X, x) in kernel form; in parameter space
-        B = Φ(x)ᵀ and no prior blocks (None)."""
+        B = Φ(x)ᵀ and no prior blocks (None). `name` names the inputs in errors."""
         o = self.n_outputs_
         if self.parameter_space_:
             phi = self._features(x)
             return phi.reshape(phi.shape[0] * o, -1).T, None
+        inputs.check_compatible(x, self.x_train_, (name, "x_train"))  # the kernel's x1 and x2
         cross = _kernels.output_kernel(self.model, x, self.x_train_, **self._opts())
         m = cross.shape[0]
         b = torch.einsum("mipq,iqr->irmp", cross, self.root_).reshape(-1, m * o)
@@ -629,6 +666,24 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         if prior is None:
             return explained
         return (prior - explained) / (self.prior_precision_ if delta is None else delta)
+
+    def _kernel_dtype(self) -> torch.dtype:
+        """The dtype the kernels are computed in: `dtype`, else the model's least precise
+        floating parameter's."""
+        if self.dtype is not None:
+            return self.dtype
+        floating = [p.dtype for p in self.model.parameters() if p.is_floating_point()]
+        return max(floating, key=lambda t: torch.finfo(t).eps, default=torch.float64)
+
+    def _resolved(self, cov: torch.Tensor, prior, delta: float) -> bool:
+        """Whether every variance of the kernel form's Σ = (Θ(x, x) − WᵀW)/δ is resolved by the
+        kernels' precision, at least PRECISION_MARGIN rounding units of Θ(x, x)/δ (always, in
+        parameter space: prior None)."""
+        if prior is None:
+            return True
+        unit = torch.finfo(self._kernel_dtype()).eps / delta
+        floor = PRECISION_MARGIN * unit * prior.diagonal(dim1=1, dim2=2)
+        return bool((cov.diagonal(dim1=1, dim2=2) >= floor).all())
 
     def _features(self, x) -> torch.Tensor:
         """Φ(x) [N, O, k] in float64: the projected Jacobians (`projections.features`, the
@@ -672,13 +727,19 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             blocks.append(torch.cat([jac[n] for n in names], -1).transpose(0, 1).cpu())
         return torch.cat(blocks)
 
-    def _mean(self, x) -> torch.Tensor:
-        return logits(self.model, self._inputs(x), output_fn=self.output_fn_, name="x")
+    def _predictive(self, x) -> tuple[torch.Tensor, torch.Tensor]:
+        """The posterior mean f_θ*(x) [N, O] and covariance Σ(x) [N, O, O]: the mean first, whose
+        checked forward pass names `x` when the model fails on it (the kernels name it x1)."""
+        x = self._inputs(x)
+        return self._mean(x), self._covariance(x)
+
+    def _mean(self, x, name: str = "x") -> torch.Tensor:
+        return logits(self.model, self._inputs(x, name), output_fn=self.output_fn_, name=name)
 
     def predict_proba(self, x) -> np.ndarray:
         """Predictive class probabilities [N, O] through `link`."""
         self._check_classification("predict_proba")
-        return self._proba(self._mean(x), self._covariance(x)).numpy()
+        return self._proba(*self._predictive(x)).numpy()
 
     def _proba(self, mean: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
         if self.link == "mc":
@@ -690,7 +751,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
 
     def _samples(self, mean: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
         """`mc_samples` draws of the outputs [S, N, O] (seeded by `seed`)."""
-        gen = torch.Generator().manual_seed(self.seed)
+        gen = torch.Generator().manual_seed(int(self.seed))  # numpy integers too
         eps = torch.randn(self.mc_samples, *mean.shape, generator=gen, dtype=torch.float64)
         return mean + torch.einsum("npq,snq->snp", psd_root(cov), eps)
 
@@ -708,7 +769,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         "mutual_information" between the label and the outputs, H[E p] − E[H[p]] over
         `mc_samples` draws (the epistemic part)."""
         self._check_classification("uncertainty")
-        mean, cov = self._mean(x), self._covariance(x)
+        mean, cov = self._predictive(x)
         p = self._proba(mean, cov)
         draws = self._samples(mean, cov).log_softmax(-1)
         expected = -(draws.exp() * draws).sum(-1).mean(0)
@@ -720,14 +781,18 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         """Mean log predictive density of y (higher is better): log p(y | x) through `link`
         (classification), or log N(y; f_θ*(x), Σ(x) + σ²I) (regression)."""
         check_is_fitted(self, "factor_")
-        mean, cov = self._mean(x), self._covariance(x)
+        mean, cov = self._predictive(x)
         n, o = mean.shape
         if self.likelihood == "classification":
             y = labels(y, n, o, "y")
         else:
-            y = _targets(y, n, o)
+            y = _targets(y, n, o, "y")
         logp = self._log_density(mean, cov, y)
         w = None if sample_weight is None else np.asarray(sample_weight, dtype=float)
+        if w is not None and w.shape != (n,):
+            raise ValueError(
+                f"sample_weight must hold one weight per sample, shape ({n},), got {w.shape}"
+            )
         return float(np.average(logp.numpy(), weights=w))
 
     def _log_density(self, mean: torch.Tensor, cov: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -772,15 +837,18 @@ def _grid_then_brent(f, lo: float, hi: float) -> float:
     return float(found.x if found.fun <= values[best] else grid[best])
 
 
-def _targets(y, n: int, o: int) -> torch.Tensor:
-    """Regression targets as float64 [n, o] ([n] allowed for a single output)."""
-    y = torch.as_tensor(y).to(device="cpu", dtype=torch.float64)
+def _targets(y, n: int, o: int, name: str) -> torch.Tensor:
+    """Regression targets as float64 [n, o] ([n] allowed for a single output); `name` names
+    the argument in errors."""
+    y = inputs.targets(y, name).to(device="cpu", dtype=torch.float64)
     if y.dim() == 1 and o == 1:
         y = y[:, None]
     if tuple(y.shape) != (n, o):
-        raise ValueError(f"regression targets must have shape [{n}, {o}], got {tuple(y.shape)}")
+        raise ValueError(
+            f"{name}: regression targets must have shape [{n}, {o}], got {tuple(y.shape)}"
+        )
     if not bool(torch.isfinite(y).all()):
-        raise ValueError("regression targets must be finite")
+        raise ValueError(f"{name}: regression targets must be finite")
     return y
 
 

@@ -10,7 +10,7 @@ from models import DictOutput, TwoDtypes
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
-from attribution import influence
+from attribution import NTKPosterior, influence
 from attribution.curvature import MAX_DENSE, KroneckerCurvature
 
 O = 3
@@ -207,6 +207,39 @@ def test_bad_inputs(mlp):
         influence(wide.double().eval(), x[:4], y[:4], xt, yt, method="ekfac")
 
 
+class _Sqrt(nn.Module):
+    """√|Wx| with W's bias zero: the gradient is infinite at x = 0 while the output is finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 4), nn.Linear(4, O)
+        with torch.no_grad():
+            self.a.bias.zero_()
+
+    def forward(self, x):
+        return self.b(self.a(x).abs().sqrt())
+
+
+def test_non_finite_gradients_of_new_inputs_are_refused(mlp):
+    """A test input whose Jacobian is not finite gave NaN rows in influence(method="ekfac") and
+    in the EK-FAC posterior's variance and probabilities, silently (the exact paths refuse it)."""
+    _, x, y, xt, yt = mlp
+    torch.manual_seed(0)
+    model = _Sqrt().double().eval()
+    bad = xt.clone()
+    bad[0] = 0.0
+    with pytest.raises(ValueError, match="outputs on x_test is not finite"):
+        influence(model, x, y, bad, yt, method="ekfac")
+    post = NTKPosterior(model, curvature="ekfac").fit(x, y)
+    for predict in (post.predict_variance, post.predict_proba):
+        with pytest.raises(ValueError, match="outputs on x is not finite"):
+            predict(bad)
+    with pytest.raises(ValueError, match="outputs on x_val is not finite"):
+        NTKPosterior(model, curvature="ekfac").fit(x, y, validation=(bad, yt))
+    with pytest.raises(ValueError, match="outputs on x_train is not finite"):
+        post.fit(bad, yt)
+
+
 @pytest.mark.parametrize("method", ["ekfac", "kfac"])
 def test_output_fn_reaches_the_factored_curvature(mlp, method):
     """influence(method="ekfac"/"kfac", output_fn=...) on a model returning a dict equals the
@@ -229,3 +262,45 @@ def test_a_mixed_precision_model_is_scored():
     for method in ("ekfac", "kfac"):
         scores = influence(model, x, y, x[:3], method=method, damping=1e7) * 1e7
         assert float((scores - expected).abs().max()) <= 1e-5 * float(expected.abs().max())
+
+
+class _FunctionalDropout(nn.Module):
+    """A dropout the eval-mode check cannot see (F.dropout with training=True in forward)."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(nn.functional.dropout(x, 0.5, training=True))
+
+
+class _CentredOverTheBatch(nn.Module):
+    """Outputs centred over the batch in forward: each depends on the other samples."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        out = self.net(x)
+        return out - out.mean(0, keepdim=True)
+
+
+@pytest.mark.parametrize(
+    "wrap, message",
+    [(_FunctionalDropout, "output is random"), (_CentredOverTheBatch, "depends on the rest")],
+)
+def test_random_or_batch_dependent_outputs_are_refused(mlp, wrap, message):
+    """The kernels refuse such models; the factored curvature (the default of NTKPosterior)
+    fitted one silently, on a random draw or on the batches it happened to form."""
+    from attribution import NTKPosterior
+
+    model, x, y, xt, yt = mlp
+    bad = wrap(model).eval()
+    with pytest.raises(ValueError, match=message):
+        influence(bad, x, y, xt, yt, method="ekfac")
+    with pytest.raises(ValueError, match=message):
+        NTKPosterior(bad).fit(x, y)
+    with pytest.raises(ValueError, match=message):
+        KroneckerCurvature(bad).fit(x, torch.zeros(len(x), O, dtype=torch.float64))

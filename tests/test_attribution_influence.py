@@ -556,9 +556,9 @@ def test_outputs_that_are_not_a_row_per_sample_are_named(setup, method):
     # the model has 1 output")
     _, x, y, xt, _ = setup
     for pool, rows in ((True, 1), (False, 14 * O)):
-        with pytest.raises(ValueError, match=f"returned {rows} rows for 14 samples of x_train"):
+        with pytest.raises(ValueError, match=f"{rows} output rows for the 14 samples of x_train"):
             influence(_BatchOut(pool), x, y, xt, method=method)
-    with pytest.raises(ValueError, match="returned 3 rows for 5 samples of x_test"):
+    with pytest.raises(ValueError, match="returned 3 output rows for the 5 samples of x_test"):
         influence(setup[0], x, y, xt[0], method=method)
     square = torch.nn.Sequential(torch.nn.Linear(O, 4), torch.nn.Tanh(), torch.nn.Linear(4, O))
     x_square = torch.randn(6, O)

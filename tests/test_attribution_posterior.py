@@ -326,6 +326,193 @@ def test_bad_input(small_classifier):
         NTKPosterior("not a model").fit(x, y)
 
 
+@pytest.mark.parametrize("curvature", ["exact", "ekfac"])
+def test_a_sample_without_its_sample_axis_is_refused(small_classifier, curvature):
+    """x_test[0] ([8], no sample axis) is 8 samples to the library, and the MLP maps it to 3
+    outputs: predict returned those as 3 predictions of one output, silently."""
+    model, x, y, xt, _ = small_classifier
+    post = NTKPosterior(model, curvature=curvature).fit(x, y)
+    regression = NTKPosterior(model, curvature=curvature, likelihood="regression")
+    regression.fit(x, torch.randn(len(x), 3, dtype=torch.float64))
+    for predict in (post.predict_proba, post.predict, regression.predict, post.predict_variance):
+        with pytest.raises(ValueError, match="3 output rows for the 8 samples of x"):
+            predict(xt[0])
+
+
+@pytest.mark.parametrize("curvature", ["exact", "ekfac"])
+def test_predict_variance_names_its_argument(small_classifier, curvature):
+    """The exact posterior's covariance named the test inputs x1 (the kernel's argument) when the
+    model failed on them (a float32 x for the float64 model, too few features); the mean's
+    checked forward pass now runs first."""
+    model, x, y, xt, _ = small_classifier
+    post = NTKPosterior(model, curvature=curvature).fit(x, y)
+    for bad in (xt.float(), xt[:, :5]):
+        for predict in (post.predict_variance, post.predict_proba, post.uncertainty):
+            with pytest.raises(ValueError, match="^x: the model failed"):
+                predict(bad)
+
+
+def test_bad_targets_and_weights_are_named(small_classifier):
+    """Regression targets of strings raised torch's "can't convert np.ndarray of type
+    numpy.str_", a sample_weight of the wrong length numpy's "Axis must be specified"."""
+    model, x, y, xt, yt = small_classifier
+    regression = NTKPosterior(model, likelihood="regression", prior_precision=1.0)
+    with pytest.raises(TypeError, match="y_train must hold numbers"):
+        regression.fit(x, np.array([["a", "b", "c"]] * len(x)))
+    regression.fit(x, torch.randn(len(x), 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"y: regression targets must have shape \[8, 3\]"):
+        regression.score(xt, torch.zeros(len(xt)))
+    post = NTKPosterior(model).fit(x, y)
+    with pytest.raises(ValueError, match=r"sample_weight must hold one weight per sample"):
+        post.score(xt, yt, sample_weight=[1.0, 2.0])
+    weights = np.arange(1.0, len(xt) + 1)
+    assert post.score(xt, yt, sample_weight=weights) == pytest.approx(
+        np.average(np.log(post.predict_proba(xt)[np.arange(len(xt)), yt.numpy()]), weights=weights)
+    )
+
+
+@pytest.mark.parametrize("curvature", ["exact", "ekfac"])
+def test_a_model_without_parameters_is_named(small_classifier, curvature):
+    """A model with no parameters at all raised a bare StopIteration (the inputs' dtype was read
+    from its first parameter)."""
+    _, x, y, _, _ = small_classifier
+    post = NTKPosterior(nn.Softmax(-1), curvature=curvature)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        post.fit(x[:, :3], y)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        post.fit(x[:, :3].numpy(), y)
+
+
+@pytest.mark.parametrize("curvature", ["exact", "ekfac"])
+def test_validation_and_training_inputs_are_named(small_classifier, curvature):
+    """Errors in the validation inputs named `x` (the inputs of predict), as did a numpy
+    x_train of strings."""
+    model, x, y, xt, yt = small_classifier
+    post = NTKPosterior(model, curvature=curvature)
+    with pytest.raises(ValueError, match="x_val contains non-finite"):
+        post.fit(x, y, validation=(xt * np.nan, yt))
+    with pytest.raises(ValueError, match="x_val: the model failed"):
+        post.fit(x, y, validation=(xt[:, :5], yt))
+    with pytest.raises(TypeError, match="x_val holds a numpy array"):
+        post.fit(x, y, validation=(np.full(tuple(xt.shape), "a"), yt))
+    with pytest.raises(TypeError, match="x_train holds a numpy array"):
+        post.fit(np.full(tuple(x.shape), "a"), y)
+
+
+@pytest.mark.parametrize("curvature", ["exact", "ekfac"])
+def test_targets_fitted_exactly_need_a_noise(small_classifier, curvature):
+    """Targets the network fits exactly (its own outputs): with the default prior the joint
+    evidence put σ² at the bottom of its search range (1e-10), silently, where a numeric prior
+    already refused them; a given noise, or validation data, is used."""
+    model, x, _, xt, _ = small_classifier
+    with torch.no_grad():
+        own, own_test = model(x), model(xt) + 0.1
+    for prior in ("auto", "evidence", 1.0):
+        post = NTKPosterior(model, likelihood="regression", curvature=curvature)
+        with pytest.raises(ValueError, match="fits the targets exactly"):
+            post.set_params(prior_precision=prior).fit(x, own)
+        assert post.set_params(noise=0.1).fit(x, own).noise_ == 0.1
+    post = NTKPosterior(model, likelihood="regression", curvature=curvature)
+    assert post.fit(x, own, validation=(xt, own_test)).noise_ > 1e-4
+
+
+def test_changing_the_training_array_after_fit_changes_nothing(small_classifier):
+    """The posterior kept the caller's training array (a numpy array shared its memory), and its
+    kernel form compares new inputs with it at every prediction: standardising the array in
+    place after fit changed the predictive covariance silently."""
+    model, x, y, xt, _ = small_classifier
+    for x_train in (x.numpy().copy(), x.clone()):
+        post = NTKPosterior(model, prior_precision=0.5).fit(x_train, y)
+        before = post.predict_variance(xt)
+        x_train *= 2
+        np.testing.assert_array_equal(post.predict_variance(xt), before)
+
+
+def test_a_numpy_integer_seed_draws_the_monte_carlo_samples(small_classifier):
+    """seed=np.int64(3) passes the parameter check (an Integral) but torch.Generator.manual_seed
+    raised "TypeError: an integer is required" in predict_proba (link="mc") and uncertainty."""
+    model, x, y, xt, _ = small_classifier
+    options = dict(link="mc", mc_samples=50, prior_precision=1.0)
+    expected = NTKPosterior(model, seed=3, **options).fit(x, y)
+    post = NTKPosterior(model, seed=np.int64(3), **options).fit(x, y)
+    np.testing.assert_array_equal(post.predict_proba(xt), expected.predict_proba(xt))
+    got, want = post.uncertainty(xt), expected.uncertainty(xt)
+    np.testing.assert_array_equal(got["mutual_information"], want["mutual_information"])
+
+
+def test_float32_kernels_below_their_precision_are_refused_or_skipped():
+    """The kernel form's Σ = (Θ(x, x) − WᵀW)/δ cancels: from float32 kernels, with a small δ and
+    a small noise, it gave negative variances (−0.07 for 0.01), and a validation search over δ
+    failed inside torch ("covariance_matrix ... PositiveDefinite"). Now such a variance is
+    refused at prediction and skipped by the search, which matches the float64 model's δ."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 256), nn.Tanh(), nn.Linear(256, 3))
+    wide = copy.deepcopy(model).double()
+    x, y = torch.randn(40, 4), torch.randn(40, 3)
+    xv, yv = torch.randn(30, 4), torch.randn(30, 3)
+    settings = dict(likelihood="regression", curvature="exact", noise=0.01)
+    for delta in (1e-2, 1e-4):
+        post = NTKPosterior(model, prior_precision=delta, **settings).fit(x, y)
+        exact = NTKPosterior(wide, prior_precision=delta, **settings).fit(x.double(), y.double())
+        expected = exact.predict_variance(x[:10].double(), diagonal=True)
+        try:
+            got = post.predict_variance(x[:10], diagonal=True)
+        except ValueError as e:
+            assert "below the precision of the kernels (torch.float32)" in str(e)
+        else:
+            np.testing.assert_allclose(got, expected, rtol=1e-2)
+    for kind in ("full", "trace"):
+        settings = dict(likelihood="regression", curvature="exact", kind=kind)
+        post = NTKPosterior(model, **settings).fit(x, y, validation=(xv, yv))
+        validation = (xv.double(), yv.double())
+        exact = NTKPosterior(wide, **settings).fit(x.double(), y.double(), validation=validation)
+        assert post.prior_precision_ == pytest.approx(exact.prior_precision_, rel=0.05)
+        assert post.noise_ == pytest.approx(exact.noise_, rel=0.05)
+
+
+@pytest.mark.parametrize("kind", ["full", "trace"])
+def test_inputs_of_other_shapes_are_named_by_the_kernel_form(small_classifier, kind):
+    """A model that flattens its input takes x of per-sample shape (2, 4) after x_train of (8,):
+    the exact kernel form refused them as "x1 and x2 have different per-sample shapes", the
+    kernel's arguments, not the posterior's."""
+    model, x, y, xt, yt = small_classifier
+    flat = nn.Sequential(nn.Flatten(), model)
+    post = NTKPosterior(flat, kind=kind, curvature="exact").fit(x, y)
+    assert not post.parameter_space_
+    other = xt.reshape(len(xt), 2, 4)
+    with pytest.raises(ValueError, match=r"^x and x_train have different per-sample shapes"):
+        post.predict_variance(other)
+    with pytest.raises(ValueError, match=r"^x_val and x_train have different per-sample"):
+        NTKPosterior(flat, kind=kind, curvature="exact").fit(x, y, validation=(other, yt))
+
+
+def test_targets_that_require_grad_are_scored(small_classifier):
+    """Regression targets taken from a model's output without torch.no_grad (they carry its
+    graph) made score fail with torch's "Can't call numpy() on Tensor that requires grad"."""
+    model, x, _, xt, _ = small_classifier
+    y, yt = model(x) + 0.1 * torch.randn(len(x), 3), model(xt) + 0.1
+    assert yt.requires_grad
+    post = NTKPosterior(model, likelihood="regression").fit(x, y)
+    assert post.score(xt, yt) == post.score(xt, yt.detach())
+
+
+@pytest.mark.parametrize("curvature", ["exact", "ekfac"])
+def test_a_failed_refit_leaves_the_posterior_unfitted(small_classifier, curvature):
+    """A refit that failed on its validation data left the new training set and curvature beside
+    the previous factor and prior: predict raised a shape error from solve_triangular (exact) or
+    returned variances mixing both fits (EK-FAC, 0.19 off), silently."""
+    model, x, y, xt, yt = small_classifier
+    for likelihood, targets, bad in (
+        ("classification", y, yt + 10),
+        ("regression", torch.randn(len(x), 3, dtype=torch.float64), torch.zeros(len(xt), 2)),
+    ):
+        post = NTKPosterior(model, curvature=curvature, likelihood=likelihood).fit(x, targets)
+        with pytest.raises(ValueError, match="y_val"):
+            post.fit(x[:5], targets[:5], validation=(xt, bad))
+        with pytest.raises(NotFittedError):
+            post.predict_variance(xt)
+
+
 def test_output_fn_maps_the_models_output_to_the_logits(small_classifier):
     model, x, y, xt, _ = small_classifier
     plain = NTKPosterior(model, prior_precision=1.0).fit(x, y)

@@ -219,6 +219,21 @@ def test_out_receives_the_kernel_tile_by_tile(tmp_path):
         ntk.empirical_ntk(model, x1, x2, kind="trace", out=np.zeros((2, 2)))
 
 
+def test_out_of_integers_is_refused():
+    """An integer out= (tensor or array) received the kernel truncated to integers, silently;
+    a float32 one still takes a float64 kernel rounded."""
+    model, x1, x2 = make("mlp")
+    y1, y2 = torch.arange(len(x1)) % 3, torch.arange(len(x2)) % 3
+    for out in (torch.empty(len(x1), len(x2), dtype=torch.long), np.zeros((6, 4), dtype=np.int32)):
+        with pytest.raises(TypeError, match="out must hold floating-point numbers"):
+            ntk.empirical_ntk(model, x1, x2, kind="lpntk", labels=y1, labels2=y2, out=out)
+    expected = ntk.empirical_ntk(model, x1, x2, kind="lpntk", labels=y1, labels2=y2)
+    got = ntk.empirical_ntk(
+        model, x1, x2, kind="lpntk", labels=y1, labels2=y2, out=np.zeros((6, 4), np.float32)
+    )
+    np.testing.assert_allclose(got, expected.numpy(), rtol=1e-6)
+
+
 def test_kernels_that_cannot_fit_are_refused_with_size_and_alternatives(monkeypatch):
     monkeypatch.setattr("ntk.empirical.available_bytes", lambda device: 1000)
     model, x1, _ = make("mlp")

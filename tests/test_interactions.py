@@ -90,3 +90,24 @@ def test_bad_input_is_named():
         sample_interactions(model, x, y, projection_dim=0)
     with pytest.raises(ValueError, match="at least 2 samples"):
         sample_interactions(model, x[:1], y[:1])
+
+
+def test_projection_dim_may_be_a_numpy_integer():
+    """A dimension read from numpy (np.int64) was refused as not an integer; True is no size."""
+    model = _mlp(3)
+    x, y = torch.randn(6, 5), torch.tensor([0, 1, 2, 0, 1, 2])
+    expected = sample_interactions(model, x, y, projection_dim=64, return_kernel=True)
+    got = sample_interactions(model, x, y, projection_dim=np.int64(64), return_kernel=True)
+    np.testing.assert_array_equal(got["kernel"], expected["kernel"])
+    with pytest.raises(ValueError, match="projection_dim must be a positive integer"):
+        sample_interactions(model, x, y, projection_dim=True)
+
+
+def test_a_one_output_model_is_named_as_such():
+    """A binary classifier with one logit: labels 0/1 were refused as "labels outside 0..0",
+    labels all 0 as lpNTK's "at least two outputs"; now that, whatever the labels."""
+    model = _mlp(1)
+    x = torch.randn(6, 5)
+    for y in (torch.tensor([0, 1, 1, 0, 1, 0]), torch.zeros(6, dtype=torch.long)):
+        with pytest.raises(ValueError, match="at least two outputs"):
+            sample_interactions(model, x, y)

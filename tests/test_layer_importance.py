@@ -342,5 +342,5 @@ def test_a_model_without_a_row_per_sample_is_named_not_its_labels():
             return self.linear(x).reshape(-1)
 
     x, y = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
-    with pytest.raises(ValueError, match="returned 3 rows for 1 samples of x"):
+    with pytest.raises(ValueError, match="returned 3 output rows for the 1 samples of x"):
         layer_importance(Flat(), x, y)

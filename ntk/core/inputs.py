@@ -45,10 +45,11 @@ def from_numpy(x, name: str, dtype: torch.dtype | None = None):
 
 
 def targets(y, name: str = "y") -> torch.Tensor:
-    """Labels or targets (a tensor, numpy array or list) as a tensor; anything that is not numbers
-    or booleans (strings, objects) refused with a message naming `name`."""
+    """Labels or targets (a tensor, numpy array or list) as a tensor, detached (targets taken from
+    a model's output carry its graph); anything that is not numbers or booleans (strings,
+    objects) refused with a message naming `name`."""
     if isinstance(y, torch.Tensor):
-        return y
+        return y.detach()
     array = np.asarray(y)
     if array.dtype.kind not in "biuf":
         raise TypeError(
@@ -94,20 +95,18 @@ def signature(x: Inputs) -> Any:
 
 
 def check_compatible(x1: Inputs, x2: Inputs, names: tuple[str, str] = ("x1", "x2")) -> None:
-    """Refuse x1 and x2 (named `names` in the error) unless they have the same structure and
-    per-sample shapes."""
+    """Refuse inputs of another structure or per-sample shapes; `names` name them in errors."""
     s1, s2 = signature(x1), signature(x2)
+    first, second = names
     if type(x1) is not type(x2) and not (
         isinstance(x1, (tuple, list)) and isinstance(x2, (tuple, list))
     ):
         raise ValueError(
-            f"{names[0]} and {names[1]} must have the same structure, got {type(x1).__name__} "
-            f"and {type(x2).__name__}"
+            f"{first} and {second} must have the same structure, got {type(x1).__name__} and "
+            f"{type(x2).__name__}"
         )
     if s1 != s2:
-        raise ValueError(
-            f"{names[0]} and {names[1]} have different per-sample shapes: {s1} vs {s2}"
-        )
+        raise ValueError(f"{first} and {second} have different per-sample shapes: {s1} vs {s2}")
 
 
 def count(x: Inputs) -> int:
@@ -148,6 +147,16 @@ def convert(x: Inputs, device: torch.device, dtype: torch.dtype | None) -> Input
     if isinstance(x, dict):
         return {k: one(v) for k, v in x.items()}
     return tuple(one(v) for v in x)
+
+
+def clone(x: Inputs) -> Inputs:
+    """A detached copy of every tensor: the inputs an estimator keeps (its training set) do not
+    change when the caller changes the arrays or tensors it passed in place afterwards."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, dict):
+        return {k: v.detach().clone() for k, v in x.items()}
+    return tuple(v.detach().clone() for v in x)
 
 
 def as_call(x: Inputs) -> tuple[tuple, dict]:

@@ -250,7 +250,7 @@ class LpNTK(Weighted):
         if num_outputs < 2:
             raise ValueError(
                 f"kind='lpntk' needs a classifier with at least two outputs (one per class); "
-                f"the model has {num_outputs}"
+                f"the model has {num_outputs} ({ONE_LOGIT})"
             )
         return class_labels(labels, n, num_outputs, name)
 

@@ -171,7 +171,10 @@ def _hooked(model: nn.Module, name: str, trace: _Trace | None):
 def check_output_rows(y: torch.Tensor, n: int, name: str) -> None:
     """The model's outputs `y` [B, O] on n samples of `name`: one finite row per sample."""
     if y.shape[0] != n:
-        raise ValueError(f"the model returned {y.shape[0]} rows for {n} samples of {name}")
+        raise ValueError(
+            f"the model returned {y.shape[0]} output rows for the {n} samples of {name} (the first "
+            "axis of every input indexes samples)"
+        )
     if not bool(torch.isfinite(y).all()):
         raise ValueError(f"the model produced non-finite outputs (NaN or inf) on {name}")
 

@@ -112,6 +112,16 @@ class Grid:
         if out is not None:
             if tuple(out.shape) != self.shape:
                 raise ValueError(f"out has shape {tuple(out.shape)}, expected {self.shape}")
+            dtype = out.dtype
+            if not (
+                dtype.is_floating_point
+                if isinstance(dtype, torch.dtype)
+                else np.dtype(dtype).kind == "f"
+            ):
+                raise TypeError(
+                    f"out must hold floating-point numbers, got dtype {dtype} (the kernel's "
+                    "values would be truncated to it)"
+                )
             return {None: out}
         return {k: torch.empty(self.shape, dtype=self.dtype, device=self.device) for k in self.keys}
 
