@@ -27,7 +27,9 @@ v the eigenvalues of the correlation matrix of the input Jacobians ∂(Σ_o f_o)
 (Mellor et al., 2021); `naswot` log |det K_H|, K_H the sum over activation layers of the number of
 units on which two samples' activation patterns (sign of the activation's input) agree (Mellor et
 al., ICML 2021; −inf when the batch exceeds the rank of K_H, at most twice the number of
-activation units: very narrow candidates then tie last; it does not read y); `params` the number
+activation units: very narrow candidates then tie last; it does not read y; an activation whose
+input does not hold the samples along its first axis, such as a sequence-first [S, B, H], is
+refused with a MetricUndefinedError); `params` the number
 of trainable parameters.
 
 `rank` orders a candidate set by one metric, or by the mean rank over several (a vote, as in
@@ -632,25 +634,72 @@ def _jacob_cov(net, x, y, *, output_fn, **_):
 def _naswot(net, x, y, **_):
     """Mellor et al.'s score of the activation patterns of x; y is not read (the labels of a
     vote are checked, as for every metric, but the patterns do not depend on them)."""
-    codes = []
-    n = inputs.count(x)
-    record = lambda module, inp, out: codes.append(inp[0].reshape(n, -1) > 0)  # noqa: E731
-    hooks = [m.register_forward_hook(record) for m in net.modules() if isinstance(m, _ACTIVATIONS)]
-    if not hooks:
+    activations = [
+        (name or type(m).__name__, m)
+        for name, m in net.named_modules()
+        if isinstance(m, _ACTIVATIONS)
+    ]
+    if not activations:
         raise MetricUndefinedError(
             "naswot needs activation modules (nn.ReLU, nn.GELU, ...) in the model; functional "
             "activations (torch.relu, F.gelu) cannot be observed"
         )
-    with torch.no_grad():
-        _forward(net, x)
-    for h in hooks:
-        h.remove()
+    n = inputs.count(x)
+    alone = _activation_inputs(net, inputs.take(x, slice(0, 1)), activations)
+    codes = []
+
+    def record(name, t):
+        # the patterns are rows of [samples, units]: the batch's input to each activation must
+        # hold the samples along its first axis, sample 0's values first as when it runs alone
+        one = alone[len(codes)] if len(codes) < len(alone) else None
+        flat = t.reshape(-1)
+        if (
+            one is None
+            or flat.numel() != n * one.numel()
+            or not torch.allclose(flat[: one.numel()], one, rtol=1e-3, atol=1e-4 * _scale(one))
+        ):
+            raise MetricUndefinedError(
+                f"naswot reads each activation's input as [samples, units], and the input of "
+                f"activation module '{name}' (shape {tuple(t.shape)} for {n} samples) does not "
+                "hold the samples along its first axis (a sequence-first layer?)"
+            )
+        codes.append(t.reshape(n, -1) > 0)
+
+    _activation_inputs(net, x, activations, record)
     k = torch.zeros(n, n, dtype=torch.float64)
     for c in codes:
         c = c.to(torch.float64).cpu()
         k += c @ c.T + (1 - c) @ (1 - c).T
     value = float(torch.linalg.slogdet(k).logabsdet)
     return value, value
+
+
+def _scale(t: torch.Tensor) -> float:
+    return float(t.abs().max()) if t.numel() else 0.0
+
+
+def _activation_inputs(net, x, activations, record=None) -> list:
+    """The inputs of the `activations` ((name, module) pairs) in the order of their calls on x,
+    flattened; or, with `record`, `record(name, input)` called on each instead."""
+    seen = []
+
+    def hook(name):
+        def observe(module, inp, out):
+            if record is None:
+                seen.append(inp[0].detach().reshape(-1).clone())
+            else:
+                record(name, inp[0])
+
+        return observe
+
+    hooks = [m.register_forward_hook(hook(name)) for name, m in activations]
+    try:
+        with torch.no_grad():
+            _forward(net, x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
 
 
 def _params(net, x, y, **_):

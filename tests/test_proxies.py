@@ -410,3 +410,39 @@ def test_a_vote_leaves_out_a_metric_undefined_for_a_candidate(data):
     assert all(s.metric == "label_condition" and s.parts is None for _, s in ranked)
     with pytest.raises(proxies.MetricUndefinedError, match="'functional'.*activation modules"):
         proxies.rank(candidates, x, y, metric="naswot")
+
+
+class Tokens(nn.Module):
+    """A per-token MLP over [B, S, D] sequences, mean-pooled; `layout` is how its activation sees
+    the tokens: "batch" [B, S, H], "flat" [B·S, H] (batch-major), "sequence" [S, B, H]."""
+
+    def __init__(self, layout):
+        super().__init__()
+        self.layout, self.a, self.act, self.b = layout, nn.Linear(D, 8), nn.ReLU(), nn.Linear(8, O)
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.layout == "flat":
+            h = self.act(h.reshape(-1, h.shape[-1])).reshape(h.shape)
+        elif self.layout == "sequence":
+            h = self.act(h.transpose(0, 1)).transpose(0, 1)
+        else:
+            h = self.act(h)
+        return self.b(h).mean(1)
+
+
+def test_naswot_refuses_activations_that_do_not_hold_the_samples_first(data):
+    """An activation that sees [S, B, H] (sequence-first) had its input reshaped to [B, S·H]
+    rows that mix samples: the same function scored differently from its batch-first twin,
+    silently. It is refused (a vote leaves naswot out); batch-major layouts score alike."""
+    _, y = data
+    x = torch.randn(N, 4, D, generator=torch.Generator().manual_seed(2))
+    nets = {}
+    for layout in ("batch", "flat", "sequence"):
+        torch.manual_seed(0)
+        nets[layout] = Tokens(layout).eval()
+    assert run(nets["flat"], x, y, "naswot") == run(nets["batch"], x, y, "naswot")
+    with pytest.raises(proxies.MetricUndefinedError, match="'act' .*shape \\(4, 12, 8\\)"):
+        run(nets["sequence"], x, y, "naswot")
+    with pytest.warns(proxies.VoteMemberDroppedWarning, match="'sequence'"):
+        proxies.rank(nets, x, y)
