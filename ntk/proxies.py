@@ -187,6 +187,7 @@ def score(
     that range are refused with a ValueError naming y, the first offending label and the range.
     """
     _check_options(metric, kind, batch_size, repeats, warmup_steps)
+    layers = _layer_names(layers)
     x, y = _check_data(x, y, metric, warmup_steps, kind)
     if device is not None:
         device = resolve_device(device)
@@ -261,6 +262,8 @@ def rank(
                 f"candidate {name!r} is a {type(candidate).__name__}, not an nn.Module "
                 "or a factory returning one"
             )
+    if "layers" in options:  # names read by every candidate
+        options["layers"] = _layer_names(options["layers"])
     for m in metrics:  # the data once, before any candidate: its errors are no candidate's
         _check_data(x, y, m, options.get("warmup_steps", 0), options.get("kind", DEFAULT_KIND))
     details: dict[str, dict] = {}
@@ -336,6 +339,12 @@ def mean_rank(columns) -> np.ndarray:
 def _check_metric(metric) -> None:
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}; valid metrics are {', '.join(METRICS)}")
+
+
+def _layer_names(layers):
+    """`layers` as the kernels take it: None, "all" (another string is refused there, not split
+    into characters) or a list of module names, read once so that every repeat sees them."""
+    return layers if layers is None or isinstance(layers, str) else list(layers)
 
 
 def _check_options(metric, kind, batch_size, repeats, warmup_steps) -> None:
@@ -503,7 +512,7 @@ def _kernel(net, x, y, kind, layers, output_fn):
         x,
         kind=kind,
         labels=y if kind == "lpntk" else None,
-        layers=None if layers is None else list(layers),
+        layers=layers,
         per_layer=False,
         output_fn=output_fn,
     )
@@ -568,7 +577,7 @@ def _layer_condition(net, x, y, *, kind, layers, output_fn):
         x,
         kind=kind,
         labels=y if kind == "lpntk" else None,
-        layers="all" if layers is None else list(layers),
+        layers="all" if layers is None else layers,
         per_layer=True,
         output_fn=output_fn,
     )

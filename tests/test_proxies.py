@@ -446,3 +446,20 @@ def test_naswot_refuses_activations_that_do_not_hold_the_samples_first(data):
         run(nets["sequence"], x, y, "naswot")
     with pytest.warns(proxies.VoteMemberDroppedWarning, match="'sequence'"):
         proxies.rank(nets, x, y)
+
+
+def test_layers_take_all_or_names_never_the_characters_of_a_string(data):
+    """A string was split into its characters: layers="02" scored layers '0' and '2' (all of
+    them) and layers="all" failed on unknown layers 'a', 'l', 'l'; a generator of names was
+    used up by the first repeat."""
+    x, y = data
+    model = tiny().eval()
+    whole = run(model, x, y, "lga")
+    assert run(model, x, y, "lga", layers="all") == pytest.approx(whole, rel=1e-6)
+    assert run(model, x, y, "layer_condition", layers="all") == run(model, x, y, "layer_condition")
+    with pytest.raises(ValueError, match="layers must be None, 'all' or a list of module names"):
+        run(model, x, y, "lga", layers="02")
+    first = run(model, x, y, "lga", layers=["0"], repeats=2)
+    assert run(model, x, y, "lga", layers=(n for n in ["0"]), repeats=2) == first
+    ranked = proxies.rank({"a": model, "b": tiny(1)}, x, y, metric="lga", layers=iter(["0"]))
+    assert dict(ranked)["b"] == run(tiny(1), x, y, "lga", layers=["0"])
