@@ -590,14 +590,36 @@ def _layer_condition(net, x, y, *, kind, layers, output_fn):
     return value, value
 
 
-def _loss_grads(net, x, y, output_fn):
+def _trainable(net) -> list:
+    """The parameters the gradient metrics differentiate: those with requires_grad=True."""
     params = [p for p in net.parameters() if p.requires_grad]
-    out = _class_scores(_forward(net, x, output_fn))
-    grads = torch.autograd.grad(nn.functional.cross_entropy(out, y), params, allow_unused=True)
+    if not params:
+        raise ValueError(
+            "the model has no trainable parameters (requires_grad=True); the gradient metrics "
+            "differentiate with respect to them"
+        )
+    return params
+
+
+def _gradients(root: torch.Tensor, tensors: list, what: str) -> list:
+    """∂root/∂tensors, checked finite (`what` names them in the error); zeros for the tensors that
+    root does not depend on, every one of them when the output depends on none."""
+    grads = (
+        torch.autograd.grad(root, tensors, allow_unused=True)
+        if root.requires_grad
+        else [None] * len(tensors)
+    )
     for g in grads:
         if g is not None:
-            require_finite(g, "the gradient of the loss on x")
-    return [(p, torch.zeros_like(p) if g is None else g) for p, g in zip(params, grads)]
+            require_finite(g, what)
+    return [torch.zeros_like(t) if g is None else g for t, g in zip(tensors, grads)]
+
+
+def _loss_grads(net, x, y, output_fn):
+    params = _trainable(net)
+    out = _class_scores(_forward(net, x, output_fn))
+    loss = nn.functional.cross_entropy(out, y)
+    return list(zip(params, _gradients(loss, params, "the gradient of the loss on x")))
 
 
 def _grad_norm(net, x, y, *, output_fn, **_):
@@ -616,20 +638,16 @@ def _synflow(net, x, y, *, output_fn, **_):
     with torch.no_grad():
         for p in net.parameters():
             p.abs_()
-    params = [p for p in net.parameters() if p.requires_grad]
+    params = _trainable(net)
     ones = torch.ones((1, *x.shape[1:]), dtype=torch.float64, device=x.device)
-    grads = torch.autograd.grad(_forward(net, ones, output_fn).sum(), params, allow_unused=True)
-    for g in grads:
-        if g is not None:
-            require_finite(g, "the synflow gradient")
-    value = float(sum((p.detach() * g).abs().sum() for p, g in zip(params, grads) if g is not None))
+    grads = _gradients(_forward(net, ones, output_fn).sum(), params, "the synflow gradient")
+    value = float(sum((p.detach() * g).abs().sum() for p, g in zip(params, grads)))
     return value, value
 
 
 def _jacob_cov(net, x, y, *, output_fn, **_):
     x = _float_input(x, "jacob_cov").detach().clone().requires_grad_(True)
-    (jac,) = torch.autograd.grad(_forward(net, x, output_fn).sum(), x)
-    require_finite(jac, "the input Jacobian of x")
+    (jac,) = _gradients(_forward(net, x, output_fn).sum(), [x], "the input Jacobian of x")
     with np.errstate(invalid="ignore", divide="ignore"):  # a constant row gives NaN below
         corr = np.corrcoef(jac.reshape(len(x), -1).cpu().double().numpy())
     if not np.isfinite(corr).all():

@@ -463,3 +463,28 @@ def test_layers_take_all_or_names_never_the_characters_of_a_string(data):
     assert run(model, x, y, "lga", layers=(n for n in ["0"]), repeats=2) == first
     ranked = proxies.rank({"a": model, "b": tiny(1)}, x, y, metric="lga", layers=iter(["0"]))
     assert dict(ranked)["b"] == run(tiny(1), x, y, "lga", layers=["0"])
+
+
+class Unused(nn.Module):
+    """Outputs that depend on the inputs only (on="x") or on the parameters only (on="params")."""
+
+    def __init__(self, on):
+        super().__init__()
+        self.on, self.a, self.bias = on, nn.Linear(D, O), nn.Parameter(torch.ones(O))
+
+    def forward(self, x):
+        return x[:, :O].relu() if self.on == "x" else self.bias.expand(len(x), O) * 1.0
+
+
+def test_gradient_metrics_of_outputs_that_do_not_depend_on_what_they_differentiate(data):
+    """grad_norm, snip and synflow of an output that depends on no trainable parameter are 0 (a
+    RuntimeError from torch, "element 0 of tensors does not require grad"), of a model without
+    trainable parameters a ValueError saying so ("`inputs` argument to `grad()` cannot be
+    empty"); jacob_cov of an output that ignores x is NaN, as for any constant Jacobian row."""
+    x, y = data
+    for metric in ("grad_norm", "snip", "synflow"):
+        assert run(Unused("x"), x, y, metric) == 0.0
+        frozen = Unused("x").requires_grad_(False)
+        with pytest.raises(ValueError, match="^the model has no trainable parameters"):
+            run(frozen, x, y, metric)
+    assert math.isnan(run(Unused("params"), x, y, "jacob_cov"))
