@@ -30,18 +30,26 @@ def eigenvalues(kernel) -> torch.Tensor:
     """Eigenvalues of a symmetric kernel K(x, x) in descending order (float64). A kernel that is
     not symmetric to rounding (max |K − Kᵀ| > 1e-4 · max |K|), such as a cross kernel K(x1, x2)
     of equal batch sizes, is refused."""
+    return torch.linalg.eigvalsh(symmetric_matrix(kernel, "spectral summaries need")).flip(0)
+
+
+def symmetric_matrix(kernel, needs: str) -> torch.Tensor:
+    """`as_matrix(kernel)` in float64, symmetrised; refused (the message starts with `needs`, e.g.
+    "spectral summaries need") unless it is non-empty, finite and symmetric to rounding: a kernel
+    K(x, x), not a cross kernel K(x1, x2) of equal batch sizes."""
     m = as_matrix(kernel).to(torch.float64)
+    if m.numel() == 0:
+        raise ValueError("the kernel is empty (0 × 0)")
     if not bool(torch.isfinite(m).all()):
         raise ValueError("the kernel contains non-finite values")
     asymmetry, scale = float((m - m.T).abs().max()), float(m.abs().max())
     if asymmetry > 1e-4 * scale:
         raise ValueError(
-            f"spectral summaries need a symmetric kernel K(x, x), and this one is not "
+            f"{needs} a symmetric kernel K(x, x), and this one is not "
             f"(max |K − Kᵀ| = {asymmetry:.3g}, max |K| = {scale:.3g}); a cross kernel "
-            "K(x1, x2) has no eigenvalues to summarise"
+            "K(x1, x2) of equal batch sizes is square but is no kernel of one set of samples"
         )
-    m = (m + m.T) / 2
-    return torch.linalg.eigvalsh(m).flip(0)
+    return (m + m.T) / 2
 
 
 def condition_number(kernel) -> float:
@@ -60,6 +68,11 @@ def label_matrix(y) -> torch.Tensor:
     """Targets as a kernel: ±1 label agreement for integer class labels, y yᵀ for real targets
     (one column per output for a 2-D y)."""
     y = inputs.targets(y)
+    if y.dim() == 0:
+        raise ValueError(f"y must hold one label or target per sample, got a scalar {y.item()!r}")
+    if y.is_floating_point() and not bool(torch.isfinite(y).all()):
+        i = int((~torch.isfinite(y)).reshape(len(y), -1).any(1).nonzero()[0])
+        raise ValueError(f"y contains non-finite values (NaN or inf), first at sample {i}")
     if y.dim() == 1 and not y.is_floating_point():
         return (y[:, None] == y[None, :]).to(torch.float64) * 2 - 1
     y = y.to(torch.float64).reshape(y.shape[0], -1)
@@ -71,18 +84,18 @@ def kernel_alignment(kernel, y, *, centering: str = "kernel") -> float:
 
     centering="kernel": K̃ = HKH with H = I − 11ᵀ/n (centred alignment, Cortes et al. 2012);
     centering="mean": K̃ = K − mean(K), the Pearson correlation of the entries used by
-    Label-Gradient Alignment (Mok et al., CVPR 2022). Integer labels give L_ij = ±1.
+    Label-Gradient Alignment (Mok et al., CVPR 2022). Integer labels give L_ij = ±1. The kernel
+    is K(x, x) of the labelled samples: one that is not symmetric to rounding (a cross kernel
+    K(x1, x2)) is refused, as by `eigenvalues`; so are labels or targets that are not finite.
     """
-    k = as_matrix(kernel).to(torch.float64)
-    if not bool(torch.isfinite(k).all()):
-        raise ValueError("the kernel contains non-finite values")
-    if k.shape[0] != (n := len(y)) and k.dim() == 2:
+    lab = label_matrix(y)
+    k = symmetric_matrix(kernel, "kernel_alignment needs")
+    if k.shape[0] != (n := len(lab)) and k.dim() == 2:
         raise ValueError(f"kernel is {k.shape[0]} × {k.shape[0]} but y has {n} entries")
     if k.shape[0] != n:
         raise ValueError(
             "kernel_alignment needs an [N, N] kernel (use kind='trace' or 'sum_logits')"
         )
-    lab = label_matrix(y)
     if centering == "kernel":
         h = torch.eye(n, dtype=torch.float64) - 1.0 / n
         k, lab = h @ k @ h, h @ lab @ h
