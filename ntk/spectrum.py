@@ -7,6 +7,8 @@ import torch
 
 from .core import inputs
 
+CONSTANT = 1e-10  # kernel_alignment: a centred matrix this small relative to the raw one is zero
+
 
 def as_matrix(kernel) -> torch.Tensor:
     """A square kernel as a symmetric matrix: [N, N] as is, `full` [N, N, O, O] flattened to
@@ -87,6 +89,7 @@ def kernel_alignment(kernel, y, *, centering: str = "kernel") -> float:
     Label-Gradient Alignment (Mok et al., CVPR 2022). Integer labels give L_ij = ±1. The kernel
     is K(x, x) of the labelled samples: one that is not symmetric to rounding (a cross kernel
     K(x1, x2)) is refused, as by `eigenvalues`; so are labels or targets that are not finite.
+    A constant kernel or constant labels (one class) have nothing to align: 0.
     """
     lab = label_matrix(y)
     k = symmetric_matrix(kernel, "kernel_alignment needs")
@@ -96,6 +99,7 @@ def kernel_alignment(kernel, y, *, centering: str = "kernel") -> float:
         raise ValueError(
             "kernel_alignment needs an [N, N] kernel (use kind='trace' or 'sum_logits')"
         )
+    scales = float(torch.linalg.norm(k)), float(torch.linalg.norm(lab))
     if centering == "kernel":
         h = torch.eye(n, dtype=torch.float64) - 1.0 / n
         k, lab = h @ k @ h, h @ lab @ h
@@ -103,5 +107,8 @@ def kernel_alignment(kernel, y, *, centering: str = "kernel") -> float:
         k, lab = k - k.mean(), lab - lab.mean()
     else:
         raise ValueError(f"centering must be 'kernel' or 'mean', got {centering!r}")
-    denom = float(torch.linalg.norm(k) * torch.linalg.norm(lab))
-    return float((k * lab).sum()) / denom if denom > 0 else 0.0
+    norms = float(torch.linalg.norm(k)), float(torch.linalg.norm(lab))
+    # a constant kernel or labels (one class) centre to zero, up to the rounding of the centring
+    if any(norm <= CONSTANT * scale for norm, scale in zip(norms, scales)):
+        return 0.0
+    return float((k * lab).sum()) / (norms[0] * norms[1])

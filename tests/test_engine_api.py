@@ -388,6 +388,22 @@ def test_kernel_alignment_refuses_what_it_cannot_align():
         ntk.eigenvalues(torch.zeros(0, 0))
 
 
+@pytest.mark.parametrize("centering", ["kernel", "mean"])
+def test_kernel_alignment_of_a_constant_kernel_or_one_class_is_zero(centering):
+    """H K H of a constant K is zero up to the rounding of H = I − 11ᵀ/n (n = 5, 20: 1/n is
+    not exact), and the alignment was the ratio of rounding errors: 0.03 for a constant
+    kernel, ±0.01 for lga_centred on a batch of one class."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    for n in (5, 20):
+        own = ntk.empirical_ntk(net, torch.randn(n, 4), kind="trace")
+        labels = torch.arange(n) % 2
+        assert ntk.kernel_alignment(torch.full((n, n), 3.0), labels, centering=centering) == 0
+        one_class = torch.zeros(n, dtype=torch.long)
+        assert ntk.kernel_alignment(own, one_class, centering=centering) == 0
+        assert ntk.kernel_alignment(own, labels, centering=centering) != 0
+
+
 class Recurrent(nn.Module):
     def __init__(self, cell):
         super().__init__()
