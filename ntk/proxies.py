@@ -174,11 +174,11 @@ def score(
     held out over the project's NAS spaces (`python benchmarks/nas/compare.py`); it needs y.
 
     model: an `nn.Module` (copied, never modified) or a factory returning one (instantiated
-    under `torch.manual_seed(seed + r)` for repeat r). Each repeat scores a random batch of
-    `batch_size` samples of (x, y) (all of them when x has fewer), after `warmup_steps` Adam
-    steps (lr `warmup_lr`, minibatches of 64 from all of x, y) on the copy. kind: the kernel
-    kind of the kernel metrics; layers: restrict their kernel to these modules. x may be a
-    tensor or a tuple/dict of tensors (e.g. input_ids and attention_mask; `synflow` and
+    under `torch.manual_seed(seed + r)` for repeat r, and copied too). Each repeat scores a
+    random batch of `batch_size` samples of (x, y) (all of them when x has fewer), after
+    `warmup_steps` Adam steps (lr `warmup_lr`, minibatches of 64 from all of x, y) on the copy.
+    kind: the kernel kind of the kernel metrics; layers: restrict their kernel to these modules.
+    x may be a tensor or a tuple/dict of tensors (e.g. input_ids and attention_mask; `synflow` and
     `jacob_cov` need one floating-point input tensor); output_fn maps the model's output to
     [B, O] (e.g. `lambda out: out.logits`). return_details=True gives a `ProxyScore`.
     y: class labels [N] in 0..O−1 (O the model's outputs; integral floats are taken as integers),
@@ -377,8 +377,9 @@ def _check_data(x, y, metric, warmup_steps, kind):
 
 
 def _prepare(candidate: Candidate, seed: int) -> nn.Module:
-    """A private copy of a module, or a fresh instance from a factory under `seed` (the global
-    random state is restored afterwards)."""
+    """A private copy of a module, or of the instance a factory builds under `seed` (the global
+    random state is restored afterwards): a factory may hand out a module the caller holds
+    (`lambda: model`), which warm-up, calibration and synflow would otherwise modify."""
     if isinstance(candidate, nn.Module):
         return copy_module(candidate)
     if not callable(candidate):
@@ -392,7 +393,7 @@ def _prepare(candidate: Candidate, seed: int) -> nn.Module:
             raise ValueError(f"the factory raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(net, nn.Module):
         raise TypeError(f"the factory returned a {type(net).__name__}, not an nn.Module")
-    return net
+    return copy_module(net)
 
 
 def _check_outputs(net: nn.Module, x, output_fn: Callable | None) -> None:

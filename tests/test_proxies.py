@@ -165,6 +165,22 @@ def test_the_model_is_never_modified_and_warm_up_changes_the_score(data):
     assert warm != pytest.approx(cold, abs=1e-4)
 
 
+def test_a_factory_handing_out_the_callers_module_leaves_it_unchanged(data):
+    """A factory's module was scored in place: `lambda: model` left the caller's model in eval
+    mode, with its BatchNorm statistics calibrated, warmed-up weights, and after synflow in
+    float64 with every weight replaced by its absolute value."""
+    x, y = data
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, O))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for metric in ("synflow", "lga"):
+        run(lambda: model, x, y, metric, warmup_steps=2)
+    proxies.rank({"held": lambda: model}, x, y)
+    assert model.training
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
 def test_a_pruned_model_is_copied_and_left_unchanged(data):
     """torch.nn.utils.prune keeps the masked weight as a tensor computed from weight_orig, which
     copy.deepcopy refuses; the private copy recomputes it in its warm-up steps."""
