@@ -46,7 +46,9 @@ copy whose BatchNorm layers have never seen data takes their statistics from the
 from __future__ import annotations
 
 import functools
+import inspect
 import math
+import numbers
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -186,7 +188,7 @@ def score(
     ignored by the other metrics (`naswot` included) but checked whenever given: labels outside
     that range are refused with a ValueError naming y, the first offending label and the range.
     """
-    _check_options(metric, kind, batch_size, repeats, warmup_steps)
+    _check_options(metric, kind, batch_size, repeats, warmup_steps, warmup_lr, seed)
     layers = _layer_names(layers)
     x, y = _check_data(x, y, metric, warmup_steps, kind)
     if device is not None:
@@ -219,6 +221,14 @@ def score(
             time.perf_counter() - start,
         )
     return result if return_details else result.value
+
+
+# `rank`'s options: those of `score` that rank does not take itself
+_OPTIONS = {
+    name: p.default
+    for name, p in inspect.signature(score).parameters.items()
+    if p.kind is p.KEYWORD_ONLY and name not in ("metric", "batch_size", "return_details")
+}
 
 
 def rank(
@@ -264,8 +274,22 @@ def rank(
             )
     if "layers" in options:  # names read by every candidate
         options["layers"] = _layer_names(options["layers"])
-    for m in metrics:  # the data once, before any candidate: its errors are no candidate's
-        _check_data(x, y, m, options.get("warmup_steps", 0), options.get("kind", DEFAULT_KIND))
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"rank() got unknown options {', '.join(unknown)}; its options are those of score: "
+            f"{', '.join(_OPTIONS)}"
+        )
+    # options and data once, before any candidate: their errors are no candidate's
+    settings = {**_OPTIONS, **options}
+    kind, steps = settings["kind"], settings["warmup_steps"]
+    for m in metrics:
+        _check_options(
+            m, kind, batch_size, settings["repeats"], steps, settings["warmup_lr"], settings["seed"]
+        )
+        _check_data(x, y, m, steps, kind)
+    if settings["device"] is not None:
+        resolve_device(settings["device"])
     details: dict[str, dict] = {}
     for name, candidate in tqdm(
         candidates.items(), disable=not progress, desc=f"{'+'.join(metrics)} proxy", unit="arch"
@@ -347,9 +371,14 @@ def _layer_names(layers):
     return layers if layers is None or isinstance(layers, str) else list(layers)
 
 
-def _check_options(metric, kind, batch_size, repeats, warmup_steps) -> None:
+def _check_options(metric, kind, batch_size, repeats, warmup_steps, warmup_lr, seed) -> None:
     _check_metric(metric)
-    kinds.get(kind)
+    shape = kinds.get(kind).shape(1, 1, 1)
+    if metric in KERNEL_METRICS and metric != "label_condition" and len(shape) != 2:
+        raise ValueError(
+            f"metric {metric!r} needs an [N, N] kernel; kind {kind!r} gives one of shape "
+            f"[{', '.join('NNOO'[: len(shape)])}] (use 'sum_logits', 'trace' or 'lpntk')"
+        )
     for name, value, low in (
         ("batch_size", batch_size, 2),
         ("repeats", repeats, 1),
@@ -357,6 +386,15 @@ def _check_options(metric, kind, batch_size, repeats, warmup_steps) -> None:
     ):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an integer ≥ {low}, got {value!r}")
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    if warmup_steps and not (
+        isinstance(warmup_lr, numbers.Real)
+        and not isinstance(warmup_lr, bool)
+        and math.isfinite(warmup_lr)
+        and warmup_lr > 0
+    ):
+        raise ValueError(f"warmup_lr must be a positive number, got {warmup_lr!r}")
 
 
 def _check_data(x, y, metric, warmup_steps, kind):

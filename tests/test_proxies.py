@@ -258,6 +258,33 @@ def test_clear_errors(data):
         proxies.rank({"narrow": tiny}, torch.randn(N, D + 2), y, metric="lga")
 
 
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"batch_size": 1}, ValueError, "batch_size must be an integer ≥ 2, got 1"),
+        ({"kind": "sum_logit"}, ValueError, "unknown kind 'sum_logit'"),
+        ({"metric": "lga", "kind": "full"}, ValueError, r"metric 'lga' needs an \[N, N\] kernel"),
+        ({"repeats": 0}, ValueError, "repeats must be an integer ≥ 1"),
+        ({"seed": 0.5}, ValueError, "seed must be an integer, got 0.5"),
+        ({"warmup_steps": 1, "warmup_lr": -1.0}, ValueError, "warmup_lr must be a positive"),
+        ({"batchsize": 8}, TypeError, r"rank\(\) got unknown options batchsize"),
+    ],
+)
+def test_rank_checks_its_options_before_any_candidate(data, options, error, message):
+    """Options no candidate can be scored with were blamed on the first candidate ("candidate
+    'a': batch_size must be ...", "candidate 'a': score() got an unexpected keyword argument",
+    torch's "manual_seed expected a long" for seed=0.5, Adam's "Invalid learning rate") after
+    building it; they are refused first, as score refuses them."""
+    x, y = data
+    built = []
+    with pytest.raises(error, match=f"^{message}"):
+        proxies.rank({"a": lambda: built.append(1) or tiny()}, x, y, **options)
+    assert not built
+    if error is ValueError:
+        with pytest.raises(error, match=f"^{message}"):
+            proxies.score(tiny(), x, y, **options)
+
+
 LABEL_METRICS = ["lga", "lga_cosine", "lga_centred", "label_condition", "grad_norm", "snip"]
 
 
