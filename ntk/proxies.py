@@ -61,7 +61,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .core import inputs, kinds
-from .core.model import copy_module, naming_failures, resolve_device
+from .core.model import check_output_fn, copy_module, naming_failures, resolve_device
 from .core.tiles import require_finite
 from .empirical import empirical_ntk
 from .spectrum import condition_number, eigenvalues, kernel_alignment
@@ -189,6 +189,7 @@ def score(
     that range are refused with a ValueError naming y, the first offending label and the range.
     """
     _check_options(metric, kind, batch_size, repeats, warmup_steps, warmup_lr, seed)
+    check_output_fn(output_fn)
     layers = _layer_names(layers)
     x, y = _check_data(x, y, metric, warmup_steps, kind)
     if device is not None:
@@ -288,6 +289,7 @@ def rank(
             m, kind, batch_size, settings["repeats"], steps, settings["warmup_lr"], settings["seed"]
         )
         _check_data(x, y, m, steps, kind)
+    check_output_fn(settings["output_fn"])
     if settings["device"] is not None:
         resolve_device(settings["device"])
     details: dict[str, dict] = {}

@@ -404,6 +404,14 @@ def test_kernel_alignment_of_a_constant_kernel_or_one_class_is_zero(centering):
         assert ntk.kernel_alignment(own, labels, centering=centering) != 0
 
 
+def test_an_output_fn_that_is_not_a_function_is_named():
+    """output_fn="logits" (a name, not a function) failed inside the forward pass and was
+    reported as the model failing on x1 ("'str' object is not callable")."""
+    model, x1, _ = make("mlp")
+    with pytest.raises(TypeError, match="^output_fn must be a function .* got 'logits'"):
+        ntk.empirical_ntk(model, x1, output_fn="logits")
+
+
 class Recurrent(nn.Module):
     def __init__(self, cell):
         super().__init__()

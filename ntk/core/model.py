@@ -227,6 +227,16 @@ def check_functional(model: nn.Module) -> None:
             )
 
 
+def check_output_fn(output_fn) -> None:
+    """`output_fn` must be None or a callable (a string such as "logits" failed inside the model's
+    forward pass, blamed on the inputs)."""
+    if output_fn is not None and not callable(output_fn):
+        raise TypeError(
+            "output_fn must be a function mapping the model output to a [B, O] tensor (e.g. "
+            f"lambda out: out.logits), got {output_fn!r}"
+        )
+
+
 def copy_module(module: nn.Module) -> nn.Module:
     """copy.deepcopy(module), also of a module whose hooks keep a tensor computed from its
     parameters as a plain attribute (torch.nn.utils.prune's `weight`, the deprecated
@@ -352,6 +362,7 @@ class ModelView:
                 f"dtype must be a floating torch.dtype (torch.float64...), got {dtype!r}"
             )
         check_functional(model)
+        check_output_fn(output_fn)
         self.model = model
         self.output_fn = output_fn
         first = next(iter(model.parameters()), None)
