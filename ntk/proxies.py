@@ -521,13 +521,17 @@ def _warm_up(
 
 def _calibrate_norms(net: nn.Module, x) -> nn.Module:
     """BatchNorm layers that never saw data get the batch statistics of `x` (a training-mode
-    forward pass with cumulative averaging), so that eval mode reproduces training mode."""
+    forward pass with cumulative averaging), so that eval mode reproduces training mode. Never
+    seeing data means no batch counted and the initial statistics (mean 0, variance 1): a layer
+    whose statistics were loaded from a checkpoint that does not count batches keeps them."""
     fresh = [
         m
         for m in net.modules()
         if isinstance(m, nn.modules.batchnorm._BatchNorm)
         and m.track_running_stats
         and int(m.num_batches_tracked) == 0
+        and not bool(m.running_mean.any())
+        and bool((m.running_var == 1).all())
     ]
     if fresh:
         momenta = [m.momentum for m in fresh]

@@ -208,6 +208,22 @@ def test_fresh_batchnorm_uses_the_batch_statistics(data):
     assert run(model, x, y, "naswot") == pytest.approx(expected, rel=1e-6)
 
 
+def test_batchnorm_statistics_loaded_without_a_batch_count_are_kept(data):
+    """Statistics loaded from a checkpoint that does not count batches (num_batches_tracked
+    stays 0: torch's loading of old checkpoints, weights converted from other frameworks) were
+    replaced by the scored batch's, so a trained model was scored as another function."""
+    x, y = data
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 40), nn.BatchNorm1d(40), nn.ReLU(), nn.Linear(40, O))
+    with torch.no_grad():
+        model[1].running_mean.fill_(0.5)
+        model[1].running_var.fill_(2.0)
+    counted = copy.deepcopy(model)
+    counted[1].num_batches_tracked.fill_(100)
+    for metric in ("naswot", "lga"):
+        assert run(model.eval(), x, y, metric) == run(counted.eval(), x, y, metric)
+
+
 def test_rank_orders_best_first_and_matches_score(data):
     x, y = data
     widths = {"w2": 2, "w16": 16, "w4": 4}
