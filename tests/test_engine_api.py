@@ -199,6 +199,22 @@ def test_out_receives_the_kernel_tile_by_tile(tmp_path):
         ntk.empirical_ntk(model, x1, x2, kind="trace", out=np.zeros((2, 2)))
 
 
+def test_out_that_cannot_hold_the_kernel_is_refused():
+    """An integer out= received the kernel truncated to integers (a bool one, True), silently; a
+    read-only array failed after the first tile, a list inside the shape check."""
+    model, x1, _ = make("mlp")
+    n = len(x1)
+    for dtype in (np.int64, np.bool_):
+        with pytest.raises(TypeError, match="out must have a floating-point dtype"):
+            ntk.empirical_ntk(model, x1, kind="trace", out=np.zeros((n, n), dtype=dtype))
+    with pytest.raises(TypeError, match="floating-point dtype, got torch.int32"):
+        ntk.empirical_ntk(model, x1, kind="trace", out=torch.zeros(n, n, dtype=torch.int32))
+    with pytest.raises(ValueError, match="read-only"):
+        ntk.empirical_ntk(model, x1, kind="trace", out=np.broadcast_to(np.zeros(n), (n, n)))
+    with pytest.raises(TypeError, match="torch tensor or a numpy array .* got list"):
+        ntk.empirical_ntk(model, x1, kind="trace", out=[[0.0] * n] * n)
+
+
 def test_kernels_that_cannot_fit_are_refused_with_size_and_alternatives(monkeypatch):
     monkeypatch.setattr("ntk.empirical.available_bytes", lambda device: 1000)
     model, x1, _ = make("mlp")
