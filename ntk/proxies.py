@@ -19,18 +19,17 @@ pseudo-NTK of Mohamadi et al., ICML 2023):
   the lpNTK (the `kind` option does not apply). Other kernel metrics read the lpNTK with
   kind="lpntk".
 
-Zero-cost baselines (Abdelfattah et al., ICLR 2021) on the same batch, with the cross-entropy
-loss L: `grad_norm` Σ_p ‖∂L/∂θ_p‖ over parameter tensors; `snip` Σ |θ ⊙ ∂L/∂θ|; `synflow`
-Σ |θ ⊙ ∂R/∂θ| with R = 1ᵀ f_|θ|(1) the output of the network with absolute weights on an all-ones
-input, in float64 (Tanaka et al., NeurIPS 2020); `jacob_cov` −Σ_i log(v_i + k) + 1/(v_i + k),
-v the eigenvalues of the correlation matrix of the input Jacobians ∂(Σ_o f_o)/∂x, k = 1e-5
-(Mellor et al., 2021); `naswot` log |det K_H|, K_H the sum over activation layers of the number of
-units on which two samples' activation patterns (sign of the activation's input) agree (Mellor et
-al., ICML 2021; −inf when the batch exceeds the rank of K_H, at most twice the number of
-activation units: very narrow candidates then tie last; it does not read y; an activation whose
-input does not hold the samples along its first axis, such as a sequence-first [S, B, H], is
-refused with a MetricUndefinedError); `params` the number
-of trainable parameters.
+Zero-cost baselines (Abdelfattah et al., ICLR 2021) on the same batch, with the cross-entropy loss
+L (binary for a model with one output, a logit): `grad_norm` Σ_p ‖∂L/∂θ_p‖ over parameter tensors;
+`snip` Σ |θ ⊙ ∂L/∂θ|; `synflow` Σ |θ ⊙ ∂R/∂θ| with R = 1ᵀ f_|θ|(1) the output of the network with
+absolute weights on an all-ones input, in float64 (Tanaka et al., NeurIPS 2020); `jacob_cov`
+−Σ_i log(v_i + k) + 1/(v_i + k), v the eigenvalues of the correlation matrix of the input Jacobians
+∂(Σ_o f_o)/∂x, k = 1e-5 (Mellor et al., 2021); `naswot` log |det K_H|, K_H the sum over activation
+layers of the number of units on which two samples' activation patterns (sign of the activation's
+input) agree (Mellor et al., ICML 2021; −inf when the batch exceeds the rank of K_H, at most twice
+the number of activation units: very narrow candidates then tie last; it does not read y; an
+activation whose input does not hold the samples along its first axis, such as a sequence-first
+[S, B, H], is refused with a MetricUndefinedError); `params` the number of trainable parameters.
 
 `rank` orders a candidate set by one metric, or by the mean rank over several (a vote, as in
 Abdelfattah et al.'s majority vote of proxies). The defaults (`score`: `label_condition` on 256
@@ -470,14 +469,18 @@ def _check_labels(net: nn.Module, x, y: torch.Tensor, output_fn: Callable | None
         )
 
 
-def _class_scores(out: torch.Tensor) -> torch.Tensor:
-    """The model output as the class scores [B, O] of a cross-entropy loss."""
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy of the model output: class scores [B, O], or a single output ([B]
+    or [B, 1], a binary classifier's logit z, labels 0 and 1) whose binary cross-entropy is the
+    cross-entropy of the two-class scores (0, z)."""
+    if out.dim() == 1 or (out.dim() == 2 and out.shape[1] == 1):
+        return nn.functional.binary_cross_entropy_with_logits(out.reshape(-1), y.to(out.dtype))
     if out.dim() != 2:
         raise ValueError(
             f"the model output has shape {tuple(out.shape)}; class scores [B, O] "
             "are needed for a cross-entropy loss"
         )
-    return out
+    return nn.functional.cross_entropy(out, y)
 
 
 def _forward(net: nn.Module, x, output_fn: Callable | None = None):
@@ -514,8 +517,7 @@ def _warm_up(
             order = torch.randperm(inputs.count(x), generator=generator)
         idx, order = order[:64], order[64:]
         opt.zero_grad()
-        out = _class_scores(_forward(net, inputs.take(x, idx), output_fn))
-        nn.functional.cross_entropy(out, y[idx.to(y.device)]).backward()
+        _loss(_forward(net, inputs.take(x, idx), output_fn), y[idx.to(y.device)]).backward()
         opt.step()
 
 
@@ -662,8 +664,7 @@ def _gradients(root: torch.Tensor, tensors: list, what: str) -> list:
 
 def _loss_grads(net, x, y, output_fn):
     params = _trainable(net)
-    out = _class_scores(_forward(net, x, output_fn))
-    loss = nn.functional.cross_entropy(out, y)
+    loss = _loss(_forward(net, x, output_fn), y)
     return list(zip(params, _gradients(loss, params, "the gradient of the loss on x")))
 
 

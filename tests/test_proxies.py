@@ -348,6 +348,34 @@ def test_a_binary_classifier_with_one_logit_takes_labels_0_and_1(data):
         proxies.score(model, x, y, metric="lga", batch_size=N)
 
 
+class TwoLogits(nn.Module):
+    """The two-class scores (0, z) of a binary classifier with one logit z; `flat`: z as [B]."""
+
+    def __init__(self, model, flat=False):
+        super().__init__()
+        self.model, self.flat = model, flat
+
+    def forward(self, x):
+        z = self.model(x)
+        return z[:, 0] if self.flat else torch.cat([torch.zeros_like(z), z], 1)
+
+
+def test_the_loss_of_a_binary_classifier_with_one_logit_is_its_cross_entropy(data):
+    """grad_norm, snip and warm-up took the logit z [B, 1] as the scores of one class and failed
+    in torch's cross_entropy ("Target 1 is out of bounds"; z as [B]: refused) though y was
+    checked as the 0/1 labels of a binary classifier. Its loss is now the binary cross-entropy,
+    the cross-entropy of the scores (0, z)."""
+    x, y = data
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 8), nn.Tanh(), nn.Linear(8, 1))
+    binary = (y > 0).long()
+    for metric, options in (("grad_norm", {}), ("snip", {}), ("lga", {"warmup_steps": 3})):
+        expected = run(TwoLogits(model), x, binary, metric, **options)
+        assert run(model, x, binary, metric, **options) == pytest.approx(expected, rel=1e-5)
+        flat = run(TwoLogits(model, flat=True), x, binary, metric, **options)
+        assert flat == pytest.approx(expected, rel=1e-5)
+
+
 def test_a_vote_orders_by_the_mean_rank_over_metrics(data):
     x, y = data
     assert proxies.mean_rank([[3.0, 1.0, 2.0], [1.0, float("nan"), 5.0]]).tolist() == [
