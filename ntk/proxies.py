@@ -51,6 +51,7 @@ import numbers
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -202,11 +203,12 @@ def score(
         net = net if device is None else net.to(device)
         if y is not None:
             _check_labels(net, x, y, output_fn)
-        if warmup_steps:
-            _warm_up(net, x, y, warmup_steps, warmup_lr, generator, output_fn)
-        idx = torch.randperm(inputs.count(x), generator=generator)[:batch_size]
-        xb, yb = inputs.take(x, idx), None if y is None else y[idx.to(y.device)]
-        net = _calibrate_norms(net, xb).eval()
+        with _seeded(seed + r, net):  # what dropout draws in warm-up and calibration
+            if warmup_steps:
+                _warm_up(net, x, y, warmup_steps, warmup_lr, generator, output_fn)
+            idx = torch.randperm(inputs.count(x), generator=generator)[:batch_size]
+            xb, yb = inputs.take(x, idx), None if y is None else y[idx.to(y.device)]
+            net = _calibrate_norms(net, xb).eval()
         _check_outputs(net, xb, output_fn)
         value, raw = _MEASURES[metric](net, xb, yb, kind=kind, layers=layers, output_fn=output_fn)
         values.append(value)
@@ -433,6 +435,21 @@ def _prepare(candidate: Candidate, seed: int) -> nn.Module:
     if not isinstance(net, nn.Module):
         raise TypeError(f"the factory returned a {type(net).__name__}, not an nn.Module")
     return copy_module(net)
+
+
+@contextmanager
+def _seeded(seed: int, net: nn.Module):
+    """The global random state seeded with `seed` inside and restored afterwards: the CPU's and,
+    for a network on a GPU, that GPU's (the caller's random streams do not move, and the
+    training-mode passes draw the same dropout masks for the same seed)."""
+    first = next(net.parameters(), None)
+    gpus = [first.device] if first is not None and first.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=gpus):
+        torch.random.default_generator.manual_seed(seed)
+        for gpu in gpus:
+            with torch.cuda.device(gpu):
+                torch.cuda.manual_seed(seed)
+        yield
 
 
 def _check_outputs(net: nn.Module, x, output_fn: Callable | None) -> None:

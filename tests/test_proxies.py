@@ -181,6 +181,27 @@ def test_a_factory_handing_out_the_callers_module_leaves_it_unchanged(data):
         assert torch.equal(v, before[k]), k
 
 
+def test_dropout_in_warm_up_and_calibration_follows_seed_not_the_global_random_state(data):
+    """The training-mode passes (warm-up steps, the calibration of fresh BatchNorm layers) drew
+    their dropout masks from the caller's global random state: the score changed with it, not
+    with `seed`, and the caller's random stream moved."""
+    x, y = data
+
+    def factory():
+        return nn.Sequential(
+            nn.Linear(D, 16), nn.Dropout(0.5), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, O)
+        )
+
+    scores = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        scores.append(run(factory, x, y, "lga", warmup_steps=2))
+        after = torch.rand(3)
+        torch.manual_seed(global_seed)
+        assert torch.equal(after, torch.rand(3))
+    assert scores[0] == scores[1]
+
+
 def test_a_pruned_model_is_copied_and_left_unchanged(data):
     """torch.nn.utils.prune keeps the masked weight as a tensor computed from weight_orig, which
     copy.deepcopy refuses; the private copy recomputes it in its warm-up steps."""
