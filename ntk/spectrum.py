@@ -93,12 +93,13 @@ def kernel_alignment(kernel, y, *, centering: str = "kernel") -> float:
     """
     lab = label_matrix(y)
     k = symmetric_matrix(kernel, "kernel_alignment needs")
-    if k.shape[0] != (n := len(lab)) and k.dim() == 2:
-        raise ValueError(f"kernel is {k.shape[0]} × {k.shape[0]} but y has {n} entries")
-    if k.shape[0] != n:
+    if np.ndim(kernel) != 2:  # as_matrix flattens full and diagonal kernels to [N·O, N·O]
         raise ValueError(
-            "kernel_alignment needs an [N, N] kernel (use kind='trace' or 'sum_logits')"
+            f"kernel_alignment needs an [N, N] kernel, got shape {tuple(np.shape(kernel))} "
+            "(use kind='trace' or 'sum_logits')"
         )
+    if k.shape[0] != (n := len(lab)):
+        raise ValueError(f"kernel is {k.shape[0]} × {k.shape[0]} but y has {n} entries")
     scales = float(torch.linalg.norm(k)), float(torch.linalg.norm(lab))
     if centering == "kernel":
         h = torch.eye(n, dtype=torch.float64) - 1.0 / n

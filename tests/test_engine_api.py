@@ -387,8 +387,8 @@ def test_spectral_helpers_refuse_a_cross_kernel():
 
 def test_kernel_alignment_refuses_what_it_cannot_align():
     """kernel_alignment aligned a cross kernel K(x1, x2) with the labels of one set (a number,
-    silently), gave 0.0 for NaN targets and failed inside len() on a scalar y; eigenvalues of
-    an empty kernel failed in torch's max()."""
+    silently), gave 0.0 for NaN targets, failed inside len() on a scalar y and blamed y for the
+    size of a flattened full kernel; eigenvalues of an empty kernel failed in torch's max()."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
     x1, x2, y = torch.randn(5, 4), torch.randn(5, 4), torch.tensor([0, 1, 1, 0, 1])
@@ -400,6 +400,9 @@ def test_kernel_alignment_refuses_what_it_cannot_align():
         ntk.kernel_alignment(own, torch.tensor([0.5, 1.0, float("nan"), 0.0, 1.0]))
     with pytest.raises(ValueError, match="one label or target per sample, got a scalar 3"):
         ntk.kernel_alignment(own, 3)
+    full = ntk.empirical_ntk(net, x1, kind="full")  # was: "kernel is 10 × 10 but y has 5"
+    with pytest.raises(ValueError, match=r"needs an \[N, N\] kernel, got shape \(5, 5, 2, 2\)"):
+        ntk.kernel_alignment(full, y)
     with pytest.raises(ValueError, match="empty"):
         ntk.eigenvalues(torch.zeros(0, 0))
 
