@@ -355,6 +355,17 @@ def mean_rank(columns) -> np.ndarray:
     """Mean over metrics of each candidate's rank (1 = worst, ties share the average rank, NaN
     ranks below everything): a vote of several proxies on one candidate set. columns: one
     sequence of scores per metric, aligned over candidates."""
+    columns = [np.asarray(c, dtype=float) for c in columns]
+    if not columns or any(c.ndim != 1 for c in columns):
+        raise ValueError(
+            "mean_rank takes one sequence of scores per metric, each over the candidates (e.g. "
+            "[[0.2, 0.5], [3.0, 1.0]] for two metrics and two candidates); got "
+            f"{'none' if not columns else f'columns of shapes {[c.shape for c in columns]}'}"
+        )
+    if len({len(c) for c in columns}) > 1:
+        raise ValueError(
+            f"the columns score different numbers of candidates: {[len(c) for c in columns]}"
+        )
     return np.mean([_ranks(c) for c in columns], axis=0)
 
 

@@ -420,6 +420,19 @@ def test_a_vote_orders_by_the_mean_rank_over_metrics(data):
         proxies.rank(candidates, x, y, metric=("lga", "accuracy"))
 
 
+def test_mean_rank_refuses_columns_that_are_not_aligned_sequences():
+    """mean_rank([0.3, 0.1, 0.2]), one metric's scores passed as they are, ranked three
+    columns of one candidate each: [1.0], silently; columns of different lengths failed in
+    numpy ("inhomogeneous shape"), no column at all gave NaN with a warning."""
+    with pytest.raises(ValueError, match=r"one sequence of scores per metric.*shapes \[\(\), "):
+        proxies.mean_rank([0.3, 0.1, 0.2])
+    with pytest.raises(ValueError, match=r"different numbers of candidates: \[3, 2\]"):
+        proxies.mean_rank([[0.3, 0.1, 0.2], [1.0, 2.0]])
+    with pytest.raises(ValueError, match="got none"):
+        proxies.mean_rank([])
+    assert proxies.mean_rank([[0.3, 0.1, 0.2]]).tolist() == [3.0, 1.0, 2.0]
+
+
 def test_normalised_and_per_layer_kernel_metrics_match_a_direct_computation(data):
     x, y = data
     model = tiny().eval()
