@@ -550,10 +550,13 @@ def _warm_up(
 
 
 def _calibrate_norms(net: nn.Module, x) -> nn.Module:
-    """BatchNorm layers that never saw data get the batch statistics of `x` (a training-mode
-    forward pass with cumulative averaging), so that eval mode reproduces training mode. Never
-    seeing data means no batch counted and the initial statistics (mean 0, variance 1): a layer
-    whose statistics were loaded from a checkpoint that does not count batches keeps them."""
+    """BatchNorm layers that never saw data get the batch statistics of `x` (a forward pass with
+    those layers in training mode and cumulative averaging, every other module in eval mode as
+    when scored), so that eval mode normalises the batch as training mode would. Never seeing
+    data means no batch counted and the initial statistics (mean 0, variance 1): a layer whose
+    statistics were loaded from a checkpoint that does not count batches keeps them. Dropout
+    stays off, whatever mode the candidate came in: a module built in training mode (every
+    factory's) and the same module in eval mode are one function with one score."""
     fresh = [
         m
         for m in net.modules()
@@ -565,6 +568,7 @@ def _calibrate_norms(net: nn.Module, x) -> nn.Module:
     ]
     if fresh:
         momenta = [m.momentum for m in fresh]
+        net.eval()
         for m in fresh:
             m.momentum = None
             m.train()
