@@ -537,16 +537,19 @@ def _warm_up(
     output_fn: Callable | None = None,
 ) -> None:
     """`steps` Adam steps of cross-entropy on minibatches of 64 cycling through (x, y)."""
-    opt = torch.optim.Adam(net.parameters(), lr=lr)
+    params = [p for p in net.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=lr) if params else None
     net.train()
     order = torch.empty(0, dtype=torch.long)
     for _ in range(steps):
         if len(order) == 0:
             order = torch.randperm(inputs.count(x), generator=generator)
         idx, order = order[:64], order[64:]
-        opt.zero_grad()
-        _loss(_forward(net, inputs.take(x, idx), output_fn), y[idx.to(y.device)]).backward()
-        opt.step()
+        loss = _loss(_forward(net, inputs.take(x, idx), output_fn), y[idx.to(y.device)])
+        if loss.requires_grad:  # else it depends on no trainable parameter: nothing to train
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
 
 
 def _calibrate_norms(net: nn.Module, x) -> nn.Module:

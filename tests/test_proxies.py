@@ -624,3 +624,14 @@ def test_gradient_metrics_of_outputs_that_do_not_depend_on_what_they_differentia
         with pytest.raises(ValueError, match="^the model has no trainable parameters"):
             run(frozen, x, y, metric)
     assert math.isnan(run(Unused("params"), x, y, "jacob_cov"))
+
+
+def test_warm_up_of_an_output_that_depends_on_no_trainable_parameter_trains_nothing(data):
+    """Warm-up failed with torch's RuntimeError ("element 0 of tensors does not require grad")
+    on a candidate whose output depends on no trainable parameter, and with Adam's "optimizer
+    got an empty parameter list" on one without parameters; its steps now train nothing."""
+    x, y = data
+    frozen = tiny(width=40).requires_grad_(False)
+    for model, metric in ((Unused("x"), "params"), (frozen, "naswot"), (nn.ReLU(), "params")):
+        expected = run(model, x, y, metric)
+        assert run(model, x, y, metric, warmup_steps=2) == pytest.approx(expected, rel=1e-9)
