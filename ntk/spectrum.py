@@ -13,6 +13,11 @@ CONSTANT = 1e-10  # kernel_alignment: a centred matrix this small relative to th
 def as_matrix(kernel) -> torch.Tensor:
     """A square kernel as a symmetric matrix: [N, N] as is, `full` [N, N, O, O] flattened to
     [N·O, N·O] (sample-major), `diagonal` [N, N, O] as the block-diagonal [N·O, N·O]."""
+    if isinstance(kernel, dict):
+        raise TypeError(
+            f"expected one kernel, got a dict of {len(kernel)} per-layer kernels (layers=...); "
+            "pass one of them, or per_layer=False for their total"
+        )
     k = torch.as_tensor(np.asarray(kernel) if not isinstance(kernel, torch.Tensor) else kernel)
     if k.dim() < 2 or k.shape[0] != k.shape[1]:
         raise ValueError(f"expected a square kernel [N, N, ...], got shape {tuple(k.shape)}")
@@ -20,6 +25,11 @@ def as_matrix(kernel) -> torch.Tensor:
     if k.dim() == 2:
         return k
     if k.dim() == 4:
+        if k.shape[2] != k.shape[3]:
+            raise ValueError(
+                f"expected a full kernel [N, N, O, O], got shape {tuple(k.shape)}: "
+                "its output axes differ"
+            )
         o = k.shape[2]
         return k.permute(0, 2, 1, 3).reshape(n * o, n * o)
     if k.dim() == 3:

@@ -407,6 +407,21 @@ def test_kernel_alignment_refuses_what_it_cannot_align():
         ntk.eigenvalues(torch.zeros(0, 0))
 
 
+def test_spectral_summaries_name_a_dict_of_layer_kernels_and_unequal_output_axes():
+    """A dict of per-layer kernels (what layers= gives) failed in numpy ("can't convert
+    np.ndarray of type numpy.object_"), a full kernel [N, N, O, O'] in a reshape."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    x, y = torch.randn(5, 4), torch.tensor([0, 1, 1, 0, 1])
+    parts = ntk.empirical_ntk(net, x, kind="trace", layers=["0"])
+    for summary in (ntk.eigenvalues, ntk.condition_number, lambda k: ntk.kernel_alignment(k, y)):
+        with pytest.raises(TypeError, match="a dict of 1 per-layer kernels .*per_layer=False"):
+            summary(parts)
+    with pytest.raises(ValueError, match=r"full kernel \[N, N, O, O\], got shape \(3, 3, 2, 3\)"):
+        ntk.eigenvalues(torch.zeros(3, 3, 2, 3))
+    assert torch.allclose(ntk.eigenvalues(parts["0"]), ntk.eigenvalues(parts["0"].numpy()))
+
+
 @pytest.mark.parametrize("centering", ["kernel", "mean"])
 def test_kernel_alignment_of_a_constant_kernel_or_one_class_is_zero(centering):
     """H K H of a constant K is zero up to the rounding of H = I − 11ᵀ/n (n = 5, 20: 1/n is
