@@ -77,15 +77,20 @@ def condition_from_eigenvalues(ev) -> float:
 
 
 def label_matrix(y) -> torch.Tensor:
-    """Targets as a kernel: ±1 label agreement for integer class labels, y yᵀ for real targets
-    (one column per output for a 2-D y)."""
+    """Targets as a kernel: ±1 label agreement for integer class labels [N], y yᵀ for real
+    targets (one column per output for a 2-D y). Integer labels of another shape are refused."""
     y = inputs.targets(y)
     if y.dim() == 0:
         raise ValueError(f"y must hold one label or target per sample, got a scalar {y.item()!r}")
     if y.is_floating_point() and not bool(torch.isfinite(y).all()):
         i = int((~torch.isfinite(y)).reshape(len(y), -1).any(1).nonzero()[0])
         raise ValueError(f"y contains non-finite values (NaN or inf), first at sample {i}")
-    if y.dim() == 1 and not y.is_floating_point():
+    if not y.is_floating_point():
+        if y.dim() != 1:  # an [N, 1] column of labels is no target vector y yᵀ could read
+            raise ValueError(
+                f"y holds integer class labels of shape {tuple(y.shape)}; class labels are one "
+                f"per sample, shape ({len(y)},) (real-valued targets are floats)"
+            )
         return (y[:, None] == y[None, :]).to(torch.float64) * 2 - 1
     y = y.to(torch.float64).reshape(y.shape[0], -1)
     return y @ y.T

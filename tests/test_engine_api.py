@@ -422,6 +422,20 @@ def test_spectral_summaries_name_a_dict_of_layer_kernels_and_unequal_output_axes
     assert torch.allclose(ntk.eigenvalues(parts["0"]), ntk.eigenvalues(parts["0"].numpy()))
 
 
+def test_kernel_alignment_refuses_integer_labels_that_are_not_one_per_sample():
+    """Integer class labels as an [N, 1] column were read as real targets, aligned with y yᵀ
+    (the products of the label values) instead of the ±1 agreement, silently: 0.23 instead of
+    0.47 in a sweep."""
+    torch.manual_seed(0)
+    a = torch.randn(6, 4, dtype=torch.float64)
+    y = torch.tensor([0, 1, 0, 1, 2, 2])
+    with pytest.raises(ValueError, match=r"integer class labels of shape \(6, 1\).*shape \(6,\)"):
+        ntk.kernel_alignment(a @ a.T, y[:, None])
+    assert ntk.kernel_alignment(a @ a.T, y.double()[:, None]) == ntk.kernel_alignment(
+        a @ a.T, y.double()
+    )
+
+
 @pytest.mark.parametrize("centering", ["kernel", "mean"])
 def test_kernel_alignment_of_a_constant_kernel_or_one_class_is_zero(centering):
     """H K H of a constant K is zero up to the rounding of H = I − 11ᵀ/n (n = 5, 20: 1/n is
