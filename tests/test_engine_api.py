@@ -154,6 +154,17 @@ def test_a_data_parallel_wrapper_is_refused_naming_the_module_it_wraps():
         ntk.empirical_ntk(model, torch.randn(4, 5))
 
 
+def test_a_torchscript_module_is_refused_naming_it():
+    """A scripted model failed in the input check's hooks with torch's RuntimeError
+    ("register_forward_pre_hook is not supported on ScriptModules")."""
+    scripted = torch.jit.script(MLP().eval())
+    with pytest.raises(TypeError, match="^module 'RecursiveScriptModule' is a TorchScript"):
+        ntk.empirical_ntk(scripted, torch.randn(4, 5))
+    inner = nn.Sequential(torch.jit.script(nn.Linear(5, 4)), nn.Tanh(), nn.Linear(4, 2)).eval()
+    with pytest.raises(TypeError, match="^module '0' is a TorchScript module"):
+        ntk.empirical_ntk(inner, torch.randn(4, 5))
+
+
 def test_inputs_that_require_grad_are_constants():
     """The kernel is a function of the parameters: an input with requires_grad leaves no graph
     attached to kernels or to the arrays a surrogate hands to scikit-learn."""

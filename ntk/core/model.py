@@ -205,12 +205,19 @@ def check_eval_mode(model: nn.Module) -> None:
 
 def check_functional(model: nn.Module) -> None:
     """Refuse models that cannot be called with other parameters without being modified:
-    nn.DataParallel, which torch.func's functional calls refuse (its `module` is the same
-    function), and embeddings with max_norm, whose forward pass renormalises the rows it looks up
-    in place, which would write to the model's weights (the view's parameters share their
-    storage), and autograd does not differentiate through the renormalisation."""
+    TorchScript modules (no functional calls, no hooks); nn.DataParallel, which torch.func's
+    functional calls refuse (its `module` is the same function); and embeddings with max_norm,
+    whose forward pass renormalises the rows it looks up in place, which would write to the
+    model's weights (the view's parameters share their storage), and autograd does not
+    differentiate through the renormalisation."""
     for name, module in model.named_modules():
         label = name or type(module).__name__
+        if isinstance(module, torch.jit.ScriptModule):
+            raise TypeError(
+                f"module '{label}' is a TorchScript module (torch.jit.script or trace), which "
+                "cannot be called with other parameters (torch.func) nor observed by hooks; "
+                "use the nn.Module it was compiled from"
+            )
         if isinstance(module, nn.DataParallel):
             raise TypeError(
                 f"module '{label}' is an nn.DataParallel wrapper, which cannot be called with "
