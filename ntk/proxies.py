@@ -486,29 +486,19 @@ def _check_labels(net: nn.Module, x, y: torch.Tensor, output_fn: Callable | None
         net.train(training)
     if not (isinstance(out, torch.Tensor) and out.dim() in (1, 2)):
         return
-    outputs = 1 if out.dim() == 1 else out.shape[1]
-    if outputs > 1:
-        kinds.class_labels(y, len(y), outputs, "y")
-    elif bool((y > 1).any()):
-        i = int((y > 1).nonzero()[0])
-        raise ValueError(
-            f"y holds labels outside 0..1: {int(y[i])} at sample {i} (the model has one output, "
-            "a binary classifier's logit)"
-        )
+    kinds.loss_labels(y, 1 if out.dim() == 1 else out.shape[1], "y")
 
 
 def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The mean cross-entropy of the model output: class scores [B, O], or a single output ([B]
     or [B, 1], a binary classifier's logit z, labels 0 and 1) whose binary cross-entropy is the
     cross-entropy of the two-class scores (0, z)."""
-    if out.dim() == 1 or (out.dim() == 2 and out.shape[1] == 1):
-        return nn.functional.binary_cross_entropy_with_logits(out.reshape(-1), y.to(out.dtype))
-    if out.dim() != 2:
+    if out.dim() not in (1, 2):
         raise ValueError(
             f"the model output has shape {tuple(out.shape)}; class scores [B, O] "
             "are needed for a cross-entropy loss"
         )
-    return nn.functional.cross_entropy(out, y)
+    return kinds.cross_entropy(out, y)
 
 
 def _forward(net: nn.Module, x, output_fn: Callable | None = None):
