@@ -189,6 +189,8 @@ def score(
     that range are refused with a ValueError naming y, the first offending label and the range.
     """
     _check_options(metric, kind, batch_size, repeats, warmup_steps, warmup_lr, seed)
+    # numpy integers as Python's: torch's generators and randperm take only these
+    batch_size, repeats, warmup_steps, seed = map(int, (batch_size, repeats, warmup_steps, seed))
     check_output_fn(output_fn)
     layers = _layer_names(layers)
     x, y = _check_data(x, y, metric, warmup_steps, kind)
@@ -398,7 +400,7 @@ def _check_options(metric, kind, batch_size, repeats, warmup_steps, warmup_lr, s
         ("repeats", repeats, 1),
         ("warmup_steps", warmup_steps, 0),
     ):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an integer ≥ {low}, got {value!r}")
     if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
         raise ValueError(f"seed must be an integer, got {seed!r}")

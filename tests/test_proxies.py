@@ -635,3 +635,14 @@ def test_warm_up_of_an_output_that_depends_on_no_trainable_parameter_trains_noth
     for model, metric in ((Unused("x"), "params"), (frozen, "naswot"), (nn.ReLU(), "params")):
         expected = run(model, x, y, metric)
         assert run(model, x, y, metric, warmup_steps=2) == pytest.approx(expected, rel=1e-9)
+
+
+def test_numpy_integers_are_integers_for_the_integer_options(data):
+    """batch_size, repeats and warmup_steps given as numpy integers were refused ("batch_size
+    must be an integer ≥ 2, got np.int64(4)"), a numpy seed failed in torch ("an integer is
+    required")."""
+    x, y = data
+    model = tiny()
+    expected = run(model, x, y, "lga", repeats=2, warmup_steps=1, seed=3)
+    options = dict(repeats=np.int64(2), warmup_steps=np.int32(1), seed=np.int64(3))
+    assert proxies.score(model, x, y, metric="lga", batch_size=np.int64(N), **options) == expected
