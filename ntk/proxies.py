@@ -61,7 +61,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .core import inputs, kinds
-from .core.model import check_output_fn, copy_module, naming_failures, resolve_device
+from .core.model import (
+    check_output_fn,
+    copy_module,
+    naming_failures,
+    output_tensor,
+    resolve_device,
+)
 from .core.tiles import require_finite
 from .empirical import empirical_ntk
 from .spectrum import condition_number, eigenvalues, kernel_alignment
@@ -510,6 +516,12 @@ def _forward(net: nn.Module, x, output_fn: Callable | None = None):
     return out if output_fn is None else output_fn(out)
 
 
+def _outputs(net: nn.Module, x, output_fn: Callable | None = None) -> torch.Tensor:
+    """`_forward` for the measures that read the output: a tensor, or a TypeError naming
+    output_fn (a dict or tuple output failed inside them with an AttributeError)."""
+    return output_tensor(_forward(net, x), output_fn)
+
+
 def _float_input(x, metric: str) -> torch.Tensor:
     if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
         raise ValueError(
@@ -537,7 +549,7 @@ def _warm_up(
         if len(order) == 0:
             order = torch.randperm(inputs.count(x), generator=generator)
         idx, order = order[:64], order[64:]
-        loss = _loss(_forward(net, inputs.take(x, idx), output_fn), y[idx.to(y.device)])
+        loss = _loss(_outputs(net, inputs.take(x, idx), output_fn), y[idx.to(y.device)])
         if loss.requires_grad:  # else it depends on no trainable parameter: nothing to train
             opt.zero_grad()
             loss.backward()
@@ -691,7 +703,7 @@ def _gradients(root: torch.Tensor, tensors: list, what: str) -> list:
 
 def _loss_grads(net, x, y, output_fn):
     params = _trainable(net)
-    loss = _loss(_forward(net, x, output_fn), y)
+    loss = _loss(_outputs(net, x, output_fn), y)
     return list(zip(params, _gradients(loss, params, "the gradient of the loss on x")))
 
 
@@ -713,14 +725,14 @@ def _synflow(net, x, y, *, output_fn, **_):
             p.abs_()
     params = _trainable(net)
     ones = torch.ones((1, *x.shape[1:]), dtype=torch.float64, device=x.device)
-    grads = _gradients(_forward(net, ones, output_fn).sum(), params, "the synflow gradient")
+    grads = _gradients(_outputs(net, ones, output_fn).sum(), params, "the synflow gradient")
     value = float(sum((p.detach() * g).abs().sum() for p, g in zip(params, grads)))
     return value, value
 
 
 def _jacob_cov(net, x, y, *, output_fn, **_):
     x = _float_input(x, "jacob_cov").detach().clone().requires_grad_(True)
-    (jac,) = _gradients(_forward(net, x, output_fn).sum(), [x], "the input Jacobian of x")
+    (jac,) = _gradients(_outputs(net, x, output_fn).sum(), [x], "the input Jacobian of x")
     with np.errstate(invalid="ignore", divide="ignore"):  # a constant row gives NaN below
         corr = np.corrcoef(jac.reshape(len(x), -1).cpu().double().numpy())
     if not np.isfinite(corr).all():

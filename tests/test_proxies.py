@@ -646,3 +646,28 @@ def test_numpy_integers_are_integers_for_the_integer_options(data):
     expected = run(model, x, y, "lga", repeats=2, warmup_steps=1, seed=3)
     options = dict(repeats=np.int64(2), warmup_steps=np.int32(1), seed=np.int64(3))
     assert proxies.score(model, x, y, metric="lga", batch_size=np.int64(N), **options) == expected
+
+
+class Logits(nn.Module):
+    """A model whose output is a dict {"logits": scores}."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return {"logits": self.model(x)}
+
+
+@pytest.mark.parametrize("metric", ["grad_norm", "snip", "synflow", "jacob_cov"])
+def test_output_metrics_name_an_output_that_is_not_a_tensor(data, metric):
+    """The metrics reading the output failed on a dict output with an AttributeError ("'dict'
+    object has no attribute 'dim'"), which rank did not name the candidate in; the kernel
+    metrics said to pass output_fn. They now say so too, and take output_fn."""
+    x, y = data
+    with pytest.raises(TypeError, match="model output is a dict, not a tensor: pass output_fn"):
+        run(Logits(tiny()), x, y, metric)
+    with pytest.raises(TypeError, match="^candidate 'a': the model output is a dict"):
+        proxies.rank({"a": Logits(tiny())}, x, y, metric=metric)
+    logits = run(Logits(tiny()), x, y, metric, output_fn=lambda out: out["logits"])
+    assert logits == pytest.approx(run(tiny(), x, y, metric), rel=1e-6)

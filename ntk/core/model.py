@@ -244,6 +244,20 @@ def check_output_fn(output_fn) -> None:
         )
 
 
+def output_tensor(out, output_fn: Callable | None = None) -> torch.Tensor:
+    """The model output `out` through `output_fn`, refused with a TypeError unless a tensor."""
+    if output_fn is not None:
+        out = output_fn(out)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(
+            f"output_fn returned a {type(out).__name__}, not a [B, O] tensor"
+            if output_fn is not None
+            else f"the model output is a {type(out).__name__}, not a tensor: pass output_fn "
+            "to map it to a [B, O] tensor"
+        )
+    return out
+
+
 def copy_module(module: nn.Module) -> nn.Module:
     """copy.deepcopy(module), also of a module whose hooks keep a tensor computed from its
     parameters as a plain attribute (torch.nn.utils.prune's `weight`, the deprecated
@@ -507,15 +521,7 @@ class ModelView:
         return self.to_matrix(out)
 
     def to_matrix(self, out) -> torch.Tensor:
-        if self.output_fn is not None:
-            out = self.output_fn(out)
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(
-                f"output_fn returned a {type(out).__name__}, not a [B, O] tensor"
-                if self.output_fn is not None
-                else f"the model output is a {type(out).__name__}, not a tensor: pass output_fn "
-                "to map it to a [B, O] tensor"
-            )
+        out = output_tensor(out, self.output_fn)
         if out.dim() == 1:
             return out.unsqueeze(1)
         if out.dim() != 2:
