@@ -46,7 +46,7 @@ from torch.func import grad
 import ntk
 import projections
 from ntk.core import inputs
-from ntk.core.kinds import class_labels
+from ntk.core.kinds import cross_entropy, loss_labels
 from ntk.core.model import ModelView, check_eval_mode, check_output_rows, copy_module
 from ntk.core.persample import map_samples
 from ntk.spectrum import as_matrix
@@ -143,9 +143,10 @@ def _displacement(model: nn.Module, view: ModelView, layer: str) -> float:
 
 
 def sample_losses(outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Per-sample loss: cross-entropy for integer class labels, squared error for real targets."""
+    """Per-sample loss: cross-entropy for integer class labels (binary for a single output, a
+    binary classifier's logit, `ntk.core.kinds.cross_entropy`), squared error for real targets."""
     if not y.is_floating_point():
-        return F.cross_entropy(outputs, y, reduction="none")
+        return cross_entropy(outputs, y, reduction="none")
     return ((outputs - y.reshape(outputs.shape)) ** 2).sum(1)
 
 
@@ -179,7 +180,7 @@ def _check_targets(view: ModelView, x, y: torch.Tensor) -> torch.Tensor:
     if y.is_floating_point() and y.dim() == 1 and outputs > 1 and bool((y == y.round()).all()):
         y = y.long()
     if not y.is_floating_point():
-        class_labels(y, len(y), outputs, "y")
+        loss_labels(y, outputs, "y")
     elif y[0].numel() != outputs:
         raise ValueError(
             f"y holds {y[0].numel()} real value(s) per sample; real-valued targets need "

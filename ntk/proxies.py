@@ -19,16 +19,17 @@ pseudo-NTK of Mohamadi et al., ICML 2023):
   the lpNTK (the `kind` option does not apply). Other kernel metrics read the lpNTK with
   kind="lpntk".
 
-Zero-cost baselines (Abdelfattah et al., ICLR 2021) on the same batch, with the cross-entropy
-loss L: `grad_norm` Σ_p ‖∂L/∂θ_p‖ over parameter tensors; `snip` Σ |θ ⊙ ∂L/∂θ|; `synflow`
-Σ |θ ⊙ ∂R/∂θ| with R = 1ᵀ f_|θ|(1) the output of the network with absolute weights on an all-ones
-input, in float64 (Tanaka et al., NeurIPS 2020); `jacob_cov` −Σ_i log(v_i + k) + 1/(v_i + k),
-v the eigenvalues of the correlation matrix of the input Jacobians ∂(Σ_o f_o)/∂x, k = 1e-5
-(Mellor et al., 2021); `naswot` log |det K_H|, K_H the sum over activation layers of the number of
-units on which two samples' activation patterns (sign of the activation's input) agree (Mellor et
-al., ICML 2021; −inf when the batch exceeds the rank of K_H, at most twice the number of
-activation units: very narrow candidates then tie last; it does not read y); `params` the number
-of trainable parameters.
+Zero-cost baselines (Abdelfattah et al., ICLR 2021) on the same batch, with the cross-entropy loss
+L (binary for a model with one output, a logit): `grad_norm` Σ_p ‖∂L/∂θ_p‖ over parameter tensors;
+`snip` Σ |θ ⊙ ∂L/∂θ|; `synflow` Σ |θ ⊙ ∂R/∂θ| with R = 1ᵀ f_|θ|(1) the output of the network with
+absolute weights on an all-ones input, in float64 (Tanaka et al., NeurIPS 2020); `jacob_cov`
+−Σ_i log(v_i + k) + 1/(v_i + k), v the eigenvalues of the correlation matrix of the input Jacobians
+∂(Σ_o f_o)/∂x, k = 1e-5 (Mellor et al., 2021); `naswot` log |det K_H|, K_H the sum over activation
+layers of the number of units on which two samples' activation patterns (sign of the activation's
+input) agree (Mellor et al., ICML 2021; −inf when the batch exceeds the rank of K_H, at most twice
+the number of activation units: very narrow candidates then tie last; it does not read y; an
+activation whose input does not hold the samples along its first axis, such as a sequence-first
+[S, B, H], is refused with a MetricUndefinedError); `params` the number of trainable parameters.
 
 `rank` orders a candidate set by one metric, or by the mean rank over several (a vote, as in
 Abdelfattah et al.'s majority vote of proxies). The defaults (`score`: `label_condition` on 256
@@ -44,10 +45,13 @@ copy whose BatchNorm layers have never seen data takes their statistics from the
 from __future__ import annotations
 
 import functools
+import inspect
 import math
+import numbers
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,7 +61,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .core import inputs, kinds
-from .core.model import copy_module, naming_failures, resolve_device
+from .core.model import (
+    check_output_fn,
+    copy_module,
+    naming_failures,
+    output_tensor,
+    resolve_device,
+)
 from .core.tiles import require_finite
 from .empirical import empirical_ntk
 from .spectrum import condition_number, eigenvalues, kernel_alignment
@@ -172,11 +182,11 @@ def score(
     held out over the project's NAS spaces (`python benchmarks/nas/compare.py`); it needs y.
 
     model: an `nn.Module` (copied, never modified) or a factory returning one (instantiated
-    under `torch.manual_seed(seed + r)` for repeat r). Each repeat scores a random batch of
-    `batch_size` samples of (x, y) (all of them when x has fewer), after `warmup_steps` Adam
-    steps (lr `warmup_lr`, minibatches of 64 from all of x, y) on the copy. kind: the kernel
-    kind of the kernel metrics; layers: restrict their kernel to these modules. x may be a
-    tensor or a tuple/dict of tensors (e.g. input_ids and attention_mask; `synflow` and
+    under `torch.manual_seed(seed + r)` for repeat r, and copied too). Each repeat scores a
+    random batch of `batch_size` samples of (x, y) (all of them when x has fewer), after
+    `warmup_steps` Adam steps (lr `warmup_lr`, minibatches of 64 from all of x, y) on the copy.
+    kind: the kernel kind of the kernel metrics; layers: restrict their kernel to these modules.
+    x may be a tensor or a tuple/dict of tensors (e.g. input_ids and attention_mask; `synflow` and
     `jacob_cov` need one floating-point input tensor); output_fn maps the model's output to
     [B, O] (e.g. `lambda out: out.logits`). return_details=True gives a `ProxyScore`.
     y: class labels [N] in 0..O−1 (O the model's outputs; integral floats are taken as integers),
@@ -184,7 +194,11 @@ def score(
     ignored by the other metrics (`naswot` included) but checked whenever given: labels outside
     that range are refused with a ValueError naming y, the first offending label and the range.
     """
-    _check_options(metric, kind, batch_size, repeats, warmup_steps)
+    _check_options(metric, kind, batch_size, repeats, warmup_steps, warmup_lr, seed)
+    # numpy integers as Python's: torch's generators and randperm take only these
+    batch_size, repeats, warmup_steps, seed = map(int, (batch_size, repeats, warmup_steps, seed))
+    check_output_fn(output_fn)
+    layers = _layer_names(layers)
     x, y = _check_data(x, y, metric, warmup_steps, kind)
     if device is not None:
         device = resolve_device(device)
@@ -197,11 +211,12 @@ def score(
         net = net if device is None else net.to(device)
         if y is not None:
             _check_labels(net, x, y, output_fn)
-        if warmup_steps:
-            _warm_up(net, x, y, warmup_steps, warmup_lr, generator, output_fn)
-        idx = torch.randperm(inputs.count(x), generator=generator)[:batch_size]
-        xb, yb = inputs.take(x, idx), None if y is None else y[idx.to(y.device)]
-        net = _calibrate_norms(net, xb).eval()
+        with _seeded(seed + r, net):  # what dropout draws in warm-up and calibration
+            if warmup_steps:
+                _warm_up(net, x, y, warmup_steps, warmup_lr, generator, output_fn)
+            idx = torch.randperm(inputs.count(x), generator=generator)[:batch_size]
+            xb, yb = inputs.take(x, idx), None if y is None else y[idx.to(y.device)]
+            net = _calibrate_norms(net, xb).eval()
         _check_outputs(net, xb, output_fn)
         value, raw = _MEASURES[metric](net, xb, yb, kind=kind, layers=layers, output_fn=output_fn)
         values.append(value)
@@ -216,6 +231,14 @@ def score(
             time.perf_counter() - start,
         )
     return result if return_details else result.value
+
+
+# `rank`'s options: those of `score` that rank does not take itself
+_OPTIONS = {
+    name: p.default
+    for name, p in inspect.signature(score).parameters.items()
+    if p.kind is p.KEYWORD_ONLY and name not in ("metric", "batch_size", "return_details")
+}
 
 
 def rank(
@@ -259,8 +282,25 @@ def rank(
                 f"candidate {name!r} is a {type(candidate).__name__}, not an nn.Module "
                 "or a factory returning one"
             )
-    for m in metrics:  # the data once, before any candidate: its errors are no candidate's
-        _check_data(x, y, m, options.get("warmup_steps", 0), options.get("kind", DEFAULT_KIND))
+    if "layers" in options:  # names read by every candidate
+        options["layers"] = _layer_names(options["layers"])
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"rank() got unknown options {', '.join(unknown)}; its options are those of score: "
+            f"{', '.join(_OPTIONS)}"
+        )
+    # options and data once, before any candidate: their errors are no candidate's
+    settings = {**_OPTIONS, **options}
+    kind, steps = settings["kind"], settings["warmup_steps"]
+    for m in metrics:
+        _check_options(
+            m, kind, batch_size, settings["repeats"], steps, settings["warmup_lr"], settings["seed"]
+        )
+        _check_data(x, y, m, steps, kind)
+    check_output_fn(settings["output_fn"])
+    if settings["device"] is not None:
+        resolve_device(settings["device"])
     details: dict[str, dict] = {}
     for name, candidate in tqdm(
         candidates.items(), disable=not progress, desc=f"{'+'.join(metrics)} proxy", unit="arch"
@@ -323,6 +363,17 @@ def mean_rank(columns) -> np.ndarray:
     """Mean over metrics of each candidate's rank (1 = worst, ties share the average rank, NaN
     ranks below everything): a vote of several proxies on one candidate set. columns: one
     sequence of scores per metric, aligned over candidates."""
+    columns = [np.asarray(c, dtype=float) for c in columns]
+    if not columns or any(c.ndim != 1 for c in columns):
+        raise ValueError(
+            "mean_rank takes one sequence of scores per metric, each over the candidates (e.g. "
+            "[[0.2, 0.5], [3.0, 1.0]] for two metrics and two candidates); got "
+            f"{'none' if not columns else f'columns of shapes {[c.shape for c in columns]}'}"
+        )
+    if len({len(c) for c in columns}) > 1:
+        raise ValueError(
+            f"the columns score different numbers of candidates: {[len(c) for c in columns]}"
+        )
     return np.mean([_ranks(c) for c in columns], axis=0)
 
 
@@ -336,16 +387,36 @@ def _check_metric(metric) -> None:
         raise ValueError(f"unknown metric {metric!r}; valid metrics are {', '.join(METRICS)}")
 
 
-def _check_options(metric, kind, batch_size, repeats, warmup_steps) -> None:
+def _layer_names(layers):
+    """`layers` as the kernels take it: None, "all" (another string is refused there, not split
+    into characters) or a list of module names, read once so that every repeat sees them."""
+    return layers if layers is None or isinstance(layers, str) else list(layers)
+
+
+def _check_options(metric, kind, batch_size, repeats, warmup_steps, warmup_lr, seed) -> None:
     _check_metric(metric)
-    kinds.get(kind)
+    shape = kinds.get(kind).shape(1, 1, 1)
+    if metric in KERNEL_METRICS and metric != "label_condition" and len(shape) != 2:
+        raise ValueError(
+            f"metric {metric!r} needs an [N, N] kernel; kind {kind!r} gives one of shape "
+            f"[{', '.join('NNOO'[: len(shape)])}] (use 'sum_logits', 'trace' or 'lpntk')"
+        )
     for name, value, low in (
         ("batch_size", batch_size, 2),
         ("repeats", repeats, 1),
         ("warmup_steps", warmup_steps, 0),
     ):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an integer ≥ {low}, got {value!r}")
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    if warmup_steps and not (
+        isinstance(warmup_lr, numbers.Real)
+        and not isinstance(warmup_lr, bool)
+        and math.isfinite(warmup_lr)
+        and warmup_lr > 0
+    ):
+        raise ValueError(f"warmup_lr must be a positive number, got {warmup_lr!r}")
 
 
 def _check_data(x, y, metric, warmup_steps, kind):
@@ -366,8 +437,9 @@ def _check_data(x, y, metric, warmup_steps, kind):
 
 
 def _prepare(candidate: Candidate, seed: int) -> nn.Module:
-    """A private copy of a module, or a fresh instance from a factory under `seed` (the global
-    random state is restored afterwards)."""
+    """A private copy of a module, or of the instance a factory builds under `seed` (the global
+    random state is restored afterwards): a factory may hand out a module the caller holds
+    (`lambda: model`), which warm-up, calibration and synflow would otherwise modify."""
     if isinstance(candidate, nn.Module):
         return copy_module(candidate)
     if not callable(candidate):
@@ -381,7 +453,22 @@ def _prepare(candidate: Candidate, seed: int) -> nn.Module:
             raise ValueError(f"the factory raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(net, nn.Module):
         raise TypeError(f"the factory returned a {type(net).__name__}, not an nn.Module")
-    return net
+    return copy_module(net)
+
+
+@contextmanager
+def _seeded(seed: int, net: nn.Module):
+    """The global random state seeded with `seed` inside and restored afterwards: the CPU's and,
+    for a network on a GPU, that GPU's (the caller's random streams do not move, and the
+    training-mode passes draw the same dropout masks for the same seed)."""
+    first = next(net.parameters(), None)
+    gpus = [first.device] if first is not None and first.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=gpus):
+        torch.random.default_generator.manual_seed(seed)
+        for gpu in gpus:
+            with torch.cuda.device(gpu):
+                torch.cuda.manual_seed(seed)
+        yield
 
 
 def _check_outputs(net: nn.Module, x, output_fn: Callable | None) -> None:
@@ -407,25 +494,19 @@ def _check_labels(net: nn.Module, x, y: torch.Tensor, output_fn: Callable | None
         net.train(training)
     if not (isinstance(out, torch.Tensor) and out.dim() in (1, 2)):
         return
-    outputs = 1 if out.dim() == 1 else out.shape[1]
-    if outputs > 1:
-        kinds.class_labels(y, len(y), outputs, "y")
-    elif bool((y > 1).any()):
-        i = int((y > 1).nonzero()[0])
-        raise ValueError(
-            f"y holds labels outside 0..1: {int(y[i])} at sample {i} (the model has one output, "
-            "a binary classifier's logit)"
-        )
+    kinds.loss_labels(y, 1 if out.dim() == 1 else out.shape[1], "y")
 
 
-def _class_scores(out: torch.Tensor) -> torch.Tensor:
-    """The model output as the class scores [B, O] of a cross-entropy loss."""
-    if out.dim() != 2:
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy of the model output: class scores [B, O], or a single output ([B]
+    or [B, 1], a binary classifier's logit z, labels 0 and 1) whose binary cross-entropy is the
+    cross-entropy of the two-class scores (0, z)."""
+    if out.dim() not in (1, 2):
         raise ValueError(
             f"the model output has shape {tuple(out.shape)}; class scores [B, O] "
             "are needed for a cross-entropy loss"
         )
-    return out
+    return kinds.cross_entropy(out, y)
 
 
 def _forward(net: nn.Module, x, output_fn: Callable | None = None):
@@ -433,6 +514,12 @@ def _forward(net: nn.Module, x, output_fn: Callable | None = None):
     args, kwargs = inputs.as_call(x)
     out = net(*args, **kwargs)
     return out if output_fn is None else output_fn(out)
+
+
+def _outputs(net: nn.Module, x, output_fn: Callable | None = None) -> torch.Tensor:
+    """`_forward` for the measures that read the output: a tensor, or a TypeError naming
+    output_fn (a dict or tuple output failed inside them with an AttributeError)."""
+    return output_tensor(_forward(net, x), output_fn)
 
 
 def _float_input(x, metric: str) -> torch.Tensor:
@@ -454,31 +541,41 @@ def _warm_up(
     output_fn: Callable | None = None,
 ) -> None:
     """`steps` Adam steps of cross-entropy on minibatches of 64 cycling through (x, y)."""
-    opt = torch.optim.Adam(net.parameters(), lr=lr)
+    params = [p for p in net.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=lr) if params else None
     net.train()
     order = torch.empty(0, dtype=torch.long)
     for _ in range(steps):
         if len(order) == 0:
             order = torch.randperm(inputs.count(x), generator=generator)
         idx, order = order[:64], order[64:]
-        opt.zero_grad()
-        out = _class_scores(_forward(net, inputs.take(x, idx), output_fn))
-        nn.functional.cross_entropy(out, y[idx.to(y.device)]).backward()
-        opt.step()
+        loss = _loss(_outputs(net, inputs.take(x, idx), output_fn), y[idx.to(y.device)])
+        if loss.requires_grad:  # else it depends on no trainable parameter: nothing to train
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
 
 
 def _calibrate_norms(net: nn.Module, x) -> nn.Module:
-    """BatchNorm layers that never saw data get the batch statistics of `x` (a training-mode
-    forward pass with cumulative averaging), so that eval mode reproduces training mode."""
+    """BatchNorm layers that never saw data get the batch statistics of `x` (a forward pass with
+    those layers in training mode and cumulative averaging, every other module in eval mode as
+    when scored), so that eval mode normalises the batch as training mode would. Never seeing
+    data means no batch counted and the initial statistics (mean 0, variance 1): a layer whose
+    statistics were loaded from a checkpoint that does not count batches keeps them. Dropout
+    stays off, whatever mode the candidate came in: a module built in training mode (every
+    factory's) and the same module in eval mode are one function with one score."""
     fresh = [
         m
         for m in net.modules()
         if isinstance(m, nn.modules.batchnorm._BatchNorm)
         and m.track_running_stats
         and int(m.num_batches_tracked) == 0
+        and not bool(m.running_mean.any())
+        and bool((m.running_var == 1).all())
     ]
     if fresh:
         momenta = [m.momentum for m in fresh]
+        net.eval()
         for m in fresh:
             m.momentum = None
             m.train()
@@ -501,7 +598,7 @@ def _kernel(net, x, y, kind, layers, output_fn):
         x,
         kind=kind,
         labels=y if kind == "lpntk" else None,
-        layers=None if layers is None else list(layers),
+        layers=layers,
         per_layer=False,
         output_fn=output_fn,
     )
@@ -566,7 +663,7 @@ def _layer_condition(net, x, y, *, kind, layers, output_fn):
         x,
         kind=kind,
         labels=y if kind == "lpntk" else None,
-        layers="all" if layers is None else list(layers),
+        layers="all" if layers is None else layers,
         per_layer=True,
         output_fn=output_fn,
     )
@@ -579,14 +676,35 @@ def _layer_condition(net, x, y, *, kind, layers, output_fn):
     return value, value
 
 
-def _loss_grads(net, x, y, output_fn):
+def _trainable(net) -> list:
+    """The parameters the gradient metrics differentiate: those with requires_grad=True."""
     params = [p for p in net.parameters() if p.requires_grad]
-    out = _class_scores(_forward(net, x, output_fn))
-    grads = torch.autograd.grad(nn.functional.cross_entropy(out, y), params, allow_unused=True)
+    if not params:
+        raise ValueError(
+            "the model has no trainable parameters (requires_grad=True); the gradient metrics "
+            "differentiate with respect to them"
+        )
+    return params
+
+
+def _gradients(root: torch.Tensor, tensors: list, what: str) -> list:
+    """∂root/∂tensors, checked finite (`what` names them in the error); zeros for the tensors that
+    root does not depend on, every one of them when the output depends on none."""
+    grads = (
+        torch.autograd.grad(root, tensors, allow_unused=True)
+        if root.requires_grad
+        else [None] * len(tensors)
+    )
     for g in grads:
         if g is not None:
-            require_finite(g, "the gradient of the loss on x")
-    return [(p, torch.zeros_like(p) if g is None else g) for p, g in zip(params, grads)]
+            require_finite(g, what)
+    return [torch.zeros_like(t) if g is None else g for t, g in zip(tensors, grads)]
+
+
+def _loss_grads(net, x, y, output_fn):
+    params = _trainable(net)
+    loss = _loss(_outputs(net, x, output_fn), y)
+    return list(zip(params, _gradients(loss, params, "the gradient of the loss on x")))
 
 
 def _grad_norm(net, x, y, *, output_fn, **_):
@@ -605,20 +723,16 @@ def _synflow(net, x, y, *, output_fn, **_):
     with torch.no_grad():
         for p in net.parameters():
             p.abs_()
-    params = [p for p in net.parameters() if p.requires_grad]
+    params = _trainable(net)
     ones = torch.ones((1, *x.shape[1:]), dtype=torch.float64, device=x.device)
-    grads = torch.autograd.grad(_forward(net, ones, output_fn).sum(), params, allow_unused=True)
-    for g in grads:
-        if g is not None:
-            require_finite(g, "the synflow gradient")
-    value = float(sum((p.detach() * g).abs().sum() for p, g in zip(params, grads) if g is not None))
+    grads = _gradients(_outputs(net, ones, output_fn).sum(), params, "the synflow gradient")
+    value = float(sum((p.detach() * g).abs().sum() for p, g in zip(params, grads)))
     return value, value
 
 
 def _jacob_cov(net, x, y, *, output_fn, **_):
     x = _float_input(x, "jacob_cov").detach().clone().requires_grad_(True)
-    (jac,) = torch.autograd.grad(_forward(net, x, output_fn).sum(), x)
-    require_finite(jac, "the input Jacobian of x")
+    (jac,) = _gradients(_outputs(net, x, output_fn).sum(), [x], "the input Jacobian of x")
     with np.errstate(invalid="ignore", divide="ignore"):  # a constant row gives NaN below
         corr = np.corrcoef(jac.reshape(len(x), -1).cpu().double().numpy())
     if not np.isfinite(corr).all():
@@ -632,25 +746,72 @@ def _jacob_cov(net, x, y, *, output_fn, **_):
 def _naswot(net, x, y, **_):
     """Mellor et al.'s score of the activation patterns of x; y is not read (the labels of a
     vote are checked, as for every metric, but the patterns do not depend on them)."""
-    codes = []
-    n = inputs.count(x)
-    record = lambda module, inp, out: codes.append(inp[0].reshape(n, -1) > 0)  # noqa: E731
-    hooks = [m.register_forward_hook(record) for m in net.modules() if isinstance(m, _ACTIVATIONS)]
-    if not hooks:
+    activations = [
+        (name or type(m).__name__, m)
+        for name, m in net.named_modules()
+        if isinstance(m, _ACTIVATIONS)
+    ]
+    if not activations:
         raise MetricUndefinedError(
             "naswot needs activation modules (nn.ReLU, nn.GELU, ...) in the model; functional "
             "activations (torch.relu, F.gelu) cannot be observed"
         )
-    with torch.no_grad():
-        _forward(net, x)
-    for h in hooks:
-        h.remove()
+    n = inputs.count(x)
+    alone = _activation_inputs(net, inputs.take(x, slice(0, 1)), activations)
+    codes = []
+
+    def record(name, t):
+        # the patterns are rows of [samples, units]: the batch's input to each activation must
+        # hold the samples along its first axis, sample 0's values first as when it runs alone
+        one = alone[len(codes)] if len(codes) < len(alone) else None
+        flat = t.reshape(-1)
+        if (
+            one is None
+            or flat.numel() != n * one.numel()
+            or not torch.allclose(flat[: one.numel()], one, rtol=1e-3, atol=1e-4 * _scale(one))
+        ):
+            raise MetricUndefinedError(
+                f"naswot reads each activation's input as [samples, units], and the input of "
+                f"activation module '{name}' (shape {tuple(t.shape)} for {n} samples) does not "
+                "hold the samples along its first axis (a sequence-first layer?)"
+            )
+        codes.append(t.reshape(n, -1) > 0)
+
+    _activation_inputs(net, x, activations, record)
     k = torch.zeros(n, n, dtype=torch.float64)
     for c in codes:
         c = c.to(torch.float64).cpu()
         k += c @ c.T + (1 - c) @ (1 - c).T
     value = float(torch.linalg.slogdet(k).logabsdet)
     return value, value
+
+
+def _scale(t: torch.Tensor) -> float:
+    return float(t.abs().max()) if t.numel() else 0.0
+
+
+def _activation_inputs(net, x, activations, record=None) -> list:
+    """The inputs of the `activations` ((name, module) pairs) in the order of their calls on x,
+    flattened; or, with `record`, `record(name, input)` called on each instead."""
+    seen = []
+
+    def hook(name):
+        def observe(module, inp, out):
+            if record is None:
+                seen.append(inp[0].detach().reshape(-1).clone())
+            else:
+                record(name, inp[0])
+
+        return observe
+
+    hooks = [m.register_forward_hook(hook(name)) for name, m in activations]
+    try:
+        with torch.no_grad():
+            _forward(net, x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
 
 
 def _params(net, x, y, **_):

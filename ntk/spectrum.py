@@ -7,10 +7,17 @@ import torch
 
 from .core import inputs
 
+CONSTANT = 1e-10  # kernel_alignment: a centred matrix this small relative to the raw one is zero
+
 
 def as_matrix(kernel) -> torch.Tensor:
     """A square kernel as a symmetric matrix: [N, N] as is, `full` [N, N, O, O] flattened to
     [N·O, N·O] (sample-major), `diagonal` [N, N, O] as the block-diagonal [N·O, N·O]."""
+    if isinstance(kernel, dict):
+        raise TypeError(
+            f"expected one kernel, got a dict of {len(kernel)} per-layer kernels (layers=...); "
+            "pass one of them, or per_layer=False for their total"
+        )
     k = torch.as_tensor(np.asarray(kernel) if not isinstance(kernel, torch.Tensor) else kernel)
     if k.dim() < 2 or k.shape[0] != k.shape[1]:
         raise ValueError(f"expected a square kernel [N, N, ...], got shape {tuple(k.shape)}")
@@ -18,6 +25,11 @@ def as_matrix(kernel) -> torch.Tensor:
     if k.dim() == 2:
         return k
     if k.dim() == 4:
+        if k.shape[2] != k.shape[3]:
+            raise ValueError(
+                f"expected a full kernel [N, N, O, O], got shape {tuple(k.shape)}: "
+                "its output axes differ"
+            )
         o = k.shape[2]
         return k.permute(0, 2, 1, 3).reshape(n * o, n * o)
     if k.dim() == 3:
@@ -30,18 +42,26 @@ def eigenvalues(kernel) -> torch.Tensor:
     """Eigenvalues of a symmetric kernel K(x, x) in descending order (float64). A kernel that is
     not symmetric to rounding (max |K − Kᵀ| > 1e-4 · max |K|), such as a cross kernel K(x1, x2)
     of equal batch sizes, is refused."""
+    return torch.linalg.eigvalsh(symmetric_matrix(kernel, "spectral summaries need")).flip(0)
+
+
+def symmetric_matrix(kernel, needs: str) -> torch.Tensor:
+    """`as_matrix(kernel)` in float64, symmetrised; refused (the message starts with `needs`, e.g.
+    "spectral summaries need") unless it is non-empty, finite and symmetric to rounding: a kernel
+    K(x, x), not a cross kernel K(x1, x2) of equal batch sizes."""
     m = as_matrix(kernel).to(torch.float64)
+    if m.numel() == 0:
+        raise ValueError("the kernel is empty (0 × 0)")
     if not bool(torch.isfinite(m).all()):
         raise ValueError("the kernel contains non-finite values")
     asymmetry, scale = float((m - m.T).abs().max()), float(m.abs().max())
     if asymmetry > 1e-4 * scale:
         raise ValueError(
-            f"spectral summaries need a symmetric kernel K(x, x), and this one is not "
+            f"{needs} a symmetric kernel K(x, x), and this one is not "
             f"(max |K − Kᵀ| = {asymmetry:.3g}, max |K| = {scale:.3g}); a cross kernel "
-            "K(x1, x2) has no eigenvalues to summarise"
+            "K(x1, x2) of equal batch sizes is square but is no kernel of one set of samples"
         )
-    m = (m + m.T) / 2
-    return torch.linalg.eigvalsh(m).flip(0)
+    return (m + m.T) / 2
 
 
 def condition_number(kernel) -> float:
@@ -57,10 +77,20 @@ def condition_from_eigenvalues(ev) -> float:
 
 
 def label_matrix(y) -> torch.Tensor:
-    """Targets as a kernel: ±1 label agreement for integer class labels, y yᵀ for real targets
-    (one column per output for a 2-D y)."""
+    """Targets as a kernel: ±1 label agreement for integer class labels [N], y yᵀ for real
+    targets (one column per output for a 2-D y). Integer labels of another shape are refused."""
     y = inputs.targets(y)
-    if y.dim() == 1 and not y.is_floating_point():
+    if y.dim() == 0:
+        raise ValueError(f"y must hold one label or target per sample, got a scalar {y.item()!r}")
+    if y.is_floating_point() and not bool(torch.isfinite(y).all()):
+        i = int((~torch.isfinite(y)).reshape(len(y), -1).any(1).nonzero()[0])
+        raise ValueError(f"y contains non-finite values (NaN or inf), first at sample {i}")
+    if not y.is_floating_point():
+        if y.dim() != 1:  # an [N, 1] column of labels is no target vector y yᵀ could read
+            raise ValueError(
+                f"y holds integer class labels of shape {tuple(y.shape)}; class labels are one "
+                f"per sample, shape ({len(y)},) (real-valued targets are floats)"
+            )
         return (y[:, None] == y[None, :]).to(torch.float64) * 2 - 1
     y = y.to(torch.float64).reshape(y.shape[0], -1)
     return y @ y.T
@@ -71,18 +101,21 @@ def kernel_alignment(kernel, y, *, centering: str = "kernel") -> float:
 
     centering="kernel": K̃ = HKH with H = I − 11ᵀ/n (centred alignment, Cortes et al. 2012);
     centering="mean": K̃ = K − mean(K), the Pearson correlation of the entries used by
-    Label-Gradient Alignment (Mok et al., CVPR 2022). Integer labels give L_ij = ±1.
+    Label-Gradient Alignment (Mok et al., CVPR 2022). Integer labels give L_ij = ±1. The kernel
+    is K(x, x) of the labelled samples: one that is not symmetric to rounding (a cross kernel
+    K(x1, x2)) is refused, as by `eigenvalues`; so are labels or targets that are not finite.
+    A constant kernel or constant labels (one class) have nothing to align: 0.
     """
-    k = as_matrix(kernel).to(torch.float64)
-    if not bool(torch.isfinite(k).all()):
-        raise ValueError("the kernel contains non-finite values")
-    if k.shape[0] != (n := len(y)) and k.dim() == 2:
-        raise ValueError(f"kernel is {k.shape[0]} × {k.shape[0]} but y has {n} entries")
-    if k.shape[0] != n:
-        raise ValueError(
-            "kernel_alignment needs an [N, N] kernel (use kind='trace' or 'sum_logits')"
-        )
     lab = label_matrix(y)
+    k = symmetric_matrix(kernel, "kernel_alignment needs")
+    if np.ndim(kernel) != 2:  # as_matrix flattens full and diagonal kernels to [N·O, N·O]
+        raise ValueError(
+            f"kernel_alignment needs an [N, N] kernel, got shape {tuple(np.shape(kernel))} "
+            "(use kind='trace' or 'sum_logits')"
+        )
+    if k.shape[0] != (n := len(lab)):
+        raise ValueError(f"kernel is {k.shape[0]} × {k.shape[0]} but y has {n} entries")
+    scales = float(torch.linalg.norm(k)), float(torch.linalg.norm(lab))
     if centering == "kernel":
         h = torch.eye(n, dtype=torch.float64) - 1.0 / n
         k, lab = h @ k @ h, h @ lab @ h
@@ -90,5 +123,8 @@ def kernel_alignment(kernel, y, *, centering: str = "kernel") -> float:
         k, lab = k - k.mean(), lab - lab.mean()
     else:
         raise ValueError(f"centering must be 'kernel' or 'mean', got {centering!r}")
-    denom = float(torch.linalg.norm(k) * torch.linalg.norm(lab))
-    return float((k * lab).sum()) / denom if denom > 0 else 0.0
+    norms = float(torch.linalg.norm(k)), float(torch.linalg.norm(lab))
+    # a constant kernel or labels (one class) centre to zero, up to the rounding of the centring
+    if any(norm <= CONSTANT * scale for norm, scale in zip(norms, scales)):
+        return 0.0
+    return float((k * lab).sum()) / (norms[0] * norms[1])

@@ -165,6 +165,43 @@ def test_the_model_is_never_modified_and_warm_up_changes_the_score(data):
     assert warm != pytest.approx(cold, abs=1e-4)
 
 
+def test_a_factory_handing_out_the_callers_module_leaves_it_unchanged(data):
+    """A factory's module was scored in place: `lambda: model` left the caller's model in eval
+    mode, with its BatchNorm statistics calibrated, warmed-up weights, and after synflow in
+    float64 with every weight replaced by its absolute value."""
+    x, y = data
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, O))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for metric in ("synflow", "lga"):
+        run(lambda: model, x, y, metric, warmup_steps=2)
+    proxies.rank({"held": lambda: model}, x, y)
+    assert model.training
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_dropout_in_warm_up_and_calibration_follows_seed_not_the_global_random_state(data):
+    """The training-mode passes (warm-up steps, the calibration of fresh BatchNorm layers) drew
+    their dropout masks from the caller's global random state: the score changed with it, not
+    with `seed`, and the caller's random stream moved."""
+    x, y = data
+
+    def factory():
+        return nn.Sequential(
+            nn.Linear(D, 16), nn.Dropout(0.5), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, O)
+        )
+
+    scores = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        scores.append(run(factory, x, y, "lga", warmup_steps=2))
+        after = torch.rand(3)
+        torch.manual_seed(global_seed)
+        assert torch.equal(after, torch.rand(3))
+    assert scores[0] == scores[1]
+
+
 def test_a_pruned_model_is_copied_and_left_unchanged(data):
     """torch.nn.utils.prune keeps the masked weight as a tensor computed from weight_orig, which
     copy.deepcopy refuses; the private copy recomputes it in its warm-up steps."""
@@ -190,6 +227,36 @@ def test_fresh_batchnorm_uses_the_batch_statistics(data):
     hamming = (codes[:, None, :] != codes[None, :, :]).sum(-1)
     expected = np.linalg.slogdet(codes.shape[1] - hamming)[1]
     assert run(model, x, y, "naswot") == pytest.approx(expected, rel=1e-6)
+
+
+def test_batchnorm_statistics_loaded_without_a_batch_count_are_kept(data):
+    """Statistics loaded from a checkpoint that does not count batches (num_batches_tracked
+    stays 0: torch's loading of old checkpoints, weights converted from other frameworks) were
+    replaced by the scored batch's, so a trained model was scored as another function."""
+    x, y = data
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 40), nn.BatchNorm1d(40), nn.ReLU(), nn.Linear(40, O))
+    with torch.no_grad():
+        model[1].running_mean.fill_(0.5)
+        model[1].running_var.fill_(2.0)
+    counted = copy.deepcopy(model)
+    counted[1].num_batches_tracked.fill_(100)
+    for metric in ("naswot", "lga"):
+        assert run(model.eval(), x, y, metric) == run(counted.eval(), x, y, metric)
+
+
+def test_fresh_batchnorm_is_calibrated_without_dropout_whatever_the_candidates_mode(data):
+    """The calibration pass of a fresh BatchNorm ran the rest of the candidate in the mode it
+    came in: a module in training mode (every factory's) had dropout before the BatchNorm, so
+    its statistics, and the score, differed from the same module's in eval mode (grad_norm
+    1.28 vs 2.10 on a batch of 64)."""
+    x, y = data
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(D, 16), nn.Dropout(0.5), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, O)
+    )
+    for metric in ("grad_norm", "naswot", "lga"):
+        assert run(model.train(), x, y, metric) == run(model.eval(), x, y, metric), metric
 
 
 def test_rank_orders_best_first_and_matches_score(data):
@@ -242,6 +309,34 @@ def test_clear_errors(data):
         proxies.rank({"narrow": tiny}, torch.randn(N, D + 2), y, metric="lga")
 
 
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"batch_size": 1}, ValueError, "batch_size must be an integer ≥ 2, got 1"),
+        ({"kind": "sum_logit"}, ValueError, "unknown kind 'sum_logit'"),
+        ({"metric": "lga", "kind": "full"}, ValueError, r"metric 'lga' needs an \[N, N\] kernel"),
+        ({"repeats": 0}, ValueError, "repeats must be an integer ≥ 1"),
+        ({"seed": 0.5}, ValueError, "seed must be an integer, got 0.5"),
+        ({"warmup_steps": 1, "warmup_lr": -1.0}, ValueError, "warmup_lr must be a positive"),
+        ({"batchsize": 8}, TypeError, r"rank\(\) got unknown options batchsize"),
+        ({"output_fn": "logits"}, TypeError, "output_fn must be a function"),
+    ],
+)
+def test_rank_checks_its_options_before_any_candidate(data, options, error, message):
+    """Options no candidate can be scored with were blamed on the first candidate ("candidate
+    'a': batch_size must be ...", "candidate 'a': score() got an unexpected keyword argument",
+    torch's "manual_seed expected a long" for seed=0.5, Adam's "Invalid learning rate") after
+    building it; they are refused first, as score refuses them."""
+    x, y = data
+    built = []
+    with pytest.raises(error, match=f"^{message}"):
+        proxies.rank({"a": lambda: built.append(1) or tiny()}, x, y, **options)
+    assert not built
+    if "batchsize" not in options:
+        with pytest.raises(error, match=f"^{message}"):
+            proxies.score(tiny(), x, y, **options)
+
+
 LABEL_METRICS = ["lga", "lga_cosine", "lga_centred", "label_condition", "grad_norm", "snip"]
 
 
@@ -288,6 +383,34 @@ def test_a_binary_classifier_with_one_logit_takes_labels_0_and_1(data):
         proxies.score(model, x, y, metric="lga", batch_size=N)
 
 
+class TwoLogits(nn.Module):
+    """The two-class scores (0, z) of a binary classifier with one logit z; `flat`: z as [B]."""
+
+    def __init__(self, model, flat=False):
+        super().__init__()
+        self.model, self.flat = model, flat
+
+    def forward(self, x):
+        z = self.model(x)
+        return z[:, 0] if self.flat else torch.cat([torch.zeros_like(z), z], 1)
+
+
+def test_the_loss_of_a_binary_classifier_with_one_logit_is_its_cross_entropy(data):
+    """grad_norm, snip and warm-up took the logit z [B, 1] as the scores of one class and failed
+    in torch's cross_entropy ("Target 1 is out of bounds"; z as [B]: refused) though y was
+    checked as the 0/1 labels of a binary classifier. Its loss is now the binary cross-entropy,
+    the cross-entropy of the scores (0, z)."""
+    x, y = data
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 8), nn.Tanh(), nn.Linear(8, 1))
+    binary = (y > 0).long()
+    for metric, options in (("grad_norm", {}), ("snip", {}), ("lga", {"warmup_steps": 3})):
+        expected = run(TwoLogits(model), x, binary, metric, **options)
+        assert run(model, x, binary, metric, **options) == pytest.approx(expected, rel=1e-5)
+        flat = run(TwoLogits(model, flat=True), x, binary, metric, **options)
+        assert flat == pytest.approx(expected, rel=1e-5)
+
+
 def test_a_vote_orders_by_the_mean_rank_over_metrics(data):
     x, y = data
     assert proxies.mean_rank([[3.0, 1.0, 2.0], [1.0, float("nan"), 5.0]]).tolist() == [
@@ -309,6 +432,19 @@ def test_a_vote_orders_by_the_mean_rank_over_metrics(data):
         }
     with pytest.raises(ValueError, match="unknown metric"):
         proxies.rank(candidates, x, y, metric=("lga", "accuracy"))
+
+
+def test_mean_rank_refuses_columns_that_are_not_aligned_sequences():
+    """mean_rank([0.3, 0.1, 0.2]), one metric's scores passed as they are, ranked three
+    columns of one candidate each: [1.0], silently; columns of different lengths failed in
+    numpy ("inhomogeneous shape"), no column at all gave NaN with a warning."""
+    with pytest.raises(ValueError, match=r"one sequence of scores per metric.*shapes \[\(\), "):
+        proxies.mean_rank([0.3, 0.1, 0.2])
+    with pytest.raises(ValueError, match=r"different numbers of candidates: \[3, 2\]"):
+        proxies.mean_rank([[0.3, 0.1, 0.2], [1.0, 2.0]])
+    with pytest.raises(ValueError, match="got none"):
+        proxies.mean_rank([])
+    assert proxies.mean_rank([[0.3, 0.1, 0.2]]).tolist() == [3.0, 1.0, 2.0]
 
 
 def test_normalised_and_per_layer_kernel_metrics_match_a_direct_computation(data):
@@ -410,3 +546,128 @@ def test_a_vote_leaves_out_a_metric_undefined_for_a_candidate(data):
     assert all(s.metric == "label_condition" and s.parts is None for _, s in ranked)
     with pytest.raises(proxies.MetricUndefinedError, match="'functional'.*activation modules"):
         proxies.rank(candidates, x, y, metric="naswot")
+
+
+class Tokens(nn.Module):
+    """A per-token MLP over [B, S, D] sequences, mean-pooled; `layout` is how its activation sees
+    the tokens: "batch" [B, S, H], "flat" [B·S, H] (batch-major), "sequence" [S, B, H]."""
+
+    def __init__(self, layout):
+        super().__init__()
+        self.layout, self.a, self.act, self.b = layout, nn.Linear(D, 8), nn.ReLU(), nn.Linear(8, O)
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.layout == "flat":
+            h = self.act(h.reshape(-1, h.shape[-1])).reshape(h.shape)
+        elif self.layout == "sequence":
+            h = self.act(h.transpose(0, 1)).transpose(0, 1)
+        else:
+            h = self.act(h)
+        return self.b(h).mean(1)
+
+
+def test_naswot_refuses_activations_that_do_not_hold_the_samples_first(data):
+    """An activation that sees [S, B, H] (sequence-first) had its input reshaped to [B, S·H]
+    rows that mix samples: the same function scored differently from its batch-first twin,
+    silently. It is refused (a vote leaves naswot out); batch-major layouts score alike."""
+    _, y = data
+    x = torch.randn(N, 4, D, generator=torch.Generator().manual_seed(2))
+    nets = {}
+    for layout in ("batch", "flat", "sequence"):
+        torch.manual_seed(0)
+        nets[layout] = Tokens(layout).eval()
+    assert run(nets["flat"], x, y, "naswot") == run(nets["batch"], x, y, "naswot")
+    with pytest.raises(proxies.MetricUndefinedError, match="'act' .*shape \\(4, 12, 8\\)"):
+        run(nets["sequence"], x, y, "naswot")
+    with pytest.warns(proxies.VoteMemberDroppedWarning, match="'sequence'"):
+        proxies.rank(nets, x, y)
+
+
+def test_layers_take_all_or_names_never_the_characters_of_a_string(data):
+    """A string was split into its characters: layers="02" scored layers '0' and '2' (all of
+    them) and layers="all" failed on unknown layers 'a', 'l', 'l'; a generator of names was
+    used up by the first repeat."""
+    x, y = data
+    model = tiny().eval()
+    whole = run(model, x, y, "lga")
+    assert run(model, x, y, "lga", layers="all") == pytest.approx(whole, rel=1e-6)
+    assert run(model, x, y, "layer_condition", layers="all") == run(model, x, y, "layer_condition")
+    with pytest.raises(ValueError, match="layers must be None, 'all' or a list of module names"):
+        run(model, x, y, "lga", layers="02")
+    first = run(model, x, y, "lga", layers=["0"], repeats=2)
+    assert run(model, x, y, "lga", layers=(n for n in ["0"]), repeats=2) == first
+    ranked = proxies.rank({"a": model, "b": tiny(1)}, x, y, metric="lga", layers=iter(["0"]))
+    assert dict(ranked)["b"] == run(tiny(1), x, y, "lga", layers=["0"])
+
+
+class Unused(nn.Module):
+    """Outputs that depend on the inputs only (on="x") or on the parameters only (on="params")."""
+
+    def __init__(self, on):
+        super().__init__()
+        self.on, self.a, self.bias = on, nn.Linear(D, O), nn.Parameter(torch.ones(O))
+
+    def forward(self, x):
+        return x[:, :O].relu() if self.on == "x" else self.bias.expand(len(x), O) * 1.0
+
+
+def test_gradient_metrics_of_outputs_that_do_not_depend_on_what_they_differentiate(data):
+    """grad_norm, snip and synflow of an output that depends on no trainable parameter are 0 (a
+    RuntimeError from torch, "element 0 of tensors does not require grad"), of a model without
+    trainable parameters a ValueError saying so ("`inputs` argument to `grad()` cannot be
+    empty"); jacob_cov of an output that ignores x is NaN, as for any constant Jacobian row."""
+    x, y = data
+    for metric in ("grad_norm", "snip", "synflow"):
+        assert run(Unused("x"), x, y, metric) == 0.0
+        frozen = Unused("x").requires_grad_(False)
+        with pytest.raises(ValueError, match="^the model has no trainable parameters"):
+            run(frozen, x, y, metric)
+    assert math.isnan(run(Unused("params"), x, y, "jacob_cov"))
+
+
+def test_warm_up_of_an_output_that_depends_on_no_trainable_parameter_trains_nothing(data):
+    """Warm-up failed with torch's RuntimeError ("element 0 of tensors does not require grad")
+    on a candidate whose output depends on no trainable parameter, and with Adam's "optimizer
+    got an empty parameter list" on one without parameters; its steps now train nothing."""
+    x, y = data
+    frozen = tiny(width=40).requires_grad_(False)
+    for model, metric in ((Unused("x"), "params"), (frozen, "naswot"), (nn.ReLU(), "params")):
+        expected = run(model, x, y, metric)
+        assert run(model, x, y, metric, warmup_steps=2) == pytest.approx(expected, rel=1e-9)
+
+
+def test_numpy_integers_are_integers_for_the_integer_options(data):
+    """batch_size, repeats and warmup_steps given as numpy integers were refused ("batch_size
+    must be an integer ≥ 2, got np.int64(4)"), a numpy seed failed in torch ("an integer is
+    required")."""
+    x, y = data
+    model = tiny()
+    expected = run(model, x, y, "lga", repeats=2, warmup_steps=1, seed=3)
+    options = dict(repeats=np.int64(2), warmup_steps=np.int32(1), seed=np.int64(3))
+    assert proxies.score(model, x, y, metric="lga", batch_size=np.int64(N), **options) == expected
+
+
+class Logits(nn.Module):
+    """A model whose output is a dict {"logits": scores}."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return {"logits": self.model(x)}
+
+
+@pytest.mark.parametrize("metric", ["grad_norm", "snip", "synflow", "jacob_cov"])
+def test_output_metrics_name_an_output_that_is_not_a_tensor(data, metric):
+    """The metrics reading the output failed on a dict output with an AttributeError ("'dict'
+    object has no attribute 'dim'"), which rank did not name the candidate in; the kernel
+    metrics said to pass output_fn. They now say so too, and take output_fn."""
+    x, y = data
+    with pytest.raises(TypeError, match="model output is a dict, not a tensor: pass output_fn"):
+        run(Logits(tiny()), x, y, metric)
+    with pytest.raises(TypeError, match="^candidate 'a': the model output is a dict"):
+        proxies.rank({"a": Logits(tiny())}, x, y, metric=metric)
+    logits = run(Logits(tiny()), x, y, metric, output_fn=lambda out: out["logits"])
+    assert logits == pytest.approx(run(tiny(), x, y, metric), rel=1e-6)

@@ -324,3 +324,29 @@ def class_labels(y, n: int, num_outputs: int | None, name: str = "y") -> torch.T
             f"model has {outputs})"
         )
     return y
+
+
+def loss_labels(y, num_outputs: int, name: str = "y") -> torch.Tensor:
+    """Class labels for the cross-entropy of a model with `num_outputs` outputs (`cross_entropy`):
+    0..O−1, or 0 and 1 for a single output, a binary classifier's logit."""
+    if num_outputs != 1:
+        return class_labels(y, len(y), num_outputs, name)
+    y = class_labels(y, len(y), None, name)
+    if bool((y > 1).any()):
+        i = int((y > 1).nonzero()[0])
+        raise ValueError(
+            f"{name} holds labels outside 0..1: {int(y[i])} at sample {i} (the model has one "
+            "output, a binary classifier's logit)"
+        )
+    return y
+
+
+def cross_entropy(out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """The cross-entropy of class scores out [B, O] for labels y; a single output ([B] or [B, 1],
+    a binary classifier's logit z, labels 0 and 1) takes the binary cross-entropy of z, which is
+    the cross-entropy of the two-class scores (0, z)."""
+    if out.dim() == 1 or (out.dim() == 2 and out.shape[1] == 1):
+        return torch.nn.functional.binary_cross_entropy_with_logits(
+            out.reshape(-1), y.to(out.dtype), reduction=reduction
+        )
+    return torch.nn.functional.cross_entropy(out, y, reduction=reduction)

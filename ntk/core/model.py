@@ -208,12 +208,19 @@ def check_eval_mode(model: nn.Module) -> None:
 
 def check_functional(model: nn.Module) -> None:
     """Refuse models that cannot be called with other parameters without being modified:
-    nn.DataParallel, which torch.func's functional calls refuse (its `module` is the same
-    function), and embeddings with max_norm, whose forward pass renormalises the rows it looks up
-    in place, which would write to the model's weights (the view's parameters share their
-    storage), and autograd does not differentiate through the renormalisation."""
+    TorchScript modules (no functional calls, no hooks); nn.DataParallel, which torch.func's
+    functional calls refuse (its `module` is the same function); and embeddings with max_norm,
+    whose forward pass renormalises the rows it looks up in place, which would write to the
+    model's weights (the view's parameters share their storage), and autograd does not
+    differentiate through the renormalisation."""
     for name, module in model.named_modules():
         label = name or type(module).__name__
+        if isinstance(module, torch.jit.ScriptModule):
+            raise TypeError(
+                f"module '{label}' is a TorchScript module (torch.jit.script or trace), which "
+                "cannot be called with other parameters (torch.func) nor observed by hooks; "
+                "use the nn.Module it was compiled from"
+            )
         if isinstance(module, nn.DataParallel):
             raise TypeError(
                 f"module '{label}' is an nn.DataParallel wrapper, which cannot be called with "
@@ -228,6 +235,30 @@ def check_functional(model: nn.Module) -> None:
                 "(torch.embedding_renorm_ under torch.no_grad(), over all rows) and set "
                 "max_norm=None before computing a kernel."
             )
+
+
+def check_output_fn(output_fn) -> None:
+    """`output_fn` must be None or a callable (a string such as "logits" failed inside the model's
+    forward pass, blamed on the inputs)."""
+    if output_fn is not None and not callable(output_fn):
+        raise TypeError(
+            "output_fn must be a function mapping the model output to a [B, O] tensor (e.g. "
+            f"lambda out: out.logits), got {output_fn!r}"
+        )
+
+
+def output_tensor(out, output_fn: Callable | None = None) -> torch.Tensor:
+    """The model output `out` through `output_fn`, refused with a TypeError unless a tensor."""
+    if output_fn is not None:
+        out = output_fn(out)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(
+            f"output_fn returned a {type(out).__name__}, not a [B, O] tensor"
+            if output_fn is not None
+            else f"the model output is a {type(out).__name__}, not a tensor: pass output_fn "
+            "to map it to a [B, O] tensor"
+        )
+    return out
 
 
 def copy_module(module: nn.Module) -> nn.Module:
@@ -361,6 +392,7 @@ class ModelView:
                 "is fine)"
             )
         check_functional(model)
+        check_output_fn(output_fn)
         self.model = model
         self.output_fn = output_fn
         first = next(iter(model.parameters()), None)
@@ -498,15 +530,7 @@ class ModelView:
         return self.to_matrix(out)
 
     def to_matrix(self, out) -> torch.Tensor:
-        if self.output_fn is not None:
-            out = self.output_fn(out)
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(
-                f"output_fn returned a {type(out).__name__}, not a [B, O] tensor"
-                if self.output_fn is not None
-                else f"the model output is a {type(out).__name__}, not a tensor: pass output_fn "
-                "to map it to a [B, O] tensor"
-            )
+        out = output_tensor(out, self.output_fn)
         if out.dim() == 1:
             return out.unsqueeze(1)
         if out.dim() != 2:

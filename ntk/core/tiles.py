@@ -110,18 +110,22 @@ class Grid:
     def allocate(self, out=None) -> dict:
         """{key: empty result} (or {None: out}, a tensor or numpy array of the kernel's shape)."""
         if out is not None:
+            if not isinstance(out, (torch.Tensor, np.ndarray)):
+                raise TypeError(
+                    "out must be a torch tensor or a numpy array (e.g. numpy.lib.format."
+                    f"open_memmap), got {type(out).__name__}"
+                )
             if tuple(out.shape) != self.shape:
                 raise ValueError(f"out has shape {tuple(out.shape)}, expected {self.shape}")
-            dtype = out.dtype
-            if not (
-                dtype.is_floating_point
-                if isinstance(dtype, torch.dtype)
-                else np.dtype(dtype).kind == "f"
-            ):
-                raise TypeError(
-                    f"out must hold floating-point numbers, got dtype {dtype} (the kernel's "
-                    "values would be truncated to it)"
-                )
+            floating = (
+                out.is_floating_point()
+                if isinstance(out, torch.Tensor)
+                else np.issubdtype(out.dtype, np.floating)
+            )
+            if not floating:  # integers would truncate the kernel, complex and bool distort it
+                raise TypeError(f"out must have a floating-point dtype, got {out.dtype}")
+            if isinstance(out, np.ndarray) and not out.flags.writeable:
+                raise ValueError("out is a read-only array; the kernel is written into it")
             return {None: out}
         return {k: torch.empty(self.shape, dtype=self.dtype, device=self.device) for k in self.keys}
 
