@@ -326,7 +326,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         self.scale_ = 1.0 if self.normalize else float(k.diagonal().mean())
         if not self.scale_ > 0:
             raise ValueError("the training kernel has a non-positive diagonal")
-        self.x_train_, self.num_outputs_ = x_train, o
+        self.x_train_, self.num_outputs_ = inputs.clone(x_train), o
         k = self._as_matrix(k)
         if self.center_:
             self.kernel_ = k  # the uncentred training kernel, for `influence`

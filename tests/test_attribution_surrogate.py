@@ -293,3 +293,15 @@ def test_representer_on_identical_training_samples_is_refused_not_nan():
     x = torch.randn(1, 3).repeat(4, 1)
     with pytest.raises(ValueError, match="does not vary over these"):
         KernelSurrogate(model, machine="representer").fit(x, [0, 1, 2, 0])
+
+
+def test_changing_the_training_array_after_fit_changes_nothing(trained):
+    """The surrogate kept the caller's training inputs (a numpy array shared its memory) and
+    computes K(x, x_train) from them at every prediction: standardising the array in place after
+    fit changed decision_function and the attributions silently."""
+    model, x, y, xt, _ = trained
+    for x_train in (x[:60].numpy().copy(), x[:60].clone()):
+        s = KernelSurrogate(model).fit(x_train)
+        before = s.decision_function(xt[:5])
+        x_train *= 2
+        np.testing.assert_array_equal(s.decision_function(xt[:5]), before)
