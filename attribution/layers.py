@@ -47,6 +47,7 @@ import ntk
 import projections
 from ntk.core import inputs
 from ntk.core.kinds import cross_entropy, loss_labels
+from ntk.core.memory import check_size
 from ntk.core.model import ModelView, check_eval_mode, check_output_rows, copy_module
 from ntk.core.persample import map_samples
 from ntk.spectrum import as_matrix
@@ -296,6 +297,7 @@ def layer_importance(
     """
     if score not in SCORES:
         raise ValueError(f"unknown score {score!r}; valid scores are {', '.join(SCORES)}")
+    projection_dim = check_size(projection_dim, "projection_dim", optional=True)
     x = inputs.from_numpy(x, "x")
     n = inputs.validate(x, "x")
     if y is not None:

@@ -251,6 +251,9 @@ def test_bad_input_is_refused_with_a_clear_message():
         layer_importance(model, x, y, group="heads")
     with pytest.raises(ValueError, match="undefined for every row"):
         layer_importance(model, x, y, score="block_influence")
+    for dim in (64.0, 0, True):  # named by its own name, before any kernel (was "dim")
+        with pytest.raises(ValueError, match="projection_dim must be a positive integer"):
+            layer_importance(model, x, y, projection_dim=dim)
     rows = layer_importance(model, x)  # no labels: label scores None
     assert rows[0]["alignment"] is None and rows[0]["fisher"] is None
 
