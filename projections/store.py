@@ -39,7 +39,7 @@ def featurize(
     path: str | os.PathLike,
     *,
     dim: int,
-    kind: str = "trace",
+    kind: str | kinds.Kind = "trace",
     projector: str = DEFAULT_PROJECTOR,
     seed: int = 0,
     block: int = 1024,
@@ -82,9 +82,10 @@ def featurize(
         dtype=dtype,
         output_fn=output_fn,
     )
-    if fz.kind.labelled:
+    if fz.kind.name not in kinds.KINDS:  # the manifest records the kind by its name
+        why = "needs labels, which" if fz.kind.labelled else "is not a kind"
         raise ValueError(
-            f"kind={kind!r} needs labels, which a feature store does not take; its kinds are "
+            f"kind={kind!r} {why} a feature store does not take; its kinds are "
             f"{', '.join(kinds.KINDS)}"
         )
     n, blocks = _blocks(data, block)
@@ -95,7 +96,7 @@ def featurize(
     settings = {
         "format": _format.FORMAT,
         "model": fz.fingerprint(),
-        "kind": kind,
+        "kind": fz.kind.name,
         "dim": fz.dim,
         "projector": projector,
         "seed": fz.seed,

@@ -208,3 +208,21 @@ def test_kernel_tiles_of_a_store_need_a_new_or_empty_folder(tmp_path):
     np.testing.assert_allclose(ntk.distributed.load_tiles(tiles), want, rtol=1e-6, atol=1e-6)
     grid = [f"{i}_{j}.npz" for i in range(4) for j in range(i, 4)]
     assert sorted(p.name for p in (tiles / "tiles").iterdir()) == sorted([*grid, "notes.txt"])
+
+
+def test_featurize_takes_a_kind_object(tmp_path):
+    """kind= may be a Kind object, as in `projections.features`: the manifest records its name
+    (it failed with "Object of type Trace is not JSON serializable"), so a resume by name
+    matches."""
+    from ntk.core import kinds
+
+    torch.manual_seed(0)
+    model = MLP().double().eval()
+    x = torch.randn(5, 5, dtype=torch.float64)
+    phi = projections.featurize(model, x, tmp_path / "s", dim=4, kind=kinds.get("sum_logits"))
+    assert projections.store_info(tmp_path / "s")["kind"] == "sum_logits"
+    again = projections.featurize(model, x, tmp_path / "s", dim=4, kind="sum_logits")
+    np.testing.assert_array_equal(np.asarray(phi), np.asarray(again))
+    np.testing.assert_allclose(
+        np.asarray(phi), projections.features(model, x, dim=4, kind="sum_logits"), rtol=1e-6
+    )
