@@ -361,9 +361,13 @@ def write_blocks(
                 start = i * block
                 for s in range(0, size, manifest["batch"]):
                     part = fz.block(inputs.take(x, slice(s, s + manifest["batch"])))
-                    array[start + s : start + s + part.shape[0]] = (
-                        part.detach().cpu().numpy().astype(manifest["store_dtype"])
-                    )
+                    values = part.detach().cpu().numpy().astype(manifest["store_dtype"])
+                    if not np.isfinite(values).all():  # `block` checked them before the cast
+                        raise ValueError(
+                            f"the features of block {i} ({_samples(i, manifest)}) overflow "
+                            f"store_dtype={manifest['store_dtype']!r}; use a wider store_dtype"
+                        )
+                    array[start + s : start + s + part.shape[0]] = values
                 array.flush()
                 rows = array[start : start + size]
                 pending.append((i, {"features": rows_digest(rows), "inputs": digest}))

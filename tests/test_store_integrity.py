@@ -384,3 +384,14 @@ def test_random_store_histories_are_fresh_featurisations_or_refused(tmp_path):
                 np.asarray(opened).tobytes() == reference(*c).tobytes() for c in candidates
             ), (step, done)
     assert histories >= 3
+
+
+def test_float16_store_refuses_features_that_overflow(tmp_path):
+    """Features beyond float16's range were stored as inf in a store that looked complete; the
+    cast is now checked and the block refused naming store_dtype."""
+    model = torch.nn.Linear(3, 2).double().eval()
+    x = torch.randn(4, 3, dtype=torch.float64) * 1e6
+    with pytest.raises(ValueError, match="overflow store_dtype='float16'"):
+        projections.featurize(model, x, tmp_path / "s", dim=5, store_dtype="float16")
+    with pytest.raises(projections.StoreError, match="incomplete"):
+        projections.open_store(tmp_path / "s")
