@@ -68,9 +68,13 @@ def featurize(
     """
     block = check_size(block, "block")
     batch_size = check_size(batch_size, "batch_size", optional=True)
-    store_dtype = np.dtype(store_dtype).name
-    if store_dtype not in _format.STORE_DTYPES:
+    try:
+        name = np.dtype(store_dtype).name
+    except TypeError:  # e.g. a torch.dtype, which numpy cannot interpret
+        name = None
+    if name not in _format.STORE_DTYPES:
         raise ValueError(f"store_dtype must be float16, float32 or float64, got {store_dtype!r}")
+    store_dtype = name
     distributed = _sharded(distributed)
     fz = Featurizer(
         model,

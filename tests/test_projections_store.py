@@ -226,3 +226,12 @@ def test_featurize_takes_a_kind_object(tmp_path):
     np.testing.assert_allclose(
         np.asarray(phi), projections.features(model, x, dim=4, kind="sum_logits"), rtol=1e-6
     )
+
+
+def test_featurize_names_store_dtype_it_cannot_read(tmp_path):
+    """store_dtype=torch.float32 failed inside numpy ("Cannot interpret 'torch.float32' as a
+    data type"); it is refused naming store_dtype."""
+    with pytest.raises(ValueError, match="store_dtype must be float16, float32 or float64"):
+        projections.featurize(
+            MLP(), torch.randn(4, 5), tmp_path / "s", dim=4, store_dtype=torch.float32
+        )
