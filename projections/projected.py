@@ -311,9 +311,8 @@ def kernel(phi1, phi2=None, *, kind: str, out=None, tile: int = 4096, progress: 
     `out`: an optional preallocated array (e.g. `numpy.lib.format.open_memmap`) that receives
     the kernel; otherwise a numpy array is returned."""
     grid = kernel_grid(phi1, phi2, kind=kind, tile=tile)
-    results = grid.allocate(
-        np.empty(grid.shape, dtype=np.asarray(phi1[:1]).dtype) if out is None else out
-    )
+    dtype = str(grid.dtype).removeprefix("torch.")
+    results = grid.allocate(np.empty(grid.shape, dtype=dtype) if out is None else out)
     for i, j, values in grid.compute(progress=progress):
         grid.write(results, i, j, values)
     return results[None]
@@ -327,6 +326,8 @@ def kernel_grid(phi1, phi2=None, *, kind: str, tile: int = 4096) -> Grid:
     phi2 = phi1 if sym else phi2
     want = kind.feature_axes()
     for name, p in (("phi1", phi1), ("phi2", phi2)):
+        if not hasattr(p, "shape") or np.asarray(p[:1]).dtype.kind != "f":
+            raise TypeError(f"{name} must be a floating-point array of features, got {type(p)}")
         if len(p.shape) != want:
             raise ValueError(f"{name} has shape {tuple(p.shape)}; {kind} features have {want} axes")
     if tuple(phi1.shape[1:]) != tuple(phi2.shape[1:]):
@@ -336,8 +337,11 @@ def kernel_grid(phi1, phi2=None, *, kind: str, tile: int = 4096) -> Grid:
     n1, n2 = phi1.shape[0], phi2.shape[0]
     o = phi1.shape[1] if want == 3 else 1
 
+    # features of two dtypes (a float32 store against float64 features) meet in the wider one
+    dtype = np.result_type(np.asarray(phi1[:1]).dtype, np.asarray(phi2[:1]).dtype)
+
     def read(phi):
-        return lambda rows: torch.from_numpy(np.array(phi[rows]))
+        return lambda rows: torch.from_numpy(np.array(phi[rows], dtype=dtype))
 
     return Grid(
         n1=n1,
@@ -347,7 +351,7 @@ def kernel_grid(phi1, phi2=None, *, kind: str, tile: int = 4096) -> Grid:
         kind=kind,
         shape=kind.shape(n1, n2, o),
         keys=[None],
-        dtype=getattr(torch, np.asarray(phi1[:1]).dtype.name),
+        dtype=getattr(torch, dtype.name),
         device=torch.device("cpu"),
         row_features=read(phi1),
         col_features=read(phi2),

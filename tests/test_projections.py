@@ -429,3 +429,16 @@ def test_features_of_a_mixed_precision_model():
     exact = ntk.empirical_ntk(model, x, kind="full").double()
     estimate = torch.einsum("iak,jbk->ijab", phi, phi)
     assert float((estimate - exact).norm() / exact.norm()) < 0.1
+
+
+def test_kernel_of_features_in_two_dtypes():
+    """Φ1 float64 against Φ2 float32 (features against a float32 store) failed inside torch
+    ("expected m1 and m2 to have the same dtype"); they meet in the wider dtype. Arrays that
+    are not floating-point features are refused naming the argument."""
+    g = np.random.default_rng(0)
+    a, b = g.standard_normal((3, 2, 4)), g.standard_normal((2, 2, 4)).astype(np.float32)
+    k = projections.kernel(a, b, kind="trace")
+    assert k.dtype == np.float64
+    np.testing.assert_allclose(k, np.einsum("iok,jok->ij", a, b.astype(np.float64)))
+    with pytest.raises(TypeError, match="phi1 must be a floating-point array"):
+        projections.kernel(np.ones((3, 2, 4), dtype=np.int64), kind="trace")
