@@ -561,7 +561,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             covariance = self.kronecker_.covariance_function(x_val, "x_val")
             prior = None
         else:
-            _, covariance, prior = self._spectral_parts(a, x_val, "x_val")
+            _, covariance, prior = self._spectral_covariance(a, x_val, "x_val")
 
         eye = torch.eye(o, dtype=torch.float64)
         residual = (y_val - mean).unsqueeze(-1) if joint else None
@@ -589,11 +589,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         noise = scaled(chosen)[0]
         return noise, chosen / noise
 
-    def _spectral_covariance(self, a: torch.Tensor, x):
-        """The eigenvalues e of the fitted system `a` and δ ↦ Σ(x) [M, O, O] (`_spectral_parts`)."""
-        return self._spectral_parts(a, x)[:2]
-
-    def _spectral_parts(self, a: torch.Tensor, x, name: str = "x"):
+    def _spectral_covariance(self, a: torch.Tensor, x, name: str = "x"):
         """The eigenvalues e of the fitted system `a`, δ ↦ Σ(x) [M, O, O] and the prior blocks
         Θ(x, x), from one eigendecomposition a = U diag(e) Uᵀ (module docstring): with
         W = diag(1/√(e + δ)) Uᵀ B(x), `_assemble`; `name` names the inputs in errors."""

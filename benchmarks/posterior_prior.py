@@ -167,7 +167,7 @@ def curves(model, d: dict[str, torch.Tensor], curvature: str = "exact") -> dict:
     mean = post._mean(x)
     system = post._system() if curvature == "exact" else None
     if curvature == "exact":
-        eigenvalues, covariance = post._spectral_covariance(system, x)
+        eigenvalues, covariance, _ = post._spectral_covariance(system, x)
     else:  # the factored curvature's spectrum and δ ↦ Σ(x)
         eigenvalues = post.kronecker_.eigenvalues
         covariance = post.kronecker_.covariance_function(x)
