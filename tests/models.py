@@ -141,6 +141,18 @@ class Scalar(nn.Module):
         return self.body(x).squeeze(-1)  # [B]
 
 
+class TwoLogits(nn.Module):
+    """The binary classifier `net` (one logit z) written with the class logits (0, z)."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        z = self.net(x)
+        return torch.cat([torch.zeros_like(z), z], 1)
+
+
 class TwoDtypes(nn.Module):
     """A float32 body with a float64 head, as a float32 head on a bfloat16 body."""
 

@@ -9,7 +9,7 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
-from models import DictOutput
+from models import DictOutput, TwoLogits
 from sklearn.base import clone, is_classifier, is_regressor
 from sklearn.exceptions import NotFittedError
 from torch import nn
@@ -162,18 +162,6 @@ def test_auto_prior_caps_the_logit_variance_on_the_training_inputs(curvature):
             assert ratio < TRAINING_VARIANCE_RATIO
 
 
-class _TwoLogits(nn.Module):
-    """The binary classifier `net` (one logit z) written with the class logits (0, z)."""
-
-    def __init__(self, net):
-        super().__init__()
-        self.net = net
-
-    def forward(self, x):
-        z = self.net(x)
-        return torch.cat([torch.zeros_like(z), z], 1)
-
-
 @pytest.mark.parametrize("curvature", ["exact", "ekfac"])
 def test_a_single_logit_is_a_binary_classifier(curvature):
     """A one-output model is the binary classifier with logits (0, z): the same prior, the same
@@ -184,7 +172,7 @@ def test_a_single_logit_is_a_binary_classifier(curvature):
     y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()
     net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1)).double()
     xt = torch.randn(7, 4, dtype=torch.float64)
-    expected = NTKPosterior(_TwoLogits(net), curvature=curvature).fit(x, y)
+    expected = NTKPosterior(TwoLogits(net), curvature=curvature).fit(x, y)
     for model, output_fn in ((net, None), (DictOutput(net), lambda out: out["logits"])):
         got = NTKPosterior(model, curvature=curvature, output_fn=output_fn).fit(x, y)
         assert got.prior_precision_ == pytest.approx(expected.prior_precision_, rel=1e-9)

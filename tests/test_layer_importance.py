@@ -4,6 +4,7 @@ models whose answer is known by construction."""
 import numpy as np
 import pytest
 import torch
+from models import TwoLogits
 from torch import nn
 from torch.nn.utils import prune
 
@@ -349,18 +350,6 @@ def test_a_model_without_a_row_per_sample_is_named_not_its_labels():
         layer_importance(Flat(), x, y)
 
 
-class _TwoScores(nn.Module):
-    """The two-class scores (0, z) of a binary classifier with one logit z."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x):
-        z = self.model(x)
-        return torch.cat([torch.zeros_like(z), z], 1)
-
-
 def test_a_binary_classifier_with_one_logit_takes_labels_0_and_1():
     """A binary classifier with one logit z was refused its labels ("y holds labels outside
     0..0"), though the proxies take them, and so had no label scores. Its loss is the binary
@@ -369,9 +358,9 @@ def test_a_binary_classifier_with_one_logit_takes_labels_0_and_1():
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1)).eval()
     x, y = torch.randn(10, 4), torch.arange(10) % 2
     rows = {r["layer"]: r for r in layer_importance(model, x, y, score="fisher")}
-    twin = {r["layer"]: r for r in layer_importance(_TwoScores(model), x, y, score="fisher")}
+    twin = {r["layer"]: r for r in layer_importance(TwoLogits(model), x, y, score="fisher")}
     for layer, row in rows.items():
         for score in ("grad_norm", "fisher", "alignment"):
-            assert row[score] == pytest.approx(twin[f"model.{layer}"][score], rel=1e-5), score
+            assert row[score] == pytest.approx(twin[f"net.{layer}"][score], rel=1e-5), score
     with pytest.raises(ValueError, match="outside 0..1: 2 at sample 0 .*one output"):
         layer_importance(model, x, y + 2)
