@@ -162,9 +162,7 @@ def check_labels(y, n: int) -> torch.Tensor:
             f"y holds integer class labels of shape {tuple(y.shape)}; class labels are one per "
             f"sample, shape ({n},) (real-valued targets are floats)"
         )
-    if y.is_floating_point() and not bool(torch.isfinite(y).all()):
-        i = int((~torch.isfinite(y)).reshape(n, -1).any(1).nonzero()[0])
-        raise ValueError(f"y contains non-finite values (NaN or inf), first at sample {i}")
+    inputs.check_finite_targets(y)
     return y
 
 

@@ -82,9 +82,7 @@ def label_matrix(y) -> torch.Tensor:
     y = inputs.targets(y)
     if y.dim() == 0:
         raise ValueError(f"y must hold one label or target per sample, got a scalar {y.item()!r}")
-    if y.is_floating_point() and not bool(torch.isfinite(y).all()):
-        i = int((~torch.isfinite(y)).reshape(len(y), -1).any(1).nonzero()[0])
-        raise ValueError(f"y contains non-finite values (NaN or inf), first at sample {i}")
+    inputs.check_finite_targets(y)
     if not y.is_floating_point():
         if y.dim() != 1:  # an [N, 1] column of labels is no target vector y yᵀ could read
             raise ValueError(

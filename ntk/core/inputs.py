@@ -60,6 +60,13 @@ def targets(y, name: str = "y") -> torch.Tensor:
     return torch.as_tensor(array)
 
 
+def check_finite_targets(y: torch.Tensor, name: str = "y") -> None:
+    """Real-valued targets [N, ...] must be finite: refused naming the first sample that is not."""
+    if y.is_floating_point() and not bool(torch.isfinite(y).all()):
+        i = int((~torch.isfinite(y)).reshape(len(y), -1).any(1).nonzero()[0])
+        raise ValueError(f"{name} contains non-finite values (NaN or inf), first at sample {i}")
+
+
 def validate(x: Inputs, name: str) -> int:
     """Check structure, a shared sample axis and finiteness; return the number of samples."""
     leaves = _leaves(x)
