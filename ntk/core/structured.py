@@ -131,9 +131,16 @@ def _linear_factors(module: nn.Module, x: torch.Tensor, bias: bool = False) -> t
         x = x.unfold(axis, d * (k - 1) + 1, s)[..., ::d]
     b, c, h, w, kh, kw = x.shape
     windows = x.permute(0, 2, 3, 1, 4, 5)  # [B, h, w, Cin, kh, kw]
+    features = c * kh * kw
+    out = windows.new_empty((b, h * w, features + bias))  # [B, L, Cin·kh·kw (+ 1)]
+    # one copy per kernel row: its kw elements are contiguous on both sides, which torch's copy
+    # of the whole 6-d view does not exploit (2-3× slower on CPU for 3 × 3 kernels)
+    rows = out[..., :features].view(windows.shape)
+    for i in range(kh):
+        rows[..., i, :] = windows[..., i, :]
     if bias:
-        return _with_ones(windows, c * kh * kw)
-    return windows.reshape(b, h * w, c * kh * kw)  # [B, L, Cin·kh·kw]
+        out[..., features] = 1
+    return out
 
 
 def _with_ones(x: torch.Tensor, features: int) -> torch.Tensor:
