@@ -109,6 +109,23 @@ def test_nb201_smoke_and_cached_report_without_the_truth_package():
     assert f"rank: chosen on all five spaces {vote} " in cached.stdout
 
 
+def test_the_committed_repeat_scores_choose_the_coded_numbers_of_repeats(nas_modules):
+    """The guard of proxies.DEFAULT_REPEATS and RANKING_REPEATS: repeats.py's rule on the
+    committed per-repeat scores of the five spaces picks them."""
+    run = dict(cwd=BENCH / "nas", env=ENV, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "repeats.py", "--cached"], **run)
+    assert proc.returncode == 0, proc.stderr
+    chosen = [line for line in proc.stdout.splitlines() if line.startswith("chosen on all")]
+    score_line, rank_line = chosen
+    assert score_line.startswith(f"chosen on all spaces: {proxies.DEFAULT_REPEATS} repeats")
+    assert rank_line.startswith(f"chosen on all spaces: {proxies.RANKING_REPEATS} repeats")
+    proxy_label = nas_modules[0].proxy_label
+    code = proxy_label(proxies.DEFAULT, proxies.DEFAULT_BATCH_SIZE)
+    assert f"jointly {code} with {proxies.DEFAULT_REPEATS} repeats" in score_line
+    vote = proxy_label(" + ".join(proxies.DEFAULT_RANKING), proxies.RANKING_BATCH_SIZE)
+    assert f"jointly {vote} with {proxies.RANKING_REPEATS} repeats" in rank_line
+
+
 @pytest.mark.slow  # 25–35 s on the loaded 2-core machine
 def test_layer_families_smoke_prints_both_truths_and_the_held_out_choice():
     proc = subprocess.run(

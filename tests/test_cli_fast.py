@@ -45,6 +45,7 @@ def test_choices_are_the_librarys():
     assert choices.PROXY_METRICS == proxies.METRICS
     assert choices.DEFAULT_RANKING == proxies.DEFAULT_RANKING
     assert choices.RANKING_BATCH_SIZE == proxies.RANKING_BATCH_SIZE
+    assert choices.RANKING_REPEATS == proxies.RANKING_REPEATS
     assert choices.PROJECTORS == projections.PROJECTORS
     assert choices.DEFAULT_PROJECTOR == projections.DEFAULT_PROJECTOR
     assert choices.SURROGATE_KINDS == attribution.surrogate.KINDS

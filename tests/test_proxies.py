@@ -267,12 +267,38 @@ def test_rank_orders_best_first_and_matches_score(data):
     ranked = proxies.rank(candidates, x, y, metric="lga", batch_size=8)
     values = [s for _, s in ranked]
     assert values == sorted(values, reverse=True)
-    for name, value in ranked:
-        assert value == proxies.score(candidates[name], x, y, metric="lga", batch_size=8)
+    for name, value in ranked:  # rank averages RANKING_REPEATS repeats, score DEFAULT_REPEATS
+        same = proxies.score(
+            candidates[name], x, y, metric="lga", batch_size=8, repeats=proxies.RANKING_REPEATS
+        )
+        assert value == same
     modules = proxies.rank(
         {"a": tiny(width=3), "b": tiny(width=9)}, x, y, metric="params", return_details=True
     )
     assert modules[0][0] == "b" and modules[0][1].metric == "params"
+
+
+def test_score_and_rank_average_their_default_numbers_of_repeats(data):
+    x, y = data
+    one = proxies.score(tiny, x, y, metric="lga", batch_size=8, return_details=True)
+    assert len(one.values) == proxies.DEFAULT_REPEATS
+    [(_, ranked)] = proxies.rank({"a": tiny}, x, y, metric="lga", batch_size=8, return_details=True)
+    assert len(ranked.values) == proxies.RANKING_REPEATS
+    [(_, asked)] = proxies.rank(
+        {"a": tiny}, x, y, metric="lga", batch_size=8, repeats=3, return_details=True
+    )
+    assert len(asked.values) == 3
+
+
+def test_the_first_repeats_of_a_longer_run_score_like_a_shorter_run(data):
+    """benchmarks/nas/repeats.py chooses the number of repeats from each repeat's value of one
+    4-repeat run, reading the mean of the first r as `score(..., repeats=r)`."""
+    x, y = data
+    four = proxies.score(tiny, x, y, metric="lga", batch_size=8, repeats=4, return_details=True)
+    assert len(set(four.values)) == 4  # each repeat its own initialisation and batch
+    for r in (1, 2, 3):
+        shorter = proxies.score(tiny, x, y, metric="lga", batch_size=8, repeats=r)
+        assert shorter == pytest.approx(np.mean(four.values[:r]), rel=1e-12)
 
 
 def test_clear_errors(data):
@@ -598,7 +624,9 @@ def test_layers_take_all_or_names_never_the_characters_of_a_string(data):
     first = run(model, x, y, "lga", layers=["0"], repeats=2)
     assert run(model, x, y, "lga", layers=(n for n in ["0"]), repeats=2) == first
     ranked = proxies.rank({"a": model, "b": tiny(1)}, x, y, metric="lga", layers=iter(["0"]))
-    assert dict(ranked)["b"] == run(tiny(1), x, y, "lga", layers=["0"])
+    assert dict(ranked)["b"] == run(
+        tiny(1), x, y, "lga", layers=["0"], repeats=proxies.RANKING_REPEATS
+    )
 
 
 class Unused(nn.Module):

@@ -36,6 +36,7 @@ PROXY_METRICS = (  # ntk.proxies.METRICS
 )
 DEFAULT_RANKING = ("label_condition", "naswot")  # ntk.proxies.DEFAULT_RANKING
 RANKING_BATCH_SIZE = 64  # ntk.proxies.RANKING_BATCH_SIZE
+RANKING_REPEATS = 2  # ntk.proxies.RANKING_REPEATS
 PROJECTORS = ("rademacher", "gaussian", "sparse", "srht")  # projections.PROJECTORS
 DEFAULT_PROJECTOR = "rademacher"  # projections.DEFAULT_PROJECTOR
 SURROGATE_KINDS = ("full", "trace", "sum_logits")  # attribution.surrogate.KINDS

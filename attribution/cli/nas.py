@@ -7,7 +7,7 @@ from functools import partial
 
 import click
 
-from .choices import DEFAULT_RANKING, PROXY_METRICS, RANKING_BATCH_SIZE
+from .choices import DEFAULT_RANKING, PROXY_METRICS, RANKING_BATCH_SIZE, RANKING_REPEATS
 from .common import (
     DEVICE_OPTION,
     UsageProblem,
@@ -72,7 +72,7 @@ def demo_space() -> dict:
 @click.option(
     "--repeats",
     type=click.IntRange(min=1),
-    default=3,
+    default=RANKING_REPEATS,
     show_default=True,
     help="random batches and initialisations averaged",
 )

@@ -13,7 +13,8 @@ spaces (ties: best mean) is chosen and its τ on the held-out space reported. `s
 are the single metrics of `proxies.METRICS` on 64 or 256 samples that are defined for every
 model input (not `proxies.FLOAT_INPUT_METRICS`: a default must serve token ids and dict inputs);
 `rank`'s add every vote (`proxies.mean_rank`) of two or three of them on the same batch size.
-The default is the candidate chosen on all spaces.
+The default is the candidate chosen on all spaces. Every proxy here averages `--repeats` (2);
+how many repeats the defaults average is chosen by repeats.py, from four repeats of each.
 
     python benchmarks/nas/compare.py [--rescore] [--repeats 2]        # cached: seconds
     python benchmarks/nas/compare.py --smoke                           # tiny, for the tests

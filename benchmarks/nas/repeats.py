@@ -1,0 +1,154 @@
+"""How many repeats `proxies.score` and `proxies.rank` average by default.
+
+Every default candidate of compare.py (the metrics defined for every model input, on 64 and 256
+samples) is scored with REPEATS fresh initialisations and random batches on the five NAS spaces
+(compare.py's four and NAS-Bench-201 as nb201.py builds it), keeping each repeat's value (cached
+in repeats_<space>.json). The score of a candidate over r repeats is the mean of its first r
+values, which is what `proxies.score(..., repeats=r)` returns (repeat i uses seed i).
+
+Printed: Kendall τ of the defaults as coded (`proxies.DEFAULT` on DEFAULT_BATCH_SIZE samples for
+`score`, the vote `proxies.DEFAULT_RANKING` on RANKING_BATCH_SIZE for `rank`) per space for
+r = 1 … REPEATS; the leave-one-space-out choice of r for each (compare.py's rule: best
+worst-space τ on the other spaces, ties by the mean); and the same rule over (candidate, r)
+jointly, to see whether the metric chosen at compare.py's 2 repeats still wins.
+
+    python benchmarks/nas/repeats.py [--cached] [--spaces digits_mlp,...,nb201]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from functools import partial
+
+import numpy as np
+import torch
+from compare import HERE, LARGE, SMALL, SPACE_NAMES, choose, leave_one_out, load, proxy_label
+from nb201 import NB201Net, digits32, ops_of
+
+from ntk import proxies
+
+REPEATS = 4
+SPACES = (*SPACE_NAMES, "nb201")
+METRICS = [m for m in proxies.METRICS if m not in proxies.FLOAT_INPUT_METRICS]
+
+
+def load_space(name: str):
+    """(candidates, x, y, accuracies) of one space; NAS-Bench-201 as nb201.py scores it."""
+    if name != "nb201":
+        cands, x, y, acc, _ = load(name)
+        return cands, x, y, np.asarray(acc, dtype=float)
+    truth = json.loads((HERE / "truth_nb201.json").read_text())
+    keys = list(truth["architectures"])
+    cands = {k: partial(NB201Net, ops_of(k), 8, 1) for k in keys}
+    acc = np.array([truth["architectures"][k]["mean"] for k in keys])
+    return (cands, *digits32(), acc)
+
+
+def score_repeats(cands, x, y, metric: str, batch: int) -> list:
+    """Each candidate's REPEATS per-repeat values (NaN where the metric fails)."""
+    values = []
+    for factory in cands.values():
+        try:
+            details = proxies.score(
+                factory,
+                x,
+                y,
+                metric=metric,
+                batch_size=batch,
+                repeats=REPEATS,
+                return_details=True,
+            )
+            values.append([float(v) for v in details.values])
+        except (ValueError, RuntimeError):  # e.g. a singular kernel: ranks last
+            values.append([float("nan")] * REPEATS)
+    return values
+
+
+def scored(name: str, cached_only: bool) -> tuple[dict, np.ndarray]:
+    """{label: [[value per repeat] per architecture]} for every candidate, and the accuracies."""
+    cands, x, y, acc = load_space(name)
+    path = HERE / f"repeats_{name}.json"
+    cache = json.loads(path.read_text()) if path.exists() else {}
+    if cache.get("architectures") != list(cands) or cache.get("repeats") != REPEATS:
+        cache = {"repeats": REPEATS, "architectures": list(cands), "scores": {}}
+    for batch in (SMALL, LARGE):
+        for metric in METRICS:
+            label = proxy_label(metric, batch)
+            if label in cache["scores"] or cached_only:
+                continue
+            start = time.perf_counter()
+            cache["scores"][label] = score_repeats(cands, x, y, metric, batch)
+            path.write_text(json.dumps(cache) + "\n")  # as it goes: a cut-short run keeps it
+            print(f"  {name}: {label} in {time.perf_counter() - start:.0f} s", flush=True)
+    return cache["scores"], acc
+
+
+def means(per_repeat: dict, r: int) -> dict:
+    """{label: mean of the first r repeats per architecture}."""
+    return {label: np.asarray(v, dtype=float)[:, :r].mean(1) for label, v in per_repeat.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spaces", default=",".join(SPACES), help="comma-separated")
+    parser.add_argument("--cached", action="store_true", help="report the caches, score nothing")
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    data, accs = {}, {}
+    for name in args.spaces.split(","):
+        data[name], accs[name] = scored(name, args.cached)
+    spaces = list(data)
+    # τ of every candidate (single metrics and votes) per number of repeats and space
+    taus, folds = {}, {}
+    for r in range(1, REPEATS + 1):
+        scores = {s: means(data[s], r) for s in spaces}
+        for what, votes in (("score", False), ("rank", True)):
+            folds[what, r], _, t = leave_one_out(scores, accs, votes)
+            taus.update({(what, c, r): t[c] for c in t})
+    code = {
+        "score": proxy_label(proxies.DEFAULT, proxies.DEFAULT_BATCH_SIZE),
+        "rank": proxy_label(" + ".join(proxies.DEFAULT_RANKING), proxies.RANKING_BATCH_SIZE),
+    }
+    coded_repeats = {"score": proxies.DEFAULT_REPEATS, "rank": proxies.RANKING_REPEATS}
+    for what, label in code.items():
+        print(f"\n{what} default as coded: {label}, {coded_repeats[what]} repeats")
+        print(f"| repeats | {' | '.join(spaces)} | worst | mean |")
+        print("|---|" + "---|" * (len(spaces) + 2))
+        by_r = {r: taus[what, label, r] for r in range(1, REPEATS + 1)}
+        for r, t in by_r.items():
+            row = [t[s] for s in spaces]
+            print(
+                f"| {r} | "
+                + " | ".join(f"{v:+.3f}" for v in row)
+                + f" | {min(row):+.3f} | {np.mean(row):+.3f} |"
+            )
+        if len(spaces) < 2:
+            continue
+        print(f"\nLeave-one-space-out over the repeats ({label}) and over (candidate, repeats)")
+        print(
+            "| held-out space | repeats chosen | τ held-out "
+            "| (candidate, repeats) chosen | τ held-out |"
+        )
+        print("|---|---|---|---|---|")
+        joint = {(c, r): t for (w, c, r), t in taus.items() if w == what}
+        for held in spaces:
+            rest = [s for s in spaces if s != held]
+            r = choose(by_r, rest)
+            pick = choose(joint, rest)
+            print(
+                f"| {held} | {r} | {by_r[r][held]:+.3f} | {pick[0]}, {pick[1]} | "
+                f"{joint[pick][held]:+.3f} |"
+            )
+        r_all, pick_all = choose(by_r, spaces), choose(joint, spaces)
+        print(
+            f"chosen on all spaces: {r_all} repeats (worst τ {min(by_r[r_all].values()):+.3f}); "
+            f"jointly {pick_all[0]} with {pick_all[1]} repeats "
+            f"(worst τ {min(joint[pick_all].values()):+.3f})"
+        )
+
+
+if __name__ == "__main__":
+    main()
