@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 import ntk
 from ntk.core import inputs
+from ntk.core.kinds import ONE_LOGIT
 from ntk.core.model import ModelView
 from ntk.spectrum import condition_from_eigenvalues
 
@@ -153,7 +154,8 @@ def report(
         classes = g_train.shape[1]
         if classes < 2:
             raise ValueError(
-                f"report needs a classifier with at least two outputs, the model has {classes}"
+                f"report needs a classifier with at least two outputs, the model has {classes} "
+                f"output ({ONE_LOGIT}; a regression model has no report)"
             )
         y_train = None if y_train is None else labels(y_train, n_train, classes, "y_train")
         y_test = None if y_test is None else labels(y_test, n_test, classes, "y_test")
