@@ -530,3 +530,29 @@ def test_arrays_that_are_not_read_are_named(files, capsys):
         "1",
     )
     assert code == 0 and message in err, err
+
+
+@pytest.mark.parametrize(
+    "command, targets",  # attribute refuses data without labels first
+    [("report", "real"), ("report", "binary"), ("report", "none")]
+    + [("attribute", "real"), ("attribute", "binary")],
+)
+def test_a_single_output_model_is_refused_as_no_classifier_with_the_cli_remedy(
+    files, capsys, command, targets
+):
+    """A regression model (real targets) or a one-logit binary classifier given to a command
+    that explains class predictions: one line saying it needs a classifier, with the --output-fn
+    that gives one logit class scores (a regression target was called a bad class label, and the
+    remedy was a Python lambda the command line cannot take)."""
+    (files / "single.py").write_text(
+        "from torch import nn\n\ndef build():\n    return nn.Sequential(nn.Linear(4, 1))\n"
+    )
+    x = np.random.default_rng(0).normal(size=(10, 4)).astype(np.float32)
+    y = {"real": x[:, 0] * 0.5, "binary": np.arange(10) % 2, "none": None}[targets]
+    np.savez(files / "d.npz", x=x, **({} if y is None else {"y": y}))
+    args = [command, "--model", f"{files}/single.py:build", "--test", f"{files}/d.npz"]
+    args += ["--train" if command == "report" else "--data", f"{files}/d.npz"]
+    args += ["--out", f"{files}/r.html"] if command == "report" else ["--top", "2"]
+    err = usage_error(capsys, *args)
+    assert f"ntk {command} needs a classifier" in err and "the model has 1 output" in err
+    assert "--output-fn file.py:fn" in err and "lambda" not in err

@@ -298,14 +298,24 @@ def load_arrays(
 
 def class_labels(model: nn.Module, x, y, option: str, output_fn: Callable | None):
     """Labels y of --option's file checked as class labels of the model's outputs (None stays
-    None), before any work; errors name the flag."""
-    if y is None:
-        return None
+    None), before any work; errors name the flag. A model of one output is refused whatever y
+    holds (a regression model, or a binary classifier with one logit, which --output-fn can turn
+    into two class scores)."""
     from ntk.core import inputs
 
     from ..outputs import labels, logits
 
     one = logits(model, inputs.take(x, slice(0, 1)), output_fn=output_fn, name=f"--{option}: x")
+    if one.shape[1] < 2:
+        command = click.get_current_context().info_name
+        raise UsageProblem(
+            f"ntk {command} needs a classifier with at least two outputs (class scores); the "
+            f"model has {one.shape[1]} output: a regression model is not supported, and a binary "
+            "classifier with one logit z gets class scores from --output-fn file.py:fn with "
+            "fn(z) = torch.cat([torch.zeros_like(z), z], -1)"
+        )
+    if y is None:
+        return None
     try:
         return labels(y, inputs.count(x), one.shape[1], f"--{option}: y")
     except (TypeError, ValueError) as exc:
