@@ -556,3 +556,16 @@ def test_a_single_output_model_is_refused_as_no_classifier_with_the_cli_remedy(
     err = usage_error(capsys, *args)
     assert f"ntk {command} needs a classifier" in err and "the model has 1 output" in err
     assert "--output-fn file.py:fn" in err and "lambda" not in err
+
+
+def test_weights_saved_as_a_whole_module_name_its_class_and_the_state_dict_to_save(files, capsys):
+    """torch.save(model) instead of torch.save(model.state_dict()): --weights (loaded with
+    weights_only=True, never unpickled) says which class the file pickles and what to save
+    instead; it used to say only "not a file of tensors"."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    torch.save(net, files / "whole.pt")
+    model = ["--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
+    err = usage_error(capsys, "layers", *model, "--weights", f"{files}/whole.pt")
+    assert "--weights: cannot read" in err and "torch.nn.modules.container.Sequential" in err
+    assert "torch.save(model.state_dict()" in err and "weights_only" not in err
