@@ -569,3 +569,18 @@ def test_weights_saved_as_a_whole_module_name_its_class_and_the_state_dict_to_sa
     err = usage_error(capsys, "layers", *model, "--weights", f"{files}/whole.pt")
     assert "--weights: cannot read" in err and "torch.nn.modules.container.Sequential" in err
     assert "torch.save(model.state_dict()" in err and "weights_only" not in err
+
+
+def test_the_one_logit_remedy_is_given_as_a_flag_not_a_python_lambda(files, capsys):
+    """Library errors that tell a one-logit binary classifier to use output_fn=lambda z: ...
+    reach the command line as the --output-fn it takes (here from `ntk nas`, whose default vote
+    reads the labelled kernel)."""
+    (files / "single.py").write_text(
+        "from torch import nn\n\nCANDIDATES = {'a': lambda: nn.Sequential(nn.Linear(4, 1))}\n"
+    )
+    x = np.random.default_rng(0).normal(size=(10, 4)).astype(np.float32)
+    np.savez(files / "d.npz", x=x, y=np.arange(10) % 2)
+    err = usage_error(
+        capsys, "nas", "--candidates", f"{files}/single.py:CANDIDATES", "--data", f"{files}/d.npz"
+    )
+    assert "one logit" in err and "--output-fn file.py:fn" in err and "lambda" not in err
