@@ -351,7 +351,8 @@ def disagreements(network: torch.Tensor, surrogate: torch.Tensor, classes: int) 
 def choose_examples(p: torch.Tensor, y: torch.Tensor | None, n: int) -> list[tuple[int, str]]:
     """About n test examples spread over categories: `correct` (the most confident correct
     predictions), `wrong` (the most confident mistakes) and `uncertain` (the smallest gap between
-    the two most probable classes); without labels, `confident` and `uncertain`."""
+    the two most probable classes); without labels, `confident` and `uncertain`. A category short
+    of its share leaves its places to the others: n examples whenever p has n rows."""
     confidence, predicted = p.max(1)
     top2 = p.topk(2, dim=1).values
     gap = top2[:, 0] - top2[:, 1]
@@ -370,7 +371,14 @@ def choose_examples(p: torch.Tensor, y: torch.Tensor | None, n: int) -> list[tup
     for category, order in pools.items():
         fresh = [int(i) for i in order if int(i) not in chosen][:quota]
         chosen.update((i, category) for i in fresh)
-    return list(chosen.items())[:n]
+    # the places of a category short of its quota (no mistakes: no `wrong`) go to the others
+    for category, order in pools.items():
+        for i in order.tolist():
+            if len(chosen) >= n:
+                break
+            chosen.setdefault(i, category)
+    rank = {category: j for j, category in enumerate(pools)}
+    return sorted(list(chosen.items())[:n], key=lambda item: rank[item[1]])
 
 
 def _predicted_class_contributions(surrogate, x, classes: torch.Tensor) -> torch.Tensor:

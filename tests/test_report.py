@@ -219,6 +219,18 @@ def test_example_choice():
     )
 
 
+def test_example_choice_fills_the_places_of_an_empty_category():
+    """A network without mistakes on the test set still gets the n examples asked for (the
+    places of the empty `wrong` category used to be dropped: 4 cards of 6), in category order."""
+    torch.manual_seed(0)
+    p = torch.randn(20, 3).softmax(1)
+    chosen = choose_examples(p, p.argmax(1), 6)
+    categories = [c for _, c in chosen]
+    assert len(chosen) == 6 and len({i for i, _ in chosen}) == 6
+    assert categories == sorted(categories, key=["correct", "uncertain"].index)
+    assert len(choose_examples(p[:4], p[:4].argmax(1), 6)) == 4  # all there are
+
+
 def test_html_is_self_contained(built):
     result, path = built
     html = path.read_text()
