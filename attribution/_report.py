@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 import ntk
 from ntk.core import inputs
+from ntk.core.kinds import ONE_LOGIT
 from ntk.core.model import ModelView
 from ntk.spectrum import condition_from_eigenvalues
 
@@ -153,7 +154,8 @@ def report(
         classes = g_train.shape[1]
         if classes < 2:
             raise ValueError(
-                f"report needs a classifier with at least two outputs, the model has {classes}"
+                f"report needs a classifier with at least two outputs, the model has {classes} "
+                f"output ({ONE_LOGIT}; a regression model has no report)"
             )
         y_train = None if y_train is None else labels(y_train, n_train, classes, "y_train")
         y_test = None if y_test is None else labels(y_test, n_test, classes, "y_test")
@@ -349,7 +351,8 @@ def disagreements(network: torch.Tensor, surrogate: torch.Tensor, classes: int) 
 def choose_examples(p: torch.Tensor, y: torch.Tensor | None, n: int) -> list[tuple[int, str]]:
     """About n test examples spread over categories: `correct` (the most confident correct
     predictions), `wrong` (the most confident mistakes) and `uncertain` (the smallest gap between
-    the two most probable classes); without labels, `confident` and `uncertain`."""
+    the two most probable classes); without labels, `confident` and `uncertain`. A category short
+    of its share leaves its places to the others: n examples whenever p has n rows."""
     confidence, predicted = p.max(1)
     top2 = p.topk(2, dim=1).values
     gap = top2[:, 0] - top2[:, 1]
@@ -368,7 +371,14 @@ def choose_examples(p: torch.Tensor, y: torch.Tensor | None, n: int) -> list[tup
     for category, order in pools.items():
         fresh = [int(i) for i in order if int(i) not in chosen][:quota]
         chosen.update((i, category) for i in fresh)
-    return list(chosen.items())[:n]
+    # the places of a category short of its quota (no mistakes: no `wrong`) go to the others
+    for category, order in pools.items():
+        for i in order.tolist():
+            if len(chosen) >= n:
+                break
+            chosen.setdefault(i, category)
+    rank = {category: j for j, category in enumerate(pools)}
+    return sorted(list(chosen.items())[:n], key=lambda item: rank[item[1]])
 
 
 def _predicted_class_contributions(surrogate, x, classes: torch.Tensor) -> torch.Tensor:

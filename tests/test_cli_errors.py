@@ -530,3 +530,57 @@ def test_arrays_that_are_not_read_are_named(files, capsys):
         "1",
     )
     assert code == 0 and message in err, err
+
+
+@pytest.mark.parametrize(
+    "command, targets",  # attribute refuses data without labels first
+    [("report", "real"), ("report", "binary"), ("report", "none")]
+    + [("attribute", "real"), ("attribute", "binary")],
+)
+def test_a_single_output_model_is_refused_as_no_classifier_with_the_cli_remedy(
+    files, capsys, command, targets
+):
+    """A regression model (real targets) or a one-logit binary classifier given to a command
+    that explains class predictions: one line saying it needs a classifier, with the --output-fn
+    that gives one logit class scores (a regression target was called a bad class label, and the
+    remedy was a Python lambda the command line cannot take)."""
+    (files / "single.py").write_text(
+        "from torch import nn\n\ndef build():\n    return nn.Sequential(nn.Linear(4, 1))\n"
+    )
+    x = np.random.default_rng(0).normal(size=(10, 4)).astype(np.float32)
+    y = {"real": x[:, 0] * 0.5, "binary": np.arange(10) % 2, "none": None}[targets]
+    np.savez(files / "d.npz", x=x, **({} if y is None else {"y": y}))
+    args = [command, "--model", f"{files}/single.py:build", "--test", f"{files}/d.npz"]
+    args += ["--train" if command == "report" else "--data", f"{files}/d.npz"]
+    args += ["--out", f"{files}/r.html"] if command == "report" else ["--top", "2"]
+    err = usage_error(capsys, *args)
+    assert f"ntk {command} needs a classifier" in err and "the model has 1 output" in err
+    assert "--output-fn file.py:fn" in err and "lambda" not in err
+
+
+def test_weights_saved_as_a_whole_module_name_its_class_and_the_state_dict_to_save(files, capsys):
+    """torch.save(model) instead of torch.save(model.state_dict()): --weights (loaded with
+    weights_only=True, never unpickled) says which class the file pickles and what to save
+    instead; it used to say only "not a file of tensors"."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    torch.save(net, files / "whole.pt")
+    model = ["--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
+    err = usage_error(capsys, "layers", *model, "--weights", f"{files}/whole.pt")
+    assert "--weights: cannot read" in err and "torch.nn.modules.container.Sequential" in err
+    assert "torch.save(model.state_dict()" in err and "weights_only" not in err
+
+
+def test_the_one_logit_remedy_is_given_as_a_flag_not_a_python_lambda(files, capsys):
+    """Library errors that tell a one-logit binary classifier to use output_fn=lambda z: ...
+    reach the command line as the --output-fn it takes (here from `ntk nas`, whose default vote
+    reads the labelled kernel)."""
+    (files / "single.py").write_text(
+        "from torch import nn\n\nCANDIDATES = {'a': lambda: nn.Sequential(nn.Linear(4, 1))}\n"
+    )
+    x = np.random.default_rng(0).normal(size=(10, 4)).astype(np.float32)
+    np.savez(files / "d.npz", x=x, y=np.arange(10) % 2)
+    err = usage_error(
+        capsys, "nas", "--candidates", f"{files}/single.py:CANDIDATES", "--data", f"{files}/d.npz"
+    )
+    assert "one logit" in err and "--output-fn file.py:fn" in err and "lambda" not in err

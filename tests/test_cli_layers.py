@@ -50,6 +50,11 @@ class Scaled(nn.Module):  # the root module owns a parameter of its own: layer "
 
     def forward(self, x):
         return self.head(x * self.scale)
+
+def frozen():  # the first layer frozen (requires_grad=False), as when fine-tuning a head
+    model = build()
+    model[0].requires_grad_(False)
+    return model
 """
 
 
@@ -213,3 +218,19 @@ def test_the_root_module_reads_root_in_tables_and_stays_empty_in_json(tmp_path, 
     with pytest.raises(SystemExit):
         main(["layers", *common, "--format", "json"])
     assert sorted(r["layer"] for r in json.loads(capsys.readouterr().out)["rows"]) == ["", "head"]
+
+
+def test_frozen_layers_are_named_as_not_ranked(tmp_path, capsys):
+    """A layer whose parameters are all frozen has no share of the eNTK and no row: the table
+    says which layers were left out and why, the JSON lists them (they used to vanish unsaid)."""
+    _, _, common = setup(tmp_path)
+    common[1] = common[1].replace(":build", ":frozen")
+    with pytest.raises(SystemExit) as stop:
+        main(["layers", *common])
+    out = capsys.readouterr().out
+    assert stop.value.code == 0
+    assert "not ranked, no trainable parameters (requires_grad=False): 0" in out
+    with pytest.raises(SystemExit):
+        main(["layers", *common, "--format", "json"])
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["frozen"] == ["0"] and "0" not in [r["layer"] for r in printed["rows"]]

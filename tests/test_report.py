@@ -10,7 +10,7 @@ import browser
 import numpy as np
 import pytest
 import torch
-from models import WideScale
+from models import MLP, WideScale
 from torch import nn
 
 import ntk
@@ -219,6 +219,18 @@ def test_example_choice():
     )
 
 
+def test_example_choice_fills_the_places_of_an_empty_category():
+    """A network without mistakes on the test set still gets the n examples asked for (the
+    places of the empty `wrong` category used to be dropped: 4 cards of 6), in category order."""
+    torch.manual_seed(0)
+    p = torch.randn(20, 3).softmax(1)
+    chosen = choose_examples(p, p.argmax(1), 6)
+    categories = [c for _, c in chosen]
+    assert len(chosen) == 6 and len({i for i, _ in chosen}) == 6
+    assert categories == sorted(categories, key=["correct", "uncertain"].index)
+    assert len(choose_examples(p[:4], p[:4].argmax(1), 6)) == 4  # all there are
+
+
 def test_html_is_self_contained(built):
     result, path = built
     html = path.read_text()
@@ -355,3 +367,15 @@ def test_calibration_section_without_enough_test_labels_uses_the_default_prior(s
     default = NTKPosterior(model).fit(x_train[:20], y_train[:20])
     assert c["prior_precision"] == pytest.approx(default.prior_precision_, rel=1e-9)
     assert "effective parameters" in c["prior_precision_by"] and c["metrics_split"] == "test"
+
+
+def test_report_of_a_one_logit_classifier_names_the_class_scores_remedy(tmp_path):
+    """A binary classifier with one logit (BCE) is refused with the output_fn that gives it class
+    scores, as `influence` and the CLI's label check say (the error used to stop at "at least two
+    outputs"), and nothing is written."""
+    torch.manual_seed(0)
+    model = MLP(d_in=4, d_out=1).eval()
+    x = torch.randn(12, 4)
+    with pytest.raises(ValueError, match=r"has 1 output.*torch\.zeros_like\(z\), z"):
+        report(model, x, None, x[:6], path=tmp_path / "r.html")
+    assert not list(tmp_path.iterdir())

@@ -125,11 +125,21 @@ def load_model(spec: str, weights: str | None = None, device: str | None = None)
     return model.eval()
 
 
-def _load_failure(exc: BaseException) -> str:
+def _load_failure(exc: BaseException, weights: bool = False) -> str:
     """Why torch.load refused a file, without torch's advice to load it with weights_only=False
     (unsafe for a file of unknown origin, and useless for one that is not a torch file); its
-    parser's own failure (KeyError: 101 on text, EOFError on an empty file) says what it is."""
+    parser's own failure (KeyError: 101 on text, EOFError on an empty file) says what it is.
+    weights: the file was given as weights (a pickled class is most likely a whole model)."""
     if "weights_only" in str(exc):
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+        if found:  # the unpickler names the first class it refused (it never imports it)
+            advice = (
+                "a whole model saved with torch.save(model)? save its weights with "
+                "torch.save(model.state_dict(), path)"
+                if weights
+                else "save torch tensors, or numpy arrays in an .npz"
+            )
+            return f"it holds a pickled {found[1]}, a Python object, which is not loaded ({advice})"
         return (
             "not a file of tensors written by torch.save (or it holds Python objects, which "
             "are not loaded)"
@@ -148,7 +158,9 @@ def load_weights(model: nn.Module, weights: str, option: str = "--weights") -> N
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise UsageProblem(f"{option}: cannot read {weights}: {_load_failure(exc)}") from None
+        raise UsageProblem(
+            f"{option}: cannot read {weights}: {_load_failure(exc, weights=True)}"
+        ) from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
@@ -298,14 +310,24 @@ def load_arrays(
 
 def class_labels(model: nn.Module, x, y, option: str, output_fn: Callable | None):
     """Labels y of --option's file checked as class labels of the model's outputs (None stays
-    None), before any work; errors name the flag."""
-    if y is None:
-        return None
+    None), before any work; errors name the flag. A model of one output is refused whatever y
+    holds (a regression model, or a binary classifier with one logit, which --output-fn can turn
+    into two class scores)."""
     from ntk.core import inputs
 
     from ..outputs import labels, logits
 
     one = logits(model, inputs.take(x, slice(0, 1)), output_fn=output_fn, name=f"--{option}: x")
+    if one.shape[1] < 2:
+        command = click.get_current_context().info_name
+        raise UsageProblem(
+            f"ntk {command} needs a classifier with at least two outputs (class scores); the "
+            f"model has {one.shape[1]} output: a regression model is not supported, and a binary "
+            "classifier with one logit z gets class scores from --output-fn file.py:fn with "
+            "fn(z) = torch.cat([torch.zeros_like(z), z], -1)"
+        )
+    if y is None:
+        return None
     try:
         return labels(y, inputs.count(x), one.shape[1], f"--{option}: y")
     except (TypeError, ValueError) as exc:

@@ -125,6 +125,17 @@ def layers(
     if plot is not None:
         _plot(rows, score, plot)
         done(f"wrote the bar chart of {score} to {plot}")
+    frozen = [  # modules whose own parameters are all frozen: no share of the eNTK, no row
+        name
+        for name, module in model.named_modules()
+        if (own := list(module.parameters(recurse=False))) and not any(p.requires_grad for p in own)
+    ]
+    notes = ["↑ ranks the rows, higher is more important; – where a score is undefined"]
+    if frozen:
+        notes.append(
+            "not ranked, no trainable parameters (requires_grad=False): "
+            + ", ".join(map(layer_label, frozen))
+        )
     meta = {
         "model": model_spec or "demo",
         "samples": n,
@@ -132,6 +143,7 @@ def layers(
         "kind": kind,
         "group": group if depth is None else f"depth {depth}",
         "projection_dim": projection_dim,
+        "frozen": frozen,
     }
     columns = ["layer", "type", "params", score, "share", "rank"]
     emit(
@@ -143,5 +155,5 @@ def layers(
         columns=list(dict.fromkeys(columns)),
         headers={score: f"{score} ↑"},
         display={"layer": layer_label},
-        notes=["↑ ranks the rows, higher is more important; – where a score is undefined"],
+        notes=notes,
     )

@@ -31,6 +31,21 @@ cli.add_command(nas)
 cli.add_command(report)
 
 
+# The library's remedy for a one-logit binary classifier (ntk.core.kinds.ONE_LOGIT) is Python; on
+# the command line it is the --output-fn flag.
+_PYTHON_OUTPUT_FN = "output_fn=lambda z: "
+_FLAG_OUTPUT_FN = "--output-fn file.py:fn with fn(z) = "
+
+
+def _message(text: str) -> str:
+    """An error message in the command line's words."""
+    return text.replace(_PYTHON_OUTPUT_FN, _FLAG_OUTPUT_FN)
+
+
+def _first_line(exc: BaseException) -> str:
+    return _message(str(exc).splitlines()[0]) if str(exc) else ""
+
+
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """A warning as one line on stderr, without the source file and line."""
     warn(str(message))
@@ -52,24 +67,22 @@ def _run(argv) -> None:
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.UsageError as exc:
-        click.echo(f"ntk: error: {exc.format_message()}", err=True)
+        click.echo(f"ntk: error: {_message(exc.format_message())}", err=True)
         sys.exit(2)
     except click.ClickException as exc:
-        click.echo(f"ntk: error: {exc.format_message()}", err=True)
+        click.echo(f"ntk: error: {_message(exc.format_message())}", err=True)
         sys.exit(exc.exit_code)
     except (ValueError, TypeError) as exc:
         if os.environ.get("NTK_DEBUG"):
             raise
         # Bad input that the library refused before doing any work: a usage problem.
-        click.echo(
-            f"ntk: error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", err=True
-        )
+        click.echo(f"ntk: error: {_first_line(exc) or type(exc).__name__}", err=True)
         sys.exit(2)
     except Exception as exc:
         if os.environ.get("NTK_DEBUG"):
             raise
         click.echo(
-            f"ntk: error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            f"ntk: error: {type(exc).__name__}: {_first_line(exc)}",
             err=True,
         )
         sys.exit(1)
