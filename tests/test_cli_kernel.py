@@ -90,7 +90,7 @@ def test_a_finite_condition_number_comes_with_full_rank(tmp_path):
     report = json.loads(out.stdout)
     row = report["rows"][0]
     assert row["lambda_1"] == 1 and row["rank"] == 3
-    assert row["condition_number"] == float("inf")
+    assert row["condition_number"] is None  # κ = inf: null in JSON
     assert report["notes"] == ["κ = inf for trace: rank-deficient: N = 4 > rank 3"]
     help_text = run("--help").stdout
     assert "λ1 · n · ε(float32)" in help_text and "inf whenever the rank is below n" in help_text

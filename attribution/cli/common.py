@@ -466,7 +466,8 @@ def emit(
         title += f" [{UNTRAINED}]" if untrained else ""
     if out.fmt in ("json", "csv"):
         if out.fmt == "json":
-            text = json.dumps({**(meta or {}), "rows": list(rows)}, indent=2, default=_jsonable)
+            payload = _json_ready({**(meta or {}), "rows": list(rows)})
+            text = json.dumps(payload, indent=2, allow_nan=False)
             text += "\n"
         else:
             buf = io.StringIO()
@@ -554,14 +555,25 @@ def cell(value) -> str:
     return text
 
 
-def _jsonable(value):
+def _json_ready(value):
+    """Plain JSON values: numpy scalars and tensors as numbers and lists, and non-finite floats
+    (a rank-deficient kernel's κ = inf) as null, which every JSON parser reads (Infinity is
+    not JSON)."""
     import numpy as np
     import torch
 
-    if isinstance(value, (np.floating, np.integer)):
-        return value.item()
+    if isinstance(value, dict):
+        return {k: _json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(v) for v in value]
     if isinstance(value, torch.Tensor):
-        return value.tolist()
+        return _json_ready(value.tolist())
+    if isinstance(value, (np.floating, np.integer, np.bool_)):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
     raise TypeError(f"cannot write {type(value).__name__} as JSON")
 
 
