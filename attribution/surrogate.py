@@ -68,6 +68,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from torch import nn
 
 from ntk.core import inputs
+from ntk.core.kinds import ONE_LOGIT
 from ntk.core.memory import available_bytes
 
 from . import _kernels
@@ -630,7 +631,9 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         the network's predicted labels) is the predicted class; with their medians / means.
         A single-output model has no classes: its output's cancellation and median only."""
         if self.num_outputs_ == 1 and y_train is not None:
-            raise ValueError("y_train needs a classifier; the model has a single output")
+            raise ValueError(
+                f"y_train needs a classifier; the model has a single output ({ONE_LOGIT})"
+            )
         kernel = self._test_kernel(x_test)
         c = self._contributions(kernel)
         column = self._predicted_columns(kernel)
@@ -671,7 +674,9 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         d = self._decision(k)
         if g.shape[1] == 1:
             if y_test is not None:
-                raise ValueError("y_test needs a classifier; the model has a single output")
+                raise ValueError(
+                    f"y_test needs a classifier; the model has a single output ({ONE_LOGIT})"
+                )
             return _rank_agreement(g.ravel(), d.ravel())
         pred_net = g.argmax(1)
         pred_sur = self.classes_[self._predicted_columns(k)]

@@ -396,6 +396,11 @@ def test_coherence_of_a_single_output_model_has_no_label_share():
     np.testing.assert_allclose(got["cancellation"], np.abs(c).sum(1) / np.abs(c.sum(1)))
     with pytest.raises(ValueError, match="y_train needs a classifier; the model has a single"):
         s.coherence(xt, np.zeros(12))
+    # both name the class scores a one-logit binary classifier has
+    with pytest.raises(ValueError, match="single output .*output_fn=lambda z: torch.cat"):
+        s.coherence(xt, np.zeros(12))
+    with pytest.raises(ValueError, match="y_test needs a classifier.*output_fn=lambda z: torch"):
+        s.faithfulness(xt, np.zeros(5))
 
 
 def test_classification_machine_with_one_predicted_class_is_refused(small):
