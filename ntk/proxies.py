@@ -263,7 +263,9 @@ def rank(
     the project's five NAS spaces (`python benchmarks/nas/nb201.py --cached`); it needs
     y. A member of a vote that does not apply to some candidate (naswot on a model without
     activation modules: MetricUndefinedError) is left out of the vote for every candidate, with
-    a VoteMemberDroppedWarning; a single metric raises. return_details=True gives
+    a VoteMemberDroppedWarning; a single metric raises. Any other failure of a candidate
+    stops the ranking with an error of the same class naming the candidate (no candidate is
+    silently dropped). return_details=True gives
     (name, ProxyScore) pairs.
     """
     metrics = [metric] if isinstance(metric, str) else list(metric)
@@ -329,9 +331,8 @@ def rank(
                     VoteMemberDroppedWarning,
                     stacklevel=2,
                 )
-            except (ValueError, TypeError, RuntimeError) as exc:  # name the failed candidate
-                kind = next(k for k in (ValueError, TypeError, RuntimeError) if isinstance(exc, k))
-                raise kind(f"candidate {name!r}: {exc}") from exc
+            except Exception as exc:  # name the failed candidate
+                raise _blamed(exc, name) from exc
     details = {n: {m: d[m] for m in metrics} for n, d in details.items()}
     names = list(details)
     if len(metrics) == 1:
@@ -354,6 +355,21 @@ def rank(
         range(len(names)), key=lambda i: (math.isnan(results[i].value), -results[i].value)
     )
     return [(names[i], results[i] if return_details else results[i].value) for i in order]
+
+
+def _blamed(exc: Exception, name: str) -> Exception:
+    """`exc`, raised scoring candidate `name`, as an exception of its own class whose message
+    names the candidate (a ModelInputError stays one); a RuntimeError with that message where
+    the class cannot be rebuilt from a message alone (a KeyError would print it quoted)."""
+    if isinstance(exc, (ValueError, TypeError, RuntimeError)):
+        message = f"candidate {name!r}: {exc}"
+    else:
+        message = f"candidate {name!r} failed: {type(exc).__name__}: {exc}"
+    try:
+        blamed = type(exc)(message)
+    except Exception:
+        blamed = None
+    return blamed if blamed is not None and str(blamed) == message else RuntimeError(message)
 
 
 def _ranks(scores) -> np.ndarray:

@@ -671,3 +671,31 @@ def test_output_metrics_name_an_output_that_is_not_a_tensor(data, metric):
         proxies.rank({"a": Logits(tiny())}, x, y, metric=metric)
     logits = run(Logits(tiny()), x, y, metric, output_fn=lambda out: out["logits"])
     assert logits == pytest.approx(run(tiny(), x, y, metric), rel=1e-6)
+
+
+def test_rank_names_the_candidate_whatever_it_raises(monkeypatch):
+    # a failure of any type names the candidate and keeps its class (ModelInputError was
+    # re-raised as a bare ValueError; a KernelTooLargeError or KeyError did not name it)
+    from ntk.core.memory import KernelTooLargeError
+    from ntk.core.model import ModelInputError
+
+    x, y = torch.randn(N, D), torch.arange(N) % 3
+    with pytest.raises(ModelInputError, match="^candidate 'narrow': x: the model failed"):
+        proxies.rank({"narrow": tiny}, torch.randn(N, D + 2), y, metric="trace")
+    measure = proxies._MEASURES["trace"]
+    # a KeyError (whose message would print quoted) comes back as a RuntimeError
+    for error, raised in (
+        (KernelTooLargeError("9 TiB"), KernelTooLargeError),
+        (KeyError("w"), RuntimeError),
+    ):
+        calls = []
+
+        def failing(net, *args, error=error, calls=calls, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise error
+            return measure(net, *args, **kwargs)
+
+        monkeypatch.setitem(proxies._MEASURES, "trace", failing)
+        with pytest.raises(raised, match=f"^candidate 'b' failed: {type(error).__name__}: "):
+            proxies.rank({"a": tiny, "b": tiny, "c": tiny}, x, y, metric="trace", batch_size=4)
