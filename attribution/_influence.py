@@ -30,7 +30,6 @@ Scalar kinds (`trace`, `sum_logits`) stand in for Θ as k(x, x') ⊗ I_O. Severa
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from numbers import Real
 
 import numpy as np
 import torch
@@ -42,7 +41,7 @@ from ntk.core.model import ModelView
 
 from . import _kernels, curvature
 from ._trak import trak
-from .damping import cholesky_solve, damped_cholesky, kernel_system
+from .damping import check_amount, cholesky_solve, damped_cholesky, kernel_system
 from .outputs import (
     labels,
     margin_gradient,
@@ -180,10 +179,7 @@ def influence(
             f"method={method!r} takes no damping (it applies to gauss_newton, ekfac, kfac and "
             f"trak; the surrogate's Gauss–Newton machine sets its own), got damping={damping!r}"
         )
-    if damping != "auto" and not (isinstance(damping, Real) and 0 < damping < float("inf")):
-        raise ValueError(
-            f"damping must be 'auto' or a finite positive number (Λ is singular), got {damping!r}"
-        )
+    check_amount(damping, "damping", words=("auto",))  # > 0: Λ is singular
     y_test = predicted_labels(model, x_test, y_test, checkpoints, output_fn)
     scores = [
         _one_model(

@@ -30,7 +30,6 @@ in float64.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from numbers import Real
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +39,8 @@ from ntk.core.memory import available_bytes, check_size
 from ntk.core.model import ModelView, check_eval_mode
 from ntk.core.tiles import require_finite
 from ntk.empirical import check_outputs
+
+from .damping import check_amount
 
 STRATEGIES = ("kfac", "ekfac")
 MAX_DENSE = 8192  # most parameters of a block without Kronecker structure (kept dense)
@@ -389,8 +390,7 @@ class KroneckerCurvature:
         """τ(z, i) = u_zᵀ J_z (G + λI)⁻¹ J_iᵀ r_i [N_test, N_train] for output cotangents u_test
         [N_test, O] (the margin's gradient) and r_train [N_train, O] (e_y − p)."""
         self._check_fitted()
-        if not (isinstance(damping, Real) and damping > 0):
-            raise ValueError(f"damping must be a positive number, got {damping!r}")
+        check_amount(damping, "damping")
         x_train, x_test = inputs.from_numpy(x_train, "x_train"), inputs.from_numpy(x_test, "x_test")
         n_train, n_test = inputs.count(x_train), inputs.count(x_test)
         for block in self.blocks.values():
