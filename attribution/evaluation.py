@@ -25,6 +25,7 @@ from torch.func import stack_module_state
 from ntk.core import inputs
 from ntk.core.kinds import class_labels
 from ntk.core.model import FunctionalCall, copy_module
+from ntk.core.seeding import seeded
 
 from .layers import check_labels
 from .outputs import labels, margins
@@ -225,8 +226,7 @@ def _train_chunk(
 ):
     models = []
     for _, r in jobs:
-        with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
-            torch.manual_seed(r)
+        with seeded(r):  # the caller's random state (CPU and GPUs) is left as it was
             models.append(factory())
     base = copy_module(models[0]).train()
     params, buffers = stack_module_state(models)

@@ -53,7 +53,6 @@ import numbers
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,6 +69,7 @@ from .core.model import (
     output_tensor,
     resolve_device,
 )
+from .core.seeding import seeded
 from .core.tiles import require_finite
 from .empirical import empirical_ntk
 from .spectrum import condition_number, eigenvalues, kernel_alignment
@@ -213,7 +213,7 @@ def score(
         net = net if device is None else net.to(device)
         if y is not None:
             _check_labels(net, x, y, output_fn)
-        with _seeded(seed + r, net):  # what dropout draws in warm-up and calibration
+        with seeded(seed + r, net):  # what dropout draws in warm-up and calibration
             if warmup_steps:
                 _warm_up(net, x, y, warmup_steps, warmup_lr, generator, output_fn)
             idx = torch.randperm(inputs.count(x), generator=generator)[:batch_size]
@@ -462,8 +462,7 @@ def _prepare(candidate: Candidate, seed: int) -> nn.Module:
         return copy_module(candidate)
     if not callable(candidate):
         raise TypeError(f"model must be an nn.Module or a factory, got {type(candidate).__name__}")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed):
         try:
             net = candidate()
         except Exception as exc:
@@ -472,21 +471,6 @@ def _prepare(candidate: Candidate, seed: int) -> nn.Module:
     if not isinstance(net, nn.Module):
         raise TypeError(f"the factory returned a {type(net).__name__}, not an nn.Module")
     return copy_module(net)
-
-
-@contextmanager
-def _seeded(seed: int, net: nn.Module):
-    """The global random state seeded with `seed` inside and restored afterwards: the CPU's and,
-    for a network on a GPU, that GPU's (the caller's random streams do not move, and the
-    training-mode passes draw the same dropout masks for the same seed)."""
-    first = next(net.parameters(), None)
-    gpus = [first.device] if first is not None and first.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=gpus):
-        torch.random.default_generator.manual_seed(seed)
-        for gpu in gpus:
-            with torch.cuda.device(gpu):
-                torch.cuda.manual_seed(seed)
-        yield
 
 
 def _check_outputs(net: nn.Module, x, output_fn: Callable | None) -> None:

@@ -340,3 +340,15 @@ def test_mislabel_auc_refuses_what_has_no_auc():
     with pytest.raises(ValueError, match=r"self_influence must be finite, got nan at sample 1"):
         mislabel_auc([0.1, float("nan"), 0.3], [0, 1, 1])
     assert mislabel_auc(np.array(scores), np.array([0, 0, 1])) == 1.0
+
+
+def test_train_on_subsets_leaves_the_global_random_state_as_it_was(fake_cuda):
+    """The factory ran under fork_rng(devices=[]) and torch.manual_seed, which seeds every GPU
+    too: the CPU's state came back, the GPUs' did not."""
+    x, y = torch.randn(8, 3), torch.arange(8) % 2
+    cpu = torch.get_rng_state()
+    train_on_subsets(
+        lambda: torch.nn.Linear(3, 2), x, y, random_subsets(8, 2, 0.5), epochs=1, batch_size=4
+    )
+    assert torch.equal(torch.get_rng_state(), cpu)
+    assert fake_cuda["state"] == "the caller's"

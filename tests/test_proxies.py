@@ -699,3 +699,14 @@ def test_rank_names_the_candidate_whatever_it_raises(monkeypatch):
         monkeypatch.setitem(proxies._MEASURES, "trace", failing)
         with pytest.raises(raised, match=f"^candidate 'b' failed: {type(error).__name__}: "):
             proxies.rank({"a": tiny, "b": tiny, "c": tiny}, x, y, metric="trace", batch_size=4)
+
+
+def test_factories_leave_the_global_random_state_as_it_was(fake_cuda):
+    # the factory ran under fork_rng(devices=[]) and torch.manual_seed, which also seeds every
+    # GPU: the CPU state came back, the GPUs' did not
+    x, y = torch.randn(N, D), torch.arange(N) % O
+    cpu = torch.get_rng_state()
+    proxies.rank({"a": tiny, "b": lambda: tiny(1)}, x, y, metric="trace", batch_size=4)
+    proxies.score(tiny, x, y, metric="trace", batch_size=4, warmup_steps=1)
+    assert torch.equal(torch.get_rng_state(), cpu)
+    assert fake_cuda["state"] == "the caller's"
