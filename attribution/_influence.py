@@ -134,8 +134,14 @@ def influence(
     `lambda out: out.logits` for a HuggingFace model); inputs may be tensors, tuples or dicts of
     tensors (e.g. input_ids and attention_mask). dtype: the dtype of kernels and projected
     features (None: the model's); the solves, the curvature and the parameter-space Gram are
-    float64 either way; torch.float64 computes the kernels in float64 too.
+    float64 either way; torch.float64 computes the kernels in float64 too. numpy arrays of floats
+    are cast to `dtype` (None: the model's parameters'); tensors keep theirs.
     """
+    cast = dtype or inputs.param_dtype(model)
+    x_train, x_test = (
+        inputs.from_numpy(x_train, "x_train", cast),
+        inputs.from_numpy(x_test, "x_test", cast),
+    )
     method = resolve_method(method)
     if train_features is not None:
         if method not in ("gauss_newton", "grad_dot") or kind not in (None, "full"):

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import ntk
-from ntk.core import kinds
+from ntk.core import inputs, kinds
 
 from .damping import check_amount
 from .outputs import (
@@ -63,6 +63,11 @@ def trak(
     features in `dtype`, None: the model's; solves in float64).
     """
     check_amount(damping, "damping", zero=True)
+    cast = dtype or inputs.param_dtype(model)  # numpy arrays of floats
+    x_train, x_test = (
+        inputs.from_numpy(x_train, "x_train", cast),
+        inputs.from_numpy(x_test, "x_test", cast),
+    )
     if dim is not None and not (isinstance(dim, Integral) and dim > 0):
         raise ValueError(f"dim must be a positive integer or None, got {dim!r}")
     kernel_part, q = 0.0, 0.0

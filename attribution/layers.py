@@ -295,7 +295,7 @@ def layer_importance(
     if score not in SCORES:
         raise ValueError(f"unknown score {score!r}; valid scores are {', '.join(SCORES)}")
     projection_dim = check_size(projection_dim, "projection_dim", optional=True)
-    x = inputs.from_numpy(x, "x")
+    x = inputs.from_numpy(x, "x", inputs.param_dtype(model))  # numpy arrays of floats
     n = inputs.validate(x, "x")
     if y is not None:
         y = check_labels(y, n)

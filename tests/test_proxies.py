@@ -710,3 +710,11 @@ def test_factories_leave_the_global_random_state_as_it_was(fake_cuda):
     proxies.score(tiny, x, y, metric="trace", batch_size=4, warmup_steps=1)
     assert torch.equal(torch.get_rng_state(), cpu)
     assert fake_cuda["state"] == "the caller's"
+
+
+def test_numpy_float64_inputs_take_the_candidates_dtype():
+    x = np.random.default_rng(0).standard_normal((N, D))  # numpy's float64, for float32 nets
+    y = np.arange(N) % O
+    expected = proxies.score(tiny(), torch.from_numpy(x).float(), y, metric="trace", batch_size=4)
+    assert proxies.score(tiny(), x, y, metric="trace", batch_size=4) == expected
+    assert proxies.rank({"a": tiny}, x, y, metric="trace", batch_size=4) == [("a", expected)]
