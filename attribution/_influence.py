@@ -30,7 +30,6 @@ Scalar kinds (`trace`, `sum_logits`) stand in for Θ as k(x, x') ⊗ I_O. Severa
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from numbers import Real
 
 import numpy as np
 import torch
@@ -42,7 +41,7 @@ from ntk.core.model import ModelView
 
 from . import _kernels, curvature
 from ._trak import trak
-from .damping import cholesky_solve, damped_cholesky, kernel_system
+from .damping import check_amount, cholesky_solve, damped_cholesky, kernel_system
 from .outputs import (
     labels,
     margin_gradient,
@@ -135,8 +134,14 @@ def influence(
     `lambda out: out.logits` for a HuggingFace model); inputs may be tensors, tuples or dicts of
     tensors (e.g. input_ids and attention_mask). dtype: the dtype of kernels and projected
     features (None: the model's); the solves, the curvature and the parameter-space Gram are
-    float64 either way; torch.float64 computes the kernels in float64 too.
+    float64 either way; torch.float64 computes the kernels in float64 too. numpy arrays of floats
+    are cast to `dtype` (None: the model's parameters'); tensors keep theirs.
     """
+    cast = dtype or inputs.param_dtype(model)
+    x_train, x_test = (
+        inputs.from_numpy(x_train, "x_train", cast),
+        inputs.from_numpy(x_test, "x_test", cast),
+    )
     method = resolve_method(method)
     if train_features is not None:
         if method not in ("gauss_newton", "grad_dot") or kind not in (None, "full"):
@@ -180,10 +185,7 @@ def influence(
             f"method={method!r} takes no damping (it applies to gauss_newton, ekfac, kfac and "
             f"trak; the surrogate's Gauss–Newton machine sets its own), got damping={damping!r}"
         )
-    if damping != "auto" and not (isinstance(damping, Real) and 0 < damping < float("inf")):
-        raise ValueError(
-            f"damping must be 'auto' or a finite positive number (Λ is singular), got {damping!r}"
-        )
+    check_amount(damping, "damping", words=("auto",))  # > 0: Λ is singular
     y_test = predicted_labels(model, x_test, y_test, checkpoints, output_fn)
     scores = [
         _one_model(

@@ -140,7 +140,11 @@ def report(
             f"path must name an .html file (the JSON is written beside it, as "
             f"{path.with_suffix('.json').name}), got {str(path)!r}"
         )
-    x_train, x_test = inputs.from_numpy(x_train, "x_train"), inputs.from_numpy(x_test, "x_test")
+    cast = inputs.param_dtype(model)  # numpy arrays of floats
+    x_train, x_test = (
+        inputs.from_numpy(x_train, "x_train", cast),
+        inputs.from_numpy(x_test, "x_test", cast),
+    )
     for name, value in (("examples", examples), ("top", top), ("kernel_samples", kernel_samples)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")

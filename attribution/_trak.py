@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from numbers import Integral, Real
+from numbers import Integral
 
 import torch
 from torch import nn
 
 import ntk
-from ntk.core import kinds
+from ntk.core import inputs, kinds
 
+from .damping import check_amount
 from .outputs import (
     labels,
     margin_gradient,
@@ -61,8 +62,12 @@ def trak(
     gradient (one cotangent, not O). output_fn and dtype: as in `influence` (kernels and
     features in `dtype`, None: the model's; solves in float64).
     """
-    if not (isinstance(damping, Real) and 0 <= damping < float("inf")):
-        raise ValueError(f"damping must be a finite non-negative number, got {damping!r}")
+    check_amount(damping, "damping", zero=True)
+    cast = dtype or inputs.param_dtype(model)  # numpy arrays of floats
+    x_train, x_test = (
+        inputs.from_numpy(x_train, "x_train", cast),
+        inputs.from_numpy(x_test, "x_test", cast),
+    )
     if dim is not None and not (isinstance(dim, Integral) and dim > 0):
         raise ValueError(f"dim must be a positive integer or None, got {dim!r}")
     kernel_part, q = 0.0, 0.0

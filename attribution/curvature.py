@@ -30,7 +30,6 @@ in float64.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from numbers import Real
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +39,8 @@ from ntk.core.memory import available_bytes, check_size
 from ntk.core.model import ModelView, check_eval_mode
 from ntk.core.tiles import require_finite
 from ntk.empirical import check_outputs
+
+from .damping import check_amount
 
 STRATEGIES = ("kfac", "ekfac")
 MAX_DENSE = 8192  # most parameters of a block without Kronecker structure (kept dense)
@@ -219,10 +220,14 @@ class KroneckerCurvature:
 
     # -- fitting ---------------------------------------------------------------------------
 
+    def _cast(self) -> torch.dtype | None:
+        """What numpy arrays of floats are cast to: `dtype`, or the model's parameters'."""
+        return self.dtype or inputs.param_dtype(self.view.model)
+
     def fit(self, x, logits: torch.Tensor) -> KroneckerCurvature:
         """Fit the factors (and, for EK-FAC, the corrected eigenvalues) of the cross-entropy's
         curvature on training inputs `x` and the network's logits on them [N, O]."""
-        x = inputs.from_numpy(x, "x_train")
+        x = inputs.from_numpy(x, "x_train", self._cast())
         n = inputs.validate(x, "x_train")
         logits = torch.as_tensor(logits)
         if logits.dim() != 2 or logits.shape[0] != n:
@@ -236,7 +241,7 @@ class KroneckerCurvature:
         """Fit the curvature G = Σ_i J_iᵀ R_i R_iᵀ J_i of any loss whose Hessian with respect to
         sample i's outputs is Λ_i = R_i R_iᵀ, given roots [N, O, C] (the softmax's L_i of the
         module docstring; I/σ for a Gaussian likelihood)."""
-        x = inputs.from_numpy(x, "x_train")
+        x = inputs.from_numpy(x, "x_train", self._cast())
         n = inputs.validate(x, "x_train")
         roots = torch.as_tensor(roots)
         if roots.dim() != 3 or roots.shape[0] != n:
@@ -338,7 +343,7 @@ class KroneckerCurvature:
     def _output_batches(self, x, name: str = "x"):
         """Batches of `x` (the argument `name`) for `_rotated` (its per-sample memory: at most
         O·P float64 values)."""
-        x = inputs.from_numpy(x, name)
+        x = inputs.from_numpy(x, name, self._cast())
         inputs.validate(x, name)
         x = inputs.convert(x, self.view.device, self.dtype)
         o = self.num_outputs
@@ -389,9 +394,11 @@ class KroneckerCurvature:
         """τ(z, i) = u_zᵀ J_z (G + λI)⁻¹ J_iᵀ r_i [N_test, N_train] for output cotangents u_test
         [N_test, O] (the margin's gradient) and r_train [N_train, O] (e_y − p)."""
         self._check_fitted()
-        if not (isinstance(damping, Real) and damping > 0):
-            raise ValueError(f"damping must be a positive number, got {damping!r}")
-        x_train, x_test = inputs.from_numpy(x_train, "x_train"), inputs.from_numpy(x_test, "x_test")
+        check_amount(damping, "damping")
+        x_train, x_test = (
+            inputs.from_numpy(x_train, "x_train", self._cast()),
+            inputs.from_numpy(x_test, "x_test", self._cast()),
+        )
         n_train, n_test = inputs.count(x_train), inputs.count(x_test)
         for block in self.blocks.values():
             if isinstance(block, _Kronecker):

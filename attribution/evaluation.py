@@ -25,6 +25,7 @@ from torch.func import stack_module_state
 from ntk.core import inputs
 from ntk.core.kinds import class_labels
 from ntk.core.model import FunctionalCall, copy_module
+from ntk.core.seeding import seeded
 
 from .layers import check_labels
 from .outputs import labels, margins
@@ -225,8 +226,7 @@ def _train_chunk(
 ):
     models = []
     for _, r in jobs:
-        with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
-            torch.manual_seed(r)
+        with seeded(r):  # the caller's random state (CPU and GPUs) is left as it was
             models.append(factory())
     base = copy_module(models[0]).train()
     params, buffers = stack_module_state(models)
@@ -296,8 +296,38 @@ def flip_labels(y: torch.Tensor, fraction: float, num_classes: int, *, seed: int
 
 
 def mislabel_auc(self_influence: Sequence[float], flipped: Sequence[bool]) -> float:
-    """ROC AUC of detecting flipped labels by ranking training examples by self-influence."""
-    return float(roc_auc_score(_array(flipped).astype(bool), _array(self_influence)))
+    """ROC AUC of detecting flipped labels by ranking training examples by self-influence.
+    self_influence [N] scores, flipped [N] a mask (booleans or 0/1) with both flipped and clean
+    samples (the AUC compares the two)."""
+    scores, mask = _array(self_influence), _array(flipped)
+    if scores.ndim != 1 or mask.ndim != 1:
+        raise ValueError(
+            f"self_influence and flipped must be 1-D, one entry per sample, got shapes "
+            f"{scores.shape} and {mask.shape}"
+        )
+    if len(scores) != len(mask):
+        raise ValueError(
+            f"self_influence has {len(scores)} scores but flipped has {len(mask)} entries; "
+            "they must be of the same samples"
+        )
+    if mask.dtype != bool:
+        odd = ~np.isin(mask, (0, 1))
+        if odd.any():
+            i = int(np.argmax(odd))
+            raise ValueError(
+                f"flipped must be a mask of 0/1 or booleans, got {mask[i].item()!r} at sample {i}"
+            )
+        mask = mask.astype(bool)
+    scores = scores.astype(np.float64)
+    if not np.isfinite(scores).all():
+        i = int(np.argmax(~np.isfinite(scores)))
+        raise ValueError(f"self_influence must be finite, got {scores[i]} at sample {i}")
+    if mask.all() or not mask.any():
+        raise ValueError(
+            f"the mislabel AUC needs both flipped and clean samples; flipped marks "
+            f"{int(mask.sum())} of {len(mask)}"
+        )
+    return float(roc_auc_score(mask, scores))
 
 
 def _probabilities(probs, labels) -> tuple[np.ndarray, np.ndarray]:

@@ -50,6 +50,7 @@ from ntk.core.kinds import cross_entropy, loss_labels
 from ntk.core.memory import check_size
 from ntk.core.model import ModelView, check_eval_mode, check_output_rows, copy_module
 from ntk.core.persample import map_samples
+from ntk.core.seeding import seeded
 from ntk.spectrum import as_matrix
 
 NTK_SCORES = ("sensitivity", "share", "alignment", "top_eigenvalue")
@@ -116,14 +117,12 @@ def redraw(model: nn.Module, layer: str, seed: int) -> dict[str, torch.Tensor]:
     module has no initialiser. Nothing else (and not the model) changes."""
     twin = copy_module(model.get_submodule(layer))
     init = getattr(twin, "reset_parameters", None) or getattr(twin, "_reset_parameters", None)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            if init is not None:
-                init()
-            else:
-                for p in twin.parameters(recurse=False):
-                    p.zero_()
+    with seeded(seed, twin), torch.no_grad():  # the twin's devices: the caller's streams stay
+        if init is not None:
+            init()
+        else:
+            for p in twin.parameters(recurse=False):
+                p.zero_()
     prefix = f"{layer}." if layer else ""
     return {prefix + name: p.detach() for name, p in twin.named_parameters(recurse=False)}
 
@@ -296,7 +295,7 @@ def layer_importance(
     if score not in SCORES:
         raise ValueError(f"unknown score {score!r}; valid scores are {', '.join(SCORES)}")
     projection_dim = check_size(projection_dim, "projection_dim", optional=True)
-    x = inputs.from_numpy(x, "x")
+    x = inputs.from_numpy(x, "x", inputs.param_dtype(model))  # numpy arrays of floats
     n = inputs.validate(x, "x")
     if y is not None:
         y = check_labels(y, n)

@@ -30,7 +30,7 @@ def logits(
     functionally on the model's device (the model is never modified); `name` names the inputs
     (x_train, x_test, ...) in errors."""
     view = ModelView(model, output_fn=output_fn)
-    x = inputs.from_numpy(x, name)
+    x = inputs.from_numpy(x, name, inputs.param_dtype(model))  # numpy arrays of floats
     n = inputs.validate(x, name)
     x = inputs.convert(x, view.device, None)
     out = []

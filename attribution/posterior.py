@@ -223,14 +223,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
                     f"{name} must be one of {', '.join(valid)}, got {getattr(self, name)!r}"
                 )
         for name, words in (("prior_precision", PRIORS), ("noise", ("auto",))):
-            value = getattr(self, name)
-            if isinstance(value, str) and value not in words:
-                raise ValueError(
-                    f"{name} must be {' or '.join(map(repr, words))} or a positive number, "
-                    f"got {value!r}"
-                )
-            if not isinstance(value, str) and not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+            damping.check_amount(getattr(self, name), name, words=words)
         if self.mc_samples < 1:
             raise ValueError(f"mc_samples must be at least 1, got {self.mc_samples}")
         if self.curvature in STRATEGIES and not self._full_exact_jacobians():

@@ -72,7 +72,7 @@ from ntk.core.kinds import ONE_LOGIT
 from ntk.core.memory import available_bytes
 
 from . import _kernels
-from .damping import cholesky_solve, damped_cholesky, scalar_kernel_system
+from .damping import check_amount, cholesky_solve, damped_cholesky, scalar_kernel_system
 from .outputs import labels, logits, psd_root, softmax_curvature
 
 MACHINES = ("ridge", "svm", "logistic", "representer", "gauss_newton")
@@ -190,6 +190,8 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         if not isinstance(self.model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(self.model).__name__}")
         self._validate_params()
+        if self.alpha is not None:  # sklearn's Interval(Real) lets a bool through
+            check_amount(self.alpha, "alpha", words=("cv",))
         if self.kind == "full" and (self.machine != "ridge" or self.normalize):
             raise ValueError(
                 "kind='full' (a multi-output kernel) works with machine='ridge' and "

@@ -151,8 +151,9 @@ class _Computation:
         the tiles elsewhere (to disk), so the kernel need not fit in memory."""
         check_eval_mode(self.model)
         kind = self.kind
-        x1 = inputs.from_numpy(x1, "x1")
-        x2 = None if x2 is None else inputs.from_numpy(x2, "x2")
+        cast = self.dtype or inputs.param_dtype(self.model)  # numpy arrays of floats
+        x1 = inputs.from_numpy(x1, "x1", cast)
+        x2 = None if x2 is None else inputs.from_numpy(x2, "x2", cast)
         n1 = inputs.validate(x1, "x1")
         symmetric = x2 is None
         if not symmetric:

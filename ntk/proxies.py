@@ -53,7 +53,6 @@ import numbers
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,6 +69,7 @@ from .core.model import (
     output_tensor,
     resolve_device,
 )
+from .core.seeding import seeded
 from .core.tiles import require_finite
 from .empirical import empirical_ntk
 from .spectrum import condition_number, eigenvalues, kernel_alignment
@@ -214,19 +214,21 @@ def score(
     batch_size, repeats, warmup_steps, seed = map(int, (batch_size, repeats, warmup_steps, seed))
     check_output_fn(output_fn)
     layers = _layer_names(layers)
-    x, y = _check_data(x, y, metric, warmup_steps, kind)
+    given, (x, y) = x, _check_data(x, y, metric, warmup_steps, kind)
     if device is not None:
         device = resolve_device(device)
-        x, y = inputs.convert(x, device, None), None if y is None else y.to(device)
+        y = None if y is None else y.to(device)
     start = time.perf_counter()
     values, raws = [], []
     for r in range(repeats):
         generator = torch.Generator().manual_seed(seed + r)
         net = _prepare(model, seed + r)
         net = net if device is None else net.to(device)
+        x = inputs.from_numpy(given, "x", inputs.param_dtype(net))  # numpy arrays of floats
+        x = x if device is None else inputs.convert(x, device, None)
         if y is not None:
             _check_labels(net, x, y, output_fn)
-        with _seeded(seed + r, net):  # what dropout draws in warm-up and calibration
+        with seeded(seed + r, net):  # what dropout draws in warm-up and calibration
             if warmup_steps:
                 _warm_up(net, x, y, warmup_steps, warmup_lr, generator, output_fn)
             idx = torch.randperm(inputs.count(x), generator=generator)[:batch_size]
@@ -278,7 +280,9 @@ def rank(
     `benchmarks/nas/repeats.py`); it needs y. A member of a vote that does not apply to some
     candidate (naswot on a model without activation modules: MetricUndefinedError) is left out
     of the vote for every candidate, with a VoteMemberDroppedWarning; a single metric raises.
-    return_details=True gives (name, ProxyScore) pairs.
+    Any other failure of a candidate stops the ranking with an error of the same class naming
+    the candidate (no candidate is silently dropped). return_details=True gives
+    (name, ProxyScore) pairs.
     """
     metrics = [metric] if isinstance(metric, str) else list(metric)
     if not metrics:
@@ -344,9 +348,8 @@ def rank(
                     VoteMemberDroppedWarning,
                     stacklevel=2,
                 )
-            except (ValueError, TypeError, RuntimeError) as exc:  # name the failed candidate
-                kind = next(k for k in (ValueError, TypeError, RuntimeError) if isinstance(exc, k))
-                raise kind(f"candidate {name!r}: {exc}") from exc
+            except Exception as exc:  # name the failed candidate
+                raise _blamed(exc, name) from exc
     details = {n: {m: d[m] for m in metrics} for n, d in details.items()}
     names = list(details)
     if len(metrics) == 1:
@@ -369,6 +372,21 @@ def rank(
         range(len(names)), key=lambda i: (math.isnan(results[i].value), -results[i].value)
     )
     return [(names[i], results[i] if return_details else results[i].value) for i in order]
+
+
+def _blamed(exc: Exception, name: str) -> Exception:
+    """`exc`, raised scoring candidate `name`, as an exception of its own class whose message
+    names the candidate (a ModelInputError stays one); a RuntimeError with that message where
+    the class cannot be rebuilt from a message alone (a KeyError would print it quoted)."""
+    if isinstance(exc, (ValueError, TypeError, RuntimeError)):
+        message = f"candidate {name!r}: {exc}"
+    else:
+        message = f"candidate {name!r} failed: {type(exc).__name__}: {exc}"
+    try:
+        blamed = type(exc)(message)
+    except Exception:
+        blamed = None
+    return blamed if blamed is not None and str(blamed) == message else RuntimeError(message)
 
 
 def _ranks(scores) -> np.ndarray:
@@ -461,8 +479,7 @@ def _prepare(candidate: Candidate, seed: int) -> nn.Module:
         return copy_module(candidate)
     if not callable(candidate):
         raise TypeError(f"model must be an nn.Module or a factory, got {type(candidate).__name__}")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed):
         try:
             net = candidate()
         except Exception as exc:
@@ -471,21 +488,6 @@ def _prepare(candidate: Candidate, seed: int) -> nn.Module:
     if not isinstance(net, nn.Module):
         raise TypeError(f"the factory returned a {type(net).__name__}, not an nn.Module")
     return copy_module(net)
-
-
-@contextmanager
-def _seeded(seed: int, net: nn.Module):
-    """The global random state seeded with `seed` inside and restored afterwards: the CPU's and,
-    for a network on a GPU, that GPU's (the caller's random streams do not move, and the
-    training-mode passes draw the same dropout masks for the same seed)."""
-    first = next(net.parameters(), None)
-    gpus = [first.device] if first is not None and first.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=gpus):
-        torch.random.default_generator.manual_seed(seed)
-        for gpu in gpus:
-            with torch.cuda.device(gpu):
-                torch.cuda.manual_seed(seed)
-        yield
 
 
 def _check_outputs(net: nn.Module, x, output_fn: Callable | None) -> None:

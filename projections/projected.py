@@ -242,7 +242,8 @@ def features(
         dtype=dtype,
         output_fn=output_fn,
     )
-    return _features_of(fz, inputs.from_numpy(x, "x"), batch_size, progress, "x", labels, "labels")
+    x = inputs.from_numpy(x, "x", dtype or inputs.param_dtype(model))  # numpy arrays of floats
+    return _features_of(fz, x, batch_size, progress, "x", labels, "labels")
 
 
 def _features_of(
@@ -289,9 +290,10 @@ def projected_ntk(
         dtype=dtype,
         output_fn=output_fn,
     )
-    x1 = inputs.from_numpy(x1, "x1")
+    cast = dtype or inputs.param_dtype(model)  # numpy arrays of floats
+    x1 = inputs.from_numpy(x1, "x1", cast)
     if x2 is not None:
-        x2 = inputs.from_numpy(x2, "x2")
+        x2 = inputs.from_numpy(x2, "x2", cast)
         inputs.validate(x2, "x2")
         inputs.check_compatible(x1, x2)
     elif labels2 is not None:

@@ -92,7 +92,7 @@ def featurize(
             f"kind={kind!r} {why} a feature store does not take; its kinds are "
             f"{', '.join(kinds.KINDS)}"
         )
-    n, blocks = _blocks(data, block)
+    n, blocks = _blocks(data, block, fz.param_dtype)
     first = next(blocks)
     fz.prepare(first, "data")
     blocks = _chain(first, blocks)
@@ -152,8 +152,9 @@ def _sharded(distributed: bool | None) -> bool:
     return world > 1 if distributed is None else bool(distributed)
 
 
-def _blocks(data, block: int):
-    """(number of samples, iterator over model inputs of `block` samples each)."""
+def _blocks(data, block: int, cast: torch.dtype):
+    """(number of samples, iterator over model inputs of `block` samples each); numpy arrays of
+    floats in `cast` (the computation's dtype)."""
     if isinstance(data, DataLoader):
         if not isinstance(getattr(data.batch_sampler, "sampler", data.sampler), SequentialSampler):
             raise ValueError(
@@ -168,7 +169,7 @@ def _blocks(data, block: int):
             "data must be a tensor (or tuple/dict of tensors), a TensorDataset or a "
             f"DataLoader, got {type(data).__name__}; wrap it in a DataLoader"
         )
-    data = inputs.from_numpy(data, "data")
+    data = inputs.from_numpy(data, "data", cast)
     n = inputs.validate(data, "data")
     return n, (inputs.take(data, slice(s, s + block)) for s in range(0, n, block))
 

@@ -21,3 +21,28 @@ def small_classifier():
     model = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 3)).double()
     model = demo.train(model, x[:20], y[:20], epochs=40, batch_size=10, lr=1e-2)
     return model, x[:20], y[:20], x[20:], y[20:]
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """One make-believe CUDA device whose random state is the dict returned ({"state": ...}):
+    what seeding it and saving/restoring it (torch.random.fork_rng) do, without a GPU, to check
+    that code which seeds the global random state leaves the CUDA one as it was."""
+    import contextlib
+
+    rng = {"state": "the caller's"}
+
+    def seed(value):
+        rng["state"] = f"seeded {value}"
+
+    def set_state(state, device="cuda"):
+        rng["state"] = state
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": rng["state"])
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_state)
+    monkeypatch.setattr(torch.cuda, "manual_seed", seed)
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seed)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    return rng

@@ -304,3 +304,13 @@ def test_random_or_batch_dependent_outputs_are_refused(mlp, wrap, message):
         NTKPosterior(bad).fit(x, y)
     with pytest.raises(ValueError, match=message):
         KroneckerCurvature(bad).fit(x, torch.zeros(len(x), O, dtype=torch.float64))
+
+
+def test_a_bool_damping_is_refused():
+    """KroneckerCurvature.influence(damping=True) read True as λ = 1."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).eval()
+    x = torch.randn(6, 4)
+    curvature = KroneckerCurvature(model).fit(x, model(x).detach())
+    with pytest.raises(TypeError, match="damping must be .*number.*, got the bool True"):
+        curvature.influence(x[:2], torch.randn(2, 3), x, torch.randn(6, 3), damping=True)

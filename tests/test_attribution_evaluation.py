@@ -325,3 +325,30 @@ def test_subset_regression_targets_are_checked():
     with pytest.raises(ValueError, match="non-finite values .* first at sample 4"):
         train(targets, 1)
     assert train(torch.randn(12, 3), 3).outputs(x).shape == (3, 1, 12, 3)
+
+
+def test_mislabel_auc_refuses_what_has_no_auc():
+    # no flipped label (or only flipped ones) gave NaN with an sklearn warning
+    scores = [0.1, 0.2, 0.3]
+    for flipped in ([0, 0, 0], [True, True, True]):
+        with pytest.raises(ValueError, match="needs both flipped and clean samples"):
+            mislabel_auc(scores, flipped)
+    with pytest.raises(ValueError, match=r"self_influence has 3 scores but flipped has 2"):
+        mislabel_auc(scores, [0, 1])
+    with pytest.raises(ValueError, match=r"flipped must be a mask of 0/1 or booleans, got 2"):
+        mislabel_auc(scores, [0, 2, 1])
+    with pytest.raises(ValueError, match=r"self_influence must be finite, got nan at sample 1"):
+        mislabel_auc([0.1, float("nan"), 0.3], [0, 1, 1])
+    assert mislabel_auc(np.array(scores), np.array([0, 0, 1])) == 1.0
+
+
+def test_train_on_subsets_leaves_the_global_random_state_as_it_was(fake_cuda):
+    """The factory ran under fork_rng(devices=[]) and torch.manual_seed, which seeds every GPU
+    too: the CPU's state came back, the GPUs' did not."""
+    x, y = torch.randn(8, 3), torch.arange(8) % 2
+    cpu = torch.get_rng_state()
+    train_on_subsets(
+        lambda: torch.nn.Linear(3, 2), x, y, random_subsets(8, 2, 0.5), epochs=1, batch_size=4
+    )
+    assert torch.equal(torch.get_rng_state(), cpu)
+    assert fake_cuda["state"] == "the caller's"

@@ -566,3 +566,13 @@ def test_outputs_that_are_not_a_row_per_sample_are_named(setup, method):
         ValueError, match=r"3 outputs per sample on x_train but 1 on x_test.*\[None\]"
     ):
         influence(square, x_square, y[:6], x_square[0], method=method)
+
+
+def test_a_bool_damping_is_refused(setup):
+    """damping=True (an int to Python) was read as λ = 1."""
+    model, x, y, xt, yt = setup
+    for method in ("gauss_newton", "ekfac"):
+        with pytest.raises(TypeError, match="damping must be .*number.*, got the bool True"):
+            influence(model, x, y, xt, method=method, damping=True)
+    with pytest.raises(TypeError, match="damping must be .*number.*, got the bool False"):
+        trak(model, x, y, xt, damping=False)

@@ -730,3 +730,12 @@ def test_regression_validation_data_choose_noise_and_prior_together():
         x, y, validation=val
     )
     assert -at_residual.score(*test) > -tuned.score(*test) + 0.5
+
+
+def test_bool_prior_precision_and_noise_are_refused(small_classifier):
+    """prior_precision=True and noise=True (ints to Python) were read as 1."""
+    model, x, y, _, _ = small_classifier
+    with pytest.raises(TypeError, match="prior_precision must be .*number.*, got the bool True"):
+        NTKPosterior(model, prior_precision=True).fit(x, y)
+    with pytest.raises(TypeError, match="noise must be .*number.*, got the bool True"):
+        NTKPosterior(model, likelihood="regression", noise=True).fit(x, torch.zeros(len(x), 3))

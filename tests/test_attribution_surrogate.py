@@ -305,3 +305,10 @@ def test_changing_the_training_array_after_fit_changes_nothing(trained):
         before = s.decision_function(xt[:5])
         x_train *= 2
         np.testing.assert_array_equal(s.decision_function(xt[:5]), before)
+
+
+def test_a_bool_alpha_is_refused(trained):
+    """alpha=True (an int to Python) passed sklearn's Interval(Real) and was read as 1."""
+    model, x, y, _, _ = trained
+    with pytest.raises(TypeError, match="alpha must be .*number.*, got the bool True"):
+        KernelSurrogate(model, alpha=True).fit(x[:40], y[:40])

@@ -605,3 +605,26 @@ def test_kernel_of_one_set_is_exactly_symmetric(method):
         for batch_size in (None, 16):
             k = ntk.empirical_ntk(model, x, kind=kind, method=method, batch_size=batch_size)
             assert torch.equal(k, k.permute(*perm)), (kind, batch_size)
+
+
+def test_numpy_float64_inputs_take_the_models_dtype():
+    """numpy's default float64 arrays to a float32 model failed in its first layer ("mat1 and
+    mat2 must have the same dtype"); they are cast to the parameters' dtype, as sklearn casts,
+    and the model is left as it is. A float64 tensor is still refused, saying how to fix it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).eval()
+    x = np.random.default_rng(0).standard_normal((6, 3))  # float64
+    x32 = torch.from_numpy(x).float()
+    k = ntk.empirical_ntk(model, x, kind="trace")
+    assert k.dtype == torch.float32 and all(p.dtype == torch.float32 for p in model.parameters())
+    torch.testing.assert_close(k, ntk.empirical_ntk(model, x32, kind="trace"))
+    torch.testing.assert_close(
+        projections.projected_ntk(model, x, dim=8), projections.projected_ntk(model, x32, dim=8)
+    )
+    y = np.arange(6) % 2
+    torch.testing.assert_close(
+        attribution.influence(model, x, y, x[:2], damping=0.1),
+        attribution.influence(model, x32, y, x32[:2], damping=0.1),
+    )
+    with pytest.raises(ValueError, match=r"x1: .*float64.*cast the inputs to torch\.float32"):
+        ntk.empirical_ntk(model, torch.from_numpy(x), kind="trace")

@@ -364,3 +364,15 @@ def test_a_binary_classifier_with_one_logit_takes_labels_0_and_1():
             assert row[score] == pytest.approx(twin[f"net.{layer}"][score], rel=1e-5), score
     with pytest.raises(ValueError, match="outside 0..1: 2 at sample 0 .*one output"):
         layer_importance(model, x, y + 2)
+
+
+def test_redraw_leaves_the_global_random_state_as_it_was(fake_cuda):
+    """redraw seeded with torch.manual_seed, which seeds every GPU, and restored the CPU only."""
+    from attribution.layers import redraw
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    cpu = torch.get_rng_state()
+    first = redraw(model, "0", seed=5)
+    assert torch.equal(torch.get_rng_state(), cpu)
+    assert fake_cuda["state"] == "the caller's"
+    torch.testing.assert_close(redraw(model, "0", seed=5), first)  # the seed decides the draw

@@ -235,3 +235,14 @@ def test_featurize_names_store_dtype_it_cannot_read(tmp_path):
         projections.featurize(
             MLP(), torch.randn(4, 5), tmp_path / "s", dim=4, store_dtype=torch.float32
         )
+
+
+def test_featurize_casts_numpy_float64_data_to_the_models_dtype(tmp_path):
+    """numpy's default float64 data for a float32 model failed in its first layer."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    x = np.random.default_rng(0).standard_normal((6, 3))
+    projections.featurize(model.eval(), x, tmp_path / "a", dim=8)
+    projections.featurize(model, torch.from_numpy(x).float(), tmp_path / "b", dim=8)
+    a, b = (np.asarray(projections.open_store(tmp_path / s)) for s in "ab")
+    np.testing.assert_array_equal(a, b)

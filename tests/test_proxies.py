@@ -699,3 +699,50 @@ def test_output_metrics_name_an_output_that_is_not_a_tensor(data, metric):
         proxies.rank({"a": Logits(tiny())}, x, y, metric=metric)
     logits = run(Logits(tiny()), x, y, metric, output_fn=lambda out: out["logits"])
     assert logits == pytest.approx(run(tiny(), x, y, metric), rel=1e-6)
+
+
+def test_rank_names_the_candidate_whatever_it_raises(monkeypatch):
+    # a failure of any type names the candidate and keeps its class (ModelInputError was
+    # re-raised as a bare ValueError; a KernelTooLargeError or KeyError did not name it)
+    from ntk.core.memory import KernelTooLargeError
+    from ntk.core.model import ModelInputError
+
+    x, y = torch.randn(N, D), torch.arange(N) % 3
+    with pytest.raises(ModelInputError, match="^candidate 'narrow': x: the model failed"):
+        proxies.rank({"narrow": tiny}, torch.randn(N, D + 2), y, metric="trace")
+    measure = proxies._MEASURES["trace"]
+    # a KeyError (whose message would print quoted) comes back as a RuntimeError
+    for error, raised in (
+        (KernelTooLargeError("9 TiB"), KernelTooLargeError),
+        (KeyError("w"), RuntimeError),
+    ):
+        calls = []
+
+        def failing(net, *args, error=error, calls=calls, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise error
+            return measure(net, *args, **kwargs)
+
+        monkeypatch.setitem(proxies._MEASURES, "trace", failing)
+        with pytest.raises(raised, match=f"^candidate 'b' failed: {type(error).__name__}: "):
+            proxies.rank({"a": tiny, "b": tiny, "c": tiny}, x, y, metric="trace", batch_size=4)
+
+
+def test_factories_leave_the_global_random_state_as_it_was(fake_cuda):
+    # the factory ran under fork_rng(devices=[]) and torch.manual_seed, which also seeds every
+    # GPU: the CPU state came back, the GPUs' did not
+    x, y = torch.randn(N, D), torch.arange(N) % O
+    cpu = torch.get_rng_state()
+    proxies.rank({"a": tiny, "b": lambda: tiny(1)}, x, y, metric="trace", batch_size=4)
+    proxies.score(tiny, x, y, metric="trace", batch_size=4, warmup_steps=1)
+    assert torch.equal(torch.get_rng_state(), cpu)
+    assert fake_cuda["state"] == "the caller's"
+
+
+def test_numpy_float64_inputs_take_the_candidates_dtype():
+    x = np.random.default_rng(0).standard_normal((N, D))  # numpy's float64, for float32 nets
+    y = np.arange(N) % O
+    expected = proxies.score(tiny(), torch.from_numpy(x).float(), y, metric="trace", batch_size=4)
+    assert proxies.score(tiny(), x, y, metric="trace", batch_size=4) == expected
+    assert proxies.rank({"a": tiny}, x, y, metric="trace", batch_size=4) == [("a", expected)]

@@ -24,6 +24,13 @@ def _leaves(x: Inputs) -> list[torch.Tensor]:
     )
 
 
+def param_dtype(model) -> torch.dtype | None:
+    """The dtype of `model`'s first floating parameter (None: it has none), the one numpy arrays
+    of floats are cast to (numpy's default float64 to a float32 model: as sklearn casts; the
+    model is not changed). A torch tensor keeps its dtype."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
 def from_numpy(x, name: str, dtype: torch.dtype | None = None):
     """`x` with numpy arrays (alone, in a tuple/list or in a dict) turned into tensors of the
     same dtype (floating ones in `dtype` when given), so that arrays are accepted wherever

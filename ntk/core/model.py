@@ -107,8 +107,29 @@ def naming_failures(model: nn.Module, x, name: str, forward: Callable[[], T]) ->
                     f"{_first_line(e)}",
                     module,
                 ) from e
-            raise ModelInputError(f"{name}: the model failed on {where}: {_first_line(e)}") from e
+            raise ModelInputError(
+                f"{name}: the model failed on {where}: {_first_line(e)}{_dtype_hint(model, x)}"
+            ) from e
+
     raise failure
+
+
+def _dtype_hint(model: nn.Module, x) -> str:
+    """How to fix floating inputs of another dtype than the model's floating parameters (a
+    float64 tensor to a float32 model: tensors keep their dtype, numpy arrays are cast)."""
+    params = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    try:
+        given = {t.dtype for t in inputs._leaves(x) if torch.is_tensor(t) and t.is_floating_point()}
+    except TypeError:
+        return ""
+    if len(params) != 1 or not given or given <= params:
+        return ""
+    (want,) = params
+    return (
+        f"; cast the inputs to {want} (x.to({want}); numpy arrays are cast to it for you), or "
+        f"compute in {max(given, key=lambda d: d.itemsize)} (dtype= where the function has it, or "
+        "a copy of the model in that dtype)"
+    )
 
 
 class _Trace:
