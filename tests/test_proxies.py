@@ -726,7 +726,9 @@ def test_rank_names_the_candidate_whatever_it_raises(monkeypatch):
 
         monkeypatch.setitem(proxies._MEASURES, "trace", failing)
         with pytest.raises(raised, match=f"^candidate 'b' failed: {type(error).__name__}: "):
-            proxies.rank({"a": tiny, "b": tiny, "c": tiny}, x, y, metric="trace", batch_size=4)
+            proxies.rank(  # one repeat each: the second call is candidate b's
+                {"a": tiny, "b": tiny, "c": tiny}, x, y, metric="trace", batch_size=4, repeats=1
+            )
 
 
 def test_factories_leave_the_global_random_state_as_it_was(fake_cuda):
@@ -743,6 +745,7 @@ def test_factories_leave_the_global_random_state_as_it_was(fake_cuda):
 def test_numpy_float64_inputs_take_the_candidates_dtype():
     x = np.random.default_rng(0).standard_normal((N, D))  # numpy's float64, for float32 nets
     y = np.arange(N) % O
-    expected = proxies.score(tiny(), torch.from_numpy(x).float(), y, metric="trace", batch_size=4)
-    assert proxies.score(tiny(), x, y, metric="trace", batch_size=4) == expected
-    assert proxies.rank({"a": tiny}, x, y, metric="trace", batch_size=4) == [("a", expected)]
+    opts = dict(metric="trace", batch_size=4, repeats=1)
+    expected = proxies.score(tiny(), torch.from_numpy(x).float(), y, **opts)
+    assert proxies.score(tiny(), x, y, **opts) == expected
+    assert proxies.rank({"a": tiny}, x, y, **opts) == [("a", expected)]
