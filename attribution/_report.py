@@ -26,9 +26,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import os
 import platform
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
@@ -42,6 +40,7 @@ from tqdm.auto import tqdm
 
 import ntk
 from ntk.core import inputs
+from ntk.core.files import atomic_path
 from ntk.core.kinds import ONE_LOGIT
 from ntk.core.model import ModelView
 from ntk.spectrum import condition_from_eigenvalues
@@ -297,28 +296,9 @@ def report(
     plain = _plain(result)
     text = json.dumps(plain, indent=1, allow_nan=False) + "\n"
     for target, content in ((path, html), (path.with_suffix(".json"), text)):
-        with atomic_file(target) as f:
-            f.write(content.encode("utf-8"))
+        with atomic_path(target) as tmp:
+            tmp.write_bytes(content.encode("utf-8"))
     return plain
-
-
-@contextmanager
-def atomic_file(path):
-    """A binary file that takes the name `path` only once completely written (with the
-    permissions of a new file): a partial file never carries the final name, and a failure
-    leaves an earlier file of that name as it was."""
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        with os.fdopen(fd, "wb") as f:
-            yield f
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # -- numbers -------------------------------------------------------------------------------------

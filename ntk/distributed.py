@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .core import kinds
+from .core.files import atomic_path
 from .core.tiles import Grid
 from .empirical import Kernel, _Computation
 
@@ -266,11 +267,9 @@ def _write_tiles(grid: Grid, mine: list, root: Path, summary: dict, progress: bo
                 file.unlink()
     barrier()
     for i, j, values in grid.compute(mine, progress=progress):
-        part = folder / f"{i}_{j}.part.npz"
-        np.savez(
-            part, **{f"c{c}": values[k].detach().cpu().numpy() for c, k in enumerate(grid.keys)}
-        )
-        os.replace(part, folder / f"{i}_{j}.npz")
+        with atomic_path(folder / f"{i}_{j}.npz", temporary=f"{i}_{j}.part.npz") as part:
+            arrays = {f"c{c}": values[k].detach().cpu().numpy() for c, k in enumerate(grid.keys)}
+            np.savez(part, **arrays)
     barrier()
     if rank == 0:
         missing = [t for t in grid.tiles() if not (folder / f"{t[0]}_{t[1]}.npz").exists()]
@@ -279,7 +278,6 @@ def _write_tiles(grid: Grid, mine: list, root: Path, summary: dict, progress: bo
                 f"{len(missing)} tiles missing under {folder} (e.g. {missing[0]}); "
                 "do all ranks share this filesystem?"
             )
-        tmp = root / (_INDEX + ".part")
-        tmp.write_text(json.dumps({"format": TILES_FORMAT, **summary}, indent=1))
-        os.replace(tmp, root / _INDEX)
+        with atomic_path(root / _INDEX, temporary=_INDEX + ".part") as tmp:
+            tmp.write_text(json.dumps({"format": TILES_FORMAT, **summary}, indent=1))
     barrier()

@@ -38,6 +38,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ntk.core import inputs, kinds
+from ntk.core.files import atomic_path
 from ntk.core.kinds import KINDS
 
 from ._projectors import PROJECTORS
@@ -178,12 +179,12 @@ def _is_sha256(value) -> bool:
 
 def write_manifest(root: Path, manifest: dict) -> None:
     """Replace the manifest atomically (through a temporary file of this process)."""
-    tmp = root / f"{MANIFEST}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
+    temporary = f"{MANIFEST}.{os.getpid()}.tmp"
+    with (
+        atomic_path(root / MANIFEST, temporary=temporary, durable=True) as tmp,
+        open(tmp, "w") as f,
+    ):
         json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / MANIFEST)
 
 
 def matching(root: Path, settings: dict, batch_size) -> dict:
@@ -235,11 +236,10 @@ def complete(manifest: dict) -> bool:
 
 def create_array(root: Path, manifest: dict) -> None:
     """Preallocate features.npy (through a temporary file, so it is never half created)."""
-    tmp = root / f"{ARRAY}.{os.getpid()}.tmp"
-    np.lib.format.open_memmap(
-        tmp, mode="w+", dtype=manifest["store_dtype"], shape=tuple(manifest["shape"])
-    ).flush()
-    os.replace(tmp, root / ARRAY)
+    with atomic_path(root / ARRAY, temporary=f"{ARRAY}.{os.getpid()}.tmp") as tmp:
+        np.lib.format.open_memmap(
+            tmp, mode="w+", dtype=manifest["store_dtype"], shape=tuple(manifest["shape"])
+        ).flush()
 
 
 def open_array(root: Path, manifest: dict, mode: str = "r") -> np.ndarray:

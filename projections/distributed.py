@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ntk.core.files import atomic_path
 from ntk.distributed import agree, barrier, check_empty, rank_and_world, run_grid, shard
 
 from . import _format
@@ -58,12 +59,12 @@ def featurize_shard(fz: Featurizer, blocks, root: Path, settings: dict, batch_si
         mine = [todo[t] for t in shard(len(todo), rank, world)]
 
         def record(i: int, digests: dict) -> None:
-            tmp = root / _format.JOURNAL / f"{i}.sha256.part"
-            with open(tmp, "w") as f:
+            entry = root / _format.JOURNAL / f"{i}.sha256"
+            with (
+                atomic_path(entry, temporary=f"{i}.sha256.part", durable=True) as tmp,
+                open(tmp, "w") as f,
+            ):
                 json.dump(digests, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, root / _format.JOURNAL / f"{i}.sha256")
 
         error = None
         try:

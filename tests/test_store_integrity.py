@@ -395,3 +395,29 @@ def test_float16_store_refuses_features_that_overflow(tmp_path):
         projections.featurize(model, x, tmp_path / "s", dim=5, store_dtype="float16")
     with pytest.raises(projections.StoreError, match="incomplete"):
         projections.open_store(tmp_path / "s")
+
+
+@pytest.mark.parametrize("temporary", [None, "out.bin.1.tmp"])
+def test_atomic_path_renames_a_complete_file_and_removes_a_failed_one(tmp_path, temporary):
+    from ntk.core.files import atomic_path
+
+    target = tmp_path / "out.bin"
+    with atomic_path(target, temporary=temporary, durable=True) as tmp:
+        tmp.write_bytes(b"first")
+    assert target.read_bytes() == b"first"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert target.stat().st_mode & 0o777 == 0o666 & ~umask  # as a normally created file
+    with (
+        pytest.raises(RuntimeError, match="midway"),
+        atomic_path(target, temporary=temporary) as tmp,
+    ):
+        tmp.write_bytes(b"par")
+        raise RuntimeError("midway")
+    assert target.read_bytes() == b"first"  # the earlier content is kept, no temporary left
+    assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]
+    with pytest.raises(RuntimeError), atomic_path(tmp_path / "new.bin") as tmp:
+        tmp.write_bytes(b"par")
+        raise RuntimeError("midway")
+    assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]  # no file under the final name

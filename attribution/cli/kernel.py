@@ -197,7 +197,7 @@ def _save_npy(array, path: str) -> None:
     """Write atomically: a partial file never carries the final name."""
     import numpy as np
 
-    from .._report import atomic_file
+    from ntk.core.files import atomic_path
 
-    with atomic_file(path) as f:
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:  # np.save of a name would add .npy
         np.save(f, array)

@@ -1,0 +1,48 @@
+"""Files written atomically: the content is written to a temporary file in the target's folder and
+renamed onto the final name only once complete, so a partial file never carries that name."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def _new_temporary(target: Path) -> Path:
+    """An empty file ``.<name>.<random>.part`` next to `target`, created with the permissions of
+    a normal new file (0o666 less the umask)."""
+    for _ in range(100):
+        tmp = target.parent / f".{target.name}.{secrets.token_hex(4)}.part"
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            continue
+        return tmp
+    raise FileExistsError(f"no free temporary name for {target}")
+
+
+@contextmanager
+def atomic_path(target, *, temporary: str | None = None, durable: bool = False) -> Iterator[Path]:
+    """Yield a temporary path in `target`'s folder to write; on normal exit (fsync'ed first if
+    `durable`) it is renamed onto `target`, on any exception it is removed and the exception
+    re-raised, so a failure leaves an earlier file of that name as it was.
+
+    `temporary`: the temporary's file name (the caller creates the file), for writers whose
+    leftovers are recognised by name; by default a fresh ``.<name>.<random>.part`` (created
+    empty, with the permissions of a normal new file)."""
+    target = Path(target)
+    tmp = _new_temporary(target) if temporary is None else target.parent / temporary
+    try:
+        yield tmp
+        if durable:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
