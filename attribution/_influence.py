@@ -305,7 +305,8 @@ def _one_model(
     if dim is None and u.shape[0] <= n:
         # one symmetric kernel of train + test: each sample's Jacobian is formed once (the
         # test × test block it adds is at most the size of the test × train one)
-        joint = _kernels.output_kernel_factor(model, _joined(x_train, x_test), **opts)
+        joined = inputs.cat(x_train, x_test, ("x_train", "x_test"))  # tensors since `influence`
+        joint = _kernels.output_kernel_factor(model, joined, **opts)
         theta, cross = joint[:n, :n], joint[n:, :n]
     else:
         theta = _kernels.output_kernel_factor(model, x_train, **opts)
@@ -315,14 +316,6 @@ def _one_model(
     else:
         left = torch.einsum("mo,mioq->miq", u, cross)
     return gauss_newton(left, theta, g_train, y_train, damping)
-
-
-def _joined(x_train, x_test):
-    return inputs.cat(
-        inputs.from_numpy(x_train, "x_train"),
-        inputs.from_numpy(x_test, "x_test"),
-        ("x_train", "x_test"),
-    )
 
 
 def _exact_fits(n_train: int, n_test: int, o: int, kind: str, device: torch.device) -> bool:
