@@ -241,8 +241,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         """numpy arrays, alone or in a tuple/dict, as tensors (floating ones in the model's
         parameter dtype; left as they are for a model without parameters, which `logits` refuses
         naming the problem); `name` names the argument in errors."""
-        first = next(self.model.parameters(), None)
-        return inputs.from_numpy(x, name, None if first is None else first.dtype)
+        return inputs.from_numpy(x, name, inputs.param_dtype(self.model))
 
     def _opts(self) -> dict:
         return dict(
