@@ -242,7 +242,7 @@ def features(
         dtype=dtype,
         output_fn=output_fn,
     )
-    x = inputs.from_numpy(x, "x", dtype or inputs.param_dtype(model))  # numpy arrays of floats
+    x = inputs.from_numpy(x, "x", fz.param_dtype)  # numpy arrays of floats, as featurize casts
     return _features_of(fz, x, batch_size, progress, "x", labels, "labels")
 
 
@@ -290,10 +290,9 @@ def projected_ntk(
         dtype=dtype,
         output_fn=output_fn,
     )
-    cast = dtype or inputs.param_dtype(model)  # numpy arrays of floats
-    x1 = inputs.from_numpy(x1, "x1", cast)
+    x1 = inputs.from_numpy(x1, "x1", fz.param_dtype)  # numpy arrays of floats
     if x2 is not None:
-        x2 = inputs.from_numpy(x2, "x2", cast)
+        x2 = inputs.from_numpy(x2, "x2", fz.param_dtype)
         inputs.validate(x2, "x2")
         inputs.check_compatible(x1, x2)
     elif labels2 is not None:
