@@ -314,17 +314,17 @@ def class_labels(model: nn.Module, x, y, option: str, output_fn: Callable | None
     holds (a regression model, or a binary classifier with one logit, which --output-fn can turn
     into two class scores)."""
     from ntk.core import inputs
+    from ntk.core.kinds import ONE_LOGIT
 
     from ..outputs import labels, logits
 
     one = logits(model, inputs.take(x, slice(0, 1)), output_fn=output_fn, name=f"--{option}: x")
-    if one.shape[1] < 2:
+    if one.shape[1] < 2:  # the remedy's output_fn is printed as the --output-fn flag (`main`)
         command = click.get_current_context().info_name
         raise UsageProblem(
             f"ntk {command} needs a classifier with at least two outputs (class scores); the "
-            f"model has {one.shape[1]} output: a regression model is not supported, and a binary "
-            "classifier with one logit z gets class scores from --output-fn file.py:fn with "
-            "fn(z) = torch.cat([torch.zeros_like(z), z], -1)"
+            f"model has {one.shape[1]} output: a regression model is not supported, and "
+            f"{ONE_LOGIT}"
         )
     if y is None:
         return None
