@@ -102,11 +102,11 @@ def main() -> None:
         data[name], accs[name] = scored(name, args.cached)
     spaces = list(data)
     # τ of every candidate (single metrics and votes) per number of repeats and space
-    taus, folds = {}, {}
+    taus = {}
     for r in range(1, REPEATS + 1):
         scores = {s: means(data[s], r) for s in spaces}
         for what, votes in (("score", False), ("rank", True)):
-            folds[what, r], _, t = leave_one_out(scores, accs, votes)
+            t = leave_one_out(scores, accs, votes)[2]
             taus.update({(what, c, r): t[c] for c in t})
     code = {
         "score": proxy_label(proxies.DEFAULT, proxies.DEFAULT_BATCH_SIZE),
