@@ -69,6 +69,8 @@ STAGES = (
 # beyond it when the model fits the Kronecker-factored curvature (cost linear in N).
 POSTERIOR_AUTO_MAX = 4096
 VALIDATION_MIN = 20  # labelled test samples needed to tune the posterior's prior precision
+# Why the kernel's condition number is inf, on the page and in `ntk report`'s notes.
+SINGULAR_KERNEL = "the kernel is singular (numerical rank below its size)"
 # Readable names of `KernelSurrogate.faithfulness` entries (others are shown as they are named).
 MEASURES = {
     "label_agreement": "agreement of predicted classes",
@@ -658,8 +660,9 @@ def _render(result: dict, figures: dict) -> str:
     )
     env.filters["num"] = _number
     env.filters["layer"] = layer_label
+    env.tests["infinite"] = lambda value: isinstance(value, float) and math.isinf(value)
     return env.get_template("report.html.j2").render(
-        r=result, fig=figures, score=DEFAULT_SCORE, measures=MEASURES
+        r=result, fig=figures, score=DEFAULT_SCORE, measures=MEASURES, singular=SINGULAR_KERNEL
     )
 
 

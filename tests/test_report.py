@@ -244,6 +244,17 @@ def test_html_is_self_contained(built):
         assert f"test example #{e['index']}" in html
 
 
+def test_an_infinite_condition_number_is_explained_on_the_page(built):
+    """The page showed κ = inf with no word of why, while `ntk report` printed the reason."""
+    from attribution._report import SINGULAR_KERNEL, _render
+
+    result, _ = built
+    singular = copy.deepcopy(result)
+    singular["kernel"]["condition_number"] = float("inf")
+    assert f"condition number = inf: {SINGULAR_KERNEL}" in _render(singular, {})
+    assert SINGULAR_KERNEL not in _render(result, {})
+
+
 @pytest.fixture(scope="module")
 def chromium():
     if browser.executable() is None:
