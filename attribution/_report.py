@@ -659,6 +659,7 @@ def _render(result: dict, figures: dict) -> str:
         lstrip_blocks=True,
     )
     env.filters["num"] = _number
+    env.filters["probability"] = _probability
     env.filters["layer"] = layer_label
     env.tests["infinite"] = lambda value: isinstance(value, float) and math.isinf(value)
     return env.get_template("report.html.j2").render(
@@ -676,6 +677,16 @@ def _number(value, digits: int = 4) -> str:
     if isinstance(value, (float, np.floating)):
         return f"{float(value):.{digits}g}" if math.isfinite(value) else str(float(value))
     return str(value)
+
+
+def _probability(value, relation: bool = False) -> str:
+    """A probability to 3 significant figures that reads 1 or 0 only when it is: "> 0.999" and
+    "< 0.001" otherwise; relation=True puts "= " before the other values ("p = 0.5")."""
+    if value is not None and 0.999 < value < 1:
+        return "> 0.999"
+    if value is not None and 0 < value < 0.001:
+        return "< 0.001"
+    return ("= " if relation else "") + _number(value, 3)
 
 
 def _plain(value):
