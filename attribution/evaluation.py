@@ -126,6 +126,7 @@ class SubsetModels:
         axis): [S, seeds, N, O]."""
         x = inputs.from_numpy(x, "x", inputs.param_dtype(self.base))  # numpy arrays of floats
         inputs.validate(x, "x")
+        _check_fits(self.base, x)
         forward = FunctionalCall(self.base)
         call = lambda p, b: _call(forward, p, b, x, self.output_fn)  # noqa: E731
         with torch.no_grad():
@@ -192,10 +193,7 @@ def train_on_subsets(
     ):
         if not (isinstance(value, Integral) and value >= least):
             raise ValueError(f"{name} must be an integer ≥ {least}, got {value!r}")
-    one = inputs.take(x, slice(0, 1))
-    args, kwargs = inputs.as_call(one)
-    with torch.no_grad():
-        naming_failures(probe, one, "x", lambda: probe(*args, **kwargs))
+    _check_fits(probe, x)
     members = torch.stack([torch.nonzero(row).squeeze(1) for row in mask])  # [S, m]
     jobs = [(s, r) for s in range(len(members)) for r in range(seeds)]
     trained = [
@@ -218,6 +216,15 @@ def train_on_subsets(
     buffers = {k: torch.cat([t[1][k] for t in trained]) for k in trained[0][1]}
     base = copy_module(trained[0][2])
     return SubsetModels(base, params, buffers, len(members), seeds, output_fn)
+
+
+def _check_fits(model: nn.Module, x) -> None:
+    """One sample of x through `model` (in eval mode): inputs it cannot take (a float64 tensor
+    for a float32 model) are refused naming x (`ModelInputError`), not deep in the vmap."""
+    one = inputs.take(x, slice(0, 1))
+    args, kwargs = inputs.as_call(one)
+    with torch.no_grad():
+        naming_failures(model, one, "x", lambda: model(*args, **kwargs))
 
 
 def _call(forward: FunctionalCall, params: dict, buffers: dict, x, output_fn: Callable | None):

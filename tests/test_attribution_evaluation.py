@@ -370,3 +370,5 @@ def test_subset_training_casts_numpy_floats_and_names_tensors_of_another_dtype()
     assert models.outputs(x).dtype == torch.float32
     with pytest.raises(ModelInputError, match=r"^x: .*dtype torch.float64.*cast the inputs to"):
         train_on_subsets(lambda: torch.nn.Linear(4, 3), torch.as_tensor(x), y, subsets, epochs=1)
+    with pytest.raises(ModelInputError, match=r"^x: .*dtype torch.float64.*cast the inputs to"):
+        models.outputs(torch.as_tensor(x))
