@@ -69,6 +69,8 @@ STAGES = (
 # beyond it when the model fits the Kronecker-factored curvature (cost linear in N).
 POSTERIOR_AUTO_MAX = 4096
 VALIDATION_MIN = 20  # labelled test samples needed to tune the posterior's prior precision
+# Why the kernel's condition number is inf, on the page and in `ntk report`'s notes.
+SINGULAR_KERNEL = "the kernel is singular (numerical rank below its size)"
 # Readable names of `KernelSurrogate.faithfulness` entries (others are shown as they are named).
 MEASURES = {
     "label_agreement": "agreement of predicted classes",
@@ -657,9 +659,11 @@ def _render(result: dict, figures: dict) -> str:
         lstrip_blocks=True,
     )
     env.filters["num"] = _number
+    env.filters["probability"] = _probability
     env.filters["layer"] = layer_label
+    env.tests["infinite"] = lambda value: isinstance(value, float) and math.isinf(value)
     return env.get_template("report.html.j2").render(
-        r=result, fig=figures, score=DEFAULT_SCORE, measures=MEASURES
+        r=result, fig=figures, score=DEFAULT_SCORE, measures=MEASURES, singular=SINGULAR_KERNEL
     )
 
 
@@ -673,6 +677,16 @@ def _number(value, digits: int = 4) -> str:
     if isinstance(value, (float, np.floating)):
         return f"{float(value):.{digits}g}" if math.isfinite(value) else str(float(value))
     return str(value)
+
+
+def _probability(value, relation: bool = False) -> str:
+    """A probability to 3 significant figures that reads 1 or 0 only when it is: "> 0.999" and
+    "< 0.001" otherwise; relation=True puts "= " before the other values ("p = 0.5")."""
+    if value is not None and 0.999 < value < 1:
+        return "> 0.999"
+    if value is not None and 0 < value < 0.001:
+        return "< 0.001"
+    return ("= " if relation else "") + _number(value, 3)
 
 
 def _plain(value):

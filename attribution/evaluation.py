@@ -24,7 +24,7 @@ from torch.func import stack_module_state
 
 from ntk.core import inputs
 from ntk.core.kinds import class_labels
-from ntk.core.model import FunctionalCall, copy_module
+from ntk.core.model import FunctionalCall, copy_module, naming_failures
 from ntk.core.seeding import seeded
 
 from .layers import check_labels
@@ -124,8 +124,9 @@ class SubsetModels:
     def outputs(self, x) -> torch.Tensor:
         """Outputs of every model on x (a tensor, or a tuple/dict of tensors sharing the sample
         axis): [S, seeds, N, O]."""
-        x = inputs.from_numpy(x, "x")
+        x = inputs.from_numpy(x, "x", inputs.param_dtype(self.base))  # numpy arrays of floats
         inputs.validate(x, "x")
+        _check_fits(self.base, x)
         forward = FunctionalCall(self.base)
         call = lambda p, b: _call(forward, p, b, x, self.output_fn)  # noqa: E731
         with torch.no_grad():
@@ -164,9 +165,12 @@ def train_on_subsets(
     sharing the sample axis (e.g. input_ids and attention_mask, passed as keyword arguments);
     output_fn maps the model's output to the logits [B, O] (e.g. `lambda out: out.logits`). The
     models are vmapped, so the model's forward must not branch on data (models that cannot be
-    vmapped are refused by torch.func).
+    vmapped are refused by torch.func). numpy arrays of floats are cast to the model's parameter
+    dtype; inputs the model cannot take are refused naming x (`ModelInputError`).
     """
-    x = inputs.from_numpy(x, "x")
+    with seeded(0):  # the first model `_train_chunk` builds: its dtype, and x checked against it
+        probe = factory().eval()
+    x = inputs.from_numpy(x, "x", inputs.param_dtype(probe))  # numpy arrays of floats
     n = inputs.validate(x, "x")
     y = inputs.targets(y)
     if len(y) != n:
@@ -189,6 +193,7 @@ def train_on_subsets(
     ):
         if not (isinstance(value, Integral) and value >= least):
             raise ValueError(f"{name} must be an integer ≥ {least}, got {value!r}")
+    _check_fits(probe, x)
     members = torch.stack([torch.nonzero(row).squeeze(1) for row in mask])  # [S, m]
     jobs = [(s, r) for s in range(len(members)) for r in range(seeds)]
     trained = [
@@ -211,6 +216,15 @@ def train_on_subsets(
     buffers = {k: torch.cat([t[1][k] for t in trained]) for k in trained[0][1]}
     base = copy_module(trained[0][2])
     return SubsetModels(base, params, buffers, len(members), seeds, output_fn)
+
+
+def _check_fits(model: nn.Module, x) -> None:
+    """One sample of x through `model` (in eval mode): inputs it cannot take (a float64 tensor
+    for a float32 model) are refused naming x (`ModelInputError`), not deep in the vmap."""
+    one = inputs.take(x, slice(0, 1))
+    args, kwargs = inputs.as_call(one)
+    with torch.no_grad():
+        naming_failures(model, one, "x", lambda: model(*args, **kwargs))
 
 
 def _call(forward: FunctionalCall, params: dict, buffers: dict, x, output_fn: Callable | None):

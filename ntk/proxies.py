@@ -205,9 +205,10 @@ def score(
     `jacob_cov` need one floating-point input tensor); output_fn maps the model's output to
     [B, O] (e.g. `lambda out: out.logits`). return_details=True gives a `ProxyScore`.
     y: class labels [N] in 0..O−1 (O the model's outputs; integral floats are taken as integers),
-    read by the lga metrics, `label_condition`, `grad_norm`, `snip`, kind="lpntk" and warm-up,
-    ignored by the other metrics (`naswot` included) but checked whenever given: labels outside
-    that range are refused with a ValueError naming y, the first offending label and the range.
+    read by the lga metrics, `label_condition`, `grad_norm`, `snip`, the kernel metrics on
+    kind="lpntk" and warm-up, which refuse labels outside that range with a ValueError naming y,
+    the first offending label and the range; the other metrics (`naswot` included) ignore y,
+    whatever it holds (regression targets too).
     """
     _check_options(metric, kind, batch_size, repeats, warmup_steps, warmup_lr, seed)
     # numpy integers as Python's: torch's generators and randperm take only these
@@ -459,12 +460,13 @@ def _check_data(x, y, metric, warmup_steps, kind):
     n = inputs.validate(x, "x")  # finite
     if n < 2:
         raise ValueError(f"x must hold at least 2 samples, got {n}")
+    lpntk = kind == "lpntk" and metric in KERNEL_METRICS
+    if not (metric in _NEEDS_LABELS or warmup_steps or lpntk):
+        return x, None  # y is not read, so any y (regression targets too) is ignored
     if y is None:
-        if metric in _NEEDS_LABELS or warmup_steps or kind == "lpntk":
-            needs = "with warm-up " if warmup_steps else ""
-            needs += "on kind 'lpntk' " if kind == "lpntk" else ""
-            raise ValueError(f"y is missing: metric {metric!r} {needs}needs class labels")
-        return x, None
+        needs = "with warm-up " if warmup_steps else ""
+        needs += "on kind 'lpntk' " if lpntk else ""
+        raise ValueError(f"y is missing: metric {metric!r} {needs}needs class labels")
     y = inputs.targets(y)
     if y.dim() == 1 and len(y) != n:
         raise ValueError(f"x has {n} samples but y has {len(y)} labels")
@@ -763,8 +765,7 @@ def _jacob_cov(net, x, y, *, output_fn, **_):
 
 
 def _naswot(net, x, y, **_):
-    """Mellor et al.'s score of the activation patterns of x; y is not read (the labels of a
-    vote are checked, as for every metric, but the patterns do not depend on them)."""
+    """Mellor et al.'s score of the activation patterns of x; y is not read."""
     activations = [
         (name or type(m).__name__, m)
         for name, m in net.named_modules()

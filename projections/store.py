@@ -154,14 +154,15 @@ def _sharded(distributed: bool | None) -> bool:
 
 def _blocks(data, block: int, cast: torch.dtype):
     """(number of samples, iterator over model inputs of `block` samples each); numpy arrays of
-    floats in `cast` (the computation's dtype)."""
+    floats, given or yielded by a DataLoader, in `cast` (the computation's dtype)."""
     if isinstance(data, DataLoader):
         if not isinstance(getattr(data.batch_sampler, "sampler", data.sampler), SequentialSampler):
             raise ValueError(
                 "the DataLoader must visit samples in a fixed order (shuffle=False) "
                 "so that an interrupted run can resume"
             )
-        return len(data.dataset), _rebatch((_model_input(b) for b in data), block)
+        batches = (inputs.from_numpy(_model_input(b), "data", cast) for b in data)
+        return len(data.dataset), _rebatch(batches, block)
     if isinstance(data, TensorDataset):
         data = data.tensors[0]
     elif isinstance(data, torch.utils.data.Dataset):

@@ -352,3 +352,23 @@ def test_train_on_subsets_leaves_the_global_random_state_as_it_was(fake_cuda):
     )
     assert torch.equal(torch.get_rng_state(), cpu)
     assert fake_cuda["state"] == "the caller's"
+
+
+def test_subset_training_casts_numpy_floats_and_names_tensors_of_another_dtype():
+    """numpy float64 x for a float32 model failed in torch ("expected scalar type Double but found
+    Float"), in training and in `outputs`; it is cast like every other entry point casts it, and a
+    float64 tensor gets the library's refusal naming x and the dtypes."""
+    from ntk.core.model import ModelInputError
+
+    x, y = np.random.default_rng(0).normal(size=(12, 4)), np.arange(12) % 3
+    subsets = random_subsets(12, 3)
+    models = train_on_subsets(lambda: torch.nn.Linear(4, 3), x, y, subsets, epochs=1)
+    cast = train_on_subsets(
+        lambda: torch.nn.Linear(4, 3), torch.as_tensor(x).float(), y, subsets, epochs=1
+    )
+    torch.testing.assert_close(models.outputs(x), cast.outputs(x.astype(np.float32)))
+    assert models.outputs(x).dtype == torch.float32
+    with pytest.raises(ModelInputError, match=r"^x: .*dtype torch.float64.*cast the inputs to"):
+        train_on_subsets(lambda: torch.nn.Linear(4, 3), torch.as_tensor(x), y, subsets, epochs=1)
+    with pytest.raises(ModelInputError, match=r"^x: .*dtype torch.float64.*cast the inputs to"):
+        models.outputs(torch.as_tensor(x))

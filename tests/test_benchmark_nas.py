@@ -142,3 +142,20 @@ def test_layer_families_smoke_prints_both_truths_and_the_held_out_choice():
         assert "sensitivity" in rows
     held = _table(proc.stdout, "| held-out family |")
     assert set(held) == {"mlp", "resnet"}
+
+
+def test_score_script_averages_the_librarys_default_repeats():
+    """score.py averaged 3 repeats by default, neither proxies.DEFAULT_REPEATS nor RANKING_REPEATS;
+    it takes score's constant, so it follows the library when the constant changes."""
+    proc = subprocess.run(
+        [sys.executable, "score.py", "--help"],
+        cwd=BENCH / "nas",
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"(default: {proxies.DEFAULT_REPEATS}, proxies.DEFAULT_REPEATS)" in " ".join(
+        proc.stdout.split()
+    )

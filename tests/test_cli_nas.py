@@ -246,3 +246,21 @@ def test_output_fn_and_the_samples_actually_scored(tmp_path, monkeypatch, capsys
     code, out, err = run_here(capsys, *args, "--output-fn", "cands.py:first", "--format", "json")
     assert code == 0, err
     assert json.loads(out)["batch_size"] == 20  # what was scored, not what was asked
+
+
+def test_regression_targets_are_ignored_by_metrics_that_never_read_labels(
+    tmp_path, monkeypatch, capsys
+):
+    """--data with real-valued y was refused ("--data's y must hold integer class labels") even
+    for --metric naswot, which never reads y; the default vote reads it and still refuses it."""
+    write_inputs(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(20, 4)).astype(np.float32)
+    np.savez(tmp_path / "targets.npz", x=x, y=rng.normal(size=20))
+    code, _, err = run_here(
+        capsys, "--candidates", "cands.py:space", "--data", "targets.npz", "--metric", "naswot"
+    )
+    assert code == 0, err
+    code, _, err = run_here(capsys, "--candidates", "cands.py:space", "--data", "targets.npz")
+    assert code == 2 and "--data's y must hold integer class labels" in err

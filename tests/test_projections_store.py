@@ -246,3 +246,19 @@ def test_featurize_casts_numpy_float64_data_to_the_models_dtype(tmp_path):
     projections.featurize(model, torch.from_numpy(x).float(), tmp_path / "b", dim=8)
     a, b = (np.asarray(projections.open_store(tmp_path / s)) for s in "ab")
     np.testing.assert_array_equal(a, b)
+
+
+def test_featurize_casts_numpy_batches_of_a_loader_and_names_float64_tensor_batches(tmp_path):
+    """A DataLoader whose collate_fn yields numpy float64 arrays was refused ("inputs must be a
+    tensor ..., got ndarray"); they are cast as direct numpy data is. Float64 tensor batches
+    (a TensorDataset built from numpy) get the refusal naming the dtypes, as a float64 tensor."""
+    from ntk.core.model import ModelInputError
+
+    model, x = model_and_data()
+    ref = store(tmp_path / "tensor", model, x)
+    rows = x.double().numpy()
+    loader = DataLoader(rows, batch_size=3, collate_fn=np.stack)
+    assert np.array_equal(store(tmp_path / "numpy", model, loader), ref)
+    wide = DataLoader(TensorDataset(torch.from_numpy(rows)), batch_size=3)
+    with pytest.raises(ModelInputError, match=r"^data: .*torch.float64.*cast the inputs to"):
+        store(tmp_path / "float64", model, wide)

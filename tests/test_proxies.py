@@ -368,13 +368,13 @@ LABEL_METRICS = ["lga", "lga_cosine", "lga_centred", "label_condition", "grad_no
 
 @pytest.mark.parametrize(
     "metric, options",
-    [(m, {}) for m in LABEL_METRICS + ["naswot", "params"]]
+    [(m, {}) for m in LABEL_METRICS]
     + [("condition_number", {"kind": "lpntk"}), ("trace", {"warmup_steps": 1})],
 )
 def test_labels_outside_the_outputs_are_refused_naming_y(data, metric, options):
-    """Every metric, those reading y (lga silently scored labels ≥ O) and those ignoring it,
-    refuses labels that do not index the model's O outputs, naming y, the first offending label
-    and the range; integral floats are labels."""
+    """Every metric reading y (lga silently scored labels ≥ O) refuses labels that do not index
+    the model's O outputs, naming y, the first offending label and the range; integral floats
+    are labels."""
     x, y = data
     bad = y.clone()
     bad[4] = O
@@ -393,7 +393,20 @@ def test_labels_outside_the_outputs_are_refused_naming_y(data, metric, options):
     with pytest.raises(
         ValueError, match=r"candidate 'a': y holds labels outside 0\.\.2: 3 at sample 0"
     ):
-        proxies.rank({"a": tiny}, x, y + 3, metric=[metric, "params"], batch_size=N)
+        proxies.rank({"a": tiny}, x, y + 3, metric=[metric, "params"], batch_size=N, **options)
+
+
+@pytest.mark.parametrize("metric", ["naswot", "params", "trace", "condition_number", "synflow"])
+def test_metrics_that_never_read_labels_ignore_any_y(data, metric):
+    """Regression targets were refused ("y must hold integer class labels") by metrics that do
+    not read y; they are ignored, while a vote with a metric reading y still refuses them."""
+    x, y = data
+    targets = torch.randn(N, generator=torch.Generator().manual_seed(2))
+    assert run(tiny(), x, targets, metric) == run(tiny(), x, None, metric)
+    run(tiny(), x, y + O, metric)  # labels outside the outputs: not read, not refused
+    run(tiny(), x, targets, "params", kind="lpntk")  # the kind is that of the kernel metrics
+    with pytest.raises(ValueError, match="^y must hold integer class labels, got"):
+        proxies.rank({"a": tiny}, x, targets, metric=[metric, "lga"], batch_size=N)
 
 
 def test_a_binary_classifier_with_one_logit_takes_labels_0_and_1(data):

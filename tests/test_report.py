@@ -244,6 +244,33 @@ def test_html_is_self_contained(built):
         assert f"test example #{e['index']}" in html
 
 
+def test_an_infinite_condition_number_is_explained_on_the_page(built):
+    """The page showed κ = inf with no word of why, while `ntk report` printed the reason."""
+    from attribution._report import SINGULAR_KERNEL, _render
+
+    result, _ = built
+    singular = copy.deepcopy(result)
+    singular["kernel"]["condition_number"] = float("inf")
+    assert f"condition number = inf: {SINGULAR_KERNEL}" in _render(singular, {})
+    assert SINGULAR_KERNEL not in _render(result, {})
+
+
+def test_probabilities_near_1_or_0_never_read_as_1_or_0(built):
+    """The page rounded a probability of 0.99997 to "p = 1"."""
+    from attribution._report import _probability, _render
+
+    result, _ = built
+    near = copy.deepcopy(result)
+    card = near["attribution"]["examples"][0]
+    card["network_probability"], card["surrogate_probability"] = 0.99997, 0.00004
+    near["calibration"]["least_sure"][0]["network_probability"] = 0.99997
+    html = _render(near, {})
+    assert "(p > 0.999)" in html and f"(p of {card['network_prediction']} < 0.001)" in html
+    assert '<td class="n">> 0.999</td>' in html
+    assert [_probability(p) for p in (1.0, 0.0, 0.5, 0.9994)] == ["1", "0", "0.5", "> 0.999"]
+    assert _probability(0.25, relation=True) == "= 0.25"
+
+
 @pytest.fixture(scope="module")
 def chromium():
     if browser.executable() is None:

@@ -45,7 +45,8 @@ def demo_space() -> dict:
     "--data",
     default="digits",
     show_default=True,
-    help="'digits' or an .npz/.pt file with arrays x and y (integer class labels)",
+    help="'digits' or an .npz/.pt file with arrays x and y (integer class labels, read only by "
+    "the metrics that use labels)",
 )
 @click.option(
     "--metric",

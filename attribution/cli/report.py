@@ -132,6 +132,7 @@ def report(
     it used."""
     from ntk.core import inputs
 
+    from .._report import SINGULAR_KERNEL
     from .._report import report as build_report
     from ..layers import layer_label
     from ..surrogate import KernelSurrogate
@@ -245,10 +246,7 @@ def report(
     if not calibration["enabled"]:
         notes.append(f"calibration section {calibration['note']}")
     if kernel["condition_number"] == float("inf"):
-        notes.append(
-            "condition_number = inf: the kernel is singular (numerical rank below its size); "
-            "`ntk kernel` gives its rank"
-        )
+        notes.append(f"condition_number = inf: {SINGULAR_KERNEL}; `ntk kernel` gives its rank")
     emit(
         rows,
         out,

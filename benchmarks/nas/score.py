@@ -1,15 +1,17 @@
 """Score every architecture of `space.py` with every proxy of `ntk.proxies` and compare the
 rankings with the ground truth in ground_truth.json (made by ground_truth.py).
 
-Each proxy sees only the digits training split, `--repeats` random batches of 64 samples and
-fresh initialisations (seeds 0, 1, 2, ...), and reports the mean. Columns: Kendall τ and
-Spearman ρ with the mean validation accuracy, the median time per architecture (all repeats),
-and how many of the 10 best architectures by accuracy are among the proxy's 10 best. "vote"
-rows order the architectures by their mean rank under two proxies (`proxies.mean_rank`); the
-held-out lines check that choosing a metric or a pair on half of the architectures carries over
-to the other half.
+Each proxy sees only the digits training split, `--repeats` random batches (of
+`proxies.DEFAULT_BATCH_SIZE` samples, `proxies.score`'s default) and fresh initialisations
+(seeds 0, 1, 2, ...), and reports the mean; by default as many repeats as `proxies.score`
+averages (`proxies.DEFAULT_REPEATS`). Columns: Kendall τ and Spearman ρ with the mean
+validation accuracy, the median time per architecture (all repeats), and how many of the 10
+best architectures by accuracy are among the proxy's 10 best. "vote" rows order the
+architectures by their mean rank under two proxies (`proxies.mean_rank`); the held-out lines
+check that choosing a metric or a pair on half of the architectures carries over to the other
+half.
 
-    python benchmarks/nas/score.py [--repeats 3] [--only lga,params]    # ≈ 6–10 minutes
+    python benchmarks/nas/score.py [--repeats N] [--only lga,params]  # 6–10 min at 3 repeats × 64
 """
 
 from __future__ import annotations
@@ -52,7 +54,12 @@ def accuracy_after_one_epoch(factory, data, repeats):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=proxies.DEFAULT_REPEATS,
+        help="repeats averaged (default: %(default)s, proxies.DEFAULT_REPEATS)",
+    )
     parser.add_argument("--only", default=None, help="comma-separated proxy names")
     args = parser.parse_args()
     torch.set_num_threads(1)
