@@ -650,11 +650,11 @@ def _figures_for(result: dict, images, top: int) -> dict:
 
 
 def _render(result: dict, figures: dict) -> str:
-    from jinja2 import Environment, PackageLoader, select_autoescape
+    from jinja2 import Environment, PackageLoader
 
     env = Environment(
         loader=PackageLoader("attribution", "templates"),
-        autoescape=select_autoescape(),
+        autoescape=True,  # one HTML template; names and titles come from the user
         trim_blocks=True,
         lstrip_blocks=True,
     )

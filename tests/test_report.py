@@ -5,6 +5,7 @@ import copy
 import json
 import os
 import re
+from html import unescape
 
 import browser
 import numpy as np
@@ -255,6 +256,19 @@ def test_an_infinite_condition_number_is_explained_on_the_page(built):
     assert SINGULAR_KERNEL not in _render(result, {})
 
 
+def test_text_from_the_user_is_escaped_on_the_page(built):
+    """The template was rendered without escaping: a title or layer name with markup became
+    markup on the page."""
+    from attribution._report import _render
+
+    result, _ = built
+    marked = copy.deepcopy(result)
+    marked["title"] = "<script>alert(1)</script> & co"
+    html = _render(marked, {})
+    assert "<script>" not in html
+    assert "&lt;script&gt;alert(1)&lt;/script&gt; &amp; co" in html
+
+
 def test_probabilities_near_1_or_0_never_read_as_1_or_0(built):
     """The page rounded a probability of 0.99997 to "p = 1"."""
     from attribution._report import _probability, _render
@@ -265,8 +279,10 @@ def test_probabilities_near_1_or_0_never_read_as_1_or_0(built):
     card["network_probability"], card["surrogate_probability"] = 0.99997, 0.00004
     near["calibration"]["least_sure"][0]["network_probability"] = 0.99997
     html = _render(near, {})
-    assert "(p > 0.999)" in html and f"(p of {card['network_prediction']} < 0.001)" in html
-    assert '<td class="n">> 0.999</td>' in html
+    # as the page's HTML writes them ("&gt;" reads ">")
+    assert "(p &gt; 0.999)" in html
+    assert f"(p of {card['network_prediction']} &lt; 0.001)" in html
+    assert '<td class="n">&gt; 0.999</td>' in html
     assert [_probability(p) for p in (1.0, 0.0, 0.5, 0.9994)] == ["1", "0", "0.5", "> 0.999"]
     assert _probability(0.25, relation=True) == "= 0.25"
 
@@ -348,7 +364,7 @@ def test_cli_on_files(tmp_path, capsys):
     assert printed["untrained"] is True  # as every subcommand taking --model writes it
     assert saved["settings"]["surrogate"]["alpha"] == 0.5
     assert saved["settings"]["weights"] == "the factory's (untrained: no --weights)"
-    assert "the factory's (untrained: no --weights)" in out.read_text()
+    assert "the factory's (untrained: no --weights)" in unescape(out.read_text())
     agreement = next(r["value"] for r in printed["rows"] if r["measure"] == "label_agreement")
     assert agreement == pytest.approx(saved["faithfulness"]["surrogate"]["label_agreement"])
     assert "accuracy_net" not in saved["faithfulness"]["surrogate"]  # the test file has no labels
