@@ -11,7 +11,7 @@ architectures by their mean rank under two proxies (`proxies.mean_rank`); the he
 check that choosing a metric or a pair on half of the architectures carries over to the other
 half.
 
-    python benchmarks/nas/score.py [--repeats N] [--only lga,params]  # 6–10 min at 3 repeats × 64
+    python benchmarks/nas/score.py [--repeats N] [--only lga,params]  # 6–10 min (3 × 64, 12-02)
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ def main() -> None:
 
     ceiling = truth["ceiling"]
     print(
-        f"\n{len(names)} architectures, {args.repeats} repeats × 64 samples; ground truth: mean "
+        f"\n{len(names)} architectures, {args.repeats} repeats × {proxies.DEFAULT_BATCH_SIZE} "
+        "samples; ground truth: mean "
         f"validation accuracy over {len(truth['seeds'])} seeds "
         f"({truth['budget']['epochs']} epochs of Adam)"
     )
