@@ -26,6 +26,13 @@ def nas_modules(monkeypatch):
     return compare, ground_truth_spaces
 
 
+def _script(name: str, *args: str, cwd: Path = BENCH / "nas") -> subprocess.CompletedProcess:
+    """A benchmark script run with the repository on its path, one thread, output captured."""
+    return subprocess.run(
+        [sys.executable, name, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=300
+    )
+
+
 def _table(stdout: str, header: str) -> dict:
     lines = stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(header))
@@ -75,14 +82,7 @@ def test_ground_truth_of_each_new_space_trains_every_seed(nas_modules):
 
 @pytest.mark.slow  # 25–35 s on the loaded 2-core machine
 def test_compare_smoke_prints_tau_per_space_and_the_held_out_choice():
-    proc = subprocess.run(
-        [sys.executable, "compare.py", "--smoke"],
-        cwd=BENCH / "nas",
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _script("compare.py", "--smoke")
     assert proc.returncode == 0, proc.stderr
     taus = _table(proc.stdout, "| proxy |")
     assert {"lga", "naswot", "params"} <= set(taus)
@@ -95,13 +95,12 @@ def test_compare_smoke_prints_tau_per_space_and_the_held_out_choice():
 def test_nb201_smoke_and_cached_report_without_the_truth_package():
     """NAS-Bench-201 from the committed sample and truth: a smoke scoring of 6 cells, and the
     cached five-space report whose rank default is the vote in ntk.proxies."""
-    run = dict(cwd=BENCH / "nas", env=ENV, capture_output=True, text=True, timeout=300)
-    smoke = subprocess.run([sys.executable, "nb201.py", "--smoke"], **run)
+    smoke = _script("nb201.py", "--smoke")
     assert smoke.returncode == 0, smoke.stderr
     taus = _table(smoke.stdout, "| proxy |")
     assert {"lga", "naswot", "params"} <= set(taus)
     assert all(-1 <= float(row[0]) <= 1 for row in taus.values())
-    cached = subprocess.run([sys.executable, "nb201.py", "--cached"], **run)
+    cached = _script("nb201.py", "--cached")
     assert cached.returncode == 0, cached.stderr
     folds = _table(cached.stdout, "| held-out space |")
     assert set(folds) == {"digits_mlp", "digits_cnn", "cancer_mlp", "seq_attention", "nb201"}
@@ -112,8 +111,7 @@ def test_nb201_smoke_and_cached_report_without_the_truth_package():
 def test_the_committed_repeat_scores_choose_the_coded_numbers_of_repeats(nas_modules):
     """The guard of proxies.DEFAULT_REPEATS and RANKING_REPEATS: repeats.py's rule on the
     committed per-repeat scores of the five spaces picks them."""
-    run = dict(cwd=BENCH / "nas", env=ENV, capture_output=True, text=True)
-    proc = subprocess.run([sys.executable, "repeats.py", "--cached"], **run)
+    proc = _script("repeats.py", "--cached")
     assert proc.returncode == 0, proc.stderr
     chosen = [line for line in proc.stdout.splitlines() if line.startswith("chosen on all")]
     score_line, rank_line = chosen
@@ -128,14 +126,7 @@ def test_the_committed_repeat_scores_choose_the_coded_numbers_of_repeats(nas_mod
 
 @pytest.mark.slow  # 25–35 s on the loaded 2-core machine
 def test_layer_families_smoke_prints_both_truths_and_the_held_out_choice():
-    proc = subprocess.run(
-        [sys.executable, "layer_families.py", "--smoke"],
-        cwd=BENCH,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _script("layer_families.py", "--smoke", cwd=BENCH)
     assert proc.returncode == 0, proc.stderr
     for truth in ("loss_increase", "prune_finetune"):
         rows = _table(proc.stdout.split(f"score vs {truth}")[1], "| score |")
@@ -147,14 +138,7 @@ def test_layer_families_smoke_prints_both_truths_and_the_held_out_choice():
 def test_score_script_averages_the_librarys_default_repeats():
     """score.py averaged 3 repeats by default, neither proxies.DEFAULT_REPEATS nor RANKING_REPEATS;
     it takes score's constant, so it follows the library when the constant changes."""
-    proc = subprocess.run(
-        [sys.executable, "score.py", "--help"],
-        cwd=BENCH / "nas",
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _script("score.py", "--help")
     assert proc.returncode == 0, proc.stderr
     assert f"(default: {proxies.DEFAULT_REPEATS}, proxies.DEFAULT_REPEATS)" in " ".join(
         proc.stdout.split()
