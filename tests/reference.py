@@ -80,7 +80,10 @@ def of_kind(full: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def signs(y: torch.Tensor, num_outputs: int) -> torch.Tensor:
-    """s(y) = 2e_y − 1 [N, O]."""
+    """s(y) = 2e_y − 1 [N, O]; for one output (a binary classifier's logit z), the signs of the
+    class scores (0, z) on z: 2y − 1 [N, 1]."""
+    if num_outputs == 1:
+        return (2 * y.double() - 1)[:, None]
     return 2 * torch.nn.functional.one_hot(y, num_outputs).double() - 1
 
 

@@ -262,16 +262,14 @@ def test_structured_plan_covers_known_layers_and_falls_back_for_the_rest():
 @pytest.mark.parametrize("method", METHODS)
 def test_lpntk_matches_reference(case, method):
     """s(y)ᵀ Θ s(y') with per-sample cotangents, symmetric, cross and per layer; a model with a
-    single output has no classes and is refused."""
+    single output is a binary classifier's logit (labels 0 and 1, s = 2y − 1)."""
     name, model, x1, x2, ref_sym, ref_cross = case
     o = ref_sym[None].shape[-1]
     n1, n2 = ref_sym[None].shape[0], ref_cross[None].shape[1]
     g = torch.Generator().manual_seed(1)
-    y1, y2 = torch.randint(0, o, (n1,), generator=g), torch.randint(0, o, (n2,), generator=g)
-    if o == 1:
-        with pytest.raises(ValueError, match="at least two outputs"):
-            ntk.empirical_ntk(model, x1, kind="lpntk", labels=y1, method=method)
-        return
+    classes = max(o, 2)
+    y1 = torch.randint(0, classes, (n1,), generator=g)
+    y2 = torch.randint(0, classes, (n2,), generator=g)
     total = ntk.empirical_ntk(model, x1, kind="lpntk", labels=y1, method=method)
     assert total.shape == (n1, n1)
     assert rel_err(total, lpntk(ref_sym[None], y1, y1)) <= 1e-9

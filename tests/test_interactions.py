@@ -4,6 +4,7 @@ gradients, the exact contradiction of a flipped duplicate, the projected kernel 
 import numpy as np
 import pytest
 import torch
+from models import TwoLogits
 
 from attribution import sample_interactions
 
@@ -103,11 +104,15 @@ def test_projection_dim_may_be_a_numpy_integer():
         sample_interactions(model, x, y, projection_dim=True)
 
 
-def test_a_one_output_model_is_named_as_such():
-    """A binary classifier with one logit: labels 0/1 were refused as "labels outside 0..0",
-    labels all 0 as lpNTK's "at least two outputs"; now that, whatever the labels."""
+def test_a_one_logit_classifier_scores_as_its_class_scores():
+    """A binary classifier with one logit z (labels 0 and 1) was refused; its interactions are
+    those of its class scores (0, z), and labels other than 0 and 1 are refused naming y."""
     model = _mlp(1)
     x = torch.randn(6, 5)
-    for y in (torch.tensor([0, 1, 1, 0, 1, 0]), torch.zeros(6, dtype=torch.long)):
-        with pytest.raises(ValueError, match="at least two outputs"):
-            sample_interactions(model, x, y)
+    y = torch.tensor([0, 1, 1, 0, 1, 0])
+    got = sample_interactions(model, x, y, return_kernel=True)
+    scores = sample_interactions(TwoLogits(model), x, y, return_kernel=True)
+    for key, value in scores.items():
+        np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+    with pytest.raises(ValueError, match=r"y holds labels outside 0\.\.1: 2 at sample 1"):
+        sample_interactions(model, x, torch.tensor([0, 2, 1, 0, 1, 0]))

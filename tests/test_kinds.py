@@ -87,9 +87,10 @@ def test_projected_per_layer_false_is_the_sum_of_the_layers():
 
 def test_labels_for_a_single_output_model_name_the_one_logit_remedy():
     """0/1 labels for a one-logit binary classifier were refused as labels only ("y holds labels
-    outside 0..0: 1 at sample 1 (the model has 1 output)", by sample_interactions, KernelSurrogate,
-    layer_importance, train_on_subsets); the message now says how to give it a score per class."""
-    from attribution import KernelSurrogate, sample_interactions
+    outside 0..0: 1 at sample 1 (the model has 1 output)", by KernelSurrogate, layer_importance,
+    train_on_subsets); the message now says how to give it a score per class.
+    (sample_interactions takes the logit as it is: test_interactions.)"""
+    from attribution import KernelSurrogate
 
     with pytest.raises(
         ValueError, match=r"outside 0\.\.0: 1 at sample 1 \(the model has 1 output;"
@@ -97,11 +98,5 @@ def test_labels_for_a_single_output_model_name_the_one_logit_remedy():
         kinds.class_labels(torch.tensor([0, 1, 0]), 3, 1, "y")
     torch.manual_seed(0)
     model, x, y = torch.nn.Linear(4, 1), torch.randn(6, 4), torch.tensor([0, 1] * 3)
-    for call in (
-        lambda: sample_interactions(model, x, y),
-        lambda: KernelSurrogate(model).fit(x, y),
-    ):
-        with pytest.raises(ValueError, match=r"one logit z .*output_fn=lambda z: torch\.cat"):
-            call()
-    with_classes = lambda z: torch.cat([torch.zeros_like(z), z], -1)  # noqa: E731
-    assert sample_interactions(model, x, y, output_fn=with_classes)["support"].shape == (6,)
+    with pytest.raises(ValueError, match=r"one logit z .*output_fn=lambda z: torch\.cat"):
+        KernelSurrogate(model).fit(x, y)

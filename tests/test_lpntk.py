@@ -81,9 +81,9 @@ def test_lpntk_input_checks():
         ntk.empirical_ntk(model, x1, kind="lpntk", labels=y1, labels2=y1)
     with pytest.raises(ValueError, match="only used by labelled kinds"):
         ntk.empirical_ntk(model, x1, kind="trace", labels=y1)
-    scalar, xs, _ = make("scalar")
-    with pytest.raises(ValueError, match="at least two outputs"):
-        ntk.empirical_ntk(scalar, xs, kind="lpntk", labels=torch.zeros(5, dtype=torch.long))
+    scalar, xs, _ = make("scalar")  # one logit: labels 0 and 1
+    with pytest.raises(ValueError, match=r"labels holds labels outside 0\.\.1: 2 at sample 0"):
+        ntk.empirical_ntk(scalar, xs, kind="lpntk", labels=torch.full((5,), 2))
     with pytest.raises(ValueError, match="needs labels="):
         projections.features(model, x1, dim=8, kind="lpntk")
     with pytest.raises(ValueError, match=r"outside 0\.\.2"):

@@ -434,6 +434,23 @@ class TwoLogits(nn.Module):
         return z[:, 0] if self.flat else torch.cat([torch.zeros_like(z), z], 1)
 
 
+def test_the_defaults_score_and_rank_a_binary_classifier_with_one_logit(data):
+    """The default metric (lpNTK κ) refused a one-logit classifier ("at least two outputs"), so
+    `rank` with its defaults failed on such a space; its lpNTK is that of the class scores
+    (0, z), so the default score equals the two-score model's."""
+    x, y = data
+    binary = (y > 0).long()
+
+    def net():
+        return nn.Sequential(nn.Linear(D, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    one = proxies.score(net, x, binary, batch_size=N)
+    assert math.isfinite(one)
+    assert one == pytest.approx(proxies.score(lambda: TwoLogits(net()), x, binary, batch_size=N))
+    ranked = proxies.rank({"a": net, "b": lambda: TwoLogits(net())}, x, binary, batch_size=N)
+    assert sorted(name for name, _ in ranked) == ["a", "b"]
+
+
 def test_the_loss_of_a_binary_classifier_with_one_logit_is_its_cross_entropy(data):
     """grad_norm, snip and warm-up took the logit z [B, 1] as the scores of one class and failed
     in torch's cross_entropy ("Target 1 is out of bounds"; z as [B]: refused) though y was

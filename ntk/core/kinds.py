@@ -11,7 +11,9 @@ the tile's shape, its transpose K(x2, x1) and the reduction of NTK-vector produc
 - `sum_logits`: one shared vector 1/√O · 1, so that the kernel is (1/O) ∇(Σ_o f_o)·∇(Σ_o f_o)
   (Mohamadi et al., ICML 2023);
 - `lpntk`: one vector per sample, s(y) = 2e_y − 1 from its class label y, so that the kernel is
-  s(y)ᵀ Θ(x, x') s(y') (the labelled pseudo-NTK, Guo, Ren, Albrecht, Smith, ICLR 2024);
+  s(y)ᵀ Θ(x, x') s(y') (the labelled pseudo-NTK, Guo, Ren, Albrecht, Smith, ICLR 2024); for a
+  single output, a binary classifier's logit z with labels 0 and 1, s(y) = 2y − 1, which is the
+  lpNTK of its class scores (0, z);
 - `Weighted()` (an object, not a name): given per-sample vectors u(x), u(x)ᵀ Θ(x, x') u(x')
   (TRAK's margin-gradient kernel, so that it is featurised once per sample).
 
@@ -239,7 +241,9 @@ class Weighted(Kind):
 
 
 class LpNTK(Weighted):
-    """s(y)ᵀ Θ(x, x') s(y') [N1, N2] with s(y) = 2e_y − 1 from class labels y (`labels=`)."""
+    """s(y)ᵀ Θ(x, x') s(y') [N1, N2] with s(y) = 2e_y − 1 from class labels y (`labels=`); a single
+    output is a binary classifier's logit z (labels 0 and 1): s(y) = 2y − 1, the lpNTK of the
+    class scores (0, z), whose signs (1, −1) and (−1, 1) see (0, ∇z) as −∇z and ∇z."""
 
     name = "lpntk"
 
@@ -247,15 +251,14 @@ class LpNTK(Weighted):
         if labels is None:
             whose = "x2's samples" if name == "labels2" else "every sample"
             raise ValueError(f"kind='lpntk' needs {name}= (the class labels of {whose})")
-        if num_outputs < 2:
-            raise ValueError(
-                f"kind='lpntk' needs a classifier with at least two outputs (one per class); "
-                f"the model has {num_outputs} ({ONE_LOGIT})"
-            )
-        return class_labels(labels, n, num_outputs, name)
+        return loss_labels(class_labels(labels, n, None, name), num_outputs, name)
 
     def cotangents(self, num_outputs, *, dtype, device, labels=None):
-        signs = 2 * torch.nn.functional.one_hot(labels.to(device), num_outputs) - 1
+        labels = labels.to(device)
+        if num_outputs == 1:
+            signs = (2 * labels - 1)[:, None]
+        else:
+            signs = 2 * torch.nn.functional.one_hot(labels, num_outputs) - 1
         return signs.to(dtype)[None]
 
 
