@@ -571,16 +571,19 @@ def test_weights_saved_as_a_whole_module_name_its_class_and_the_state_dict_to_sa
     assert "torch.save(model.state_dict()" in err and "weights_only" not in err
 
 
-def test_the_one_logit_remedy_is_given_as_a_flag_not_a_python_lambda(files, capsys):
-    """Library errors that tell a one-logit binary classifier to use output_fn=lambda z: ...
-    reach the command line as the --output-fn it takes (here from `ntk nas`, whose default vote
-    reads the labelled kernel)."""
+def test_nas_ranks_one_logit_binary_classifiers(files, capsys):
+    """`ntk nas`'s default vote reads the labelled kernel, which refused a one-logit binary
+    classifier (with the --output-fn remedy); its lpNTK is now that of the class scores (0, z).
+    The remedy's translation to a flag is checked with the commands that still need class
+    scores (`test_a_single_output_model_is_refused_as_no_classifier_with_the_cli_remedy`)."""
     (files / "single.py").write_text(
         "from torch import nn\n\nCANDIDATES = {'a': lambda: nn.Sequential(nn.Linear(4, 1))}\n"
     )
     x = np.random.default_rng(0).normal(size=(10, 4)).astype(np.float32)
     np.savez(files / "d.npz", x=x, y=np.arange(10) % 2)
-    err = usage_error(
+    code, out, err = run(
         capsys, "nas", "--candidates", f"{files}/single.py:CANDIDATES", "--data", f"{files}/d.npz"
     )
-    assert "one logit" in err and "--output-fn file.py:fn" in err and "lambda" not in err
+    assert code == 0, err
+    assert "label_condition" in out
+    assert any(line.split()[:2] == ["1", "a"] for line in out.splitlines())  # rank 1: a
