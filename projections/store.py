@@ -156,6 +156,11 @@ def _blocks(data, block: int, cast: torch.dtype):
     """(number of samples, iterator over model inputs of `block` samples each); numpy arrays of
     floats, given or yielded by a DataLoader, in `cast` (the computation's dtype)."""
     if isinstance(data, DataLoader):
+        if data.batch_size is None and data.batch_sampler is None:
+            raise ValueError(
+                "the DataLoader yields single samples (batch_size=None), not batches; give it "
+                "a batch_size"
+            )
         if not isinstance(getattr(data.batch_sampler, "sampler", data.sampler), SequentialSampler):
             raise ValueError(
                 "the DataLoader must visit samples in a fixed order (shuffle=False) "

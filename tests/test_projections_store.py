@@ -259,6 +259,9 @@ def test_featurize_casts_numpy_batches_of_a_loader_and_names_float64_tensor_batc
     rows = x.double().numpy()
     loader = DataLoader(rows, batch_size=3, collate_fn=np.stack)
     assert np.array_equal(store(tmp_path / "numpy", model, loader), ref)
+    with pytest.raises(ValueError, match=r"yields single samples \(batch_size=None\)"):
+        store(tmp_path / "samples", model, DataLoader(x, batch_size=None))  # read as batches
+    assert not (tmp_path / "samples").exists()
     wide = DataLoader(TensorDataset(torch.from_numpy(rows)), batch_size=3)
     with pytest.raises(ModelInputError, match=r"^data: .*torch.float64.*cast the inputs to"):
         store(tmp_path / "float64", model, wide)
