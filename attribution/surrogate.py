@@ -246,7 +246,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         ids), as a tensor of its shape and dtype (floating ones in the model's); anything else
         (feature tables, lists) is validated by scikit-learn as a dense 2-D array and becomes a
         tensor of the model's dtype; `n_features_in_` is set (reset) or checked for 2-D inputs."""
-        dtype = next(self.model.parameters(), torch.empty(0)).dtype
+        dtype = inputs.param_dtype(self.model) or torch.get_default_dtype()
         if isinstance(x, np.ndarray) and (
             x.ndim > 2
             or (
