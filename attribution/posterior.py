@@ -835,8 +835,7 @@ def _targets(y, n: int, o: int, name: str) -> torch.Tensor:
         raise ValueError(
             f"{name}: regression targets must have shape [{n}, {o}], got {tuple(y.shape)}"
         )
-    if not bool(torch.isfinite(y).all()):
-        raise ValueError(f"{name}: regression targets must be finite")
+    inputs.check_finite_targets(y, name)
     return y
 
 

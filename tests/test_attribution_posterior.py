@@ -304,6 +304,9 @@ def test_bad_input(small_classifier):
         NTKPosterior(model, likelihood="regression", noise=0).fit(x, torch.zeros(len(x), 3))
     with pytest.raises(ValueError, match=r"shape \[20, 3\]"):
         NTKPosterior(model, likelihood="regression").fit(x, torch.zeros(len(x)))
+    nan_at_4 = torch.zeros(len(x), 3).index_fill_(0, torch.tensor([4]), float("nan"))
+    with pytest.raises(ValueError, match=r"y_train contains non-finite .*first at sample 4"):
+        NTKPosterior(model, likelihood="regression").fit(x, nan_at_4)
     with pytest.raises(ValueError, match="labels outside 0..1"):  # one output: a binary logit
         NTKPosterior(nn.Linear(8, 1).double()).fit(x, y)
     regression = NTKPosterior(model, likelihood="regression", prior_precision=1.0)
