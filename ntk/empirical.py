@@ -158,7 +158,7 @@ class _Computation:
         symmetric = x2 is None
         if not symmetric:
             n2 = inputs.validate(x2, "x2")
-            inputs.check_compatible(x1, x2)
+            inputs.check_structure(x1, x2)  # the model decides on shapes
         else:
             n2 = n1
             if labels2 is not None:

@@ -294,7 +294,7 @@ def projected_ntk(
     if x2 is not None:
         x2 = inputs.from_numpy(x2, "x2", fz.param_dtype)
         inputs.validate(x2, "x2")
-        inputs.check_compatible(x1, x2)
+        inputs.check_structure(x1, x2)  # the model decides on shapes
     elif labels2 is not None:
         raise ValueError("labels2= labels the samples of x2; x2 is None (pass labels=)")
     f1 = _features_of(fz, x1, batch_size, progress, "x1", labels, "labels")

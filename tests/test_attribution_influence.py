@@ -389,7 +389,10 @@ def test_inputs_of_another_structure_are_named_as_train_and_test():
 
     torch.manual_seed(0)
     x, xt = {"a": torch.randn(6, 3), "b": torch.ones(6, 3)}, {"a": torch.randn(2, 3)}
-    with pytest.raises(ValueError, match="^x_train and x_test have different per-sample shapes"):
+    with pytest.raises(
+        ValueError,
+        match=r"^x_train and x_test must have the same keys, got \['a', 'b'\] and \['a'\]",
+    ):
         influence(Optional(), x, torch.tensor([0, 1, 2] * 2), xt)
 
 

@@ -315,3 +315,21 @@ def test_prelu_weight_matches_reference_when_samples_equal_outputs(prelu):
         assert (
             rel_err(ntk.empirical_ntk(model, x1, x2, kind="full", method=method), expected) <= 1e-10
         )
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_sequences_of_other_lengths_match_reference(method):
+    """x1 and x2 of other per-sample shapes (token sequences of lengths 5 and 7, as padded
+    batches of HF inputs) were refused as "different per-sample shapes" though the model takes
+    both; every method equals the per-sample autograd reference, full and per layer."""
+    torch.manual_seed(0)
+    model = SharedPositions(seq=8).double().eval()
+    g = torch.Generator().manual_seed(5)
+    x1, x2 = torch.randint(0, 5, (4, 5), generator=g), torch.randint(0, 5, (3, 7), generator=g)
+    ref = kernels(model, x1, x2)
+    assert rel_err(ntk.empirical_ntk(model, x1, x2, kind="full", method=method), ref[None]) <= 1e-9
+    parts = ntk.empirical_ntk(model, x1, x2, kind="full", method=method, layers="all")
+    for layer, value in parts.items():
+        assert rel_err(value, ref[layer]) <= 1e-9, layer
+    with pytest.raises(ValueError, match="^x1 and x2 must have the same structure"):
+        ntk.empirical_ntk(model, x1, (x2,), method=method)

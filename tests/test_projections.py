@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from models import TwoDtypes, make
+from models import SharedPositions, TwoDtypes, make
 from torch import nn
 
 import ntk
@@ -442,3 +442,18 @@ def test_kernel_of_features_in_two_dtypes():
     np.testing.assert_allclose(k, np.einsum("iok,jok->ij", a, b.astype(np.float64)))
     with pytest.raises(TypeError, match="phi1 must be a floating-point array"):
         projections.kernel(np.ones((3, 2, 4), dtype=np.int64), kind="trace")
+
+
+def test_projected_kernel_of_sequences_of_other_lengths():
+    """x1 and x2 of other sequence lengths were refused ("different per-sample shapes"); the
+    projected kernel is the product of each set's features, and the exact one's estimate."""
+    torch.manual_seed(0)
+    model = SharedPositions(seq=8).double().eval()
+    g = torch.Generator().manual_seed(5)
+    x1, x2 = torch.randint(0, 5, (4, 5), generator=g), torch.randint(0, 5, (3, 7), generator=g)
+    k = projections.projected_ntk(model, x1, x2, dim=4096, kind="sum_logits", seed=1)
+    phi1 = projections.features(model, x1, dim=4096, kind="sum_logits", seed=1)
+    phi2 = projections.features(model, x2, dim=4096, kind="sum_logits", seed=1)
+    torch.testing.assert_close(torch.as_tensor(k), phi1 @ phi2.T)
+    exact = ntk.empirical_ntk(model, x1, x2, kind="sum_logits")
+    assert float((torch.as_tensor(k) - exact).norm() / exact.norm()) < 0.1

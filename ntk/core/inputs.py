@@ -108,9 +108,10 @@ def signature(x: Inputs) -> Any:
     return tuple(tuple(v.shape[1:]) for v in x)
 
 
-def check_compatible(x1: Inputs, x2: Inputs, names: tuple[str, str] = ("x1", "x2")) -> None:
-    """Refuse inputs of another structure or per-sample shapes; `names` name them in errors."""
-    s1, s2 = signature(x1), signature(x2)
+def check_structure(x1: Inputs, x2: Inputs, names: tuple[str, str] = ("x1", "x2")) -> None:
+    """Refuse inputs of another structure (a tensor and a dict, dicts of other keys, tuples of
+    other lengths); per-sample shapes may differ (sequences of other lengths), the model decides
+    whether it takes them. `names` name them in errors."""
     first, second = names
     if type(x1) is not type(x2) and not (
         isinstance(x1, (tuple, list)) and isinstance(x2, (tuple, list))
@@ -119,6 +120,22 @@ def check_compatible(x1: Inputs, x2: Inputs, names: tuple[str, str] = ("x1", "x2
             f"{first} and {second} must have the same structure, got {type(x1).__name__} and "
             f"{type(x2).__name__}"
         )
+    if isinstance(x1, dict) and set(x1) != set(x2):
+        raise ValueError(
+            f"{first} and {second} must have the same keys, got {sorted(x1)} and {sorted(x2)}"
+        )
+    if isinstance(x1, (tuple, list)) and len(x1) != len(x2):
+        raise ValueError(
+            f"{first} and {second} must hold as many tensors, got {len(x1)} and {len(x2)}"
+        )
+
+
+def check_compatible(x1: Inputs, x2: Inputs, names: tuple[str, str] = ("x1", "x2")) -> None:
+    """Refuse inputs of another structure or per-sample shapes (where they are joined into one
+    batch); `names` name them in errors."""
+    check_structure(x1, x2, names)
+    s1, s2 = signature(x1), signature(x2)
+    first, second = names
     if s1 != s2:
         raise ValueError(f"{first} and {second} have different per-sample shapes: {s1} vs {s2}")
 
