@@ -142,6 +142,7 @@ def influence(
         inputs.from_numpy(x_train, "x_train", cast),
         inputs.from_numpy(x_test, "x_test", cast),
     )
+    inputs.check_structure(x_train, x_test, ("x_train", "x_test"))  # shapes: the model decides
     method = resolve_method(method)
     if train_features is not None:
         if method not in ("gauss_newton", "grad_dot") or kind not in (None, "full"):
@@ -302,9 +303,10 @@ def _one_model(
         if cross.dim() == 2:
             return cross * (u @ r.T)
         return (torch.einsum("mo,mioq->miq", u, cross) * r).sum(-1)
-    if dim is None and u.shape[0] <= n:
+    if dim is None and u.shape[0] <= n and inputs.signature(x_train) == inputs.signature(x_test):
         # one symmetric kernel of train + test: each sample's Jacobian is formed once (the
-        # test × test block it adds is at most the size of the test × train one)
+        # test × test block it adds is at most the size of the test × train one); test inputs of
+        # other per-sample shapes (longer sequences) cannot join the training batch
         joined = inputs.cat(x_train, x_test, ("x_train", "x_test"))  # tensors since `influence`
         joint = _kernels.output_kernel_factor(model, joined, **opts)
         theta, cross = joint[:n, :n], joint[n:, :n]

@@ -579,3 +579,29 @@ def test_a_bool_damping_is_refused(setup):
             influence(model, x, y, xt, method=method, damping=True)
     with pytest.raises(TypeError, match="damping must be .*number.*, got the bool False"):
         trak(model, x, y, xt, damping=False)
+
+
+def test_test_sequences_of_another_length_are_scored_exactly():
+    """Test inputs of another per-sample shape than the training inputs (sequences of length 7
+    against 5, as padded HF batches) were refused ("x_train and x_test have different per-sample
+    shapes") though the model takes both. grad_dot equals u_mᵀ Θ(x_m, x_i) r_i from the
+    per-sample autograd kernel; gauss_newton scores them too."""
+    from models import SharedPositions
+    from reference import kernels
+
+    from attribution.outputs import margin_gradient
+
+    torch.manual_seed(0)
+    model = SharedPositions(seq=8).double().eval()
+    g = torch.Generator().manual_seed(5)
+    x, x_test = torch.randint(0, 5, (12, 5), generator=g), torch.randint(0, 5, (3, 7), generator=g)
+    y = torch.randint(0, 2, (12,), generator=g)
+    with torch.no_grad():
+        g_train, g_test = model(x), model(x_test)
+    u = margin_gradient(g_test, g_test.argmax(1))
+    r = torch.nn.functional.one_hot(y, 2).double() - g_train.softmax(1)
+    expected = torch.einsum("mo,mioq,iq->mi", u, kernels(model, x_test, x)[None], r)
+    got = influence(model, x, y, x_test, method="grad_dot", kind="full")
+    torch.testing.assert_close(torch.as_tensor(got), expected, rtol=1e-9, atol=1e-12)
+    scores = torch.as_tensor(influence(model, x, y, x_test))
+    assert scores.shape == (3, 12) and bool(torch.isfinite(scores).all())
