@@ -215,18 +215,22 @@ def score(
     batch_size, repeats, warmup_steps, seed = map(int, (batch_size, repeats, warmup_steps, seed))
     check_output_fn(output_fn)
     layers = _layer_names(layers)
-    given, (x, y) = x, _check_data(x, y, metric, warmup_steps, kind)
+    given, y = x, _check_data(x, y, metric, warmup_steps, kind)[1]
     if device is not None:
         device = resolve_device(device)
         y = None if y is None else y.to(device)
     start = time.perf_counter()
     values, raws = [], []
+    prepared: dict = {}  # x per parameter dtype (numpy arrays of floats cast to it), on device
     for r in range(repeats):
         generator = torch.Generator().manual_seed(seed + r)
         net = _prepare(model, seed + r)
         net = net if device is None else net.to(device)
-        x = inputs.from_numpy(given, "x", inputs.param_dtype(net))  # numpy arrays of floats
-        x = x if device is None else inputs.convert(x, device, None)
+        cast = inputs.param_dtype(net)
+        if cast not in prepared:  # once, unless a repeat's network has another dtype
+            x = inputs.from_numpy(given, "x", cast)
+            prepared[cast] = x if device is None else inputs.convert(x, device, None)
+        x = prepared[cast]
         if y is not None:
             _check_labels(net, x, y, output_fn)
         with seeded(seed + r, net):  # what dropout draws in warm-up and calibration
