@@ -49,14 +49,20 @@ def train_test_logits(
     one test sample passed without its sample axis: its features were taken as samples)."""
     g_train = logits(model, x_train, output_fn=output_fn, name="x_train")
     g_test = logits(model, x_test, output_fn=output_fn, name="x_test")
-    if g_test.shape[1] != g_train.shape[1]:
-        raise ValueError(
-            f"the model gives {g_train.shape[1]} outputs per sample on x_train but "
-            f"{g_test.shape[1]} on x_test; a single test sample needs its sample axis "
-            "(x_test[None])"
-        )
+    check_num_outputs(g_test, g_train.shape[1], "x_test")
     _check_classes(g_train)  # before the labels, which a single output cannot index
     return g_train, g_test
+
+
+def check_num_outputs(g: torch.Tensor, num_outputs: int, name: str) -> None:
+    """The logits g [M, O'] of `name` have the training inputs' O = num_outputs columns (a model
+    may take inputs of another per-sample shape, such as a single sample without its sample
+    axis, and give other outputs)."""
+    if g.shape[1] != num_outputs:
+        raise ValueError(
+            f"the model gives {num_outputs} outputs per sample on x_train but {g.shape[1]} on "
+            f"{name}; a single sample needs its sample axis ({name}[None])"
+        )
 
 
 def _check_classes(g: torch.Tensor) -> None:

@@ -67,7 +67,7 @@ from ntk.core.model import ModelView
 
 from . import _kernels, damping
 from .curvature import STRATEGIES, KroneckerCurvature, UnfactorableModelError
-from .outputs import labels, logits, psd_root, softmax_curvature
+from .outputs import check_num_outputs, labels, logits, psd_root, softmax_curvature
 
 LIKELIHOODS = ("classification", "regression")
 LINKS = ("probit", "mc")
@@ -639,7 +639,6 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         if self.parameter_space_:
             phi = self._features(x)
             return phi.reshape(phi.shape[0] * o, -1).T, None
-        inputs.check_compatible(x, self.x_train_, (name, "x_train"))  # the kernel's x1 and x2
         cross = _kernels.output_kernel(self.model, x, self.x_train_, **self._opts())
         m = cross.shape[0]
         b = torch.einsum("mipq,iqr->irmp", cross, self.root_).reshape(-1, m * o)
@@ -722,7 +721,14 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         return self._mean(x), self._covariance(x)
 
     def _mean(self, x, name: str = "x") -> torch.Tensor:
-        return logits(self.model, self._inputs(x, name), output_fn=self.output_fn_, name=name)
+        """f_θ*(x) [N, O], run before any kernel or Jacobian of x: x has the training inputs'
+        structure (type, keys), and may have other per-sample shapes (sequences of another
+        length) where the model takes it and gives O outputs."""
+        x = self._inputs(x, name)
+        inputs.check_structure(x, self.x_train_, (name, "x_train"))
+        mean = logits(self.model, x, output_fn=self.output_fn_, name=name)
+        check_num_outputs(mean, self.n_outputs_, name)
+        return mean
 
     def predict_proba(self, x) -> np.ndarray:
         """Predictive class probabilities [N, O] through `link`."""

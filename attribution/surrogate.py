@@ -73,7 +73,7 @@ from ntk.core.memory import available_bytes
 
 from . import _kernels
 from .damping import check_amount, cholesky_solve, damped_cholesky, scalar_kernel_system
-from .outputs import labels, logits, psd_root, softmax_curvature
+from .outputs import check_num_outputs, labels, logits, psd_root, softmax_curvature
 
 MACHINES = ("ridge", "svm", "logistic", "representer", "gauss_newton")
 ARGMAX_MACHINES = ("ridge", "representer", "gauss_newton")  # predict = argmax of the decision
@@ -132,7 +132,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
     scikit-learn: a classifier (`score` is the accuracy of `predict`; `cross_val_score` and
     `GridSearchCV` fit it to the given labels); inputs are whatever `model` takes (tensors, tuples
     or dicts of tensors) or 2-D numpy arrays, converted to the model's dtype
-    (`n_features_in_` is set for 2-D inputs).
+    (`n_features_in_` is set for 2-D floating inputs).
     """
 
     _parameter_constraints: dict = {
@@ -245,7 +245,9 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         more than two dimensions (images), or of integers for a model with embeddings (token
         ids), as a tensor of its shape and dtype (floating ones in the model's); anything else
         (feature tables, lists) is validated by scikit-learn as a dense 2-D array and becomes a
-        tensor of the model's dtype; `n_features_in_` is set (reset) or checked for 2-D inputs."""
+        tensor of the model's dtype; `n_features_in_` is set (reset) or checked for 2-D floating
+        inputs (feature tables; 2-D integer tensors are token sequences, whose length the model
+        decides on)."""
         dtype = inputs.param_dtype(self.model) or torch.get_default_dtype()
         if isinstance(x, np.ndarray) and (
             x.ndim > 2
@@ -258,7 +260,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         if not isinstance(x, (torch.Tensor, tuple, dict)):
             x = validate_data(self, x, reset=reset, dtype=np.float64)
             return torch.tensor(x, dtype=dtype)
-        if isinstance(x, torch.Tensor) and x.dim() == 2:
+        if isinstance(x, torch.Tensor) and x.dim() == 2 and x.is_floating_point():
             if reset:
                 self.n_features_in_ = x.shape[1]
             elif hasattr(self, "n_features_in_") and x.shape[1] != self.n_features_in_:
@@ -270,12 +272,14 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
 
     def _test_kernel(self, x, centred: bool = True, name: str = "x_test") -> np.ndarray:
         """K(x, X) as the machine sees it (when `center_`, K(x, x_i) − κ(x) with κ(x) the
-        `reference` quantile of the row), or uncentred; x (the caller's `name`) is checked
-        against the training inputs."""
+        `reference` quantile of the row), or uncentred. x (the caller's `name`) has the training
+        inputs' structure; its per-sample shapes may differ (sequences of another length) where
+        the model takes it, which one forward pass checks, naming x, before the kernels."""
         check_is_fitted(self, "dual_")
         x = inputs.from_numpy(self._inputs(x, reset=False), name)
-        inputs.validate(x, name)
-        inputs.check_compatible(x, self.x_train_, (name, "x_train"))
+        inputs.check_structure(x, self.x_train_, (name, "x_train"))
+        g = logits(self.model, x, output_fn=self.output_fn, name=name)
+        check_num_outputs(g, self.num_outputs_, name)
         k = _kernels.compute(self.model, x, self.x_train_, **self._opts())
         if self.normalize:
             k = _kernels.cosine(

@@ -461,20 +461,28 @@ def test_float32_kernels_below_their_precision_are_refused_or_skipped():
         assert post.noise_ == pytest.approx(exact.noise_, rel=0.05)
 
 
-@pytest.mark.parametrize("kind", ["full", "trace"])
-def test_inputs_of_other_shapes_are_named_by_the_kernel_form(small_classifier, kind):
-    """A model that flattens its input takes x of per-sample shape (2, 4) after x_train of (8,):
-    the exact kernel form refused them as "x1 and x2 have different per-sample shapes", the
-    kernel's arguments, not the posterior's."""
-    model, x, y, xt, yt = small_classifier
-    flat = nn.Sequential(nn.Flatten(), model)
-    post = NTKPosterior(flat, kind=kind, curvature="exact").fit(x, y)
-    assert not post.parameter_space_
-    other = xt.reshape(len(xt), 2, 4)
-    with pytest.raises(ValueError, match=r"^x and x_train have different per-sample shapes"):
-        post.predict_variance(other)
-    with pytest.raises(ValueError, match=r"^x_val and x_train have different per-sample"):
-        NTKPosterior(flat, kind=kind, curvature="exact").fit(x, y, validation=(other, yt))
+@pytest.mark.parametrize("n_train", [12, 64])
+def test_sequences_of_another_length_get_the_laplace_covariance(n_train):
+    """Test sequences of 7 tokens after training sequences of 5 (as padded HF batches of another
+    length) were refused ("x and x_train have different per-sample shapes") though the model
+    takes both. Their covariance is the Laplace posterior's written out, in the kernel form
+    (12 samples: P = 62 > N·O/2) and in parameter space (64 samples); inputs of another
+    structure are still refused, naming both."""
+    from models import SharedPositions
+
+    torch.manual_seed(0)
+    model = SharedPositions(seq=8).double().eval()
+    g = torch.Generator().manual_seed(3)
+    x, xt = torch.randint(0, 5, (n_train, 5), generator=g), torch.randint(0, 5, (3, 7), generator=g)
+    y = torch.randint(0, 2, (n_train,), generator=g)
+    post = NTKPosterior(model, prior_precision=0.5).fit(x, y)
+    assert post.parameter_space_ == (n_train == 64)
+    p = model(x).detach().softmax(1)
+    lam = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+    cov, _ = _parameter_space(model, x, xt, lam, 0.5)
+    np.testing.assert_allclose(post.predict_variance(xt), cov.numpy(), rtol=1e-8, atol=1e-10)
+    with pytest.raises(ValueError, match=r"^x and x_train must have the same structure"):
+        post.predict_variance((xt,))
 
 
 def test_targets_that_require_grad_are_scored(small_classifier):

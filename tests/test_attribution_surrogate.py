@@ -190,20 +190,23 @@ def test_representer_takes_no_alpha():
 
 def test_test_inputs_are_checked_against_the_training_inputs():
     """One test sample without its sample axis, or none, was refused in the kernel's words
-    ("x1 and x2 have different per-sample shapes: () vs (4,)", "x1 holds no samples")."""
+    ("x1 and x2 have different per-sample shapes: () vs (4,)", "x1 holds no samples"); the test
+    inputs' forward pass now names them before any kernel."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
     x, xt = torch.randn(8, 4), torch.randn(3, 4)
     s = KernelSurrogate(model).fit(x, torch.tensor([0, 1, 2, 0, 1, 2, 1, 0]))
-    shapes = r"^{} and x_train have different per-sample shapes: \(\) vs \(4,\)"
+    rows = r"^the model returned 3 output rows for the 4 samples of {} \(the first axis"
     for call in (s.attribute, s.influence, s.coherence, s.proponents):
-        with pytest.raises(ValueError, match=shapes.format("x_test")):
+        with pytest.raises(ValueError, match=rows.format("x_test")):
             call(xt[0])
     for call in (s.predict, s.decision_function):
-        with pytest.raises(ValueError, match=shapes.format("x")):
+        with pytest.raises(ValueError, match=rows.format("x")):
             call(xt[0])
     with pytest.raises(ValueError, match="^x_test holds no samples"):
         s.attribute(xt[:0])
+    with pytest.raises(ValueError, match="^x_test and x_train must have the same structure"):
+        s.attribute({"x": xt})
     assert s.attribute(xt[:1]).shape == (1, 8, 3)
 
 

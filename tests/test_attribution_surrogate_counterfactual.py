@@ -91,6 +91,27 @@ def test_removal_equals_refitting_without_the_points(small):
     )
 
 
+def test_test_sequences_of_another_length_are_explained_and_removed_exactly():
+    """Test sequences of 7 tokens after training sequences of 5 (as padded HF batches of another
+    length) were refused ("x_test and x_train have different per-sample shapes"), and 2-D token
+    ids of another length as "X has 7 features, but KernelSurrogate is expecting 5". The
+    decision is the machine refitted by scikit-learn on the cross kernel, the contributions add
+    up to it and the closed-form removal equals refitting without the points."""
+    from models import SharedPositions
+
+    torch.manual_seed(0)
+    model = SharedPositions(seq=8).double().eval()
+    g = torch.Generator().manual_seed(5)
+    x, xt = torch.randint(0, 5, (12, 5), generator=g), torch.randint(0, 5, (3, 7), generator=g)
+    s = KernelSurrogate(model, alpha=0.01).fit(x)
+    d = s.decision_function(xt)
+    np.testing.assert_allclose(d, _refit(s, model, x, xt, np.arange(12)), atol=1e-10)
+    np.testing.assert_allclose(s.attribute(xt).sum(1) + s.intercept_, d, atol=1e-10)
+    keep = np.arange(4, 12)
+    removed = s.influence(xt, np.arange(4), output="all")
+    np.testing.assert_allclose(removed, d - _refit(s, model, x, xt, keep), atol=1e-8)
+
+
 def test_removal_errors(small):
     model, x, xt = small
     s = KernelSurrogate(model).fit(x)

@@ -285,13 +285,31 @@ def test_an_output_fn_that_fails_on_the_output_is_bad_input(files, capsys):
     assert code == 2 and "--output-fn grad gave None" in err
 
 
-def test_test_inputs_unlike_the_training_inputs_are_refused_before_any_work(files, capsys):
+def test_test_sequences_of_another_length_are_attributed(files, capsys):
+    """--test sequences of 7 tokens after --data's 5 were refused ("its inputs differ from the
+    training data's: (5,) vs (7,)") though the model takes both; inputs of another structure
+    (keyword instead of positional) are refused before any work, naming both options."""
     ids = np.random.default_rng(0).integers(0, 10, size=(8, 5))
     np.savez(files / "ids5.npz", x=ids, y=np.arange(8) % 3)
-    np.savez(files / "ids7.npz", x=np.concatenate([ids, ids[:, :2]], 1))
+    np.savez(files / "ids7.npz", x=np.concatenate([ids, ids[:, :2]], 1)[:3])
+    np.savez(files / "keyword.npz", **{"x.ids": ids[:3]})
     model = ["--model", f"{files}/factory.py:Bag", "--data", f"{files}/ids5.npz"]
-    code, _, err = run(capsys, "attribute", *model, "--test", f"{files}/ids7.npz")
-    assert code == 2 and "--test: its inputs differ from the training data's: (5,) vs (7,)" in err
+    for method in ("auto", "surrogate"):
+        code, out, err = run(
+            capsys,
+            "attribute",
+            *model,
+            "--test",
+            f"{files}/ids7.npz",
+            "--top",
+            "2",
+            "--method",
+            method,
+        )
+        assert code == 0, err
+        assert "of 8 training examples on 3 test predictions" in out
+    err = usage_error(capsys, "attribute", *model, "--test", f"{files}/keyword.npz")
+    assert "--data and --test must have the same structure, got Tensor and dict" in err
 
 
 def interrupted(*_):

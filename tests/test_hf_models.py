@@ -5,6 +5,7 @@ layer importance and influence; models that cannot be vmapped; LoRA-style adapte
 import math
 import warnings
 
+import numpy as np
 import pytest
 import reference
 import torch
@@ -12,7 +13,7 @@ from torch import nn
 
 import ntk
 import projections
-from attribution import KernelSurrogate, influence, layer_importance, report
+from attribution import KernelSurrogate, NTKPosterior, influence, layer_importance, report
 from ntk.core import structured
 from ntk.core.model import ModelView
 from ntk.core.persample import PerSampleFallbackWarning
@@ -280,6 +281,11 @@ def test_surrogate_and_report_of_dict_inputs(bert, tmp_path):
         surrogate = KernelSurrogate(bert, output_fn=logits, alpha=1e-3).fit(x)
         contributions = surrogate.attribute(xt)
         decision = surrogate.decision_function(xt)
+        longer = _tokens(3, 8, seed=4)  # another padded length than the training batch's
+        longer_decision = surrogate.decision_function(longer)
+        longer_contributions = surrogate.attribute(longer)
+        posterior = NTKPosterior(bert, output_fn=logits).fit(x, torch.arange(8) % O)
+        probabilities = posterior.predict_proba(longer)
         result = report(
             bert,
             x,
@@ -294,6 +300,10 @@ def test_surrogate_and_report_of_dict_inputs(bert, tmp_path):
     torch.testing.assert_close(
         torch.as_tensor(contributions.sum(1) + surrogate.intercept_), torch.as_tensor(decision)
     )
+    np.testing.assert_allclose(
+        longer_contributions.sum(1) + surrogate.intercept_, longer_decision, atol=1e-10
+    )
+    assert probabilities.shape == (3, O) and np.allclose(probabilities.sum(1), 1.0)
     assert (tmp_path / "r.html").exists() and len(result["attribution"]["examples"]) == 2
     assert {r["layer"] for r in result["layers"]["rows"]} == set(ModelView(bert).layers)
 

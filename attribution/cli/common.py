@@ -822,14 +822,11 @@ def resolve_test_data(
     if model is not None:
         x_test = in_model_dtype(model, x_test, "test")
         check_fits(model, x_test, "test")
-    if x_train is not None:  # before any work: inputs the model takes but not like --data's
-        try:
-            inputs.check_compatible(x_train, x_test)
+    if x_train is not None:  # before any work: inputs structured unlike --data's (the model
+        try:  # took x_test above, so other per-sample shapes, such as longer sequences, are fine)
+            inputs.check_structure(x_train, x_test, ("--data", "--test"))
         except ValueError as exc:
-            detail = str(exc).split(": ", 1)[-1]
-            raise UsageProblem(
-                f"--test: its inputs differ from the training data's: {detail}"
-            ) from None
+            raise UsageProblem(str(exc)) from None
     return x_test, y_test
 
 
