@@ -402,14 +402,33 @@ def test_auto_keeps_structured_for_models_that_cannot_be_vmapped(monkeypatch):
     torch.testing.assert_close(first, second)
 
 
-def test_kernels_are_right_where_torch_vmaps_derivatives_wrongly():
+class Prototypes(nn.Module):
+    """Logits −‖h(x) − p_c‖_p to learnt prototypes p_c, by torch.cdist."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.embed, self.p = nn.Linear(4, 5), p
+        self.prototypes = nn.Parameter(torch.randn(3, 5))
+
+    def forward(self, x):
+        return -torch.cdist(torch.tanh(self.embed(x)), self.prototypes, p=self.p)
+
+
+@pytest.mark.parametrize("op", ["prelu", "cdist2", "cdist1"])
+def test_kernels_are_right_where_torch_vmaps_derivatives_wrongly(op):
     """torch's batching rule of prelu mixes the samples with the cotangents when a block holds as
     many samples as the kernel has cotangents (outputs, for full and trace): no error to fall
     back on, and the jacobian method's kernel was off by 14% (3 samples, 3 outputs; 23% with 10
-    and 10), structured's by 3%, silently. A model whose forward calls prelu is differentiated
-    one cotangent at a time (ntk.core.jacobian.NESTED_VMAP_UNSAFE)."""
+    and 10), structured's by 3%, silently. cdist's is wrong whenever the cotangents are mapped:
+    the jacobian method's kernel was off by 100 %, structured's by 10 % (any p). A model whose
+    forward calls one is differentiated one cotangent at a time
+    (ntk.core.jacobian.NESTED_VMAP_UNSAFE)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 6), nn.PReLU(6), nn.Linear(6, 3)).double().eval()
+    if op == "prelu":
+        model = nn.Sequential(nn.Linear(4, 6), nn.PReLU(6), nn.Linear(6, 3))
+    else:
+        model = Prototypes(p=2.0 if op == "cdist2" else 1.0)
+    model = model.double().eval()
     x = torch.randn(3, 4, dtype=torch.float64)
     reference = kernels(model, x)  # {layer: full kernel} by autograd, one sample at a time
     for method in ("jacobian", "structured"):

@@ -14,10 +14,15 @@ from .model import ModelView
 from .persample import map_samples
 
 # Operations whose parameter derivatives torch.func gets wrong under nested vmap (samples ×
-# cotangents): the weight gradient of prelu (nn.PReLU, F.prelu; torch 2.13) comes out silently
-# wrong when as many samples as cotangents are mapped, and fails otherwise. A model whose forward
-# calls one is differentiated one cotangent at a time (vmap over the samples only, which is right).
-NESTED_VMAP_UNSAFE = frozenset({torch.prelu})
+# cotangents), silently (torch 2.13):
+# - the weight gradient of prelu (nn.PReLU, F.prelu), when as many samples as cotangents are
+#   mapped (it fails otherwise);
+# - cdist (any p) whenever its cotangents are mapped: jacrev of one sample's distances is wrong
+#   (its batching rule mishandles a batched gradient of unbatched inputs), vmap over samples of
+#   one cotangent's gradient is right.
+# A model whose forward calls one is differentiated one cotangent at a time (vmap over the
+# samples only, which is right).
+NESTED_VMAP_UNSAFE = frozenset({torch.prelu, torch.cdist})
 _UNSAFE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> calls one
 
 
