@@ -553,7 +553,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             covariance = self.kronecker_.covariance_function(x_val, "x_val")
             prior = None
         else:
-            _, covariance, prior = self._spectral_covariance(a, x_val, "x_val")
+            _, covariance, prior = self._spectral_covariance(a, x_val)
 
         eye = torch.eye(o, dtype=torch.float64)
         residual = (y_val - mean).unsqueeze(-1) if joint else None
@@ -581,13 +581,13 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         noise = scaled(chosen)[0]
         return noise, chosen / noise
 
-    def _spectral_covariance(self, a: torch.Tensor, x, name: str = "x"):
+    def _spectral_covariance(self, a: torch.Tensor, x):
         """The eigenvalues e of the fitted system `a`, δ ↦ Σ(x) [M, O, O] and the prior blocks
         Θ(x, x), from one eigendecomposition a = U diag(e) Uᵀ (module docstring): with
-        W = diag(1/√(e + δ)) Uᵀ B(x), `_assemble`; `name` names the inputs in errors."""
+        W = diag(1/√(e + δ)) Uᵀ B(x), `_assemble`."""
         e, u = torch.linalg.eigh(a)
         e = e.clamp_min(0)
-        b, prior = self._columns(x, name)
+        b, prior = self._columns(x)
         z = (u.T @ b).reshape(u.shape[1], -1, self.n_outputs_)
         del b, u
 
@@ -631,10 +631,10 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             out.append(cov)
         return torch.cat(out)
 
-    def _columns(self, x, name: str = "x") -> tuple[torch.Tensor, torch.Tensor | None]:
-        """B(x) [system size, N·O], the right-hand sides of the damped system for the samples x,
-        and the prior blocks Θ(x, x) [N, O, O]: B = S Θ(X, x) in kernel form; in parameter space
-        B = Φ(x)ᵀ and no prior blocks (None). `name` names the inputs in errors."""
+    def _columns(self, x) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """B(x) [system size, N·O], the right-hand sides of the damped system for the samples x
+        (checked by `_mean`), and the prior blocks Θ(x, x) [N, O, O]: B = S Θ(X, x) in kernel
+        form; in parameter space B = Φ(x)ᵀ and no prior blocks (None)."""
         o = self.n_outputs_
         if self.parameter_space_:
             phi = self._features(x)
