@@ -414,22 +414,64 @@ class Prototypes(nn.Module):
         return -torch.cdist(torch.tanh(self.embed(x)), self.prototypes, p=self.p)
 
 
-@pytest.mark.parametrize("op", ["prelu", "cdist2", "cdist1"])
+class TensorPReLU(nn.Module):
+    """PReLU by the tensor method x.prelu(w) (torch.Tensor.prelu, not torch.prelu)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((channels,), 0.25))
+
+    def forward(self, x):
+        return x.prelu(self.weight)
+
+
+class LinearSolve(nn.Module):
+    """h(x) solved against a learnt matrix A (torch.linalg.solve / solve_ex), or h(x)-dependent
+    systems M(x) y = A h(x) solved by LU (torch.linalg.lu_factor + lu_solve)."""
+
+    def __init__(self, op: str):
+        super().__init__()
+        self.embed, self.head, self.op = nn.Linear(4, 3), nn.Linear(3, 3), op
+        self.A = nn.Parameter(torch.randn(3, 3) + 3 * torch.eye(3))
+
+    def forward(self, x):
+        h = torch.tanh(self.embed(x))
+        if self.op == "solve":
+            y = torch.linalg.solve(self.A, h[:, :, None])
+        elif self.op == "solve_ex":
+            y = torch.linalg.solve_ex(self.A, h[:, :, None])[0]
+        else:
+            m = 2 * torch.eye(3, dtype=h.dtype) + h[:, :, None] * h[:, None, :]
+            y = torch.linalg.lu_solve(*torch.linalg.lu_factor(m), self.A @ h[:, :, None])
+        return self.head(y[..., 0])
+
+
+@pytest.mark.parametrize(
+    "op", ["prelu", "prelu_method", "cdist2", "cdist1", "solve", "solve_ex", "lu_solve"]
+)
 def test_kernels_are_right_where_torch_vmaps_derivatives_wrongly(op):
     """torch's batching rule of prelu mixes the samples with the cotangents when a block holds as
     many samples as the kernel has cotangents (outputs, for full and trace): no error to fall
     back on, and the jacobian method's kernel was off by 14% (3 samples, 3 outputs; 23% with 10
     and 10), structured's by 3%, silently. cdist's is wrong whenever the cotangents are mapped:
-    the jacobian method's kernel was off by 100 %, structured's by 10 % (any p). A model whose
-    forward calls one is differentiated one cotangent at a time
-    (ntk.core.jacobian.NESTED_VMAP_UNSAFE)."""
+    the jacobian method's kernel was off by 100 %, structured's by 10 % (any p). So are
+    linalg.solve's and solve_ex's of a learnt [n, n] matrix against per-sample right-hand sides
+    (jacobian and structured off by 800 % with 5 samples, 3 outputs), and lu_solve's, whose
+    right-hand side's derivative is wrong under vmap over samples of jacrev (both off by a
+    factor 1e11 here); prelu called as a tensor method was not recognised. A model whose forward
+    calls one is differentiated one cotangent at a time (ntk.core.jacobian.NESTED_VMAP_UNSAFE)."""
     torch.manual_seed(0)
     if op == "prelu":
         model = nn.Sequential(nn.Linear(4, 6), nn.PReLU(6), nn.Linear(6, 3))
-    else:
+    elif op == "prelu_method":
+        model = nn.Sequential(nn.Linear(4, 6), TensorPReLU(6), nn.Linear(6, 3))
+    elif op.startswith("cdist"):
         model = Prototypes(p=2.0 if op == "cdist2" else 1.0)
+    else:
+        model = LinearSolve(op)
     model = model.double().eval()
-    x = torch.randn(3, 4, dtype=torch.float64)
+    # solve's shows with samples ≠ outputs (vmap over samples fails, the loop used jacrev)
+    x = torch.randn(5 if op.startswith("solve") else 3, 4, dtype=torch.float64)
     reference = kernels(model, x)  # {layer: full kernel} by autograd, one sample at a time
     for method in ("jacobian", "structured"):
         parts = ntk.empirical_ntk(copy.deepcopy(model), x, layers="all", method=method)

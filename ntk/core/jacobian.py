@@ -15,14 +15,32 @@ from .persample import map_samples
 
 # Operations whose parameter derivatives torch.func gets wrong under nested vmap (samples ×
 # cotangents), silently (torch 2.13):
-# - the weight gradient of prelu (nn.PReLU, F.prelu), when as many samples as cotangents are
-#   mapped (it fails otherwise);
+# - the weight gradient of prelu (nn.PReLU, F.prelu, Tensor.prelu), when as many samples as
+#   cotangents are mapped (it fails otherwise);
 # - cdist (any p) whenever its cotangents are mapped: jacrev of one sample's distances is wrong
 #   (its batching rule mishandles a batched gradient of unbatched inputs), vmap over samples of
-#   one cotangent's gradient is right.
+#   one cotangent's gradient is right;
+# - linalg.solve and solve_ex (any left=) of an unbatched matrix A [n, n] against a sample's
+#   right-hand side [1, n, k]: jacrev of one sample's solution is wrong w.r.t. A and B (vmap
+#   over samples of it failed whenever the samples were not as many as the cotangents, and the
+#   loop over samples that follows used jacrev too);
+# - lu_solve (torch.linalg's, and the deprecated torch.lu_solve / Tensor.lu_solve): the
+#   derivative w.r.t. the right-hand side under vmap over samples of jacrev (jacrev of one
+#   sample alone is right).
 # A model whose forward calls one is differentiated one cotangent at a time (vmap over the
 # samples only, which is right).
-NESTED_VMAP_UNSAFE = frozenset({torch.prelu, torch.cdist})
+NESTED_VMAP_UNSAFE = frozenset(
+    {
+        torch.prelu,
+        torch.Tensor.prelu,
+        torch.cdist,
+        torch.linalg.solve,
+        torch.linalg.solve_ex,
+        torch.linalg.lu_solve,
+        torch.lu_solve,
+        torch.Tensor.lu_solve,
+    }
+)
 _UNSAFE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> calls one
 
 
