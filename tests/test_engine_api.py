@@ -473,7 +473,10 @@ def test_kernels_are_right_where_torch_vmaps_derivatives_wrongly(op):
     # solve's shows with samples ≠ outputs (vmap over samples fails, the loop used jacrev)
     x = torch.randn(5 if op.startswith("solve") else 3, 4, dtype=torch.float64)
     reference = kernels(model, x)  # {layer: full kernel} by autograd, one sample at a time
-    for method in ("jacobian", "structured"):
+    # ntk_vp: cdist has no forward-mode derivative (refused); solve's pullback mapped over the
+    # cotangents was wrong too (off by 200 %)
+    methods = ("jacobian", "structured") + (() if op.startswith("cdist") else ("ntk_vp",))
+    for method in methods:
         parts = ntk.empirical_ntk(copy.deepcopy(model), x, layers="all", method=method)
         for layer, k in parts.items():
             torch.testing.assert_close(k, reference[layer], msg=f"{method} {layer}")

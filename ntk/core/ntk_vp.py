@@ -1,11 +1,12 @@
 """NTK-vector products: Θ(x_i, X) u = J(X) (J(x_i)ᵀ u) without forming any Jacobian.
 
 For each sample x_i of the left block, one vjp gives the C parameter-space vectors J(x_i)ᵀ u_c
-(vmapped over the cotangents); one jvp through the whole right block, vmapped over those C
-tangents, gives J(x_j) J(x_i)ᵀ u_c for every x_j at once. Memory is O(C·P) plus C forward passes
-of the block, instead of the N²·O·P of the pairwise double-vmap recipe. Fused attention kernels
-have no
-forward-mode derivative, so the tiles run with PyTorch's composite (math) attention.
+(vmapped over the cotangents, or one at a time for a model calling an operation of
+`jacobian.NESTED_VMAP_UNSAFE`, whose backward torch batches wrongly); one jvp through the whole
+right block, vmapped over those C tangents, gives J(x_j) J(x_i)ᵀ u_c for every x_j at once.
+Memory is O(C·P) plus C forward passes of the block, instead of the N²·O·P of the pairwise
+double-vmap recipe. Fused attention kernels have no forward-mode derivative, so the tiles run with
+PyTorch's composite (math) attention.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch.func import jvp, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import inputs
+from .jacobian import nested_vmap_unsafe
 from .kinds import Kind
 from .model import ModelView
 
@@ -35,10 +37,16 @@ def tile(
     params = view.params
     n1 = inputs.count(x1)
     rows: dict[str | None, list[torch.Tensor]] = {key: [] for key in groups}
+    one_at_a_time = nested_vmap_unsafe(view, x1)
     for i in range(n1):
         xi = inputs.take(x1, slice(i, i + 1))
         _, pullback = vjp(lambda p, xi=xi: view.forward(p, xi)[0], params)
-        (tangents,) = vmap(pullback)(u1 if u1.dim() == 2 else u1[:, i])  # name -> [C, *shape]
+        cotangents = u1 if u1.dim() == 2 else u1[:, i]
+        if one_at_a_time:
+            each = [pullback(u)[0] for u in cotangents]
+            tangents = {n: torch.stack([t[n] for t in each]) for n in params}
+        else:
+            (tangents,) = vmap(pullback)(cotangents)  # name -> [C, *shape]
         for key, names in groups.items():
             primals = {n: params[n] for n in names}
             rest = {n: p for n, p in params.items() if n not in primals}
