@@ -482,6 +482,37 @@ def test_kernels_are_right_where_torch_vmaps_derivatives_wrongly(op):
             torch.testing.assert_close(k, reference[layer], msg=f"{method} {layer}")
 
 
+class ScatterProduct(nn.Module):
+    """Products of h(x)'s features over groups, by scatter_reduce(..., "prod")."""
+
+    def __init__(self, method: bool):
+        super().__init__()
+        self.embed, self.head, self.method = nn.Linear(4, 6), nn.Linear(3, 3), method
+        self.register_buffer("group", torch.tensor([0, 0, 1, 1, 2, 2]))
+
+    def forward(self, x):
+        h = torch.tanh(self.embed(x))
+        index = self.group.expand_as(h)
+        start = torch.ones(len(x), 3, dtype=h.dtype)
+        if self.method:
+            return self.head(start.scatter_reduce(1, index, h, reduce="prod"))
+        return self.head(torch.scatter_reduce(start, 1, index, h, "prod"))
+
+
+@pytest.mark.parametrize("method_call", [True, False])
+def test_ntk_vp_refuses_a_forward_mode_derivative_torch_gets_wrong(method_call):
+    """torch's forward-mode derivative of scatter_reduce(..., "prod") is wrong (0) even without
+    vmap: ntk_vp's kernel was off by 100 %, silently. It is refused, naming the operation; the
+    reverse-mode methods are right."""
+    torch.manual_seed(0)
+    model = ScatterProduct(method_call).double().eval()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    reference = kernels(model, x)[None]
+    torch.testing.assert_close(ntk.empirical_ntk(model, x, method="jacobian"), reference)
+    with pytest.raises(NotImplementedError, match=r"scatter_reduce\(\.\.\., reduce='prod'\)"):
+        ntk.empirical_ntk(model, x, method="ntk_vp")
+
+
 def test_spectral_helpers_refuse_a_cross_kernel():
     """eigenvalues / condition_number / effective_rank summarise K(x, x); a cross kernel
     K(x1, x2) of equal batch sizes is square but not symmetric and is refused."""

@@ -41,30 +41,49 @@ NESTED_VMAP_UNSAFE = frozenset(
         torch.Tensor.lu_solve,
     }
 )
-_UNSAFE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> calls one
+# scatter_reduce with reduce="prod": torch's forward-mode derivative is wrong even without vmap
+# (0 where the reverse mode is right), so ntk_vp (forward mode) refuses models calling it.
+_SCATTER_REDUCE = frozenset({torch.scatter_reduce, torch.Tensor.scatter_reduce})
+_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Calls of a forward
 
 
 class _Calls(TorchFunctionMode):
-    """The torch functions a forward pass calls."""
+    """The torch functions a forward pass calls, and whether one is a scatter_reduce "prod"."""
 
     def __init__(self):
         super().__init__()
         self.called: set = set()
+        self.scatter_prod = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         self.called.add(func)
-        return func(*args, **(kwargs or {}))
+        if func in _SCATTER_REDUCE:
+            reduce = kwargs.get("reduce", args[4] if len(args) > 4 else None)
+            self.scatter_prod = self.scatter_prod or reduce == "prod"
+        return func(*args, **kwargs)
+
+
+def _calls(view: ModelView, x) -> _Calls:
+    """What the model's forward on the first sample of `x` calls (probed once per model)."""
+    if view.model not in _PROBED:
+        calls = _Calls()
+        with torch.no_grad(), calls:
+            view.forward(view.params, inputs.take(x, slice(0, 1)))
+        _PROBED[view.model] = calls
+    return _PROBED[view.model]
 
 
 def nested_vmap_unsafe(view: ModelView, x) -> bool:
     """Whether the model's forward on (the first sample of) `x` calls an operation of
-    NESTED_VMAP_UNSAFE (probed once per model)."""
-    if view.model not in _UNSAFE:
-        calls = _Calls()
-        with torch.no_grad(), calls:
-            view.forward(view.params, inputs.take(x, slice(0, 1)))
-        _UNSAFE[view.model] = bool(calls.called & NESTED_VMAP_UNSAFE)
-    return _UNSAFE[view.model]
+    NESTED_VMAP_UNSAFE."""
+    return bool(_calls(view, x).called & NESTED_VMAP_UNSAFE)
+
+
+def forward_mode_wrong(view: ModelView, x) -> bool:
+    """Whether the model's forward calls an operation whose forward-mode derivative torch gets
+    wrong (scatter_reduce with reduce="prod")."""
+    return _calls(view, x).scatter_prod
 
 
 def jacobian_features(

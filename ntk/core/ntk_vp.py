@@ -18,7 +18,7 @@ from torch.func import jvp, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import inputs
-from .jacobian import nested_vmap_unsafe
+from .jacobian import forward_mode_wrong, nested_vmap_unsafe
 from .kinds import Kind
 from .model import ModelView
 
@@ -37,6 +37,12 @@ def tile(
     params = view.params
     n1 = inputs.count(x1)
     rows: dict[str | None, list[torch.Tensor]] = {key: [] for key in groups}
+    if forward_mode_wrong(view, x1):
+        raise NotImplementedError(
+            "method='ntk_vp' uses forward-mode derivatives, and torch's of scatter_reduce(..., "
+            "reduce='prod'), which the model calls, are wrong; use method='jacobian' or "
+            "'structured'"
+        )
     one_at_a_time = nested_vmap_unsafe(view, x1)
     for i in range(n1):
         xi = inputs.take(x1, slice(i, i + 1))
