@@ -73,6 +73,10 @@ LIKELIHOODS = ("classification", "regression")
 LINKS = ("probit", "mc")
 KINDS = _kernels.OUTPUT_KINDS
 PRIORS = ("auto", "evidence")
+# curvature="auto" takes EK-FAC where it applies: leave-one-setting-out on 11 trained networks
+# (`python benchmarks/posterior_prior.py --curvature ekfac` and `--curvature exact`, the
+# library's prior rule; results/posterior_prior.md, last section) every fold picks EK-FAC, mean
+# log(test NLL / MAP NLL) −0.215 held out and in sample against −0.210 for the exact curvature.
 CURVATURES = ("auto", "exact", *STRATEGIES)
 # prior_precision="auto" without validation data (classification): δ with γ(δ) =
 # EFFECTIVE_PARAMETERS (≈ 4.22), raised where needed so that the posterior variance of the
