@@ -184,6 +184,27 @@ def test_embedding_gradient_options_leave_the_derivative(method, option):
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_backward_hooks_leave_the_derivative(method):
+    """Backward hooks act on autograd's gradients, not on the function: torch.func refused the
+    autograd.Function running a full backward hook (jacobian and ntk_vp raised a RuntimeError
+    about setup_context), and structured followed one that rescales a gradient. Every method
+    gives the kernel of the derivative, and the modules keep their hooks."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    model = model.double().eval()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    ref = kernels(copy.deepcopy(model), x)
+    model[2].register_full_backward_hook(lambda module, gi, go: (10 * gi[0],))
+    model[2].register_full_backward_pre_hook(lambda module, go: None)
+    model[0].register_backward_hook(lambda module, gi, go: None)
+    parts = ntk.empirical_ntk(model, x, kind="full", method=method, layers="all")
+    for layer, value in parts.items():
+        assert rel_err(value, ref[layer]) <= 1e-10, layer
+    assert [len(m._backward_hooks) for m in model] == [1, 0, 1]
+    assert len(model[2]._backward_pre_hooks) == 1
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_forward_that_writes_to_a_buffer(method):
     """A forward pass that writes to a buffer in place (torch.func refused the write to a captured
     tensor) gets its own copy of the buffers: the model's stay as they were."""
