@@ -346,6 +346,9 @@ class FunctionalCall:
         self.model = model
         self.aliases = tensor_aliases(model)
         self.recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
+        # torch < 2.6 has no set_stance: compiled modules run as compiled there
+        eager = hasattr(torch.compiler, "set_stance")
+        self.compiled = eager and any(_compiled(m) for m in model.modules())
         self.gradient_options = [
             (m, option, False)
             for m in model.modules()
@@ -368,8 +371,19 @@ class FunctionalCall:
         with (
             _without_onednn() if self.recurrent else nullcontext(),
             _switched_off(self.gradient_options),
+            torch.compiler.set_stance("force_eager") if self.compiled else nullcontext(),
         ):
             return functional_call(self.model, full, args, kwargs, tie_weights=False)
+
+
+def _compiled(module: nn.Module) -> bool:
+    """Whether `module` runs through torch.compile: a wrapper of torch.compile(module), or a
+    module compiled in place (module.compile()). Dynamo traced the functional calls, the
+    transforms and the hooks set here (after method='jacobian', ntk_vp and structured failed in
+    their hooks: "'int' object is not subscriptable"): the call runs it eagerly
+    (torch.compiler.set_stance("force_eager")), the same function."""
+    wrapper = type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")
+    return wrapper or getattr(module, "_compiled_call_impl", None) is not None
 
 
 @contextmanager
