@@ -188,7 +188,8 @@ def test_backward_hooks_leave_the_derivative(method):
     """Backward hooks act on autograd's gradients, not on the function: torch.func refused the
     autograd.Function running a full backward hook (jacobian and ntk_vp raised a RuntimeError
     about setup_context), and structured followed one that rescales a gradient. Every method
-    gives the kernel of the derivative, and the modules keep their hooks."""
+    gives the kernel of the derivative, and the modules keep their hooks (as do the global
+    ones, register_module_full_backward_hook)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
     model = model.double().eval()
@@ -197,7 +198,14 @@ def test_backward_hooks_leave_the_derivative(method):
     model[2].register_full_backward_hook(lambda module, gi, go: (10 * gi[0],))
     model[2].register_full_backward_pre_hook(lambda module, go: None)
     model[0].register_backward_hook(lambda module, gi, go: None)
-    parts = ntk.empirical_ntk(model, x, kind="full", method=method, layers="all")
+    everywhere = torch.nn.modules.module.register_module_full_backward_hook(
+        lambda module, gi, go: None
+    )
+    try:
+        parts = ntk.empirical_ntk(model, x, kind="full", method=method, layers="all")
+        assert everywhere.id in torch.nn.modules.module._global_backward_hooks
+    finally:
+        everywhere.remove()
     for layer, value in parts.items():
         assert rel_err(value, ref[layer]) <= 1e-10, layer
     assert [len(m._backward_hooks) for m in model] == [1, 0, 1]

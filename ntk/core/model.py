@@ -340,10 +340,11 @@ class FunctionalCall:
     (per-sample Jacobians fail inside it): models with recurrent modules run without them.
     derivative=True: embeddings run without the options that change autograd's gradient and
     not the function (`_GRADIENT_OPTIONS`), and modules without their backward hooks
-    (`_BACKWARD_HOOKS`), during the call, so that every method differentiates the same f."""
+    (`_BACKWARD_HOOKS`, also those registered for every module), during the call, so that every
+    method differentiates the same f."""
 
     def __init__(self, model: nn.Module, derivative: bool = False):
-        self.model = model
+        self.model, self.derivative = model, derivative
         self.aliases = tensor_aliases(model)
         self.recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
         # torch < 2.6 has no set_stance: compiled modules run as compiled there
@@ -368,9 +369,15 @@ class FunctionalCall:
         for name, others in self.aliases.items():
             if name in full:
                 full.update(dict.fromkeys(others, full[name]))
+        hooks = nn.modules.module  # those registered for every module (register_module_...)
+        everywhere = [
+            (hooks, f"_global{name}", {})
+            for name in _BACKWARD_HOOKS
+            if self.derivative and getattr(hooks, f"_global{name}")
+        ]
         with (
             _without_onednn() if self.recurrent else nullcontext(),
-            _switched_off(self.gradient_options),
+            _switched_off(self.gradient_options + everywhere),
             torch.compiler.set_stance("force_eager") if self.compiled else nullcontext(),
         ):
             return functional_call(self.model, full, args, kwargs, tie_weights=False)
