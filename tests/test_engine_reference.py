@@ -213,6 +213,31 @@ def test_backward_hooks_leave_the_derivative(method):
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_parametrizations_inside_their_cache(method):
+    """Under torch.nn.utils.parametrize.cached() a parametrized weight came from the cache, made
+    from the model's own parameters, not from those swapped in: every method missed its
+    derivative (kernel 50 % off). The cache stays on for the caller."""
+    from torch.nn.utils import parametrize
+
+    class Doubled(torch.nn.Module):
+        def forward(self, weight):
+            return 2 * weight
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    model = model.double().eval()
+    parametrize.register_parametrization(model[2], "weight", Doubled())
+    x = torch.randn(4, 5, dtype=torch.float64)
+    ref = kernels(model, x)
+    with parametrize.cached():
+        model(x)  # fills the cache
+        parts = ntk.empirical_ntk(model, x, kind="full", method=method, layers="all")
+        assert parametrize._cache_enabled
+    for layer, value in parts.items():
+        assert rel_err(value, ref[layer]) <= 1e-10, layer
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_forward_that_writes_to_a_buffer(method):
     """A forward pass that writes to a buffer in place (torch.func refused the write to a captured
     tensor) gets its own copy of the buffers: the model's stay as they were."""

@@ -12,6 +12,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.nn.utils import parametrize
 
 from . import inputs
 
@@ -375,6 +376,10 @@ class FunctionalCall:
             for name in _BACKWARD_HOOKS
             if self.derivative and getattr(hooks, f"_global{name}")
         ]
+        # parametrize.cached() hands out the tensors computed from the model's own parameters,
+        # not from those swapped in (the kernel missed the parametrized weights, 50 % off)
+        if parametrize._cache_enabled:
+            everywhere.append((parametrize, "_cache_enabled", 0))
         with (
             _without_onednn() if self.recurrent else nullcontext(),
             _switched_off(self.gradient_options + everywhere),
