@@ -165,6 +165,23 @@ def test_a_torchscript_module_is_refused_naming_it():
         ntk.empirical_ntk(inner, torch.randn(4, 5))
 
 
+def test_torch_compiled_modules_give_the_kernel_of_their_module():
+    """A torch.compile'd model or submodule (wrapped, or compiled in place) runs eagerly: traced
+    by dynamo after method='jacobian', the other methods failed in their hooks ("'int' object is
+    not subscriptable")."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2)).double().eval()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    ref = kernels(plain, x)[None]
+    inner, in_place = copy.deepcopy(plain), copy.deepcopy(plain)
+    inner[0] = torch.compile(inner[0])
+    in_place.compile()
+    for model in (inner, torch.compile(copy.deepcopy(plain)), in_place):
+        for method in ("jacobian", "ntk_vp", "structured"):
+            k = ntk.empirical_ntk(model, x, method=method)
+            assert float((k - ref).norm() / ref.norm()) <= 1e-10, method
+
+
 def test_inputs_that_require_grad_are_constants():
     """The kernel is a function of the parameters: an input with requires_grad leaves no graph
     attached to kernels or to the arrays a surrogate hands to scikit-learn."""

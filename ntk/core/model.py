@@ -12,6 +12,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.nn.utils import parametrize
 
 from . import inputs
 
@@ -319,6 +320,11 @@ def tensor_aliases(model: nn.Module) -> dict[str, list[str]]:
 # scale_grad_by_freq divides it by each id's count in the batch (a training heuristic, not ∂f/∂θ,
 # which forward mode gives); sparse returns it as a sparse tensor, which torch.func cannot batch.
 _GRADIENT_OPTIONS = ("scale_grad_by_freq", "sparse")
+# A module's backward hooks (register_full_backward_hook, register_backward_hook,
+# register_full_backward_pre_hook) act on autograd's gradients, not on the function; torch.func's
+# transforms refuse the autograd.Function that runs them, and one that rescales a gradient would
+# make the autograd methods differentiate another f.
+_BACKWARD_HOOKS = ("_backward_hooks", "_backward_pre_hooks")
 
 
 class FunctionalCall:
@@ -334,19 +340,29 @@ class FunctionalCall:
     The oneDNN (mkldnn) CPU kernels of LSTM/GRU/RNN have a backward that vmap cannot batch
     (per-sample Jacobians fail inside it): models with recurrent modules run without them.
     derivative=True: embeddings run without the options that change autograd's gradient and
-    not the function (`_GRADIENT_OPTIONS`) during the call, so that every method differentiates
-    the same f."""
+    not the function (`_GRADIENT_OPTIONS`), and modules without their backward hooks
+    (`_BACKWARD_HOOKS`, also those registered for every module), during the call, so that every
+    method differentiates the same f."""
 
     def __init__(self, model: nn.Module, derivative: bool = False):
-        self.model = model
+        self.model, self.derivative = model, derivative
         self.aliases = tensor_aliases(model)
         self.recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
+        # torch < 2.6 has no set_stance: compiled modules run as compiled there
+        eager = hasattr(torch.compiler, "set_stance")
+        self.compiled = eager and any(_compiled(m) for m in model.modules())
         self.gradient_options = [
-            (m, option)
+            (m, option, False)
             for m in model.modules()
             if derivative and isinstance(m, (nn.Embedding, nn.EmbeddingBag))
             for option in _GRADIENT_OPTIONS
             if getattr(m, option)
+        ] + [
+            (m, hooks, {})
+            for m in model.modules()
+            if derivative
+            for hooks in _BACKWARD_HOOKS
+            if getattr(m, hooks)
         ]
 
     def __call__(self, tensors: dict[str, torch.Tensor], args, kwargs):
@@ -354,11 +370,32 @@ class FunctionalCall:
         for name, others in self.aliases.items():
             if name in full:
                 full.update(dict.fromkeys(others, full[name]))
+        hooks = nn.modules.module  # those registered for every module (register_module_...)
+        everywhere = [
+            (hooks, f"_global{name}", {})
+            for name in _BACKWARD_HOOKS
+            if self.derivative and getattr(hooks, f"_global{name}")
+        ]
+        # parametrize.cached() hands out the tensors computed from the model's own parameters,
+        # not from those swapped in (the kernel missed the parametrized weights, 50 % off)
+        if parametrize._cache_enabled:
+            everywhere.append((parametrize, "_cache_enabled", 0))
         with (
             _without_onednn() if self.recurrent else nullcontext(),
-            _switched_off(self.gradient_options),
+            _switched_off(self.gradient_options + everywhere),
+            torch.compiler.set_stance("force_eager") if self.compiled else nullcontext(),
         ):
             return functional_call(self.model, full, args, kwargs, tie_weights=False)
+
+
+def _compiled(module: nn.Module) -> bool:
+    """Whether `module` runs through torch.compile: a wrapper of torch.compile(module), or a
+    module compiled in place (module.compile()). Dynamo traced the functional calls, the
+    transforms and the hooks set here (after method='jacobian', ntk_vp and structured failed in
+    their hooks: "'int' object is not subscriptable"): the call runs it eagerly
+    (torch.compiler.set_stance("force_eager")), the same function."""
+    wrapper = type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")
+    return wrapper or getattr(module, "_compiled_call_impl", None) is not None
 
 
 @contextmanager
@@ -372,16 +409,17 @@ def _without_onednn():
 
 
 @contextmanager
-def _switched_off(options: list[tuple[nn.Module, str]]):
-    """The (module, flag) options off, and on again afterwards (autograd records them when the
-    forward pass runs)."""
-    for m, option in options:
-        setattr(m, option, False)
+def _switched_off(options: list[tuple[nn.Module, str, object]]):
+    """The (module, attribute, off) options set to `off`, and back to what they were afterwards
+    (autograd records them when the forward pass runs)."""
+    previous = [getattr(m, option) for m, option, _ in options]
+    for m, option, off in options:
+        setattr(m, option, off)
     try:
         yield
     finally:
-        for m, option in options:
-            setattr(m, option, True)
+        for (m, option, _), value in zip(options, previous):
+            setattr(m, option, value)
 
 
 class ModelView:

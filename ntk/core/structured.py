@@ -57,12 +57,22 @@ def _weighted(module: nn.Module) -> bool:
 def _supported(module: nn.Module) -> bool:
     if "forward" in vars(module):  # replaced on the instance: not the computation of its type
         return False
+    if _global_forward_hooks():  # they act on every output before the perturbation is added
+        return False
     if _is_hf_conv1d(module):
         return True
     kind = type(module)
     if kind in (nn.Conv1d, nn.Conv2d):
         return module.groups == 1
     return kind in _WEIGHTED or kind in _NORMS
+
+
+def _global_forward_hooks() -> bool:
+    """Whether forward hooks registered for every module (nn.modules.module.
+    register_module_forward_hook) are active: torch runs them before a module's own hooks, so
+    they would change a layer's output before the perturbation that reads its backward signal
+    is added, and the factors would miss their effect (the kernel was 75 % off)."""
+    return bool(nn.modules.module._global_forward_hooks)
 
 
 # --------------------------------------------------------------------------------------------
