@@ -276,6 +276,25 @@ def test_files_found_by_fuzzing_get_exit_2_and_the_right_flag(files, capsys):
     assert code == 0, err
 
 
+def test_the_output_fn_remedy_names_the_flag(files, capsys):
+    """A model returning a tuple was told to "pass output_fn", the Python argument, on the
+    command line too."""
+    (files / "pair.py").write_text(
+        "from torch import nn\n"
+        "class Pair(nn.Linear):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(4, 3)\n"
+        "    def forward(self, x):\n"
+        "        out = super().forward(x)\n"
+        "        return out, out.sum(1)\n"
+    )
+    model = ["--model", f"{files}/pair.py:Pair", "--data", f"{files}/train.npz"]
+    code, _, err = run(capsys, "kernel", *model)
+    assert code == 2 and "Traceback" not in err
+    assert "pass --output-fn (an attribute name such as logits, or file.py:fn)" in err
+    assert "output_fn " not in err
+
+
 def test_an_output_fn_that_fails_on_the_output_is_bad_input(files, capsys):
     model = ["--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
     code, _, err = run(capsys, "kernel", *model, "--output-fn", "logits")  # a tensor has none

@@ -31,15 +31,22 @@ cli.add_command(nas)
 cli.add_command(report)
 
 
-# The library's remedy for a one-logit binary classifier (ntk.core.kinds.ONE_LOGIT) is Python; on
-# the command line it is the --output-fn flag.
-_PYTHON_OUTPUT_FN = "output_fn=lambda z: "
-_FLAG_OUTPUT_FN = "--output-fn file.py:fn with fn(z) = "
+# The library's remedies name its Python argument output_fn (for a one-logit binary classifier,
+# ntk.core.kinds.ONE_LOGIT; for an output that is not a [B, O] tensor, "pass output_fn ..."); on
+# the command line they are the --output-fn flag.
+_FLAG = "--output-fn (an attribute name such as logits, or file.py:fn)"
+_OUTPUT_FN_WORDS = (
+    ("output_fn=lambda z: ", "--output-fn file.py:fn with fn(z) = "),
+    ("pass output_fn ", f"pass {_FLAG} "),
+    ("Pass output_fn ", f"Pass {_FLAG} "),
+)
 
 
 def _message(text: str) -> str:
     """An error message in the command line's words."""
-    return text.replace(_PYTHON_OUTPUT_FN, _FLAG_OUTPUT_FN)
+    for python, flag in _OUTPUT_FN_WORDS:
+        text = text.replace(python, flag)
+    return text
 
 
 def _first_line(exc: BaseException) -> str:
