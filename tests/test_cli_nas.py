@@ -242,7 +242,7 @@ def test_output_fn_and_the_samples_actually_scored(tmp_path, monkeypatch, capsys
     monkeypatch.chdir(tmp_path)
     args = ["--candidates", "cands.py:pairs", "--data", "data.npz", "--batch-size", "64"]
     code, _, err = run_here(capsys, *args)
-    assert code == 2 and "pass output_fn" in err
+    assert code == 2 and "pass --output-fn" in err
     code, out, err = run_here(capsys, *args, "--output-fn", "cands.py:first", "--format", "json")
     assert code == 0, err
     assert json.loads(out)["batch_size"] == 20  # what was scored, not what was asked

@@ -389,4 +389,4 @@ def test_cli_with_dict_data_and_output_fn(tmp_path):
     assert len(rows) == 2 * 2 * 2 and {r["test"] for r in rows} == {0, 1}
 
     out = _cli("kernel", *common, "--kind", "trace")  # no --output-fn: a usage message
-    assert out.returncode != 0 and "output_fn" in out.stderr
+    assert out.returncode != 0 and "pass --output-fn" in out.stderr
