@@ -54,6 +54,19 @@ def train_test_logits(
     return g_train, g_test
 
 
+def logits_like_training(
+    model: nn.Module, x, x_train, num_outputs: int, *, output_fn=None, name: str = "x"
+) -> torch.Tensor:
+    """`logits` of x [M, O], inputs to be compared with the training inputs x_train: the same
+    structure (type, dict keys, tuple length), per-sample shapes the model decides on (sequences
+    of another length), and the training inputs' O = num_outputs outputs; run before any kernel
+    of x, so that a failure names x (`name`)."""
+    inputs.check_structure(x, x_train, (name, "x_train"))
+    g = logits(model, x, output_fn=output_fn, name=name)
+    check_num_outputs(g, num_outputs, name)
+    return g
+
+
 def check_num_outputs(g: torch.Tensor, num_outputs: int, name: str) -> None:
     """The logits g [M, O'] of `name` have the training inputs' O = num_outputs columns (a model
     may take inputs of another per-sample shape, such as a single sample without its sample

@@ -67,7 +67,7 @@ from ntk.core.model import ModelView
 
 from . import _kernels, damping
 from .curvature import STRATEGIES, KroneckerCurvature, UnfactorableModelError
-from .outputs import check_num_outputs, labels, logits, psd_root, softmax_curvature
+from .outputs import labels, logits, logits_like_training, psd_root, softmax_curvature
 
 LIKELIHOODS = ("classification", "regression")
 LINKS = ("probit", "mc")
@@ -728,11 +728,14 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         """f_θ*(x) [N, O], run before any kernel or Jacobian of x: x has the training inputs'
         structure (type, keys), and may have other per-sample shapes (sequences of another
         length) where the model takes it and gives O outputs."""
-        x = self._inputs(x, name)
-        inputs.check_structure(x, self.x_train_, (name, "x_train"))
-        mean = logits(self.model, x, output_fn=self.output_fn_, name=name)
-        check_num_outputs(mean, self.n_outputs_, name)
-        return mean
+        return logits_like_training(
+            self.model,
+            self._inputs(x, name),
+            self.x_train_,
+            self.n_outputs_,
+            output_fn=self.output_fn_,
+            name=name,
+        )
 
     def predict_proba(self, x) -> np.ndarray:
         """Predictive class probabilities [N, O] through `link`."""

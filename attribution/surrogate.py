@@ -73,7 +73,7 @@ from ntk.core.memory import available_bytes
 
 from . import _kernels
 from .damping import check_amount, cholesky_solve, damped_cholesky, scalar_kernel_system
-from .outputs import check_num_outputs, labels, logits, psd_root, softmax_curvature
+from .outputs import labels, logits, logits_like_training, psd_root, softmax_curvature
 
 MACHINES = ("ridge", "svm", "logistic", "representer", "gauss_newton")
 ARGMAX_MACHINES = ("ridge", "representer", "gauss_newton")  # predict = argmax of the decision
@@ -277,9 +277,9 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         the model takes it, which one forward pass checks, naming x, before the kernels."""
         check_is_fitted(self, "dual_")
         x = inputs.from_numpy(self._inputs(x, reset=False), name)
-        inputs.check_structure(x, self.x_train_, (name, "x_train"))
-        g = logits(self.model, x, output_fn=self.output_fn, name=name)
-        check_num_outputs(g, self.num_outputs_, name)
+        logits_like_training(
+            self.model, x, self.x_train_, self.num_outputs_, output_fn=self.output_fn, name=name
+        )
         k = _kernels.compute(self.model, x, self.x_train_, **self._opts())
         if self.normalize:
             k = _kernels.cosine(
