@@ -532,7 +532,10 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor, name: str | Non
                 layer_inputs[name] = _normalised(module, x_in)
             else:
                 layer_inputs[name] = _linear_factors(module, x_in, plan_.bias_input(name))
-            eps = torch.zeros_like(out, requires_grad=True)
+            # a zero perturbation whose gradient is ∂f/∂out: one scalar leaf broadcast to the
+            # output's shape (no zero-filled copy of the activation)
+            zero = torch.zeros((), dtype=out.dtype, device=out.device, requires_grad=True)
+            eps = zero.expand(out.shape)
             perturbations[name] = eps
             return out + eps
 
