@@ -2,8 +2,11 @@
 (per-sample gradients with vmap(grad) as TRAK's FunctionalGradientComputer does, flattened, then
 `trak.projectors.BasicProjector`, Rademacher, float32, batches of 512), on the MLP 784-512-512-10
 and a small CNN, N = 1024. Kernel: sum-of-logits (one cotangent, like TRAK's one output per
-sample). Each measurement runs in a fresh process: median wall time of the repeats, and the peak
-resident set size during a run above the resident size before it (sampled every 2 ms). Error:
+sample). Each measurement runs in a fresh process: an untimed first call on 8 samples, then the
+median wall time of the repeats, and the peak resident set size during a run above the resident
+size before it (sampled every 2 ms). (Before 2026-12-05 there was no untimed call: TRAK's
+single default repeat then included its one-time costs, ~0.8 s on the CNN, and our median of
+several did not.) Error:
 relative Frobenius error of Φ Φᵀ against the exact kernel (ntk.empirical_ntk), TRAK's features
 scaled by 1/√k; ours also as the mean over `--error-seeds` projection seeds (one seed's error
 varies several-fold from seed to seed). One row per projector of ours (`--projectors`, the
@@ -102,10 +105,14 @@ class _PeakRSS:
         self._thread.join()
 
 
+WARM_UP = 8  # samples of the untimed first call in each worker
+
+
 def _worker(method, model_name, n, dim, repeats, out_path, queue):
     model, x = MODELS[model_name](), images(n)
     method, _, projector = method.partition(":")
     fn = partial(_ours, projector=projector) if method == "ours" else _trak
+    fn(model, x[:WARM_UP], dim)  # untimed: one-time costs (imports, first calls) of either
     times, peak = [], 0
     for _ in range(repeats):
         base = _rss()
