@@ -154,6 +154,29 @@ def test_random_matrix_chunks_do_not_depend_on_request_order(monkeypatch):
     assert not torch.equal(other.gather(rows), picked)
 
 
+@pytest.mark.parametrize("projector", ["rademacher", "gaussian"])
+def test_a_matrix_within_the_cache_is_held_whole_once_and_projects_like_its_chunks(
+    monkeypatch, projector
+):
+    """Within the cache budget a matrix is held whole (its chunks' entries, stored once) and
+    multiplies a batch in one product; beyond it, chunk by chunk: the same projection."""
+    monkeypatch.setattr("projections._projectors._CHUNK_ENTRIES", 64)
+    rows, cols = 37, 8  # 8 rows per chunk, the last one partial
+    x = torch.randn(5, rows, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    fits = MatrixBank(projector, 2, dtype=torch.float64, device="cpu")
+    tight = MatrixBank(projector, 2, dtype=torch.float64, device="cpu", cache_bytes=8 * 64)
+    a, b = fits.matrix(("in", "x"), rows, cols, 0.5), tight.matrix(("in", "x"), rows, cols, 0.5)
+    b.gather(torch.tensor([20]))  # a chunk cached first is taken into the whole matrix
+    a.gather(torch.tensor([20]))
+    whole = fits.whole(a)
+    assert whole is not None and tight.whole(b) is None
+    assert fits._cached == rows * cols * 8  # the chunks are not held beside it
+    assert torch.equal(whole, b.dense()) and torch.equal(a.dense(), whole)
+    assert torch.equal(a.gather(torch.tensor([36, 0])), whole[[36, 0]])
+    assert torch.allclose(a.matmul(x), b.matmul(x), rtol=1e-12, atol=1e-12)
+    assert torch.equal(a.matmul(x), x @ whole)
+
+
 @pytest.mark.parametrize("projector", PROJECTORS)
 def test_projector_entries_have_zero_mean_and_unit_variance(projector):
     r = (
