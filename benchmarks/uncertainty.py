@@ -2,7 +2,7 @@
 softmax and laplace-torch, on the same trained networks in one run.
 
     python benchmarks/uncertainty.py [--peer-python PATH] [--settings a,b] [--repeats 3]
-        [--methods a,b] [--peers a,b]
+        [--methods a,b] [--peers a,b] [--splits 1]
     python benchmarks/uncertainty.py --smoke            # tiny data, ours only
 
 Settings (trained here with `ntk.demo.train`, fixed seeds): `digits_mlp` (MLP 64-64-9) and
@@ -19,6 +19,12 @@ split.
 Out-of-distribution sets, made offline from the first OOD_SAMPLES test samples: digits — one
 fixed pixel permutation, inverted intensities 1 − x, the held-out class 9; breast_cancer — one
 fixed feature permutation, negated rows, standard-normal noise rows.
+
+With --splits K, each setting is run on K random splits (sample order, shifts and the network's
+initialisation and training seeded by 0 … K−1; split 0 is the single run): a 15-bin ECE on
+breast_cancer's 169 test samples moves by a few thousandths from one split to the next, so the
+summary gives every method's means over the splits and the paired differences of the default to
+each.
 
 Metrics on the test split (`attribution.calibration_metrics`): accuracy, NLL, ECE (15 bins),
 Brier (scikit-learn's); OOD AUROC of the predictive entropy (test = negative, shifted =
@@ -48,7 +54,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from scipy.stats import entropy
+from scipy.stats import entropy, t
 from sklearn.datasets import load_breast_cancer, load_digits, load_wine
 from sklearn.metrics import roc_auc_score
 from torch import nn
@@ -70,8 +76,9 @@ HELD_OUT_CLASS = 9  # digits: trained on 0–8, the 9s are one of the shifts
 # 0.019; results/uncertainty.md).
 OOD_SAMPLES = 300
 RECIPE = dict(epochs=300, batch_size=64, lr=3e-3, weight_decay=0.0)  # trained to convergence
+DEFAULT = "NTKPosterior (default: EK-FAC)"
 OURS = {  # name: (NTKPosterior settings, δ from the validation split); "subset" is ours
-    "NTKPosterior (default: EK-FAC)": (dict(), False),
+    DEFAULT: (dict(), False),
     "NTKPosterior kfac": (dict(curvature="kfac"), False),
     "NTKPosterior EK-FAC/validation": (dict(), True),
     "NTKPosterior exact": (dict(curvature="exact"), False),
@@ -102,9 +109,9 @@ SLOW = 60.0  # seconds: a first run slower than this is not repeated
 PEER_SCRIPT = Path(__file__).resolve().parent / "peers" / "laplace_predictive.py"
 
 
-def build(setting: str) -> nn.Module:
-    """The untrained architecture of a setting (seeded)."""
-    torch.manual_seed(0)
+def build(setting: str, split: int = 0) -> nn.Module:
+    """The untrained architecture of a setting, initialised from the seed `split`."""
+    torch.manual_seed(split)
     if setting == "digits_mlp":
         return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 9))
     if setting == "digits_cnn":
@@ -126,9 +133,10 @@ def build(setting: str) -> nn.Module:
     raise ValueError(f"unknown setting {setting!r}; valid: {', '.join(SETTINGS)}")
 
 
-def data(setting: str, smoke: bool = False) -> dict[str, np.ndarray]:
-    """float32 inputs and int64 labels: train and test splits and the shifted sets ood_*."""
-    rng = np.random.default_rng(0)
+def data(setting: str, smoke: bool = False, split: int = 0) -> dict[str, np.ndarray]:
+    """float32 inputs and int64 labels: train and test splits and the shifted sets ood_*; `split`
+    seeds the order of the samples (and the shifts' permutations)."""
+    rng = np.random.default_rng(split)
     if setting.startswith("digits"):
         d = load_digits()
         x, y = (d.data / 16.0).astype(np.float32), d.target.astype(np.int64)
@@ -168,12 +176,13 @@ def data(setting: str, smoke: bool = False) -> dict[str, np.ndarray]:
     return {k: v.astype(np.float32) if v.dtype.kind == "f" else v for k, v in out.items()}
 
 
-def make_case(setting: str, path: Path, smoke: bool) -> dict:
-    """Train the setting's network and save the case file the workers read."""
-    d = data(setting, smoke)
+def make_case(setting: str, path: Path, smoke: bool, split: int = 0) -> dict:
+    """Train the setting's network on the random split `split` and save the case file the
+    workers read."""
+    d = data(setting, smoke, split)
     x, y = torch.from_numpy(d["x_train"]), torch.from_numpy(d["y_train"])
     recipe = dict(RECIPE, epochs=20) if smoke else RECIPE
-    model = demo.train(build(setting), x, y, **recipe)
+    model = demo.train(build(setting, split), x, y, **recipe, seed=split)
     sets = {"test": d["x_test"], **{k: v for k, v in d.items() if k.startswith("ood_")}}
     case = dict(
         model=model,
@@ -293,6 +302,36 @@ def table(setting: str, rows: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def split_summary(setting: str, per_split: list[dict[str, dict]]) -> str:
+    """Each method's mean NLL, ECE and seconds over the splits and, for `DEFAULT`, the 95 %
+    t-interval of its paired difference to that method with the number of splits where it is no
+    worse."""
+    methods = [m for m in per_split[0] if all(m in rows for rows in per_split)]
+    lines = [
+        f"### {setting}: means over {len(per_split)} splits; {DEFAULT} minus each method",
+        "",
+        "| method | NLL | ECE | seconds | Δ NLL, 95 % CI | no worse | Δ ECE, 95 % CI | no worse |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for method in methods:
+        means, paired = [], []
+        for metric in ("nll", "ece"):
+            values = np.array([rows[method][metric] for rows in per_split])
+            means.append(f"{values.mean():.4f}")
+            if metric == "ece":
+                seconds = [rows[method].get("seconds") for rows in per_split]
+                means.append("–" if None in seconds else f"{np.mean(seconds):.3g}")
+            if DEFAULT not in methods or method == DEFAULT:
+                paired += ["–", "–"]
+                continue
+            diff = np.array([rows[DEFAULT][metric] for rows in per_split]) - values
+            half = t.ppf(0.975, len(diff) - 1) * diff.std(ddof=1) / np.sqrt(len(diff))
+            paired.append(f"[{diff.mean() - half:+.4f}, {diff.mean() + half:+.4f}]")
+            paired.append(f"{int((diff <= 0).sum())} / {len(diff)}")
+        lines.append(f"| {method} | " + " | ".join(means + paired) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", default=",".join(SETTINGS))
@@ -304,6 +343,13 @@ def main() -> None:
     parser.add_argument("--json", help="also write every number to this file")
     parser.add_argument(
         "--timeout", type=float, default=600.0, help="seconds per method (all its repeats)"
+    )
+    parser.add_argument(
+        "--splits",
+        type=int,
+        default=1,
+        help="random splits (sample order and initialisation seeds 0, 1, …) per setting; above 1, "
+        "a summary of the metrics over splits follows the per-split tables",
     )
     parser.add_argument("--worker", nargs=3, metavar=("CASE", "OUT", "METHOD"), help="internal")
     args = parser.parse_args()
@@ -329,30 +375,37 @@ def main() -> None:
     report = {}
     with tempfile.TemporaryDirectory() as tmp:
         for setting in settings:
-            case_path = Path(tmp) / f"{setting}.pt"
-            case = make_case(setting, case_path, args.smoke)
-            with torch.no_grad():
-                softmax = {
-                    k: case["model"](x).double().softmax(-1).numpy()
-                    for k, x in case["eval"].items()
-                }
-            rows = {"MAP softmax": metrics(softmax, case["y_test"])}
-            for i, method in enumerate(methods):
-                out = Path(tmp) / f"{setting}-ours-{i}.npz"
-                cmd = [sys.executable, __file__, "--repeats", str(repeats), "--worker"]
-                result = run_worker(cmd + [str(case_path), str(out), method], out, args.timeout)
-                if result is not None:
-                    rows[method] = metrics(result, case["y_test"], softmax["test"])
-            for method in peers if peer else ():
-                flags = PEERS[method]
-                out = Path(tmp) / f"{setting}-peer-{len(rows)}.npz"
-                cmd = [peer, str(PEER_SCRIPT), str(case_path), str(out), *flags]
-                result = run_worker(cmd + ["--repeats", str(repeats)], out, args.timeout)
-                if result is not None:
-                    rows[method] = metrics(result, case["y_test"], softmax["test"])
-            report[setting] = rows
-            print(table(setting, rows), flush=True)
-            print()
+            per_split = []
+            for split in range(args.splits):
+                case_path = Path(tmp) / f"{setting}-{split}.pt"
+                case = make_case(setting, case_path, args.smoke, split)
+                with torch.no_grad():
+                    softmax = {
+                        k: case["model"](x).double().softmax(-1).numpy()
+                        for k, x in case["eval"].items()
+                    }
+                rows = {"MAP softmax": metrics(softmax, case["y_test"])}
+                for i, method in enumerate(methods):
+                    out = Path(tmp) / f"{setting}-{split}-ours-{i}.npz"
+                    cmd = [sys.executable, __file__, "--repeats", str(repeats), "--worker"]
+                    cmd += [str(case_path), str(out), method]
+                    result = run_worker(cmd, out, args.timeout)
+                    if result is not None:
+                        rows[method] = metrics(result, case["y_test"], softmax["test"])
+                for method in peers if peer else ():
+                    out = Path(tmp) / f"{setting}-{split}-peer-{len(rows)}.npz"
+                    cmd = [peer, str(PEER_SCRIPT), str(case_path), str(out), *PEERS[method]]
+                    result = run_worker(cmd + ["--repeats", str(repeats)], out, args.timeout)
+                    if result is not None:
+                        rows[method] = metrics(result, case["y_test"], softmax["test"])
+                per_split.append(rows)
+                title = setting if args.splits == 1 else f"{setting}, split {split}"
+                print(table(title, rows), flush=True)
+                print()
+            report[setting] = per_split[0] if args.splits == 1 else per_split
+            if args.splits > 1:
+                print(split_summary(setting, per_split), flush=True)
+                print()
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 

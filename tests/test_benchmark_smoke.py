@@ -137,6 +137,29 @@ def test_uncertainty_benchmark_smoke_run_scores_the_map_and_the_posterior():
         assert low <= high
 
 
+def test_uncertainty_benchmark_summarises_several_splits():
+    """--splits 2: a table per split (different samples: different MAP metrics) and the summary
+    of the means with the default's paired differences to each method."""
+    method = "NTKPosterior (default: EK-FAC)"
+    out = _run_benchmark(
+        "uncertainty.py", "--settings", "breast_cancer", "--methods", method, "--splits", "2"
+    )
+    maps = [_table_rows(out, f"breast_cancer, split {i}")["MAP softmax"] for i in (0, 1)]
+    assert maps[0][:4] != maps[1][:4]
+    rows = _table_rows(out, "breast_cancer: means over 2 splits")
+    assert set(rows) == {"MAP softmax", method}
+    nll, ece = (float(c) for c in rows["MAP softmax"][:2])
+    assert nll == pytest.approx(sum(float(m[1]) for m in maps) / 2, abs=1e-4)
+    assert ece == pytest.approx(sum(float(m[2]) for m in maps) / 2, abs=1e-4)
+    assert float(rows[method][2]) > 0 and rows[method][3:] == ["–"] * 4  # seconds; no self-Δ
+    for cell in (rows["MAP softmax"][3], rows["MAP softmax"][5]):
+        low, high = (float(v) for v in cell.strip("[]").split(","))
+        assert low <= high
+    assert all(
+        re.fullmatch(r"[0-2] / 2", c) for c in (rows["MAP softmax"][4], rows["MAP softmax"][6])
+    )
+
+
 def test_lpntk_uses_smoke_run_prints_aucs_and_pruning_curves():
     out = _run_benchmark("lpntk_uses.py", "--settings", "breast_cancer")
     aucs = _table_rows(out, "breast_cancer: mislabel AUC")
