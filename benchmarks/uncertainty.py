@@ -54,7 +54,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from scipy.stats import entropy, t
+from scipy.stats import entropy
+from scipy.stats import t as student_t
 from sklearn.datasets import load_breast_cancer, load_digits, load_wine
 from sklearn.metrics import roc_auc_score
 from torch import nn
@@ -325,7 +326,7 @@ def split_summary(setting: str, per_split: list[dict[str, dict]]) -> str:
                 paired += ["–", "–"]
                 continue
             diff = np.array([rows[DEFAULT][metric] for rows in per_split]) - values
-            half = t.ppf(0.975, len(diff) - 1) * diff.std(ddof=1) / np.sqrt(len(diff))
+            half = student_t.ppf(0.975, len(diff) - 1) * diff.std(ddof=1) / np.sqrt(len(diff))
             paired.append(f"[{diff.mean() - half:+.4f}, {diff.mean() + half:+.4f}]")
             paired.append(f"{int((diff <= 0).sum())} / {len(diff)}")
         lines.append(f"| {method} | " + " | ".join(means + paired) + " |")
