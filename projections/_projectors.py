@@ -226,6 +226,7 @@ class MatrixBank:
         self.cache_bytes = cache_bytes
         self._cache: dict[tuple, torch.Tensor] = {}  # chunks of rows
         self._whole: dict[tuple, torch.Tensor] = {}  # whole matrices
+        self._chunked: set[tuple] = set()  # matrices too large to hold whole
         self._sketches: dict[tuple, HadamardSketch] = {}
         self._cached = 0
 
@@ -267,30 +268,31 @@ class MatrixBank:
         return value
 
     def whole(self, m: RandomMatrix) -> torch.Tensor | None:
-        """All of m as one tensor (the same entries as its chunks), cached; None when it would
-        not fit the cache budget."""
+        """All of m as one tensor (the same entries as its chunks, which it replaces in the
+        cache), cached; None when it would not fit the cache budget, which is then final: the
+        cache only grows, by no less than it frees of m's chunks."""
         ident = (m.key, m.rows, m.cols, m.scale)
-        hit = self._whole.get(ident)
-        if hit is not None:
-            return hit
-        chunks = range(math.ceil(m.rows / m.chunk))
-        held = {i: self._cache.pop((*ident, i), None) for i in chunks}
-        freed = sum(c.numel() * c.element_size() for c in held.values() if c is not None)
-        self._cached -= freed
+        if ident in self._whole or ident in self._chunked:
+            return self._whole.get(ident)
+        chunks = [(*ident, i) for i in range(math.ceil(m.rows / m.chunk))]
+        freed = sum(
+            self._cache[c].numel() * self._cache[c].element_size()
+            for c in chunks
+            if c in self._cache
+        )
         size = m.rows * m.cols * torch.empty((), dtype=self.dtype).element_size()
-        if self._cached + size > self.cache_bytes:
-            self._cache.update({(*ident, i): c for i, c in held.items() if c is not None})
-            self._cached += freed
+        if self._cached - freed + size > self.cache_bytes:
+            self._chunked.add(ident)
             return None
         value = torch.empty((m.rows, m.cols), dtype=self.dtype, device=self.device)
-        for i in chunks:
+        for i, c in enumerate(chunks):
             rows = value[i * m.chunk : (i + 1) * m.chunk]
-            if held[i] is None:
-                self._generate(m, i, rows)
+            if c in self._cache:
+                rows.copy_(self._cache.pop(c))
             else:
-                rows.copy_(held[i])
+                self._generate(m, i, rows)
         self._whole[ident] = value
-        self._cached += size
+        self._cached += size - freed
         return value
 
     def _generate(self, m: RandomMatrix, i: int, out: torch.Tensor) -> None:
