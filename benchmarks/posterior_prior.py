@@ -68,10 +68,12 @@ RULE_GAMMAS = 10.0 ** np.arange(0.125, 0.7501, 0.125)
 RULE_RATIOS = (0.02, 0.05, 0.1, 0.2, 0.5, math.inf)
 
 
-def case(name: str, smoke: bool) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """The trained network and float32 splits train / val / test / ood (permuted test inputs)."""
+def case(name: str, smoke: bool, split: int = 0) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The trained network and float32 splits train / val / test / ood (permuted test inputs) of
+    the random split `split` (the sample order, the permutation, initialisation and training
+    seeded by it; split 0 is the single run of earlier sessions)."""
     if name in CHECKS:
-        model, d = check_case(name)
+        model, d = check_case(name, split)
         half = len(d["y_test"]) // 2
         return model, dict(
             d,
@@ -83,9 +85,9 @@ def case(name: str, smoke: bool) -> tuple[torch.nn.Module, dict[str, torch.Tenso
         )
     source, recipe = SETTINGS[name]
     if source is None:
-        model, d = demo.demo_model()
+        model, d = demo.demo_model(seed=split)
         half = len(d.y_test) // 2
-        rng = np.random.default_rng(0)
+        rng = np.random.default_rng(split)
         test = d.x_test[half:]
         return model, dict(
             x_train=d.x_train,
@@ -96,13 +98,14 @@ def case(name: str, smoke: bool) -> tuple[torch.nn.Module, dict[str, torch.Tenso
             y_test=d.y_test[half:],
             ood=test[:, torch.from_numpy(rng.permutation(test.shape[1]))],
         )
-    d = {k: torch.from_numpy(v) for k, v in uncertainty.data(source, smoke).items()}
+    d = {k: torch.from_numpy(v) for k, v in uncertainty.data(source, smoke, split).items()}
     recipe = dict(recipe, epochs=20) if smoke else recipe
-    model = demo.train(uncertainty.build(source), d["x_train"], d["y_train"], **recipe)
+    model = uncertainty.build(source, split)
+    model = demo.train(model, d["x_train"], d["y_train"], **recipe, seed=split)
     return model, dict(d, ood=d["ood_permuted"])
 
 
-def check_case(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+def check_case(name: str, split: int = 0) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """A CHECKS network, trained, and its float32 train / test / ood (permuted test) splits."""
     from sklearn import datasets
     from sklearn.model_selection import train_test_split
@@ -126,8 +129,8 @@ def check_case(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     else:
         x, y = datasets.load_digits(return_X_y=True)
     x = (x - x.mean(0)) / (x.std(0) + 1e-8)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.4, random_state=0)
-    torch.manual_seed(0)
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.4, random_state=split)
+    torch.manual_seed(split)
     if name == "digits_cnn_batchnorm":
         model = nn.Sequential(
             nn.Unflatten(1, (1, 8, 8)),
@@ -149,9 +152,9 @@ def check_case(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
         x_test=torch.tensor(x_test, dtype=torch.float32),
         y_test=torch.tensor(y_test),
     )
-    permutation = torch.from_numpy(np.random.default_rng(0).permutation(x.shape[1]))
+    permutation = torch.from_numpy(np.random.default_rng(split).permutation(x.shape[1]))
     d["ood"] = d["x_test"][:, permutation]
-    model = demo.train(model, d["x_train"], d["y_train"], **uncertainty.RECIPE)
+    model = demo.train(model, d["x_train"], d["y_train"], **uncertainty.RECIPE, seed=split)
     return model, d
 
 
@@ -208,41 +211,55 @@ def _rule(gamma: float, ratio: float) -> str:
     return f"γ {gamma:.3g}" + ("" if ratio == math.inf else f" / ρ {ratio:g}")
 
 
-def held_out(results: dict[str, dict]) -> dict[str, str]:
-    """Leave-one-setting-out: each fold's rule (γ, ρ) minimises the mean log(NLL / MAP NLL)
-    over the other settings; also the choice over all settings ("(all settings)")."""
+def log_ratio(r: dict, rule: str, metric: str = "nll") -> float:
+    """log(metric of the rule / metric of the MAP softmax) on one split."""
+    return math.log(r["rules"][rule][metric] / r["map"][metric])
+
+
+def held_out(results: dict[str, list[dict]]) -> dict[str, str]:
+    """Leave-one-setting-out: each fold's rule (γ, ρ) minimises the mean log(NLL / MAP NLL) over
+    the other settings (each setting the mean over its splits); also the choice over all settings
+    ("(all settings)")."""
 
     def loss(name: str, rule: str) -> float:
-        r = results[name]
-        return math.log(r["rules"][rule]["nll"] / r["map"]["nll"])
+        return float(np.mean([log_ratio(r, rule) for r in results[name]]))
 
     names = list(results)
-    rules = list(results[names[0]]["rules"])
+    rules = list(results[names[0]][0]["rules"])
     return {
         held: min(rules, key=lambda rule: np.mean([loss(m, rule) for m in names if m != held]))
         for held in names + ["(all settings)"]
     }
 
 
-def table(results: dict[str, dict], folds: dict[str, str]) -> str:
+def validation_row(r: dict) -> dict:
+    """The scores at δ tuned on the validation split: the γ grid's point (or the MAP) with the
+    smallest validation NLL."""
+    row = min(r["rows"], key=lambda row: row["val_nll"])
+    return r["map"] if r["map"]["val_nll"] <= row["val_nll"] else row
+
+
+def table(results: dict[str, list[dict]], folds: dict[str, str]) -> str:
+    """Per setting, the means over its splits of the held-out rule's, the validation-tuned δ's
+    and the MAP's test NLL, ECE and AUROC, and the splits where the rule beats the MAP on all
+    three (lower NLL, ECE no higher, AUROC no lower)."""
     lines = [
         "| setting | held-out rule | NLL rule / validation / MAP | ECE rule / validation / MAP "
         "| OOD AUROC rule / validation / MAP | rule beats MAP on all three |",
         "|---|---|---|---|---|---|",
     ]
-    for name, r in results.items():
-        rule = r["rules"][folds[name]]
-        val = min(r["rows"], key=lambda row: row["val_nll"])
-        if r["map"]["val_nll"] <= val["val_nll"]:
-            val = r["map"]
-        m = r["map"]
-        wins = rule["nll"] < m["nll"] and rule["ece"] <= m["ece"] and rule["auroc"] >= m["auroc"]
-        lines.append(
-            f"| {name} | {folds[name]} | {rule['nll']:.4f} / {val['nll']:.4f} / "
-            f"{m['nll']:.4f} | {rule['ece']:.4f} / {val['ece']:.4f} / {m['ece']:.4f} | "
-            f"{rule['auroc']:.4f} / {val['auroc']:.4f} / {m['auroc']:.4f} | "
-            f"{'yes' if wins else 'no'} |"
+    for name, splits in results.items():
+        rows = [(r["rules"][folds[name]], validation_row(r), r["map"]) for r in splits]
+        means = {
+            metric: [float(np.mean([row[i][metric] for row in rows])) for i in range(3)]
+            for metric in ("nll", "ece", "auroc")
+        }
+        wins = sum(
+            rule["nll"] < m["nll"] and rule["ece"] <= m["ece"] and rule["auroc"] >= m["auroc"]
+            for rule, _, m in rows
         )
+        cells = [" / ".join(f"{v:.4f}" for v in means[metric]) for metric in means]
+        lines.append(f"| {name} | {folds[name]} | {' | '.join(cells)} | {wins} / {len(rows)} |")
     return "\n".join(lines)
 
 
@@ -254,30 +271,36 @@ def main() -> None:
     parser.add_argument(
         "--curvature", default="exact", help="NTKPosterior's curvature: exact, ekfac or kfac"
     )
+    parser.add_argument(
+        "--splits", type=int, default=1, help="random splits per setting (seeds 0, 1, …)"
+    )
     args = parser.parse_args()
     names = args.settings.split(",") if args.settings else list(SMOKE if args.smoke else SETTINGS)
     for name in names:
         if name not in SETTINGS:
             parser.error(f"unknown setting {name!r}; valid: {', '.join(SETTINGS)}")
+    if args.splits < 1:
+        parser.error(f"--splits must be at least 1, got {args.splits}")
     results = {}
     for name in names:
-        torch.manual_seed(0)
-        results[name] = curves(*case(name, args.smoke), curvature=args.curvature)
-        print(f"{name}: done", flush=True)
+        results[name] = []
+        for split in range(args.splits):
+            model, d = case(name, args.smoke, split)
+            results[name].append(curves(model, d, curvature=args.curvature))
+            print(f"{name}, split {split}: done", flush=True)
     folds = held_out(results)
     print()
     print(table(results, folds))
     print(f"\nin-sample choice over all settings: {folds['(all settings)']}")
     library_rule = _rule(EFFECTIVE_PARAMETERS, TRAINING_VARIANCE_RATIO)
     print(f"library rule ({library_rule})")
-    for name, r in results.items():
-        print(
-            f"  {name}: NTKPosterior(model).fit test NLL {r['library']['nll']:.6f}, "
-            f"rule {library_rule}: {r['rules'][library_rule]['nll']:.6f}"
-        )
-    print("\nmean / worst log(NLL / MAP NLL) per rule (in sample):")
-    for rule in results[names[0]]["rules"]:
-        values = [math.log(r["rules"][rule]["nll"] / r["map"]["nll"]) for r in results.values()]
+    for name, splits in results.items():
+        fitted = " ".join(f"{r['library']['nll']:.6f}" for r in splits)
+        ruled = " ".join(f"{r['rules'][library_rule]['nll']:.6f}" for r in splits)
+        print(f"  {name}: NTKPosterior(model).fit test NLL {fitted}, rule {library_rule}: {ruled}")
+    print("\nmean / worst log(NLL / MAP NLL) per rule (in sample; each setting its mean):")
+    for rule in results[names[0]][0]["rules"]:
+        values = [np.mean([log_ratio(r, rule) for r in splits]) for splits in results.values()]
         print(f"  {rule:>16}: mean {np.mean(values):+.4f}, worst {max(values):+.4f}")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(results=results, folds=folds), indent=1))
