@@ -64,8 +64,11 @@ CHECKS = ("classification_4", "moons", "digits_tanh_128", "digits_cnn_batchnorm"
 SMOKE = ("breast_cancer", "wine")
 GAMMAS = 10.0 ** np.arange(-1.0, 1.5001, 0.125)
 # the rules compared: γ effective parameters, capped at a training variance ratio ρ (inf: no cap)
-RULE_GAMMAS = 10.0 ** np.arange(0.125, 0.7501, 0.125)
-RULE_RATIOS = (0.02, 0.05, 0.1, 0.2, 0.5, math.inf)
+RULE_GAMMAS = 10.0 ** np.arange(-0.5, 0.7501, 0.125)
+RULE_RATIOS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, math.inf)
+# what a fold minimises: the mean over settings (each the mean over its splits) of the sum of
+# log(metric / the MAP softmax's) over these metrics, the AUROC as its error 1 − AUROC
+CRITERIA = {"nll": ("nll",), "calibration": ("nll", "ece", "auroc")}
 
 
 def case(name: str, smoke: bool, split: int = 0) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
@@ -212,17 +215,23 @@ def _rule(gamma: float, ratio: float) -> str:
 
 
 def log_ratio(r: dict, rule: str, metric: str = "nll") -> float:
-    """log(metric of the rule / metric of the MAP softmax) on one split."""
-    return math.log(r["rules"][rule][metric] / r["map"][metric])
+    """log(metric of the rule / metric of the MAP softmax) on one split; for the AUROC, of its
+    error 1 − AUROC."""
+    rule, map_ = r["rules"][rule][metric], r["map"][metric]
+    return math.log((1 - rule) / (1 - map_) if metric == "auroc" else rule / map_)
 
 
-def held_out(results: dict[str, list[dict]]) -> dict[str, str]:
-    """Leave-one-setting-out: each fold's rule (γ, ρ) minimises the mean log(NLL / MAP NLL) over
+def held_out(results: dict[str, list[dict]], criterion: str = "calibration") -> dict[str, str]:
+    """Leave-one-setting-out: each fold's rule (γ, ρ) minimises the CRITERIA[criterion] loss over
     the other settings (each setting the mean over its splits); also the choice over all settings
     ("(all settings)")."""
 
     def loss(name: str, rule: str) -> float:
-        return float(np.mean([log_ratio(r, rule) for r in results[name]]))
+        return float(
+            np.mean(
+                [sum(log_ratio(r, rule, m) for m in CRITERIA[criterion]) for r in results[name]]
+            )
+        )
 
     names = list(results)
     rules = list(results[names[0]][0]["rules"])
@@ -274,6 +283,13 @@ def main() -> None:
     parser.add_argument(
         "--splits", type=int, default=1, help="random splits per setting (seeds 0, 1, …)"
     )
+    parser.add_argument(
+        "--criterion",
+        choices=list(CRITERIA),
+        default="calibration",
+        help="what the folds minimise: the sum of log ratios to the MAP of the test NLL "
+        "(nll) or of the NLL, ECE and 1 − AUROC (calibration)",
+    )
     args = parser.parse_args()
     names = args.settings.split(",") if args.settings else list(SMOKE if args.smoke else SETTINGS)
     for name in names:
@@ -288,7 +304,7 @@ def main() -> None:
             model, d = case(name, args.smoke, split)
             results[name].append(curves(model, d, curvature=args.curvature))
             print(f"{name}, split {split}: done", flush=True)
-    folds = held_out(results)
+    folds = held_out(results, args.criterion)
     print()
     print(table(results, folds))
     print(f"\nin-sample choice over all settings: {folds['(all settings)']}")
@@ -298,10 +314,21 @@ def main() -> None:
         fitted = " ".join(f"{r['library']['nll']:.6f}" for r in splits)
         ruled = " ".join(f"{r['rules'][library_rule]['nll']:.6f}" for r in splits)
         print(f"  {name}: NTKPosterior(model).fit test NLL {fitted}, rule {library_rule}: {ruled}")
-    print("\nmean / worst log(NLL / MAP NLL) per rule (in sample; each setting its mean):")
+    print(
+        "\nper rule, in sample, mean over settings (each its mean over splits) of log(metric / "
+        "MAP's): NLL (and its worst setting), ECE, 1 − AUROC:"
+    )
     for rule in results[names[0]][0]["rules"]:
-        values = [np.mean([log_ratio(r, rule) for r in splits]) for splits in results.values()]
-        print(f"  {rule:>16}: mean {np.mean(values):+.4f}, worst {max(values):+.4f}")
+        values = {
+            metric: [
+                np.mean([log_ratio(r, rule, metric) for r in splits]) for splits in results.values()
+            ]
+            for metric in ("nll", "ece", "auroc")
+        }
+        print(
+            f"  {rule:>17}: NLL {np.mean(values['nll']):+.4f} (worst {max(values['nll']):+.4f}), "
+            f"ECE {np.mean(values['ece']):+.4f}, 1 − AUROC {np.mean(values['auroc']):+.4f}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(dict(results=results, folds=folds), indent=1))
 
