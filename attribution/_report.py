@@ -50,7 +50,13 @@ from .curvature import UnfactorableModelError
 from .evaluation import calibration_metrics, reliability
 from .layers import DEFAULT_SCORE, layer_importance, layer_label
 from .outputs import labels, logits
-from .posterior import EFFECTIVE_PARAMETERS, TRAINING_VARIANCE_RATIO, NTKPosterior, entropy
+from .posterior import (
+    EFFECTIVE_PARAMETERS,
+    SHAPE_EFFECTIVE_PARAMETERS,
+    TRAINING_VARIANCE_RATIO,
+    NTKPosterior,
+    entropy,
+)
 from .surrogate import KernelSurrogate, cancellation
 
 STAGES = (
@@ -441,7 +447,8 @@ def _calibration(model, fit, test, enabled: bool | None, top: int, opts: dict) -
         opts = dict(opts, curvature="ekfac")
     # with enough labelled test samples δ minimises the NLL of the even-numbered ones and the
     # metrics are measured on the odd-numbered ones (`NTKPosterior.fit(validation=...)`);
-    # otherwise δ is NTKPosterior's default (EFFECTIVE_PARAMETERS effective parameters, capped by
+    # otherwise δ and the temperature are NTKPosterior's default (the shape of
+    # SHAPE_EFFECTIVE_PARAMETERS effective parameters, the size of EFFECTIVE_PARAMETERS capped by
     # TRAINING_VARIANCE_RATIO)
     tuned = y_test is not None and len(y_test) >= VALIDATION_MIN
     tune, held = slice(0, None, 2), slice(1, None, 2)
@@ -485,9 +492,10 @@ def _calibration(model, fit, test, enabled: bool | None, top: int, opts: dict) -
         "prior_precision_by": (
             "validation NLL on the even-numbered test samples"
             if tuned
-            else f"rule keeping {EFFECTIVE_PARAMETERS:.3g} effective parameters, the logit "
-            f"variance on the training inputs at most {TRAINING_VARIANCE_RATIO:g} of their "
-            "spread (the default)"
+            else f"rule keeping {SHAPE_EFFECTIVE_PARAMETERS:.3g} effective parameters, scaled "
+            f"to the logit variance on the training inputs of {EFFECTIVE_PARAMETERS:.3g} "
+            f"effective parameters, at most {TRAINING_VARIANCE_RATIO:g} of their spread "
+            f"(temperature {post.temperature_:.3g}; the default)"
         ),
         "least_sure": least_sure,
         "largest_probability_change": float((q_test - p_test).abs().max()),

@@ -8,6 +8,7 @@ from functools import partial
 
 import numpy as np
 import pytest
+import scipy.optimize
 import torch
 from models import DictOutput, TwoLogits
 from sklearn.base import clone, is_classifier, is_regressor
@@ -103,63 +104,95 @@ def test_evidence_prior_precision_maximises_the_evidence(small_classifier):
     assert auto.log_marginal_likelihood() >= max(evidence) - 1e-6
 
 
-def test_auto_prior_precision_keeps_the_chosen_effective_number_of_parameters(
-    small_classifier, monkeypatch
+def _effective_parameters(e: torch.Tensor, delta: float) -> float:
+    return float((e / (e + delta)).sum())
+
+
+def _training_variance_ratio(cov: torch.Tensor, logit: torch.Tensor) -> float:
+    """Σ_i tr(C Σ(x_i) C) / Σ_i ‖C f(x_i)‖², C = I − 11ᵀ/O."""
+    o = logit.shape[1]
+    centre = torch.eye(o, dtype=torch.float64) - 1 / o
+    spread = float((logit - logit.mean(1, keepdim=True)).pow(2).sum())
+    return float(torch.einsum("ab,nbc,ca->", centre, cov, centre)) / spread
+
+
+@pytest.mark.parametrize("ratio", [math.inf, 1e-3])
+def test_auto_prior_takes_its_shape_from_many_effective_parameters_and_its_size_from_few(
+    small_classifier, monkeypatch, ratio
 ):
-    """Without validation data (and without the training-variance cap, tested below) δ solves
-    Σ_k e_k/(e_k + δ) = EFFECTIVE_PARAMETERS, with e the eigenvalues of the parameter-space
-    Gauss–Newton matrix Σ_i J_iᵀ Λ_i J_i (the same nonzero eigenvalues as SΘS), computed here
-    from per-sample Jacobians."""
+    """Without validation data δ solves Σ_k e_k/(e_k + δ) = SHAPE_EFFECTIVE_PARAMETERS, with e
+    the eigenvalues of the parameter-space Gauss–Newton matrix G = Σ_i J_iᵀ Λ_i J_i (the same
+    nonzero eigenvalues as SΘS), and Σ(x) = T·J(x)(G + δI)⁻¹J(x)ᵀ with T·v(δ) =
+    min(v(δ_size), ratio): v the centred logits' posterior variance on the training inputs over
+    their mean square, δ_size keeping EFFECTIVE_PARAMETERS; all computed here in parameter space
+    from per-sample Jacobians. ratio 1e-3 is below v(δ_size) (the cap binds), inf never binds."""
     from attribution.posterior import EFFECTIVE_PARAMETERS
 
-    monkeypatch.setattr("attribution.posterior.TRAINING_VARIANCE_RATIO", math.inf)
-    model, x, y, _, _ = small_classifier
-    post = NTKPosterior(model).fit(x, y)
-    j = _jacobian(model, x)
+    monkeypatch.setattr("attribution.posterior.SHAPE_EFFECTIVE_PARAMETERS", 6.0)
+    monkeypatch.setattr("attribution.posterior.TRAINING_VARIANCE_RATIO", ratio)
+    model, x, y, xt, _ = small_classifier
+    post = NTKPosterior(model, curvature="exact").fit(x, y)
+    j, jt = _jacobian(model, x), _jacobian(model, xt)
     with torch.no_grad():
-        p = model(x).softmax(1)
+        logit = model(x)
+    p = logit.softmax(1)
     lam = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
-    e = torch.linalg.eigvalsh(torch.einsum("iop,ioq,iqr->pr", j, lam, j)).clamp_min(0)
-    gamma = float((e / (e + post.prior_precision_)).sum())
-    assert gamma == pytest.approx(EFFECTIVE_PARAMETERS, rel=1e-6)
-    evidence = NTKPosterior(model, prior_precision="evidence").fit(x, y)
-    assert post.prior_precision_ != pytest.approx(evidence.prior_precision_, rel=0.1)
+    g = torch.einsum("iop,ioq,iqr->pr", j, lam, j)
+    e = torch.linalg.eigvalsh(g).clamp_min(0)
+    delta = post.prior_precision_
+    assert _effective_parameters(e, delta) == pytest.approx(6.0, rel=1e-6)
+
+    def covariance(jac: torch.Tensor, d: float) -> torch.Tensor:
+        inverse = torch.linalg.inv(g + d * torch.eye(len(g), dtype=torch.float64))
+        return torch.einsum("mop,pq,mrq->mor", jac, inverse, jac)
+
+    size = 10.0 ** scipy.optimize.brentq(
+        lambda log_d: _effective_parameters(e, 10.0**log_d) - EFFECTIVE_PARAMETERS, -12.0, 12.0
+    )
+    unscaled = _training_variance_ratio(covariance(j, size), logit)
+    assert (unscaled > ratio) == (ratio < math.inf)
+    target = min(unscaled, ratio)
+    temperature = target / _training_variance_ratio(covariance(j, delta), logit)
+    assert post.temperature_ == pytest.approx(temperature, rel=1e-6)
+    np.testing.assert_allclose(
+        post.predict_variance(xt), temperature * covariance(jt, delta).numpy(), rtol=1e-6
+    )
 
 
 @pytest.mark.parametrize("curvature", ["exact", "ekfac"])
 def test_auto_prior_caps_the_logit_variance_on_the_training_inputs(curvature):
-    """A tanh network trained to confidence: the curvature collapses and the δ keeping
+    """A tanh network trained to confidence: the curvature collapses and the posterior keeping
     EFFECTIVE_PARAMETERS would spread the centred logits on the training inputs by more than
-    TRAINING_VARIANCE_RATIO of their mean square, so δ rises until the ratio equals it
-    (computed here from predict_variance). Stopped early, the cap does not bind: δ is the γ
-    rule's."""
+    TRAINING_VARIANCE_RATIO of their mean square, so the default's spread (computed here from
+    predict_variance) equals that ratio. Stopped early, the cap does not bind: the spread is
+    that of the posterior at the δ keeping EFFECTIVE_PARAMETERS (T = 1)."""
     from attribution import damping
     from attribution.posterior import EFFECTIVE_PARAMETERS, TRAINING_VARIANCE_RATIO
 
     torch.manual_seed(0)
     x = torch.randn(40, 6, dtype=torch.float64)
     y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
-    centre = torch.eye(3, dtype=torch.float64) - 1 / 3
     for epochs, binds in ((300, True), (20, False)):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).double()
         model = demo.train(model, x, y, epochs=epochs, batch_size=10, lr=1e-2, weight_decay=0.0)
         post = NTKPosterior(model, curvature=curvature).fit(x, y)
         if curvature == "exact":
-            rule = damping.damping_keeping(post._system(), post._rank(), EFFECTIVE_PARAMETERS)
+            size = damping.damping_keeping(post._system(), post._rank(), EFFECTIVE_PARAMETERS)
         else:
-            rule = damping.damping_for(post.kronecker_.eigenvalues, EFFECTIVE_PARAMETERS)
+            size = damping.damping_for(post.kronecker_.eigenvalues, EFFECTIVE_PARAMETERS)
+        sized = NTKPosterior(model, curvature=curvature, prior_precision=size).fit(x, y)
         with torch.no_grad():
-            g = model(x)
-        spread = float((g - g.mean(1, keepdim=True)).pow(2).sum())
-        cov = torch.as_tensor(post.predict_variance(x))
-        ratio = float(torch.einsum("ab,nbc,ca->", centre, cov, centre)) / spread
+            logit = model(x)
+        unscaled = _training_variance_ratio(torch.as_tensor(sized.predict_variance(x)), logit)
+        got = _training_variance_ratio(torch.as_tensor(post.predict_variance(x)), logit)
+        assert post.prior_precision_ < size  # the shape keeps more effective parameters
         if binds:
-            assert post.prior_precision_ > 1.2 * rule
-            assert ratio == pytest.approx(TRAINING_VARIANCE_RATIO, rel=1e-6)
+            assert unscaled > 1.2 * TRAINING_VARIANCE_RATIO
+            assert got == pytest.approx(TRAINING_VARIANCE_RATIO, rel=1e-6)
         else:
-            assert post.prior_precision_ == pytest.approx(rule, rel=1e-9)
-            assert ratio < TRAINING_VARIANCE_RATIO
+            assert unscaled < TRAINING_VARIANCE_RATIO
+            assert got == pytest.approx(unscaled, rel=1e-6)
 
 
 @pytest.mark.parametrize("curvature", ["exact", "ekfac"])
@@ -575,12 +608,11 @@ def test_projected_parameter_space_posterior_equals_the_kernel_form(small_classi
     assert not kernel_form.parameter_space_  # N·O = 60 ≤ 64
 
 
-def test_exact_parameter_space_when_parameters_are_few(small_classifier):
+def test_exact_parameter_space_when_parameters_are_few(small_classifier, monkeypatch):
     """P = 75 ≤ N·O/2 = 90: the exact posterior runs as a P × P system on the per-sample
     Jacobians, with the kernel form's covariance, evidence and effective-parameter prior (all
     checked against the parameter-space Laplace written out); frozen parameters stay out of P."""
-    from attribution.posterior import EFFECTIVE_PARAMETERS
-
+    monkeypatch.setattr("attribution.posterior.SHAPE_EFFECTIVE_PARAMETERS", 6.0)
     model, x20, _, xt, yt = small_classifier
     x = torch.cat(
         [x20, torch.randn(40, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(4))]
@@ -602,8 +634,7 @@ def test_exact_parameter_space_when_parameters_are_few(small_classifier):
     auto = NTKPosterior(model).fit(x, y)
     j = _jacobian(model, x)
     e = torch.linalg.eigvalsh(torch.einsum("iop,ioq,iqr->pr", j, lam, j)).clamp_min(0)
-    gamma = float((e / (e + auto.prior_precision_)).sum())
-    assert gamma == pytest.approx(EFFECTIVE_PARAMETERS, rel=1e-6)
+    assert _effective_parameters(e, auto.prior_precision_) == pytest.approx(6.0, rel=1e-6)
     tuned = NTKPosterior(model).fit(x, y, validation=(xt, yt))
     assert tuned.parameter_space_ and np.isfinite(tuned.predict_proba(xt)).all()
 

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+import scipy.optimize
 import torch
 from models import DictOutput, WideScale
 from torch import nn
@@ -47,9 +48,11 @@ def test_covariance_evidence_and_prior_are_those_of_the_factored_laplace_posteri
 ):
     """Σ(x) = Σ_W J_W(x)(Ĝ_W + δI)⁻¹J_W(x)ᵀ, the evidence with log det(I + Ĝ/δ) over Ĝ's
     largest N·(O − 1) eigenvalues (the Gauss–Newton matrix's rank; Ĝ's rank is not bounded by
-    N), and the "auto" δ keeping EFFECTIVE_PARAMETERS effective parameters of Ĝ's spectrum
-    (without the training-variance cap, tested in test_attribution_posterior.py), each computed
-    here from the blocks written out densely and autograd Jacobians."""
+    N), the "auto" δ keeping SHAPE_EFFECTIVE_PARAMETERS effective parameters of Ĝ's spectrum and
+    the temperature that spreads the training logits as the δ keeping EFFECTIVE_PARAMETERS does
+    (without the
+    training-variance cap, tested in test_attribution_posterior.py), each computed here from the
+    blocks written out densely and autograd Jacobians."""
     model, x, y, xt, _ = small_classifier
     delta = 0.7
     post = NTKPosterior(model, curvature=curvature, prior_precision=delta).fit(x, y)
@@ -77,9 +80,34 @@ def test_covariance_evidence_and_prior_are_those_of_the_factored_laplace_posteri
     assert post.log_marginal_likelihood() == pytest.approx(evidence, rel=1e-8)
 
     monkeypatch.setattr("attribution.posterior.TRAINING_VARIANCE_RATIO", math.inf)
+    monkeypatch.setattr("attribution.posterior.SHAPE_EFFECTIVE_PARAMETERS", 6.0)
     auto = NTKPosterior(model, curvature=curvature).fit(x, y)
-    gamma = float((e / (e + auto.prior_precision_)).sum())
-    assert gamma == pytest.approx(EFFECTIVE_PARAMETERS, rel=1e-6)
+    assert float((e / (e + auto.prior_precision_)).sum()) == pytest.approx(6.0, rel=1e-6)
+    j = _layer_jacobians(model, x)
+    with torch.no_grad():
+        logit = model(x)
+    centred = logit - logit.mean(1, keepdim=True)
+
+    def variance_ratio(d: float) -> float:  # Σ_i tr(C Σ_d(x_i) C) / Σ_i ‖C f(x_i)‖²
+        cov = sum(
+            torch.einsum(
+                "mop,pq,mrq->mor",
+                j[layer],
+                torch.linalg.inv(g + d * torch.eye(len(g), dtype=g.dtype)),
+                j[layer],
+            )
+            for layer, g in blocks.items()
+        )
+        cov = cov - cov.mean(1, keepdim=True)
+        return float((cov - cov.mean(2, keepdim=True)).diagonal(dim1=1, dim2=2).sum()) / float(
+            centred.pow(2).sum()
+        )
+
+    size = 10.0 ** scipy.optimize.brentq(
+        lambda log_d: float((e / (e + 10.0**log_d)).sum()) - EFFECTIVE_PARAMETERS, -12.0, 12.0
+    )
+    temperature = variance_ratio(size) / variance_ratio(auto.prior_precision_)
+    assert auto.temperature_ == pytest.approx(temperature, rel=1e-6)
 
 
 @pytest.mark.parametrize("curvature", FACTORED)
