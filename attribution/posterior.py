@@ -100,7 +100,10 @@ CURVATURES = ("auto", "exact", *STRATEGIES)
 # chosen leave-one-setting-out on twelve trained networks, five random splits each (`python
 # benchmarks/posterior_prior.py --curvature ekfac --splits 5`, results/posterior_prior.md, last
 # section), by the mean of log(test NLL / MAP's) + log(ECE / MAP's) + max(0, log((1 − OOD
-# AUROC) / MAP's)).
+# AUROC) / MAP's)): 9 of 12 folds pick (2.37, 0.05, 42.2); mean log(NLL / MAP's) −0.207 held out
+# (−0.217 in sample), log(ECE / MAP's) −0.055 (−0.130); digits MLP NLL / ECE / permuted AUROC
+# 0.118 / 0.0110 / 0.911 against the MAP's 0.136 / 0.0193 / 0.894, AUROC and ECE no worse on
+# 5 of 5 splits.
 EFFECTIVE_PARAMETERS = 10**0.375
 TRAINING_VARIANCE_RATIO = 0.05
 SHAPE_EFFECTIVE_PARAMETERS = 10**1.625

@@ -10,8 +10,9 @@ Settings (trained here with `ntk.demo.train`, fixed seeds): `digits_mlp` (MLP 64
 (MLP 30-32-2 on standardised features). Each has a train, a validation and a test split (every
 sample left after the other two).
 
-The prior precision is the library default (no held-out data: a fixed effective number of
-parameters, chosen by benchmarks/posterior_prior.py), the Laplace evidence (marginal likelihood),
+The prior precision is the library default (no held-out data: the shape of a posterior keeping
+many effective parameters, tempered to the size of one keeping few; chosen by
+benchmarks/posterior_prior.py), the Laplace evidence (marginal likelihood),
 or the NLL of the validation split, which the network did not train on
 (`NTKPosterior.fit(validation=...)`; laplace-torch's gridsearch), both libraries on the same
 split.
