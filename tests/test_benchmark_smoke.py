@@ -189,9 +189,13 @@ def test_damping_benchmark_smoke_run_checks_the_library_default():
 
 def test_posterior_prior_smoke_run_scores_the_library_default():
     """benchmarks/posterior_prior.py: the leave-one-setting-out table, and the library's default
-    fit reproduces the benchmark's rule at EFFECTIVE_PARAMETERS and TRAINING_VARIANCE_RATIO
-    (which must lie on its grid)."""
-    from attribution.posterior import EFFECTIVE_PARAMETERS, TRAINING_VARIANCE_RATIO
+    fit reproduces the benchmark's rule at EFFECTIVE_PARAMETERS, TRAINING_VARIANCE_RATIO and
+    SHAPE_EFFECTIVE_PARAMETERS (which must lie on its grid)."""
+    from attribution.posterior import (
+        EFFECTIVE_PARAMETERS,
+        SHAPE_EFFECTIVE_PARAMETERS,
+        TRAINING_VARIANCE_RATIO,
+    )
 
     out = _run_benchmark("posterior_prior.py")
     rows = {_cells(line)[0]: _cells(line)[1:] for line in out.splitlines() if line.startswith("|")}
@@ -199,7 +203,10 @@ def test_posterior_prior_smoke_run_scores_the_library_default():
     for name in ("breast_cancer", "wine"):
         nll = [float(v) for v in rows[name][1].split("/")]
         assert len(nll) == 3 and all(v > 0 for v in nll)
-    rule = f"γ {EFFECTIVE_PARAMETERS:.3g} / ρ {TRAINING_VARIANCE_RATIO:g}"
+    rule = (
+        f"γ {EFFECTIVE_PARAMETERS:.3g} / ρ {TRAINING_VARIANCE_RATIO:g} / "
+        f"shape γ {SHAPE_EFFECTIVE_PARAMETERS:.3g}"
+    )
     assert f"library rule ({rule})" in out
     checks = [line for line in out.splitlines() if "NTKPosterior(model).fit test NLL" in line]
     assert len(checks) == 2
