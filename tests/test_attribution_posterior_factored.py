@@ -58,16 +58,20 @@ def test_covariance_evidence_and_prior_are_those_of_the_factored_laplace_posteri
     post = NTKPosterior(model, curvature=curvature, prior_precision=delta).fit(x, y)
     blocks = _dense_curvature(post)
     assert set(blocks) == {"0", "2"}
-    jt = _layer_jacobians(model, xt)
-    expected = sum(
-        torch.einsum(
-            "mop,pq,mrq->mor",
-            jt[layer],
-            torch.linalg.inv(g + delta * torch.eye(len(g), dtype=g.dtype)),
-            jt[layer],
+
+    def covariance(jac: dict[str, torch.Tensor], d: float) -> torch.Tensor:
+        """Σ_W J_W (Ĝ_W + dI)⁻¹ J_Wᵀ [M, O, O] from the dense blocks."""
+        return sum(
+            torch.einsum(
+                "mop,pq,mrq->mor",
+                jac[layer],
+                torch.linalg.inv(g + d * torch.eye(len(g), dtype=g.dtype)),
+                jac[layer],
+            )
+            for layer, g in blocks.items()
         )
-        for layer, g in blocks.items()
-    )
+
+    expected = covariance(_layer_jacobians(model, xt), delta)
     np.testing.assert_allclose(post.predict_variance(xt), expected.numpy(), rtol=1e-8, atol=1e-12)
 
     e = torch.cat([torch.linalg.eigvalsh(g).clamp_min(0) for g in blocks.values()])
@@ -89,15 +93,7 @@ def test_covariance_evidence_and_prior_are_those_of_the_factored_laplace_posteri
     centred = logit - logit.mean(1, keepdim=True)
 
     def variance_ratio(d: float) -> float:  # Σ_i tr(C Σ_d(x_i) C) / Σ_i ‖C f(x_i)‖²
-        cov = sum(
-            torch.einsum(
-                "mop,pq,mrq->mor",
-                j[layer],
-                torch.linalg.inv(g + d * torch.eye(len(g), dtype=g.dtype)),
-                j[layer],
-            )
-            for layer, g in blocks.items()
-        )
+        cov = covariance(j, d)
         cov = cov - cov.mean(1, keepdim=True)
         return float((cov - cov.mean(2, keepdim=True)).diagonal(dim1=1, dim2=2).sum()) / float(
             centred.pow(2).sum()
