@@ -421,26 +421,18 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             return damping.damping_for(self.kronecker_.eigenvalues, target)
         return damping.damping_keeping(a, self._rank(), target)
 
-    def _tempered_prior(
-        self,
-        a: torch.Tensor | None,
-        size: float | None = None,
-        ratio: float | None = None,
-        shape: float | None = None,
-    ) -> tuple[float, float]:
-        """The default (δ, T) without held-out data: the shape of Σ from the δ keeping `shape`
-        effective parameters, its size from the δ_size keeping `size`; T scales the former so
-        that the variance ratio v(δ) = mean_i tr(C Σ_δ(x_i) C) / mean_i ‖C f(x_i)‖² over (at
-        most VARIANCE_SAMPLES of) the training inputs is T·v(δ) = min(v(δ_size), ratio). None:
-        SHAPE_EFFECTIVE_PARAMETERS, EFFECTIVE_PARAMETERS, TRAINING_VARIANCE_RATIO."""
-        size = EFFECTIVE_PARAMETERS if size is None else size
-        ratio = TRAINING_VARIANCE_RATIO if ratio is None else ratio
-        delta = self._keeping(a, SHAPE_EFFECTIVE_PARAMETERS if shape is None else shape)
+    def _tempered_prior(self, a: torch.Tensor | None) -> tuple[float, float]:
+        """The default (δ, T) without held-out data: the shape of Σ from the δ keeping
+        SHAPE_EFFECTIVE_PARAMETERS, its size from the δ_size keeping EFFECTIVE_PARAMETERS; T
+        scales the former so that the variance ratio v(δ) = mean_i tr(C Σ_δ(x_i) C) /
+        mean_i ‖C f(x_i)‖² over (at most VARIANCE_SAMPLES of) the training inputs is
+        T·v(δ) = min(v(δ_size), TRAINING_VARIANCE_RATIO)."""
+        delta = self._keeping(a, SHAPE_EFFECTIVE_PARAMETERS)
         variance_ratio = self._variance_ratio(a)
         if variance_ratio is None:  # logits with no spread on the training inputs
             return delta, 1.0
-        target = min(variance_ratio(self._keeping(a, size)), ratio)
-        return delta, target / variance_ratio(delta)
+        size = variance_ratio(self._keeping(a, EFFECTIVE_PARAMETERS))
+        return delta, min(size, TRAINING_VARIANCE_RATIO) / variance_ratio(delta)
 
     def _variance_ratio(self, a: torch.Tensor | None):
         """δ ↦ v(δ) (`_tempered_prior`) on at most VARIANCE_SAMPLES evenly spaced training inputs,
