@@ -235,7 +235,7 @@ def _rule(gamma: float, ratio: float, shape: float | None = None) -> str:
 
 def log_ratio(r: dict, rule: str, metric: str = "nll") -> float:
     """log(metric of the rule / metric of the MAP softmax) on one split; for the AUROC, of its
-    error 1 − AUROC (floored at AUROC_ERROR_FLOOR), and 0 where it is below the MAP's."""
+    error 1 − AUROC (floored at AUROC_ERROR_FLOOR), and 0 where the AUROC is at least the MAP's."""
     rule, map_ = r["rules"][rule][metric], r["map"][metric]
     if metric != "auroc":
         return math.log(rule / map_)
