@@ -619,7 +619,8 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         return e, covariance, prior
 
     def log_marginal_likelihood(self) -> float:
-        """The Laplace evidence log Z(δ) at the fitted prior precision δ (module docstring)."""
+        """The Laplace evidence log Z(δ) at the fitted prior precision δ (module docstring), of
+        the untempered posterior: `temperature_` scales the predictive covariance only."""
         check_is_fitted(self, "factor_")
         return self.evidence_
 
