@@ -196,6 +196,42 @@ def test_auto_prior_caps_the_logit_variance_on_the_training_inputs(curvature):
 
 
 @pytest.mark.parametrize("curvature", ["exact", "ekfac"])
+def test_auto_prior_is_widest_where_the_training_inputs_never_reach(curvature):
+    """The training inputs span three of six coordinates. The default posterior (the shape of
+    many effective parameters) spreads the logits of inputs in the other three far more than
+    those of inputs like the training ones; the posterior of the few effective parameters that
+    set its size, mostly the prior, hardly tells them apart."""
+    from attribution import damping
+    from attribution.posterior import EFFECTIVE_PARAMETERS
+
+    torch.manual_seed(0)
+    x = torch.randn(60, 6, dtype=torch.float64)
+    x[:, 3:] = 0
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    torch.manual_seed(1)
+    inside, outside = torch.randn(2, 20, 6, dtype=torch.float64)
+    inside[:, 3:], outside[:, :3] = 0, 0
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    model = demo.train(model, x, y, epochs=100, batch_size=10, lr=1e-2)
+    post = NTKPosterior(model, curvature=curvature).fit(x, y)
+    if curvature == "exact":
+        size = damping.damping_keeping(post._system(), post._rank(), EFFECTIVE_PARAMETERS)
+    else:
+        size = damping.damping_for(post.kronecker_.eigenvalues, EFFECTIVE_PARAMETERS)
+    sized = NTKPosterior(model, curvature=curvature, prior_precision=size).fit(x, y)
+    centre = torch.eye(3, dtype=torch.float64) - 1 / 3
+
+    def spread(fitted: NTKPosterior, z: torch.Tensor) -> float:
+        cov = torch.as_tensor(fitted.predict_variance(z))
+        return float(torch.einsum("ab,nbc,ca->", centre, cov, centre))
+
+    shaped = spread(post, outside) / spread(post, inside)
+    unshaped = spread(sized, outside) / spread(sized, inside)
+    assert shaped > 3 * unshaped and unshaped < 5
+
+
+@pytest.mark.parametrize("curvature", ["exact", "ekfac"])
 def test_a_single_logit_is_a_binary_classifier(curvature):
     """A one-output model is the binary classifier with logits (0, z): the same prior, the same
     probabilities and covariance as the two-output model written out, for both curvatures and
