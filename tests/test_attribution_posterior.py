@@ -159,6 +159,20 @@ def test_auto_prior_takes_its_shape_from_many_effective_parameters_and_its_size_
     )
 
 
+def _sized(post: NTKPosterior, x, y) -> tuple[NTKPosterior, float]:
+    """The posterior (T = 1) at the δ keeping EFFECTIVE_PARAMETERS of the fitted `post`'s
+    curvature, which sets the default's size, and that δ."""
+    from attribution import damping
+    from attribution.posterior import EFFECTIVE_PARAMETERS
+
+    if post.curvature_ == "exact":
+        size = damping.damping_keeping(post._system(), post._rank(), EFFECTIVE_PARAMETERS)
+    else:
+        size = damping.damping_for(post.kronecker_.eigenvalues, EFFECTIVE_PARAMETERS)
+    sized = NTKPosterior(post.model, curvature=post.curvature_, prior_precision=size)
+    return sized.fit(x, y), size
+
+
 @pytest.mark.parametrize("curvature", ["exact", "ekfac"])
 def test_auto_prior_caps_the_logit_variance_on_the_training_inputs(curvature):
     """A tanh network trained to confidence: the curvature collapses and the posterior keeping
@@ -166,8 +180,7 @@ def test_auto_prior_caps_the_logit_variance_on_the_training_inputs(curvature):
     TRAINING_VARIANCE_RATIO of their mean square, so the default's spread (computed here from
     predict_variance) equals that ratio. Stopped early, the cap does not bind: the spread is
     that of the posterior at the δ keeping EFFECTIVE_PARAMETERS (T = 1)."""
-    from attribution import damping
-    from attribution.posterior import EFFECTIVE_PARAMETERS, TRAINING_VARIANCE_RATIO
+    from attribution.posterior import TRAINING_VARIANCE_RATIO
 
     torch.manual_seed(0)
     x = torch.randn(40, 6, dtype=torch.float64)
@@ -177,11 +190,7 @@ def test_auto_prior_caps_the_logit_variance_on_the_training_inputs(curvature):
         model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).double()
         model = demo.train(model, x, y, epochs=epochs, batch_size=10, lr=1e-2, weight_decay=0.0)
         post = NTKPosterior(model, curvature=curvature).fit(x, y)
-        if curvature == "exact":
-            size = damping.damping_keeping(post._system(), post._rank(), EFFECTIVE_PARAMETERS)
-        else:
-            size = damping.damping_for(post.kronecker_.eigenvalues, EFFECTIVE_PARAMETERS)
-        sized = NTKPosterior(model, curvature=curvature, prior_precision=size).fit(x, y)
+        sized, size = _sized(post, x, y)
         with torch.no_grad():
             logit = model(x)
         unscaled = _training_variance_ratio(torch.as_tensor(sized.predict_variance(x)), logit)
@@ -201,9 +210,6 @@ def test_auto_prior_is_widest_where_the_training_inputs_never_reach(curvature):
     many effective parameters) spreads the logits of inputs in the other three far more than
     those of inputs like the training ones; the posterior of the few effective parameters that
     set its size, mostly the prior, hardly tells them apart."""
-    from attribution import damping
-    from attribution.posterior import EFFECTIVE_PARAMETERS
-
     torch.manual_seed(0)
     x = torch.randn(60, 6, dtype=torch.float64)
     x[:, 3:] = 0
@@ -215,11 +221,7 @@ def test_auto_prior_is_widest_where_the_training_inputs_never_reach(curvature):
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
     model = demo.train(model, x, y, epochs=100, batch_size=10, lr=1e-2)
     post = NTKPosterior(model, curvature=curvature).fit(x, y)
-    if curvature == "exact":
-        size = damping.damping_keeping(post._system(), post._rank(), EFFECTIVE_PARAMETERS)
-    else:
-        size = damping.damping_for(post.kronecker_.eigenvalues, EFFECTIVE_PARAMETERS)
-    sized = NTKPosterior(model, curvature=curvature, prior_precision=size).fit(x, y)
+    sized = _sized(post, x, y)[0]
     centre = torch.eye(3, dtype=torch.float64) - 1 / 3
 
     def spread(fitted: NTKPosterior, z: torch.Tensor) -> float:
