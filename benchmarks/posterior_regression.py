@@ -4,6 +4,7 @@ user has no held-out data?
     python benchmarks/posterior_regression.py [--settings a,b] [--json out.json]
     python benchmarks/posterior_regression.py --smoke     # the two quickest settings
     python benchmarks/posterior_regression.py --checks    # networks never used to choose it
+    python benchmarks/posterior_regression.py --splits 5  # each setting on 5 random splits
 
 Seven regression networks (MLPs trained with Adam on the mean squared error, fixed seeds;
 inputs and targets standardised; 60 / 20 / 20 % train / validation / test splits) on data
@@ -25,7 +26,10 @@ For reference, with the validation split: `validation` (σ² and δ minimising i
 as `fit(validation=...)` does with noise="auto") and `validation δ` (σ² the residual, δ
 minimising it: `noise=` the residual), and `oracle Gaussian` (N(f(x), test MSE): the best a
 constant variance can do). The default is chosen leave-one-setting-out among the three rules:
-each fold picks the rule with the smallest mean test NLL over the other six.
+each fold picks the rule with the smallest mean test NLL over the other six. With --splits K
+each setting runs on K random splits (the train / validation / test split, generated data,
+initialisation and minibatch order seeded 0 … K − 1; split 0 is the single run) and every
+figure is the mean over its splits.
 """
 
 from __future__ import annotations
@@ -71,8 +75,8 @@ PREVIOUS_EFFECTIVE_PARAMETERS = 10**0.375  # the classification rule's γ when r
 SMOKE = ("diabetes_30ep", "sine_gap")
 
 
-def mlp(d_in: int, d_out: int, width: int = 64) -> nn.Module:
-    torch.manual_seed(0)
+def mlp(d_in: int, d_out: int, width: int = 64, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
     return nn.Sequential(
         nn.Linear(d_in, width),
         nn.ReLU(),
@@ -82,8 +86,8 @@ def mlp(d_in: int, d_out: int, width: int = 64) -> nn.Module:
     )
 
 
-def train(model, x, y, epochs=300, lr=3e-3, weight_decay=0.0, batch=64):
-    gen = torch.Generator().manual_seed(0)
+def train(model, x, y, epochs=300, lr=3e-3, weight_decay=0.0, batch=64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
     for _ in range(epochs):
         order = torch.randperm(len(x), generator=gen)
@@ -95,47 +99,51 @@ def train(model, x, y, epochs=300, lr=3e-3, weight_decay=0.0, batch=64):
     return model.eval()
 
 
-def splits(x, y) -> dict:
+def splits(x, y, seed: int = 0) -> dict:
     x = (x - x.mean(0)) / (x.std(0) + 1e-8)
     y = y.reshape(len(y), -1)
     y = (y - y.mean(0)) / y.std(0)
-    x_tr, x_rest, y_tr, y_rest = train_test_split(x, y, test_size=0.4, random_state=0)
-    x_va, x_te, y_va, y_te = train_test_split(x_rest, y_rest, test_size=0.5, random_state=0)
+    x_tr, x_rest, y_tr, y_rest = train_test_split(x, y, test_size=0.4, random_state=seed)
+    x_va, x_te, y_va, y_te = train_test_split(x_rest, y_rest, test_size=0.5, random_state=seed)
     t = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
     return {"train": (t(x_tr), t(y_tr)), "val": (t(x_va), t(y_va)), "test": (t(x_te), t(y_te))}
 
 
-def data(name: str) -> dict:
+def data(name: str, split: int = 0) -> dict:
+    """The setting's standardised train / val / test tensors; `split` seeds the split and the
+    generated data."""
     if name.startswith("diabetes"):
         d = datasets.load_diabetes()
-        return splits(d.data, d.target)
+        return splits(d.data, d.target, split)
     if name == "digits_value":
         d = datasets.load_digits()
-        return splits(d.data, d.target.astype(float))
+        return splits(d.data, d.target.astype(float), split)
     if name == "cancer_area":
         x = datasets.load_breast_cancer().data
-        return splits(np.delete(x, [0, 2, 3, 20, 22, 23], 1), np.log(x[:, 3]))
+        return splits(np.delete(x, [0, 2, 3, 20, 22, 23], 1), np.log(x[:, 3]), split)
     if name == "wine_two":
         x = datasets.load_wine().data
-        return splits(np.delete(x, [0, 9], 1), x[:, [0, 9]])
+        return splits(np.delete(x, [0, 9], 1), x[:, [0, 9]], split)
     if name.startswith("friedman1"):
-        return splits(*datasets.make_friedman1(600, noise=1.0, random_state=0))
+        return splits(*datasets.make_friedman1(600, noise=1.0, random_state=split), split)
     if name == "friedman3":
-        return splits(*datasets.make_friedman3(600, noise=0.1, random_state=0))
+        return splits(*datasets.make_friedman3(600, noise=0.1, random_state=split), split)
     if name == "linear_noisy":
-        return splits(*datasets.make_regression(500, 10, noise=20.0, random_state=0))
+        return splits(*datasets.make_regression(500, 10, noise=20.0, random_state=split), split)
     if name == "digits_ink":
         x = datasets.load_digits().data
-        return splits(x[:, :40], (x[:, 40:] > 4).sum(1).astype(float))
-    rng = np.random.default_rng(0)
+        return splits(x[:, :40], (x[:, 40:] > 4).sum(1).astype(float), split)
+    rng = np.random.default_rng(split)
     xs = np.concatenate([rng.uniform(-3, -0.5, 200), rng.uniform(0.5, 3, 200)])
-    return splits(xs[:, None], np.sin(2 * xs) + 0.2 * rng.standard_normal(400))
+    return splits(xs[:, None], np.sin(2 * xs) + 0.2 * rng.standard_normal(400), split)
 
 
-def measure(name: str) -> dict[str, float]:
-    d = data(name)
+def measure(name: str, split: int = 0) -> dict[str, float]:
+    """Every rule's test NLL per output (and the MSEs, the default's σ²) on random split `split`."""
+    d = data(name, split)
     (x, y), (xv, yv), (xt, yt) = d["train"], d["val"], d["test"]
-    model = train(mlp(x.shape[1], y.shape[1]), x, y, **{**RECIPES, **CHECKS}[name])
+    recipe = {**RECIPES, **CHECKS}[name]
+    model = train(mlp(x.shape[1], y.shape[1], seed=split), x, y, **recipe, seed=split)
     o = y.shape[1]
     with torch.no_grad():
         residual = float(((model(x) - y) ** 2).mean())
@@ -192,13 +200,21 @@ def main() -> None:
         action="store_true",
         help="measure the networks never used to choose the default: " + ", ".join(CHECKS),
     )
+    ap.add_argument("--splits", type=int, default=1, help="random splits per setting (means)")
     args = ap.parse_args()
+    if args.splits < 1:
+        ap.error(f"--splits must be at least 1, got {args.splits}")
+
+    def averaged(name: str) -> dict[str, float]:
+        runs = [measure(name, split) for split in range(args.splits)]
+        return {key: float(np.mean([r[key] for r in runs])) for key in runs[0]}
+
     if args.checks:
         print("networks never used to choose the default: test NLL per output")
         print("| setting | train / test MSE | MAP | evidence δ | default | oracle Gaussian |")
         print("|---|---|---|---|---|---|")
         for name in CHECKS:
-            r = measure(name)
+            r = averaged(name)
             print(
                 f"| {name} | {r['train MSE']:.3g} / {r['test MSE']:.3g} | {r['MAP']:.4g} "
                 f"| {r['evidence δ']:.4g} | {r['default']:.4g} | {r['oracle Gaussian']:.4g} |",
@@ -206,7 +222,7 @@ def main() -> None:
             )
         return
     names = SMOKE if args.smoke else args.settings.split(",")
-    results = {name: measure(name) for name in names}
+    results = {name: averaged(name) for name in names}
     picks = held_out(results)
     columns = ["MAP", *RULES, "validation", "validation δ", "oracle Gaussian"]
     print("test NLL per output (lower is better); held out: the rule picked without the setting")
