@@ -92,12 +92,21 @@ def damping_for(eigenvalues: torch.Tensor, target: float) -> float:
     return float(10.0 ** scipy.optimize.brentq(excess, lo, hi, xtol=1e-12))
 
 
+def spectrum_keeping(
+    a: torch.Tensor, rank: int, target: float, product: Product | None = None
+) -> torch.Tensor:
+    """The `spectrum` of the symmetric PSD system `a` of the given rank that `damping_for` needs
+    for any target up to `target` effective parameters: exact, or the top 4·target + 64
+    eigenvalues and the trace's rest."""
+    return spectrum(a, rank, int(4 * target) + 64, product)
+
+
 def damping_keeping(
     a: torch.Tensor, rank: int, target: float, product: Product | None = None
 ) -> float:
     """The λ with γ(λ) = target for the symmetric PSD system `a` of the given rank, from its
-    `spectrum` (exact, or the top 4·target + 64 eigenvalues and the trace's rest)."""
-    return damping_for(spectrum(a, rank, int(4 * target) + 64, product), target)
+    `spectrum_keeping`."""
+    return damping_for(spectrum_keeping(a, rank, target, product), target)
 
 
 def scalar_kernel_system(k: torch.Tensor, root: torch.Tensor) -> tuple[torch.Tensor, Product]:

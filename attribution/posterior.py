@@ -413,25 +413,26 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         theta = _kernels.output_kernel_factor(self.model, x_train, **self._opts())
         return damping.kernel_system(theta, root)[0]
 
-    def _keeping(self, a: torch.Tensor | None, target: float) -> float:
-        """The δ with γ(δ) = target for the system `a` (`damping`; the rank of SΘS is N·(O − 1)
-        for the softmax, N·O for the Gaussian likelihood), or for the factored curvature's whole
-        spectrum (a None)."""
+    def _spectrum(self, a: torch.Tensor | None, target: float) -> torch.Tensor:
+        """The eigenvalues `damping.damping_for` needs for targets up to `target`: of the system
+        `a` (`damping.spectrum_keeping`; the rank of SΘS is N·(O − 1) for the softmax, N·O for
+        the Gaussian likelihood), or the factored curvature's whole spectrum (a None)."""
         if a is None:
-            return damping.damping_for(self.kronecker_.eigenvalues, target)
-        return damping.damping_keeping(a, self._rank(), target)
+            return self.kronecker_.eigenvalues
+        return damping.spectrum_keeping(a, self._rank(), target)
 
     def _tempered_prior(self, a: torch.Tensor | None) -> tuple[float, float]:
         """The default (δ, T) without held-out data: the shape of Σ from the δ keeping
-        SHAPE_EFFECTIVE_PARAMETERS, its size from the δ_size keeping EFFECTIVE_PARAMETERS; T
-        scales the former so that the variance ratio v(δ) = mean_i tr(C Σ_δ(x_i) C) /
-        mean_i ‖C f(x_i)‖² over (at most VARIANCE_SAMPLES of) the training inputs is
-        T·v(δ) = min(v(δ_size), TRAINING_VARIANCE_RATIO)."""
-        delta = self._keeping(a, SHAPE_EFFECTIVE_PARAMETERS)
+        SHAPE_EFFECTIVE_PARAMETERS, its size from the δ_size keeping EFFECTIVE_PARAMETERS (both
+        from one spectrum); T scales the former so that the variance ratio v(δ) =
+        mean_i tr(C Σ_δ(x_i) C) / mean_i ‖C f(x_i)‖² over (at most VARIANCE_SAMPLES of) the
+        training inputs is T·v(δ) = min(v(δ_size), TRAINING_VARIANCE_RATIO)."""
+        e = self._spectrum(a, max(SHAPE_EFFECTIVE_PARAMETERS, EFFECTIVE_PARAMETERS))
+        delta = damping.damping_for(e, SHAPE_EFFECTIVE_PARAMETERS)
         variance_ratio = self._variance_ratio(a)
         if variance_ratio is None:  # logits with no spread on the training inputs
             return delta, 1.0
-        size = variance_ratio(self._keeping(a, EFFECTIVE_PARAMETERS))
+        size = variance_ratio(damping.damping_for(e, EFFECTIVE_PARAMETERS))
         return delta, min(size, TRAINING_VARIANCE_RATIO) / variance_ratio(delta)
 
     def _variance_ratio(self, a: torch.Tensor | None):
@@ -443,7 +444,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         rows = torch.linspace(0, n - 1, min(n, VARIANCE_SAMPLES)).round().long()
         x = inputs.take(self.x_train_, rows)
         logit = self._mean(x)
-        scale = float((logit - logit.mean(-1, keepdim=True)).pow(2).sum(-1).mean()) * len(rows)
+        scale = float((logit - logit.mean(-1, keepdim=True)).pow(2).sum())
         if not scale > 0:
             return None
         o = self.n_outputs_
