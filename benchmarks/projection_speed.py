@@ -2,11 +2,12 @@
 (per-sample gradients with vmap(grad) as TRAK's FunctionalGradientComputer does, flattened, then
 `trak.projectors.BasicProjector`, Rademacher, float32, batches of 512), on the MLP 784-512-512-10
 and a small CNN, N = 1024. Kernel: sum-of-logits (one cotangent, like TRAK's one output per
-sample). Each measurement runs in a fresh process: an untimed first call on 8 samples, then the
-median wall time of the repeats, and the peak resident set size during a run above the resident
-size before it (sampled every 2 ms). (Before 2026-12-05 there was no untimed call: TRAK's
-single default repeat then included its one-time costs, ~0.8 s on the CNN, and our median of
-several did not.) Error:
+sample). Each measurement runs in a fresh process: an untimed first call on 8 samples, an
+untimed call for the peak resident set size above the resident size before it (sampled every
+2 ms by a thread, which slows the calls it runs beside; earlier runs sampled during the timed
+calls), then the median wall time of the repeats. (Before 2026-12-05 there was no untimed
+call: TRAK's single default repeat then included its one-time costs, ~0.8 s on the CNN, and our
+median of several did not.) Error:
 relative Frobenius error of Φ Φᵀ against the exact kernel (ntk.empirical_ntk), TRAK's features
 scaled by 1/√k; ours also as the mean over `--error-seeds` projection seeds (one seed's error
 varies several-fold from seed to seed). One row per projector of ours (`--projectors`, the
@@ -113,14 +114,15 @@ def _worker(method, model_name, n, dim, repeats, out_path, queue):
     method, _, projector = method.partition(":")
     fn = partial(_ours, projector=projector) if method == "ours" else _trak
     fn(model, x[:WARM_UP], dim)  # untimed: one-time costs (imports, first calls) of either
-    times, peak = [], 0
+    base = _rss()
+    with _PeakRSS() as rss:  # a run of its own: the sampling thread slows the timed runs
+        fn(model, x, dim)
+    peak = rss.peak - base
+    times = []
     for _ in range(repeats):
-        base = _rss()
-        with _PeakRSS() as rss:
-            t = time.perf_counter()
-            phi = fn(model, x, dim)
-            times.append(time.perf_counter() - t)
-        peak = max(peak, rss.peak - base)
+        t = time.perf_counter()
+        phi = fn(model, x, dim)
+        times.append(time.perf_counter() - t)
     np.save(out_path, phi.numpy())
     queue.put((times, peak))
 
