@@ -14,7 +14,7 @@ import ntk
 import projections
 from ntk.core import kinds
 from ntk.core.structured import Factored
-from projections._projectors import PROJECTORS, MatrixBank
+from projections._projectors import INTEGER_MIN_ROWS, PROJECTORS, MatrixBank, integer_matmul
 from projections._sketch import Sketcher
 
 KINDS = ("full", "diagonal", "trace", "sum_logits")
@@ -204,6 +204,49 @@ def test_projector_entries_are_the_float64_entries_rounded_to_the_dtype(projecto
         r = MatrixBank(projector, 1, dtype=dtype, device="cpu").matrix(("t",), 30, 50, scale)
         assert r.dense().dtype == dtype
         assert torch.equal(r.dense(), ref.dense().to(dtype))
+
+
+def test_integer_products_are_within_the_two_level_bound():
+    """x @ signs through two int8 levels per row: every output within rows·max|x_row|/(2·127·254)
+    of the float64 product (one level would miss it by ~10×), whatever the row's scale; a zero
+    row gives zeros, a row holding inf or NaN gives NaN."""
+    g = torch.Generator().manual_seed(0)
+    rows, cols = 300, 40
+    signs = (torch.randint(0, 2, (rows, cols), generator=g) * 2 - 1).to(torch.int8)
+    x = torch.randn(7, rows, generator=g)
+    x[:3] *= torch.tensor([[1e-6], [1.0], [1e4]])
+    x[3, 0] = 1e3  # one entry dominates its row
+    x[4] = 0
+    x[5, 7], x[6, 9] = float("inf"), float("nan")
+    out = integer_matmul(x, signs)
+    assert out.dtype == torch.float32 and out.shape == (7, cols)
+    exact = x[:4].double() @ signs.double()
+    top = x[:4].abs().amax(1, keepdim=True).double()
+    bound = rows * top / (2 * 127 * 254) + 1e-6 * x[:4].abs().sum(1, keepdim=True).double()
+    assert ((out[:4].double() - exact).abs() <= bound).all()
+    assert (out[:4].double() - exact).abs().max(1).values.gt(bound.squeeze(1) / 100).any()
+    assert torch.equal(out[4], torch.zeros(cols))
+    assert out[5:].isnan().all()
+
+
+def test_float32_rademacher_features_through_integer_products(monkeypatch):
+    """A float32 Rademacher bank on a CPU with fast int8 products multiplies matrices of at least
+    INTEGER_MIN_ROWS rows by integers: the features differ from the float products' by the
+    two-level rounding only; float64, other projectors and small matrices stay float."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(INTEGER_MIN_ROWS + 44, 8), nn.Tanh(), nn.Linear(8, 3)).eval()
+    x = torch.randn(6, INTEGER_MIN_ROWS + 44)
+    monkeypatch.setattr("projections._projectors.integer_products", lambda: True)
+    bank = MatrixBank("rademacher", 0, dtype=torch.float32, device="cpu")
+    assert bank.signs(bank.matrix(("t",), INTEGER_MIN_ROWS, 16)) is not None
+    assert bank.signs(bank.matrix(("t",), INTEGER_MIN_ROWS - 1, 16)) is None
+    for projector, dtype in (("gaussian", torch.float32), ("rademacher", torch.float64)):
+        assert not MatrixBank(projector, 0, dtype=dtype, device="cpu").integer
+    integer = projections.features(model, x, dim=256, kind="trace", seed=1)
+    monkeypatch.setattr("projections._projectors.integer_products", lambda: False)
+    floats = projections.features(model, x, dim=256, kind="trace", seed=1)
+    assert not torch.equal(integer, floats)
+    assert torch.allclose(integer, floats, rtol=0, atol=1e-4 * float(floats.abs().max()))
 
 
 @pytest.mark.parametrize("projector", ["gaussian", "srht"])
