@@ -34,7 +34,6 @@ depends only on the layer's shapes and the projector, so it is the same for ever
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -109,11 +108,10 @@ class Sketcher:
             if t.padding_idx is not None:
                 a_proj = a_proj * (t.a != t.padding_idx).unsqueeze(-1).to(a_proj.dtype)
         else:
-            f_in = t.a.shape[-1]
+            f_in = t.input_features
             if self.via_gradient(t.layer, s, f_in, f_out, c):
-                g = torch.einsum("cbso,bsi->cboi", t.d, t.a).reshape(c, b, f_out * f_in)
                 # the projection `explicit(t.layer, "weight", g)` uses
-                return self._dense(t.layer, "weight", f_out * f_in).matmul(g)
+                return self._dense(t.layer, "weight", f_out * f_in).matmul(t.gradient())
             a_proj = self._factor("in", t.layer, f_in).matmul(t.a)  # [B, S, r·m]
         d_proj = self._factor("out", t.layer, f_out).matmul(t.d).reshape(c, b, s, r, m)
         a_proj = a_proj.reshape(b, s, r, m)
@@ -139,7 +137,6 @@ class Sketcher:
                 counts[t.layer] = part + 1
                 phi = self.explicit(t.layer, part, t.g.to(dtype))
             else:
-                a = t.a if t.index else t.a.to(dtype)
-                phi = self.factored(dataclasses.replace(t, a=a, d=t.d.to(dtype)))
+                phi = self.factored(t.to(dtype))
             out[key] = phi if key not in out else out[key] + phi
         return out

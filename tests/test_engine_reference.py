@@ -8,6 +8,7 @@ from models import CASES, CallCounter, SequenceFirst, SharedPositions, TwoDtypes
 from reference import kernels, layer_params, lpntk, of_kind, rel_err
 
 import ntk
+from ntk.core import structured
 
 METHODS = ("jacobian", "ntk_vp", "structured", "auto")
 
@@ -144,6 +145,39 @@ def test_conv1d_padding_modes(padding_mode):
     parts = ntk.empirical_ntk(model, x, kind="full", method="structured", layers="all")
     for layer, value in parts.items():
         assert rel_err(value, ref[layer]) <= 1e-10, layer
+
+
+@pytest.mark.parametrize("cotangents", [1, 3])
+@pytest.mark.parametrize(
+    "conv",
+    [
+        dict(in_channels=5, kernel_size=3, padding=1),  # channels-last windows (C_in > k_w)
+        dict(in_channels=5, kernel_size=(3, 2), stride=2, dilation=(1, 2), padding=2),
+        dict(in_channels=6, kernel_size=3, stride=(2, 1), padding=1, padding_mode="circular"),
+        dict(in_channels=2, kernel_size=3, padding=1, padding_mode="reflect"),  # C_in ≤ k_w
+        dict(in_channels=5, kernel_size=3, stride=3, bias=False),
+    ],
+    ids=["3x3", "strided-dilated", "circular", "few-channels", "no-bias"],
+)
+def test_convolution_per_sample_gradients_match_autograd(conv, cotangents):
+    """`Windows.gradient` (per-sample gradients Σ_s δ_s a_sᵀ of weight and bias, on either of its
+    copies) equals autograd's gradient of each sample's Σ_s δ_s·y_s, sample by sample."""
+    torch.manual_seed(0)
+    module = torch.nn.Conv2d(out_channels=4, **conv).double()
+    x = torch.randn(3, conv["in_channels"], 10, 11, dtype=torch.float64)
+    y = module(x)
+    positions = y[0, 0].numel()
+    d = torch.randn(cotangents, 3, positions, 4, dtype=torch.float64)
+    windows = structured._linear_factors(module, x, module.bias is not None)
+    got = windows.gradient(d)
+    assert windows.shape == windows.tensor().shape == (3, positions, got.shape[-1] // 4)
+    params = [p for p in (module.weight, module.bias) if p is not None]
+    for c in range(cotangents):
+        for b in range(3):
+            out = module(x[b : b + 1])[0].reshape(4, -1).T  # [S, F_out]
+            grads = torch.autograd.grad((out * d[c, b]).sum(), params)
+            expected = torch.cat([g.reshape(4, -1) for g in grads], 1).reshape(-1)
+            assert torch.allclose(got[c, b], expected, rtol=1e-12, atol=1e-12), (c, b)
 
 
 @pytest.mark.parametrize("n", [2, 5])

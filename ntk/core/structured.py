@@ -21,6 +21,7 @@ Besides torch's Linear, Conv1d/2d, Embedding and normalisation layers, transform
 from __future__ import annotations
 
 import functools
+import math
 import sys
 from dataclasses import dataclass, field
 
@@ -92,15 +93,35 @@ class Explicit:
 class Factored:
     """A shared weight's Jacobian Σ_s δ_s ⊗ a_s kept as factors.
 
-    `a` is [B, S, F_in] (inputs at each position), or [B, S] token ids for an embedding
-    (`index=True`, ids equal to `padding_idx` contribute nothing); `d` is [C, B, S, F_out].
+    `source` is [B, S, F_in] (inputs at each position), a convolution's `Windows` (read as `a`,
+    copied out when first read), or [B, S] token ids for an embedding (`index=True`, ids equal
+    to `padding_idx` contribute nothing); `d` is [C, B, S, F_out].
     """
 
     layer: str
-    a: torch.Tensor
+    source: torch.Tensor | Windows
     d: torch.Tensor
     index: bool = False
     padding_idx: int | None = None
+
+    @functools.cached_property
+    def a(self) -> torch.Tensor:
+        """The inputs at each position [B, S, F_in] (token ids [B, S] for an embedding)."""
+        return self.source.tensor() if isinstance(self.source, Windows) else self.source
+
+    @property
+    def input_features(self) -> int:
+        """F_in, without copying out a convolution's windows."""
+        return self.source.shape[-1]
+
+    def gradient(self) -> torch.Tensor:
+        """The per-sample gradients Σ_s δ_s a_sᵀ → [C, B, F_out·F_in] (not for embeddings)."""
+        return weight_gradient(self.source, self.d)
+
+    def to(self, dtype: torch.dtype) -> Factored:
+        """The term with its signals (and inputs, unless token ids) in `dtype`."""
+        source = self.source if self.index else self.source.to(dtype)
+        return Factored(self.layer, source, self.d.to(dtype), self.index, self.padding_idx)
 
     def input_gram(self, other: Factored) -> torch.Tensor:
         b1, s1 = self.a.shape[:2]
@@ -116,41 +137,100 @@ class Factored:
         return gram.reshape(b1, s1, b2, s2)
 
 
-def _linear_factors(module: nn.Module, x: torch.Tensor, bias: bool = False) -> torch.Tensor:
+def _linear_factors(
+    module: nn.Module, x: torch.Tensor, bias: bool = False
+) -> torch.Tensor | Windows:
     """Inputs seen by the weight at each position: [B, S, F_in], or with bias=True [B, S, F_in + 1]
-    whose last feature is 1 (y_s = W a_s + b = [W b] [a_s; 1]), written in one pass."""
+    whose last feature is 1 (y_s = W a_s + b = [W b] [a_s; 1]), written in one pass; for a
+    convolution, its `Windows` (copied out when first needed)."""
     if isinstance(module, nn.Linear) or _is_hf_conv1d(module):
         x = x.reshape(x.shape[0], -1, x.shape[-1])
         return _with_ones(x, x.shape[-1]) if bias else x
     # padded before a Conv1d's input becomes 2-d: reflect/replicate/circular pad the last axes only
     mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
     pad = list(module._reversed_padding_repeated_twice)
-    x = F.pad(x, pad, mode=mode) if any(pad) else x
+    # a copy either way: the windows are read after the forward pass, which may change x in place
+    x = F.pad(x, pad, mode=mode) if any(pad) else x.clone()
     if isinstance(module, nn.Conv1d):
-        x = x.unsqueeze(2)
-        kernel, stride, dilation = (
-            (1, *module.kernel_size),
-            (1, *module.stride),
-            (1, *module.dilation),
+        spec = ((1, *module.kernel_size), (1, *module.stride), (1, *module.dilation))
+        return Windows(x.unsqueeze(2), *spec, bias)
+    return Windows(x, module.kernel_size, module.stride, module.dilation, bias)
+
+
+class Windows:
+    """The inputs a 2-d convolution's weight sees at its S output positions, kept as (a copy of)
+    the padded input x [B, C_in, H, W] until needed: `tensor()` copies them out as [B, S, F_in] with
+    F_in = C_in·k_h·k_w (+ 1 with bias) in the weight's order; `gradient(d)` forms the per-sample
+    gradients Σ_s δ_s a_sᵀ."""
+
+    def __init__(self, x: torch.Tensor, kernel, stride, dilation, bias: bool):
+        self.x, self.bias = x, bias
+        self.kernel, self.stride, self.dilation = tuple(kernel), tuple(stride), tuple(dilation)
+        positions = math.prod(
+            (n - d * (k - 1) - 1) // s + 1
+            for n, k, s, d in zip(x.shape[2:], self.kernel, self.stride, self.dilation)
         )
-    else:
-        kernel, stride, dilation = module.kernel_size, module.stride, module.dilation
-    # Sliding windows as strided views (several times faster than F.unfold's im2col on CPU):
-    # a window of extent d(k−1)+1 every `stride`, keeping every d-th element for dilation d.
-    for axis, (k, s, d) in enumerate(zip(kernel, stride, dilation), start=2):
-        x = x.unfold(axis, d * (k - 1) + 1, s)[..., ::d]
-    b, c, h, w, kh, kw = x.shape
-    windows = x.permute(0, 2, 3, 1, 4, 5)  # [B, h, w, Cin, kh, kw]
-    features = c * kh * kw
-    out = windows.new_empty((b, h * w, features + bias))  # [B, L, Cin·kh·kw (+ 1)]
-    # one copy per kernel row: its kw elements are contiguous on both sides, which torch's copy
-    # of the whole 6-d view does not exploit (2-3× slower on CPU for 3 × 3 kernels)
-    rows = out[..., :features].view(windows.shape)
-    for i in range(kh):
-        rows[..., i, :] = windows[..., i, :]
-    if bias:
-        out[..., features] = 1
-    return out
+        self.shape = (x.shape[0], positions, x.shape[1] * math.prod(self.kernel) + bias)
+
+    def to(self, dtype: torch.dtype) -> Windows:
+        return Windows(self.x.to(dtype), self.kernel, self.stride, self.dilation, self.bias)
+
+    def _views(self, x: torch.Tensor, first: int) -> torch.Tensor:
+        """Sliding windows over the spatial axes first, first + 1 of x as strided views (several
+        times faster than F.unfold's im2col on CPU): a window of extent ρ(k−1)+1 every σ, keeping
+        every ρ-th element, appended as the last two axes."""
+        for axis, (k, s, d) in enumerate(zip(self.kernel, self.stride, self.dilation), first):
+            x = x.unfold(axis, d * (k - 1) + 1, s)[..., ::d]
+        return x
+
+    def tensor(self) -> torch.Tensor:
+        """[B, S, F_in]."""
+        windows = self._views(self.x, 2).permute(0, 2, 3, 1, 4, 5)  # [B, h, w, C_in, k_h, k_w]
+        features = self.shape[2] - self.bias
+        out = windows.new_empty(self.shape)
+        # one copy per kernel row: its k_w elements are contiguous on both sides, which torch's
+        # copy of the whole 6-d view does not exploit (2-3× slower on CPU for 3 × 3 kernels)
+        rows = out[..., :features].view(windows.shape)
+        for i in range(windows.shape[-2]):
+            rows[..., i, :] = windows[..., i, :]
+        if self.bias:
+            out[..., features] = 1
+        return out
+
+    def gradient(self, d: torch.Tensor) -> torch.Tensor:
+        """Σ_s δ_s a_sᵀ for d [C, B, S, F_out] → [C, B, F_out·F_in]. The windows are copied with
+        runs of k_w elements in the weight's order; when C_in > k_w and the gradients
+        (C·F_out·F_in per sample) are smaller than the windows (S·F_in), they are copied
+        channels-last instead (runs of C_in elements, order (k_h, k_w, C_in)), and the smaller
+        gradients are put back into the weight's order."""
+        c, b, s, f_out = d.shape
+        cin = self.x.shape[1]
+        kh, kw = self.kernel
+        if cin <= kw or c * f_out >= s:
+            return einsum_gradient(self.tensor(), d)
+        channels_last = self.x.permute(0, 2, 3, 1).contiguous()  # [B, H, W, C_in]
+        views = self._views(channels_last, 1)  # [B, h, w, C_in, k_h, k_w]
+        windows = views.new_empty((*views.shape[:3], kh, kw, cin))
+        windows.copy_(views.permute(0, 1, 2, 4, 5, 3))
+        a = windows.view(b, s, kh * kw * cin)
+        out = d.new_empty((c, b, f_out, self.shape[2]))
+        weights = out[..., : kh * kw * cin].view(c, b, f_out, cin, kh, kw)
+        product = torch.einsum("cbso,bsi->cboi", d, a).view(c, b, f_out, kh, kw, cin)
+        weights.copy_(product.permute(0, 1, 2, 5, 3, 4))
+        if self.bias:
+            out[..., -1] = d.sum(2)
+        return out.reshape(c, b, -1)
+
+
+def einsum_gradient(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Σ_s δ_s a_sᵀ for a [B, S, F_in] and d [C, B, S, F_out] → [C, B, F_out·F_in]."""
+    c, b = d.shape[:2]
+    return torch.einsum("cbso,bsi->cboi", d, a).reshape(c, b, -1)
+
+
+def weight_gradient(a: torch.Tensor | Windows, d: torch.Tensor) -> torch.Tensor:
+    """Per-sample gradients Σ_s δ_s a_sᵀ → [C, B, F_out·F_in] from a layer's inputs or Windows."""
+    return a.gradient(d) if isinstance(a, Windows) else einsum_gradient(a, d)
 
 
 def _with_ones(x: torch.Tensor, features: int) -> torch.Tensor:
@@ -623,4 +703,4 @@ def _module_terms(layer: str, plan_: Plan, a: torch.Tensor, d: torch.Tensor) -> 
     # with the bias covered, `a` ends with the feature 1 (`Plan.bias_input`)
     if layer in plan_.factored:
         return [Factored(layer, a, d)]
-    return [Explicit(layer, torch.einsum("cbso,bsi->cboi", d, a).reshape(c, b, -1))]
+    return [Explicit(layer, weight_gradient(a, d))]
