@@ -44,7 +44,9 @@ from ntk.core.kinds import KINDS
 from ._projectors import PROJECTORS
 
 # /3: Rademacher signs drawn as random bits (other values than /2 for the same seed)
-FORMAT = "ntk-feature-store/3"
+# /4: the projection route of a factored weight counts memory passes (`_sketch.PASS_COST`): some
+#     convolutions' projections changed from their factors' matrices to a dense one
+FORMAT = "ntk-feature-store/4"
 MANIFEST, ARRAY, LOCK, JOURNAL = "manifest.json", "features.npy", "lock", "journal"
 # a writer's temporary files (named by its pid), renamed over the manifest or array when written
 _TEMPORARY = re.compile(rf"(?:{re.escape(MANIFEST)}|{re.escape(ARRAY)})\.\d+\.tmp")

@@ -255,7 +255,7 @@ def test_kronecker_projection_of_factors(block, projector):
     """Projected factors equal the stacked Kronecker projection of the gradient written out
     (with srht, each factor's projection is itself a subsampled Hadamard transform)."""
     g = torch.Generator().manual_seed(0)
-    c, b, s, f_in, f_out, dim = 2, 3, 2, 5, 4, 8
+    c, b, s, f_in, f_out, dim = 2, 3, 2, 40, 30, 8  # P ≫ S·(F_in + F_out): factors
     a = torch.randn(b, s, f_in, generator=g, dtype=torch.float64)
     d = torch.randn(c, b, s, f_out, generator=g, dtype=torch.float64)
     bank = MatrixBank(projector, 0, dtype=torch.float64, device="cpu")
@@ -283,6 +283,20 @@ def test_many_positions_project_the_gradient_densely():
     assert torch.allclose(
         sketch.factored(Factored("w", a, d)), sketch.explicit("w", "weight", grad)
     )
+
+
+def test_routes_count_the_factors_memory_passes():
+    """A convolution over 8 × 8 positions with 10 cotangents (F_in 145, F_out 32, k 2048) writes
+    S·k·(1 + 2C) elements on its factors' route for fewer multiply-adds than its gradient's:
+    counted at PASS_COST each, the gradient's route wins; a Linear weight (one position) and a
+    768 × 768 attention projection over 128 tokens keep their factors."""
+    bank = MatrixBank("rademacher", 0, dtype=torch.float32, device="cpu")
+    sketch = Sketcher(bank, 2048, {})
+    multiply_adds = 64 * (145 * 2048 + 10 * 32 * 2048) + 10 * 64 * 2048
+    assert multiply_adds < 10 * (64 * 145 * 32 + 145 * 32 * 2048)  # factors: fewer multiply-adds
+    assert sketch.via_gradient("conv", 64, 145, 32, 10)
+    assert not sketch.via_gradient("linear", 1, 512, 10, 10)
+    assert not sketch.via_gradient("attention", 128, 768, 768, 1)
 
 
 def test_kronecker_and_dense_paths_agree_in_expectation():
