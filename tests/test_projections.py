@@ -235,7 +235,7 @@ def test_float32_rademacher_features_through_integer_products(monkeypatch):
     two-level rounding only; float64, other projectors and small matrices stay float."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(INTEGER_MIN_ROWS + 44, 8), nn.Tanh(), nn.Linear(8, 3)).eval()
-    x = torch.randn(6, INTEGER_MIN_ROWS + 44)
+    x = torch.randn(6, INTEGER_MIN_ROWS + 44) * torch.logspace(-2, 1, 6).unsqueeze(1)
     monkeypatch.setattr("projections._projectors.integer_products", lambda: True)
     bank = MatrixBank("rademacher", 0, dtype=torch.float32, device="cpu")
     assert bank.signs(bank.matrix(("t",), INTEGER_MIN_ROWS, 16)) is not None
@@ -243,6 +243,9 @@ def test_float32_rademacher_features_through_integer_products(monkeypatch):
     for projector, dtype in (("gaussian", torch.float32), ("rademacher", torch.float64)):
         assert not MatrixBank(projector, 0, dtype=dtype, device="cpu").integer
     integer = projections.features(model, x, dim=256, kind="trace", seed=1)
+    one_by_one = projections.features(model, x, dim=256, kind="trace", seed=1, batch_size=1)
+    # each row's levels are its own (a batch-wide scale would move them by ~10⁻⁵ of the largest)
+    assert torch.allclose(one_by_one, integer, rtol=0, atol=1e-6 * float(integer.abs().max()))
     monkeypatch.setattr("projections._projectors.integer_products", lambda: False)
     floats = projections.features(model, x, dim=256, kind="trace", seed=1)
     assert not torch.equal(integer, floats)
