@@ -27,8 +27,9 @@ benchmarks/projection_speed.py` compares its error with TRAK's dense projection;
 positions that projecting the factors costs more (S·(F_in + F_out) > P, as in early
 convolutions) is projected like an explicit term instead:
 its per-sample gradient G = Σ_s δ_s a_sᵀ (smaller than the factors it replaces) times a dense R,
-with the lower dense variance. The route with fewer multiply-adds per sample wins, counting each
-projection's own cost (D·k for a dense matrix, far less for an srht transform). The choice
+with the lower dense variance. The cheaper route per sample wins, counting each projection's own
+multiply-adds (D·k for a dense matrix, far less for an srht transform) and `PASS_COST` for each
+element written outside a matrix product (the factors' route writes S·k·(1 + 2C)). The choice
 depends only on the layer's shapes and the projector, so it is the same for every batch.
 """
 
