@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ntk.core import inputs
+from ntk.core.floats import flush_denormals
 from ntk.core.memory import available_bytes
 from ntk.core.model import ModelView
 
@@ -84,6 +85,7 @@ def resolve_method(method: str) -> str:
     return AUTO if method == "auto" else method
 
 
+@flush_denormals()
 def influence(
     model: nn.Module,
     x_train,

@@ -605,3 +605,33 @@ def test_test_sequences_of_another_length_are_scored_exactly():
     torch.testing.assert_close(torch.as_tensor(got), expected, rtol=1e-9, atol=1e-12)
     scores = torch.as_tensor(influence(model, x, y, x_test))
     assert scores.shape == (3, 12) and bool(torch.isfinite(scores).all())
+
+
+def test_influence_flushes_subnormal_numbers_and_restores_the_setting(setup, monkeypatch):
+    """`influence` runs with subnormal numbers flushed to zero (their products cost microcode
+    assists on x86: ntk.core.floats) and leaves the CPU's setting as it found it, either way."""
+    from attribution import _influence
+    from ntk.core.floats import flush_denormals, flushing
+
+    model, x, y, xt, yt = setup
+    seen = []
+    real = _influence.curvature.KroneckerCurvature.influence
+
+    def recording(self, *args):
+        seen.append(flushing())
+        return real(self, *args)
+
+    monkeypatch.setattr(_influence.curvature.KroneckerCurvature, "influence", recording)
+    for before in (False, True):
+        torch.set_flush_denormal(before)
+        try:
+            assert flushing() == before
+            influence(model, x, y, xt, yt, method="ekfac")
+            assert flushing() == before
+            with flush_denormals():
+                assert flushing()
+                assert float(torch.tensor([1e-39]) * 1.0) == 0.0
+            assert flushing() == before
+        finally:
+            torch.set_flush_denormal(False)
+    assert seen == [True, True]
