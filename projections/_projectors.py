@@ -123,7 +123,7 @@ def integer_matmul(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     first = scaled.round()
     levels[0].copy_(first)
     levels[1].copy_(scaled.sub_(first).mul_(_SECOND_LEVEL).round_())
-    sums = torch._int_mm(levels.view(-1, x.shape[1]), signs).view(2, *x.shape[:1], -1)
+    sums = torch._int_mm(levels.view(-1, x.shape[1]), signs).view(2, x.shape[0], -1)
     # 254·(q₀ R) + q₁ R, exact in int32 (`_INT32_ROWS`)
     out = torch.add(sums[1], sums[0], alpha=_SECOND_LEVEL).to(x.dtype).div_(c * _SECOND_LEVEL)
     return out if every else out.masked_fill_(~finite, float("nan"))
@@ -162,7 +162,7 @@ class RandomMatrix:
         flat = x.reshape(-1, self.rows)
         signs = self.bank.signs(self)
         if signs is not None:
-            out = integer_matmul(flat.contiguous(), signs).mul_(self.scale)
+            out = integer_matmul(flat, signs).mul_(self.scale)
             return out.reshape(*x.shape[:-1], self.cols)
         whole = self.bank.whole(self)
         if whole is not None:

@@ -215,7 +215,7 @@ class Windows:
         a = windows.view(b, s, kh * kw * cin)
         out = d.new_empty((c, b, f_out, self.shape[2]))
         weights = out[..., : kh * kw * cin].view(c, b, f_out, cin, kh, kw)
-        product = torch.einsum("cbso,bsi->cboi", d, a).view(c, b, f_out, kh, kw, cin)
+        product = einsum_gradient(a, d).view(c, b, f_out, kh, kw, cin)
         weights.copy_(product.permute(0, 1, 2, 5, 3, 4))
         if self.bias:
             out[..., -1] = d.sum(2)
