@@ -20,10 +20,14 @@ every K(x, x_i) without changing the sum: the contributions c_i(x) = (K(x, x_i) 
 κ(x) the `reference` quantile of the row K(x, X), add up to d(x) − b exactly (b = `intercept_`).
 The common component every pair of inputs shares (large for the eNTK) then no longer appears as
 large terms that cancel; a low quantile makes dissimilar examples contribute ≈ 0, so the largest
-contributions come from similar examples with coefficients of the class's sign. alpha=None uses
-DEFAULT_ALPHA on the kernel scaled to unit mean diagonal: the CV optimum interpolates and cancels
-(benchmarks/surrogate_settings.py compares the variants and chooses these defaults
-leave-one-setting-out).
+contributions come from similar examples with coefficients of the class's sign. alpha=None
+chooses α by attribution quality instead of logit fit (the CV optimum interpolates and cancels):
+the smallest α of ALPHA_STEPS (on the kernel scaled to unit mean diagonal) whose decomposition of
+the training samples' predicted class, each sample's own term left out, reads as an explanation
+(median cancellation ≤ READABLE_CANCELLATION, top-5 proponents carrying the predicted label
+≥ READABLE_SHARE of the time); faithfulness falls and readability rises with α, so this is the
+most faithful readable machine (`_readable_alpha`; benchmarks/surrogate_settings.py compares it
+with the fixed-α variants).
 
 `machine="gauss_newton"`: the Gauss–Newton (IRLS) model of kernel logistic regression at the
 network's logits. With g_i the network's logits, p_i = softmax(g_i), Λ_i = diag(p_i) − p_i p_iᵀ and
@@ -79,15 +83,15 @@ MACHINES = ("ridge", "svm", "logistic", "representer", "gauss_newton")
 ARGMAX_MACHINES = ("ridge", "representer", "gauss_newton")  # predict = argmax of the decision
 KINDS = _kernels.OUTPUT_KINDS
 GRID = np.logspace(-6, 2, 9)
-# Centred ridge, alpha=None. Chosen leave-one-setting-out on digits MLP, digits CNN and
-# breast_cancer MLP (`python benchmarks/surrogate_settings.py`): the folds holding out
-# breast_cancer / digits MLP / CNN pick α 0.1 / 0.1 / 0.05, which meet 3 / 2 / 0 of the 3 coherence
-# targets on the held-out setting. At α 0.1: τ 0.990 / 0.977 / 0.952, median cancellation
-# 3.9 / 6.1 / 8.1, top-5 class share 0.98 / 0.95 / 0.93 (benchmarks/results/surrogate.md).
-# Checked on a fourth setting (wine, never used to choose it): 0.989 / 2.0 / 0.99, all three met.
-# Rerun on all four with the sum-of-logits kernel as a candidate, the folds pick four different
-# variants that meet 7 of 12 targets held out (this default meets 10 of 12), so it was kept.
-DEFAULT_ALPHA = 0.1
+# Centred ridge, alpha=None: the smallest α of ALPHA_STEPS whose decomposition of the training
+# samples is readable (module docstring). The thresholds are issue 11's definition of a readable
+# explanation, not fitted to a benchmark; the quarter-decade steps span the α the fixed-α variants
+# were measured at. Measured (`python benchmarks/surrogate_settings.py --cache-dir …`,
+# results/surrogate.md, "α chosen by readability"): see the comment below READABLE_SHARE.
+ALPHA_STEPS = np.logspace(-4, 1, 21)
+READABLE_CANCELLATION = 9.0
+READABLE_SHARE = 0.9
+READABLE_ROWS = 1000  # training samples the rule reads (a seeded subsample beyond)
 DEFAULT_REFERENCE = 0.25
 # machine="gauss_newton", alpha=None: λ keeping this fraction of the rank N·(O − 1) as effective
 # parameters. Chosen for issue 11's two targets at once, label-fitted τ ≥ 0.85 and counterfactual
@@ -118,13 +122,15 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
     projection_dim: None for the exact kernel, else the dimension of a random projection
     (`projections.projected_ntk`, seeded by `seed`). alpha: the regularisation (ridge α, 1/C for
     svm and logistic, λ for gauss_newton) on the kernel scaled to unit mean diagonal; "cv"
-    chooses it from GRID by `cv`-fold cross-validation on the training set; None: DEFAULT_ALPHA
-    for the centred ridge, the effective-parameter rule for gauss_newton, "cv" otherwise.
+    chooses it from GRID by `cv`-fold cross-validation on the training set; None: the most
+    faithful readable α for the centred ridge (module docstring), the effective-parameter rule
+    for gauss_newton, "cv" otherwise.
     center: kernel ridge with an unpenalised feature-space intercept on
     per-sample centred logits (module docstring; None: True for ridge on a scalar kind).
-    reference: the quantile of K(x, X) the centred machine's contributions are measured from (any
-    level gives the same decision). output_fn maps the model's output to a [B, O] tensor (e.g.
-    `lambda out: out.logits` for a HuggingFace model); dtype: the dtype kernels are computed in
+    reference: the quantile of K(x, X) the centred machine's contributions are measured from (at
+    a given α any level gives the same decision; alpha=None reads the contributions to choose α).
+    output_fn maps the model's output to a [B, O] tensor (e.g. `lambda out: out.logits` for a
+    HuggingFace model); dtype: the dtype kernels are computed in
     (None: the model's; the machines are fitted in float64 either way). The model is never
     modified. Kinds, machines and defaults are
     compared in benchmarks/attribution_digits.py and benchmarks/surrogate_settings.py.
@@ -345,7 +351,10 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         if self.machine == "gauss_newton":
             self._fit_gauss_newton(k, g, None if y is None else targets)
             return self
-        self._fit_machine(k, targets, o)
+        proponents = None
+        if self.alpha is None and self.center_ and o > 1:
+            proponents = g.argmax(1).numpy() if y is None else labels(y, n, o).numpy()
+        self._fit_machine(k, targets, o, proponents)
         if self.center_:  # d(x) = Σ_i (K(x, x_i) − κ(x)) A_i + mean t − Σ_i mean_j K(x_j, x_i) A_i
             self.intercept_ = self.intercept_ - self.row_means_ @ self.dual_
         return self
@@ -402,7 +411,12 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         self.dual_ = torch.einsum("iop,ip->io", root, beta).numpy()
         self.intercept_, self.classes_, self.machine_ = np.zeros(o), np.arange(o), None
 
-    def _fit_machine(self, k: np.ndarray, targets: np.ndarray, o: int) -> None:
+    def _fit_machine(
+        self, k: np.ndarray, targets: np.ndarray, o: int, proponents: np.ndarray | None = None
+    ) -> None:
+        """Fit the scikit-learn machine on the (centred, for the centred ridge) training kernel
+        k; proponents: the training labels `_readable_alpha` checks the top proponents against
+        (the network's predictions when fitted to its outputs)."""
         n = k.shape[0] // (o if self.kind == "full" else 1)
         groups = None
         if self.machine == "ridge":
@@ -433,7 +447,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             cv = self.cv
         ((name, _),) = grid.items()
         if self.alpha is None and self.center_:
-            value = DEFAULT_ALPHA
+            value = self._readable_alpha(k, targets, proponents)
         elif self._searched():
             with warnings.catch_warnings():  # regularisations too weak for a fold score badly
                 warnings.simplefilter("ignore")
@@ -477,6 +491,42 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             # two classes: one log-odds column → ∓ half of it, a column per class
             half = np.array([-0.5, 0.5]) if len(self.classes_) == 2 else 1.0
             self.dual_, self.intercept_ = fitted.coef_.T * half, fitted.intercept_ * half
+
+    def _readable_alpha(
+        self, k: np.ndarray, targets: np.ndarray, proponents: np.ndarray | None
+    ) -> float:
+        """The smallest α of ALPHA_STEPS at which the centred ridge's decomposition of (up to
+        READABLE_ROWS of) the training samples reads as an explanation: for each sample x_j, the
+        contributions c_ji = (K(x_j, x_i) − κ(x_j)) A_i(α) to its predicted column, its own term
+        c_jj left out (a test sample has none), have median cancellation Σ_i |c_ji| / |Σ_i c_ji|
+        ≤ READABLE_CANCELLATION and (classifiers) their top-5 proponents carry the predicted label
+        (`proponents`) at a mean rate ≥ READABLE_SHARE. Cancellation falls as α grows (the
+        coefficients A(α) = Σ_e u_e u_eᵀ T / (e + α) lose the small-eigenvalue directions that
+        cancel) while faithfulness falls too, so the first readable α is the most faithful one.
+        One eigendecomposition of the centred kernel k serves every step; the largest step when
+        none is readable. targets: centred [N, C] (their means are `intercept_`)."""
+        n = k.shape[0]
+        eigenvalues, vectors = scipy.linalg.eigh(k)
+        projected = vectors.T @ targets
+        rows = np.arange(n)
+        if n > READABLE_ROWS:
+            rows = np.sort(np.random.default_rng(self.seed).choice(n, READABLE_ROWS, replace=False))
+        levelled = self._levelled(self.kernel_[rows])
+        levelled[np.arange(len(rows)), rows] = 0.0  # each sample's own term left out
+        for alpha in ALPHA_STEPS:
+            dual = vectors @ (projected / (np.clip(eigenvalues, 0, None) + alpha)[:, None])
+            column = (k[rows] @ dual + self.intercept_).argmax(1)
+            c = levelled * dual[:, column].T
+            ratio = cancellation(c)
+            ratio = ratio[~np.isnan(ratio)]  # samples with no contribution but their own
+            if ratio.size and np.median(ratio) > READABLE_CANCELLATION:
+                continue
+            if proponents is None:
+                return float(alpha)
+            share = label_share(c, proponents, column, min(5, n))
+            if share.mean() >= READABLE_SHARE:
+                return float(alpha)
+        return float(ALPHA_STEPS[-1])
 
     # -- prediction and attribution -------------------------------------------------------------
     def decision_function(self, x) -> np.ndarray:
@@ -721,8 +771,9 @@ def _rank_agreement(net: np.ndarray, surrogate: np.ndarray) -> dict:
 
 
 def cancellation(c: np.ndarray) -> np.ndarray:
-    """Σ_i |c_i| / |Σ_i c_i| per row of contributions c [M, N] (inf when they sum to 0)."""
-    with np.errstate(divide="ignore"):
+    """Σ_i |c_i| / |Σ_i c_i| per row of contributions c [M, N] (inf when they sum to 0, nan
+    when every one is 0)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
         return np.abs(c).sum(1) / np.abs(c.sum(1))
 
 

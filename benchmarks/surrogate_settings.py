@@ -37,13 +37,14 @@ from attribution import KernelSurrogate, lds
 from attribution.outputs import logits, margin_gradient
 from benchmarks import settings
 
+DEFAULT_BUDGET = attribution.surrogate.READABLE_CANCELLATION
 VARIANTS = {
     "ridge, α by CV (old default)": dict(center=False, alpha="cv"),
     "ridge, α 0.05": dict(center=False, alpha=0.05),
     "centred, α by CV, q 0.25": dict(center=True, alpha="cv"),
     "centred, α 0.02, q 0.25": dict(center=True, alpha=0.02),
     "centred, α 0.05, q 0.25": dict(center=True, alpha=0.05),
-    "centred, α 0.1, q 0.25 (default)": dict(),
+    "centred, α 0.1, q 0.25 (previous default)": dict(center=True, alpha=0.1),
     "centred, α 1, q 0.25": dict(center=True, alpha=1.0),
     "centred, α 10, q 0.25": dict(center=True, alpha=10.0),
     "centred, α 0.05, q 0": dict(center=True, alpha=0.05, reference=0.0),
@@ -62,12 +63,30 @@ VARIANTS = {
     # the Gauss–Newton model of kernel logistic regression at the network's logits
     "Gauss–Newton machine, λ auto": dict(machine="gauss_newton"),
     "Gauss–Newton machine, sum_logits, λ auto": dict(machine="gauss_newton", kind="sum_logits"),
+    # α chosen by readability (alpha=None): the smallest α whose training decomposition has
+    # median cancellation ≤ b (attribution.surrogate.READABLE_CANCELLATION, set per variant)
+    **{
+        f"centred, readable α, b {b}" + (" (default)" if b == DEFAULT_BUDGET else ""): dict(
+            readable_cancellation=b
+        )
+        for b in (5, 6, 7, 8, 9, 10)
+    },
 }
 TARGETS = dict(tau=0.98, cancellation=10.0, share=0.90)
 BOTH = dict(tau_labels=0.85, lds=0.60)  # label-fitted faithfulness and counterfactual LDS
 
 
 def measure(s, options: dict) -> dict:
+    options = dict(options)
+    budget = options.pop("readable_cancellation", DEFAULT_BUDGET)
+    attribution.surrogate.READABLE_CANCELLATION = budget
+    try:
+        return _measure(s, options)
+    finally:
+        attribution.surrogate.READABLE_CANCELLATION = DEFAULT_BUDGET
+
+
+def _measure(s, options: dict) -> dict:
     model = s.model
     sur = KernelSurrogate(model, **options).fit(s.x)
     faith = sur.faithfulness(s.xt, s.yt)
@@ -75,7 +94,7 @@ def measure(s, options: dict) -> dict:
     g = logits(model, s.xt)
     u = margin_gradient(g, s.yt).numpy()
     row = dict(
-        alpha="–" if sur.alpha_ is None else f"{sur.alpha_:.0e}",
+        alpha="–" if sur.alpha_ is None else f"{sur.alpha_:.2g}",
         tau=faith["tau_prob"],
         cancellation=coh["median_cancellation"],
         share=coh["mean_label_share"],

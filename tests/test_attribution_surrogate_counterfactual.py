@@ -13,7 +13,13 @@ from torch import nn
 
 import ntk
 from attribution import KernelSurrogate, influence
-from attribution.surrogate import DEFAULT_ALPHA, cancellation, label_share
+from attribution.surrogate import (
+    ALPHA_STEPS,
+    READABLE_CANCELLATION,
+    READABLE_SHARE,
+    cancellation,
+    label_share,
+)
 from ntk import demo
 
 
@@ -43,7 +49,7 @@ def test_centred_decomposition_is_exact_for_every_reference(small):
     model, x, xt = small
     decisions = []
     for q in (0.0, 0.25, 1.0):
-        s = KernelSurrogate(model, reference=q).fit(x)
+        s = KernelSurrogate(model, reference=q, alpha=0.1).fit(x)
         d, c = s.decision_function(xt), s.attribute(xt)
         np.testing.assert_allclose(c.sum(1) + s.intercept_, d, rtol=1e-10, atol=1e-10)
         decisions.append(d)
@@ -54,10 +60,51 @@ def test_centred_decomposition_is_exact_for_every_reference(small):
 def test_default_is_refit_of_all_points(small):
     model, x, xt = small
     s = KernelSurrogate(model).fit(x)
-    assert s.center_ and s.alpha_ == DEFAULT_ALPHA
+    assert s.center_ and s.alpha_ in ALPHA_STEPS
     np.testing.assert_allclose(
         s.decision_function(xt), _refit(s, model, x, xt, np.arange(len(x))), atol=1e-10
     )
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A small classifier fitted to three classes, whose readable α lies inside ALPHA_STEPS."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x = torch.randn(60, 4, dtype=torch.float64)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    for _ in range(200):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model, x, y
+
+
+def _readable(model, x, alpha, proponents, y=None) -> bool:
+    """The readability of the centred ridge at `alpha` on its own training samples, from the
+    public decomposition: each sample's contributions to its predicted column, its own term left
+    out, median cancellation and top-5 label share against the thresholds."""
+    s = KernelSurrogate(model, alpha=alpha).fit(x, y)
+    column = s.decision_function(x).argmax(1)
+    c = s.attribute(x)[np.arange(len(x)), :, column]
+    np.fill_diagonal(c, 0.0)
+    ratio = np.abs(c).sum(1) / np.abs(c.sum(1))
+    top = np.argsort(-c, axis=1)[:, :5]
+    share = np.mean(proponents[top] == column[:, None])
+    return bool(np.median(ratio) <= READABLE_CANCELLATION and share >= READABLE_SHARE)
+
+
+@pytest.mark.parametrize("to_labels", [False, True])
+def test_default_alpha_is_the_first_readable_step(trained, to_labels):
+    model, x, y = trained
+    y = y if to_labels else None
+    proponents = (model(x).argmax(1) if y is None else y).numpy()
+    chosen = KernelSurrogate(model).fit(x, y).alpha_
+    step = list(ALPHA_STEPS).index(chosen)
+    assert 0 < step < len(ALPHA_STEPS) - 1  # the case exercises the search, not its ends
+    assert _readable(model, x, chosen, proponents, y)
+    assert not _readable(model, x, ALPHA_STEPS[step - 1], proponents, y)
 
 
 def test_removal_equals_refitting_without_the_points(small):

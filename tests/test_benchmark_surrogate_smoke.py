@@ -25,6 +25,7 @@ def test_smoke_run_prints_each_variant():
     assert proc.returncode == 0, proc.stderr
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     names = [r.split("|")[1].strip() for r in rows]
-    assert "centred, α 0.1, q 0.25 (default)" in names and "representer (loss residuals)" in names
-    default = rows[names.index("centred, α 0.1, q 0.25 (default)")].split("|")[2:-1]
+    (default,) = [n for n in names if n.endswith("(default)")]
+    assert default.startswith("centred, readable α") and "representer (loss residuals)" in names
+    default = rows[names.index(default)].split("|")[2:-1]
     assert len(default) == 8 and all(c.strip() != "nan" for c in default)
