@@ -17,7 +17,7 @@ ECE / Brier of the network's softmax and of the posterior, and the test examples
 least sure about); settings (model, data, surrogate, versions, time taken).
 
 Contributions are the surrogate's exact decomposition: surrogate output for class o at x is
-Σ_i c_i(x)[o] (+ intercept), c = `KernelSurrogate.attribute(x)`; examples are explained for the
+Σ_i c_i(x)[o] + `baseline_`[o], c = `KernelSurrogate.attribute(x)`; examples are explained for the
 network's predicted class.
 """
 
@@ -250,7 +250,7 @@ def report(
                     "surrogate_prediction": int(sur_test[i]),
                     "surrogate_probability": float(q_test[i, cls]),
                     "sum_of_contributions": float(c_test[i].sum()),
-                    "intercept": float(np.asarray(surrogate.intercept_)[cls]),
+                    "baseline": float(np.asarray(surrogate.baseline_)[cls]),
                     **sides,
                     "sanity": _sanity(
                         surrogate, x_train, own, one, cls, c_test[i], sides, retrain, baseline

@@ -38,38 +38,43 @@ from attribution.outputs import logits, margin_gradient
 from benchmarks import settings
 
 DEFAULT_BUDGET = attribution.surrogate.READABLE_CANCELLATION
+BUDGETS = (5, 6, 7, 8, 9, 10)
+DUAL = dict(center=True, decomposition="dual")  # contributions (K(x, x_i) − κ(x)) A_i
 VARIANTS = {
     "ridge, α by CV (old default)": dict(center=False, alpha="cv"),
     "ridge, α 0.05": dict(center=False, alpha=0.05),
-    "centred, α by CV, q 0.25": dict(center=True, alpha="cv"),
-    "centred, α 0.02, q 0.25": dict(center=True, alpha=0.02),
-    "centred, α 0.05, q 0.25": dict(center=True, alpha=0.05),
-    "centred, α 0.1, q 0.25 (previous default)": dict(center=True, alpha=0.1),
-    "centred, α 1, q 0.25": dict(center=True, alpha=1.0),
-    "centred, α 10, q 0.25": dict(center=True, alpha=10.0),
-    "centred, α 0.05, q 0": dict(center=True, alpha=0.05, reference=0.0),
-    "centred, α 0.05, q 0.5": dict(center=True, alpha=0.05, reference=0.5),
+    "centred, α by CV, q 0.25": dict(DUAL, alpha="cv"),
+    "centred, α 0.02, q 0.25": dict(DUAL, alpha=0.02),
+    "centred, α 0.05, q 0.25": dict(DUAL, alpha=0.05),
+    "centred, α 0.1, q 0.25 (default until 2026-12-06)": dict(DUAL, alpha=0.1),
+    "centred, α 1, q 0.25": dict(DUAL, alpha=1.0),
+    "centred, α 10, q 0.25": dict(DUAL, alpha=10.0),
+    "centred, α 0.05, q 0": dict(DUAL, alpha=0.05, reference=0.0),
+    "centred, α 0.05, q 0.5": dict(DUAL, alpha=0.05, reference=0.5),
     "representer (loss residuals)": dict(machine="representer"),
     # the pseudo-NTK (sum of logits) as the kernel, added with the fourth setting (wine)
-    "centred sum_logits, α 0.02": dict(center=True, alpha=0.02, kind="sum_logits"),
-    "centred sum_logits, α 0.05": dict(center=True, alpha=0.05, kind="sum_logits"),
-    "centred sum_logits, α 0.1": dict(center=True, alpha=0.1, kind="sum_logits"),
-    "centred sum_logits, α 0.2": dict(center=True, alpha=0.2, kind="sum_logits"),
+    **{
+        f"centred sum_logits, α {a:g}": dict(DUAL, alpha=a, kind="sum_logits")
+        for a in (0.02, 0.05, 0.1, 0.2)
+    },
     # the cosine-normalised trace kernel (trNTK, Engel et al.), added in the fifth session
-    "centred trNTK, α 0.01": dict(center=True, alpha=0.01, normalize=True),
-    "centred trNTK, α 0.02": dict(center=True, alpha=0.02, normalize=True),
-    "centred trNTK, α 0.05": dict(center=True, alpha=0.05, normalize=True),
-    "centred trNTK, α 0.1": dict(center=True, alpha=0.1, normalize=True),
+    **{
+        f"centred trNTK, α {a:g}": dict(DUAL, alpha=a, normalize=True)
+        for a in (0.01, 0.02, 0.05, 0.1)
+    },
     # the Gauss–Newton model of kernel logistic regression at the network's logits
     "Gauss–Newton machine, λ auto": dict(machine="gauss_newton"),
     "Gauss–Newton machine, sum_logits, λ auto": dict(machine="gauss_newton", kind="sum_logits"),
     # α chosen by readability (alpha=None): the smallest α whose training decomposition has
     # median cancellation ≤ b (attribution.surrogate.READABLE_CANCELLATION, set per variant)
+    **{f"centred, readable α, b {b}": dict(DUAL, readable_cancellation=b) for b in BUDGETS},
+    # the smoother decomposition s_i(x) (t_i − τ), at fixed α and with α chosen by readability
+    **{f"centred smoother, α {a:g}": dict(alpha=a) for a in (0.001, 0.003, 0.01, 0.03, 0.1)},
     **{
-        f"centred, readable α, b {b}" + (" (default)" if b == DEFAULT_BUDGET else ""): dict(
-            readable_cancellation=b
+        f"centred smoother, readable α, b {b}" + (" (default)" if b == DEFAULT_BUDGET else ""): (
+            dict(readable_cancellation=b)
         )
-        for b in (5, 6, 7, 8, 9, 10)
+        for b in BUDGETS
     },
 }
 TARGETS = dict(tau=0.98, cancellation=10.0, share=0.90)

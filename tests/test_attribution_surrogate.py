@@ -72,7 +72,7 @@ def test_attribution_is_exact(trained, kind, machine, normalize):
     d = s.decision_function(xt)
     c = s.attribute(xt)
     assert c.shape == (len(xt), len(x), d.shape[1])
-    np.testing.assert_allclose(c.sum(1) + s.intercept_, d, rtol=1e-9, atol=1e-9 * np.abs(d).max())
+    np.testing.assert_allclose(c.sum(1) + s.baseline_, d, rtol=1e-9, atol=1e-9 * np.abs(d).max())
     # the decision is the scikit-learn machine's own, on the independently computed kernel (in
     # the model's dtype, float32, as the surrogate computes it by default)
     k = ntk.empirical_ntk(model, xt, x, kind=kind).double()
@@ -281,7 +281,7 @@ def test_binary_logistic_decision_has_a_column_per_class():
     np.testing.assert_array_equal(s.classes_[d.argmax(1)], s.predict(xt))
     k = s._test_kernel(xt)
     np.testing.assert_allclose(d[:, 1] - d[:, 0], s.machine_.decision_function(k), rtol=1e-9)
-    np.testing.assert_allclose(s.attribute(xt).sum(1) + s.intercept_, d, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(s.attribute(xt).sum(1) + s.baseline_, d, rtol=1e-9, atol=1e-9)
     idx, _ = s.proponents(xt, k=1)
     rows = np.arange(len(xt))
     assert (s.attribute(xt)[rows, idx[:, 0], d.argmax(1)] > 0).all()

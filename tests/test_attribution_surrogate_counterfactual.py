@@ -15,6 +15,7 @@ import ntk
 from attribution import KernelSurrogate, influence
 from attribution.surrogate import (
     ALPHA_STEPS,
+    LABEL_ALPHA,
     READABLE_CANCELLATION,
     READABLE_SHARE,
     cancellation,
@@ -51,7 +52,7 @@ def test_centred_decomposition_is_exact_for_every_reference(small):
     for q in (0.0, 0.25, 1.0):
         s = KernelSurrogate(model, reference=q, alpha=0.1).fit(x)
         d, c = s.decision_function(xt), s.attribute(xt)
-        np.testing.assert_allclose(c.sum(1) + s.intercept_, d, rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(c.sum(1) + s.baseline_, d, rtol=1e-10, atol=1e-10)
         decisions.append(d)
     np.testing.assert_allclose(decisions[0], decisions[2], rtol=1e-10, atol=1e-10)
     assert abs(s.dual_.sum(0)).max() < 1e-10  # the unpenalised intercept: Σ_i A_i = 0
@@ -81,30 +82,74 @@ def trained():
     return model, x, y
 
 
-def _readable(model, x, alpha, proponents, y=None) -> bool:
-    """The readability of the centred ridge at `alpha` on its own training samples, from the
-    public decomposition: each sample's contributions to its predicted column, its own term left
-    out, median cancellation and top-5 label share against the thresholds."""
-    s = KernelSurrogate(model, alpha=alpha).fit(x, y)
+def _readable(model, x, alpha, decomposition) -> bool:
+    """Whether the centred ridge at `alpha` reads as an explanation of its own training samples,
+    written from the definitions: each sample's contributions to its predicted column, its own
+    term left out (for the smoother, the other weights re-centred to sum to 0 as a test
+    sample's do), median cancellation and top-5 share of the network's predicted labels."""
+    s = KernelSurrogate(model, alpha=alpha, decomposition=decomposition).fit(x)
+    n, predicted = len(x), model(x).argmax(1).numpy()
     column = s.decision_function(x).argmax(1)
-    c = s.attribute(x)[np.arange(len(x)), :, column]
+    if decomposition == "dual":
+        c = s.attribute(x)[np.arange(n), :, column]
+    else:  # the hat matrix of kernel ridge on the centred kernel, from scikit-learn
+        k = ntk.empirical_ntk(model, x, kind="trace", dtype=torch.float64).numpy()
+        k = k / k.diagonal().mean()
+        r = k.mean(0)
+        kc = k - r[None] - r[:, None] + r.mean()
+        w = KernelRidge(alpha=alpha, kernel="precomputed").fit(kc, np.eye(n)).predict(kc)
+        np.fill_diagonal(w, 0.0)
+        w -= w.sum(1, keepdims=True) / (n - 1)
+        np.fill_diagonal(w, 0.0)
+        g = model(x).detach().numpy()
+        t = g - g.mean(1, keepdims=True)
+        c = w * (t - np.quantile(t, 0.25, axis=0))[:, column].T
     np.fill_diagonal(c, 0.0)
     ratio = np.abs(c).sum(1) / np.abs(c.sum(1))
     top = np.argsort(-c, axis=1)[:, :5]
-    share = np.mean(proponents[top] == column[:, None])
+    share = np.mean(predicted[top] == column[:, None])
     return bool(np.median(ratio) <= READABLE_CANCELLATION and share >= READABLE_SHARE)
 
 
-@pytest.mark.parametrize("to_labels", [False, True])
-def test_default_alpha_is_the_first_readable_step(trained, to_labels):
+@pytest.mark.parametrize("decomposition", ["smoother", "dual"])
+def test_default_alpha_is_the_first_readable_step(trained, decomposition):
     model, x, y = trained
-    y = y if to_labels else None
-    proponents = (model(x).argmax(1) if y is None else y).numpy()
-    chosen = KernelSurrogate(model).fit(x, y).alpha_
+    chosen = KernelSurrogate(model, decomposition=decomposition).fit(x).alpha_
     step = list(ALPHA_STEPS).index(chosen)
     assert 0 < step < len(ALPHA_STEPS) - 1  # the case exercises the search, not its ends
-    assert _readable(model, x, chosen, proponents, y)
-    assert not _readable(model, x, ALPHA_STEPS[step - 1], proponents, y)
+    assert _readable(model, x, chosen, decomposition)
+    assert not _readable(model, x, ALPHA_STEPS[step - 1], decomposition)
+    assert KernelSurrogate(model, decomposition=decomposition).fit(x, y).alpha_ == LABEL_ALPHA
+
+
+def test_smoother_contributions_are_weights_times_levelled_targets(trained):
+    model, x, _ = trained
+    xt = x[:7] + 0.1
+    for q in (0.0, 0.25, 1.0):
+        s = KernelSurrogate(model, reference=q, alpha=0.05).fit(x)
+        assert s.decomposition_ == "smoother"
+        k = ntk.empirical_ntk(model, x, kind="trace", dtype=torch.float64).numpy()
+        kt = ntk.empirical_ntk(model, xt, x, kind="trace", dtype=torch.float64).numpy()
+        scale = k.diagonal().mean()
+        r = k.mean(0) / scale
+        kc = k / scale - r[None] - r[:, None] + r.mean()
+        ktc = kt / scale - (kt / scale).mean(1, keepdims=True) - r[None] + r.mean()
+        weights = KernelRidge(alpha=0.05, kernel="precomputed").fit(kc, np.eye(len(x))).predict(ktc)
+        g = model(x).detach().numpy()
+        t = g - g.mean(1, keepdims=True)
+        expected = weights[:, :, None] * (t - np.quantile(t, q, axis=0))[None]
+        c = s.attribute(xt)
+        np.testing.assert_allclose(c, expected, atol=1e-10)
+        np.testing.assert_allclose(c.sum(1) + s.baseline_, s.decision_function(xt), atol=1e-10)
+        np.testing.assert_allclose(s.baseline_, t.mean(0), atol=1e-12)
+
+
+def test_smoother_decomposition_needs_the_centred_ridge(small):
+    model, x, _ = small
+    for options in (dict(machine="svm"), dict(center=False), dict(kind="full")):
+        with pytest.raises(ValueError, match="decomposition='smoother' needs the centred ridge"):
+            KernelSurrogate(model, decomposition="smoother", alpha=0.1, **options).fit(x)
+    assert KernelSurrogate(model, machine="gauss_newton").fit(x).decomposition_ == "dual"
 
 
 def test_removal_equals_refitting_without_the_points(small):
@@ -153,7 +198,7 @@ def test_test_sequences_of_another_length_are_explained_and_removed_exactly():
     s = KernelSurrogate(model, alpha=0.01).fit(x)
     d = s.decision_function(xt)
     np.testing.assert_allclose(d, _refit(s, model, x, xt, np.arange(12)), atol=1e-10)
-    np.testing.assert_allclose(s.attribute(xt).sum(1) + s.intercept_, d, atol=1e-10)
+    np.testing.assert_allclose(s.attribute(xt).sum(1) + s.baseline_, d, atol=1e-10)
     keep = np.arange(4, 12)
     removed = s.influence(xt, np.arange(4), output="all")
     np.testing.assert_allclose(removed, d - _refit(s, model, x, xt, keep), atol=1e-8)
@@ -189,7 +234,7 @@ def test_representer_coefficients_are_the_scaled_loss_residuals(small):
     ratio = s.dual_ / residual.numpy()
     np.testing.assert_allclose(ratio, ratio[0, 0], rtol=1e-10)  # one scale for all
     c, d = s.attribute(xt), s.decision_function(xt)
-    np.testing.assert_allclose(c.sum(1) + s.intercept_, d, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(c.sum(1) + s.baseline_, d, rtol=1e-10, atol=1e-10)
     # the scale and intercept are the least-squares fit to the centred logits
     k = ntk.empirical_ntk(model, x, kind="trace", dtype=torch.float64).numpy() / s.scale_
     t = (g - g.mean(1, keepdim=True)).numpy()
@@ -350,7 +395,7 @@ def test_gauss_newton_machine_solves_its_objective_and_decomposes_exactly(small)
     y = torch.arange(len(x)) % 3
     s = KernelSurrogate(model, machine="gauss_newton").fit(x, y)
     d, c = s.decision_function(xt), s.attribute(xt)
-    np.testing.assert_allclose(c.sum(1) + s.intercept_, d, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(c.sum(1) + s.baseline_, d, rtol=1e-10, atol=1e-10)
     assert not s.intercept_.any() and s.alpha_ > 0  # the effective-parameter damping
     # stationarity of Σ_i ½ (F_i − t_i)ᵀ Λ_i (F_i − t_i) + (λ/2)‖F‖²: Λ_i (F_i − t_i) + λ A_i = 0
     g = model(x).detach()
@@ -433,7 +478,7 @@ def test_single_output_model_is_fitted_to_its_output():
         s = KernelSurrogate(model, output_fn=output_fn).fit(x)
         d = s.decision_function(xt)
         assert d.shape == (9, 1) and np.abs(d).max() > 1e-3
-        np.testing.assert_allclose(s.attribute(xt).sum(1) + s.intercept_, d, atol=1e-10)
+        np.testing.assert_allclose(s.attribute(xt).sum(1) + s.baseline_, d, atol=1e-10)
         net = body(xt).detach().numpy()
         np.testing.assert_allclose(d, net, atol=0.5 * np.abs(net).max())
         f = s.faithfulness(xt)
@@ -492,7 +537,7 @@ def test_machines_without_cross_validation_fit_one_or_two_samples(small):
     y = torch.tensor([0, 2])
     for machine in ("ridge", "gauss_newton"):
         s = KernelSurrogate(model, machine=machine).fit(x[:2], y)
-        np.testing.assert_allclose(s.attribute(xt).sum(1) + s.intercept_, s.decision_function(xt))
+        np.testing.assert_allclose(s.attribute(xt).sum(1) + s.baseline_, s.decision_function(xt))
         assert s.influence(xt).shape == (6, 2)
     assert influence(model, x[:1], y[:1], xt, method="surrogate").shape == (6, 1)
     with pytest.raises(ValueError, match="cannot remove the only training point"):

@@ -298,10 +298,10 @@ def test_surrogate_and_report_of_dict_inputs(bert, tmp_path):
         )
     assert contributions.shape == (4, 8, O)
     torch.testing.assert_close(
-        torch.as_tensor(contributions.sum(1) + surrogate.intercept_), torch.as_tensor(decision)
+        torch.as_tensor(contributions.sum(1) + surrogate.baseline_), torch.as_tensor(decision)
     )
     np.testing.assert_allclose(
-        longer_contributions.sum(1) + surrogate.intercept_, longer_decision, atol=1e-10
+        longer_contributions.sum(1) + surrogate.baseline_, longer_decision, atol=1e-10
     )
     assert probabilities.shape == (3, O) and np.allclose(probabilities.sum(1), 1.0)
     assert (tmp_path / "r.html").exists() and len(result["attribution"]["examples"]) == 2

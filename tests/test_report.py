@@ -104,9 +104,7 @@ def test_numbers_match_independent_computations(setup, built):
             rel=1e-5,  # float32 kernels, other tiles
         )
         decision = decisions[e["index"], e["network_prediction"]]
-        assert e["sum_of_contributions"] + e["intercept"] == pytest.approx(
-            float(decision), rel=1e-6
-        )
+        assert e["sum_of_contributions"] + e["baseline"] == pytest.approx(float(decision), rel=1e-6)
         right = e["label"] == e["network_prediction"]
         assert {"correct": right, "wrong": not right, "uncertain": True}[e["category"]]
     assert {e["category"] for e in result["attribution"]["examples"]} == {
