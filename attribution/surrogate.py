@@ -22,7 +22,7 @@ d(x) = Σ_i K_c(x, x_i) A_i + mean_i t_i = Σ_i K(x, x_i) A_i + b with b = mean_
   d(x) = mean_i t_i + Σ_i s_i(x) (t_i − mean_j t_j) with the weights
   s(x) = (K_c + αI)⁻¹ k_c(x), k_c(x) = [K_c(x, x_i)]_i (A = (K_c + αI)⁻¹ (T − mean T) and K_c is
   symmetric). Σ_i s_i(x) = 0 (1 spans K_c's null space and k_c(x) sums to 0), so any per-column
-  level τ can replace the mean: the contributions c_i(x) = s_i(x) (t_i − τ), with τ the
+  level ℓ can replace the mean: the contributions c_i(x) = s_i(x) (t_i − ℓ), with ℓ the
   `reference` quantile of the training targets of the column, add up to d(x) − mean_i t_i
   exactly (`baseline_` = mean_i t_i). Example i contributes how much the machine weighs it at x
   times how far its target lies above the column's level: for a class's logit the examples of
@@ -31,7 +31,8 @@ d(x) = Σ_i K_c(x, x_i) A_i + mean_i t_i = Σ_i K(x, x_i) A_i + b with b = mean_
 - "dual": c_i(x) = (K(x, x_i) − κ(x)) A_i with κ(x) the `reference` quantile of the row K(x, X);
   because Σ_i A_i = 0 they add up to d(x) − b exactly (`baseline_` = b). The common component
   every pair of inputs shares (large for the eNTK) no longer appears as large terms that cancel,
-  but A's small-eigenvalue directions still do PLACEHOLDER_DUAL.
+  but A's small-eigenvalue directions still do: on the benchmark's digits CNN the dual needs
+  α = 0.1 for a median cancellation ≤ 10 (τ 0.951), the smoother has 9.4 at τ 0.991.
 
 alpha=None chooses α by attribution quality instead of logit fit (the CV optimum interpolates and
 cancels): the smallest α of ALPHA_STEPS (on the kernel scaled to unit mean diagonal) whose
@@ -95,13 +96,18 @@ MACHINES = ("ridge", "svm", "logistic", "representer", "gauss_newton")
 ARGMAX_MACHINES = ("ridge", "representer", "gauss_newton")  # predict = argmax of the decision
 KINDS = _kernels.OUTPUT_KINDS
 GRID = np.logspace(-6, 2, 9)
-# Centred ridge, alpha=None: the smallest α of ALPHA_STEPS whose decomposition of the training
-# samples is readable (module docstring). The thresholds are issue 11's definition of a readable
-# explanation, not fitted to a benchmark; the quarter-decade steps span the α the fixed-α variants
-# were measured at. Measured (`python benchmarks/surrogate_settings.py --cache-dir …`,
-# results/surrogate.md, "α chosen by readability"): see the comment below READABLE_SHARE.
+# Centred ridge fitted to outputs, alpha=None: the smallest α of ALPHA_STEPS whose decomposition of
+# the training samples is readable (module docstring). Chosen with the smoother decomposition by
+# `python benchmarks/surrogate_settings.py --cache-dir …` (results/surrogate.md, "The smoother
+# decomposition"): leave-one-setting-out over every variant (most of the three targets τ ≥ 0.98,
+# median cancellation ≤ 10, top-5 class share ≥ 0.9 met, then mean τ), the budget b = 10 (the
+# issue's own threshold) is chosen on all four settings and meets all three on each: τ / median
+# cancellation / share 0.995 / 9.4 / 0.97 (digits MLP), 0.991 / 9.4 / 0.99 (CNN), 0.997 / 9.0 /
+# 0.99 (breast_cancer), 0.999 / 9.0 / 0.99 (wine). Held out: 3 / 3 / 2 / 3 targets (the fold
+# holding out breast_cancer picks a fixed α 0.001, cancellation 14.9 there). Budgets 5–9 meet all
+# three too, at lower τ. The dual decomposition meets them on 3 of 4 at best (never the CNN).
 ALPHA_STEPS = np.logspace(-4, 1, 21)
-READABLE_CANCELLATION = 9.0
+READABLE_CANCELLATION = 10.0
 READABLE_SHARE = 0.9
 READABLE_ROWS = 1000  # training samples the rule reads (a seeded subsample beyond)
 # Fitted to labels (one-hot targets, alpha=None): a fixed α, the default before the readability
@@ -531,7 +537,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
     ) -> float:
         """The smallest α of ALPHA_STEPS at which the centred ridge's decomposition of (up to
         READABLE_ROWS of) the training samples reads as an explanation: for each sample x_j, the
-        contributions c_ji to its predicted column (`decomposition_`: s_i(x_j) (t_i − τ) or
+        contributions c_ji to its predicted column (`decomposition_`: s_i(x_j) (t_i − ℓ) or
         (K(x_j, x_i) − κ(x_j)) A_i), its own term c_jj left out (a test sample has none; the
         smoother weights of the others re-centred to sum to 0, as a test sample's do), have
         median cancellation Σ_i |c_ji| / |Σ_i c_ji| ≤ READABLE_CANCELLATION and (classifiers)
@@ -609,7 +615,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
     def attribute(self, x_test) -> np.ndarray:
         """Contributions [N_test, N_train, C] of every training example to every column of
         `decision_function`; summed over training examples, plus `baseline_`, they equal it
-        (`decomposition_`: "smoother" s_i(x) (t_i − τ), "dual" K(x, x_i) A_i; module docstring)."""
+        (`decomposition_`: "smoother" s_i(x) (t_i − ℓ), "dual" K(x, x_i) A_i; module docstring)."""
         return self._contributions(self._test_kernel(x_test))
 
     def _contributions(self, k: np.ndarray) -> np.ndarray:

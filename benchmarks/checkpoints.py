@@ -11,7 +11,8 @@ epochs is the first E' epochs of the full run). `attribution.influence(..., chec
 averages the scores of the checkpoints it is given; every scheme below is such an average. A
 scheme is chosen leave-one-setting-out (best mean LDS on the other settings) and scored on the
 held-out one. --ensemble K repeats the chosen scheme on K independently seeded runs (the
-ensemble of the issue's target) on digits MLP.
+ensemble of the issue's target) on digits MLP; --truth-seeds 2,4,8,16 scores those rows also
+against truths that average more retrainings per subset (less training noise in the truth).
 """
 
 from __future__ import annotations
@@ -81,6 +82,12 @@ def main() -> None:
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--peer-python", default=os.environ.get("NTK_PEER_PYTHON"))
     parser.add_argument("--ensemble", type=int, default=0, help="runs for the ensemble rows")
+    parser.add_argument(
+        "--truth-seeds",
+        default="",
+        help="comma-separated seed counts: the ensemble rows also against truths averaging that "
+        "many retrainings per subset (the settings' truth averages 2)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if not args.no_peers and not args.peer_python:
@@ -139,6 +146,19 @@ def main() -> None:
             f"{lds(torch.stack(finals).mean(0), s.subsets, s.truth):.3f}, checkpoints "
             f"{fracs} {lds(torch.stack(schemes).mean(0), s.subsets, s.truth):.3f}"
         )
+        if args.truth_seeds:
+            print(f"\n{name} against truths of more retrainings per subset (checkpoints {fracs})")
+            print(
+                "| truth seeds | final model | one run's checkpoints | ensemble final models "
+                "| ensemble checkpoints |"
+            )
+            print("|---|---|---|---|---|")
+        for seeds in [int(v) for v in args.truth_seeds.split(",") if v]:
+            t = settings.load(name, seeds=seeds, cache_dir=args.cache_dir, smoke=args.smoke)
+            ensembles = [torch.stack(finals).mean(0), torch.stack(schemes).mean(0)]
+            cells = [finals[0], schemes[0], *ensembles]
+            values = " | ".join(f"{lds(c, t.subsets, t.truth):.3f}" for c in cells)
+            print(f"| {seeds} | {values} |")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,11 @@ proponents whose training label is the predicted class (`coherence`); fitted to 
 τ again ("label-fitted faithfulness"); LDS of the contributions and, where the machine has them,
 of the closed-form counterfactual scores (`influence`), both projected on the margin gradient.
 The default is chosen leave-one-setting-out (the variant meeting most targets, then the highest
-τ, on the other settings) and its held-out row is printed next to the in-sample best.
+τ, on the other settings; ties: the first listed) and its held-out row is printed next to the
+in-sample best. Variants: machines, kernels and fixed α with the dual decomposition
+(K(x, x_i) − κ(x)) A_i; the smoother decomposition s_i(x) (t_i − ℓ) at fixed α; and α chosen by
+readability (alpha=None) with each budget b of median cancellation on the training samples
+(`attribution.surrogate.READABLE_CANCELLATION`, set per variant), for either decomposition.
 
 --fractions f1,f2,… instead measures the Gauss–Newton machine (trace kernel, fitted to the labels)
 with its damping keeping each fraction f of the rank N·(O − 1) as effective parameters
@@ -68,7 +72,7 @@ VARIANTS = {
     # α chosen by readability (alpha=None): the smallest α whose training decomposition has
     # median cancellation ≤ b (attribution.surrogate.READABLE_CANCELLATION, set per variant)
     **{f"centred, readable α, b {b}": dict(DUAL, readable_cancellation=b) for b in BUDGETS},
-    # the smoother decomposition s_i(x) (t_i − τ), at fixed α and with α chosen by readability
+    # the smoother decomposition s_i(x) (t_i − ℓ), at fixed α and with α chosen by readability
     **{f"centred smoother, α {a:g}": dict(alpha=a) for a in (0.001, 0.003, 0.01, 0.03, 0.1)},
     **{
         f"centred smoother, readable α, b {b}" + (" (default)" if b == DEFAULT_BUDGET else ""): (
