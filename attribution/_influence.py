@@ -14,8 +14,8 @@ r_i = e_{y_i} − p_i the descent direction of example i's cross-entropy in logi
   the Gauss–Newton model of kernel logistic regression at the network's logits) fitted to the
   training labels, u_zᵀ (d(z) − d_{−i}(z)), the exact change of its decision when example i is
   removed and the kernel machine refitted (`KernelSurrogate.influence`, closed form; its λ keeps
-  `surrogate.GAUSS_NEWTON_DOF_FRACTION` of the rank as effective parameters, a damping chosen for
-  faithfulness and counterfactual LDS at once; an (N·O)² system like the exact path's, refused
+  `damping.DOF_FRACTION` of the rank as effective parameters, the damping chosen for LDS, not the
+  surrogate's own default, chosen for faithfulness; an (N·O)² system like the exact path's, refused
   with a MemoryError when it does not fit). Chosen over the centred ridge's counterfactual
   by `python benchmarks/surrogate_settings.py` (label-fitted counterfactual LDS).
 - `trak`: TRAK as published (`attribution.trak`).
@@ -42,7 +42,13 @@ from ntk.core.model import ModelView
 
 from . import _kernels, curvature
 from ._trak import trak
-from .damping import check_amount, cholesky_solve, damped_cholesky, kernel_system
+from .damping import (
+    DOF_FRACTION,
+    check_amount,
+    cholesky_solve,
+    damped_cholesky,
+    kernel_system,
+)
 from .outputs import (
     labels,
     margin_gradient,
@@ -240,6 +246,7 @@ def _one_model(
             kind=kind,
             projection_dim=dim,
             machine="gauss_newton",
+            effective_parameters=DOF_FRACTION,
             seed=seed,
             batch_size=batch_size,
             device=device,

@@ -450,21 +450,27 @@ def test_gauss_newton_machine_that_does_not_fit_is_refused(small, monkeypatch):
         KernelSurrogate(model, machine="gauss_newton").fit(x, torch.arange(len(x)) % 3)
 
 
-def test_gauss_newton_damping_keeps_the_chosen_effective_number_of_parameters(small):
-    """machine="gauss_newton" with alpha=None: λ solves Σ_k e_k/(e_k + λ) =
-    GAUSS_NEWTON_DOF_FRACTION · N·(O − 1), e the eigenvalues of SΘS (written out here)."""
+@pytest.mark.parametrize("fraction", [None, 0.015])
+def test_gauss_newton_damping_keeps_the_chosen_effective_number_of_parameters(small, fraction):
+    """machine="gauss_newton" with alpha=None: λ solves Σ_k e_k/(e_k + λ) = f · N·(O − 1), e the
+    eigenvalues of SΘS (written out here), f = effective_parameters or GAUSS_NEWTON_DOF_FRACTION."""
     from attribution.surrogate import GAUSS_NEWTON_DOF_FRACTION
 
     model, x, _ = small
     y = torch.arange(len(x)) % 3
-    s = KernelSurrogate(model, machine="gauss_newton").fit(x, y)
+    s = KernelSurrogate(model, machine="gauss_newton", effective_parameters=fraction).fit(x, y)
     n, o = len(x), 3
     k = ntk.empirical_ntk(model, x, kind="trace").numpy()
     k = k / k.diagonal().mean()  # the machine's kernel: unit mean diagonal
     a = np.einsum("iop,ij,jpq->iojq", s.root_, k, s.root_).reshape(n * o, n * o)
     e = np.linalg.eigvalsh(a).clip(min=0)
     gamma = float((e / (e + s.alpha_)).sum())
-    assert gamma == pytest.approx(GAUSS_NEWTON_DOF_FRACTION * n * (o - 1), rel=1e-6)
+    f = GAUSS_NEWTON_DOF_FRACTION if fraction is None else fraction
+    assert gamma == pytest.approx(f * n * (o - 1), rel=1e-6)
+    with pytest.raises(ValueError, match="effective_parameters sets the damping"):
+        KernelSurrogate(model, effective_parameters=0.1).fit(x)
+    with pytest.raises(ValueError, match="effective_parameters sets the damping"):
+        KernelSurrogate(model, machine="gauss_newton", alpha=0.1, effective_parameters=0.1).fit(x)
 
 
 def test_single_output_model_is_fitted_to_its_output():

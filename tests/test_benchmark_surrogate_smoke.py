@@ -26,6 +26,7 @@ def test_smoke_run_prints_each_variant():
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     names = [r.split("|")[1].strip() for r in rows]
     (default,) = [n for n in names if n.endswith("(default)")]
-    assert default.startswith("centred smoother, readable α") and "representer (loss residuals)" in names
+    assert default.startswith("centred smoother, readable α")
+    assert "representer (loss residuals)" in names
     default = rows[names.index(default)].split("|")[2:-1]
     assert len(default) == 8 and all(c.strip() != "nan" for c in default)
