@@ -574,11 +574,12 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         if n > READABLE_ROWS:
             rows = np.sort(np.random.default_rng(self.seed).choice(n, READABLE_ROWS, replace=False))
         own = (np.arange(len(rows)), rows)
-        levelled = self._levelled(self.kernel_[rows])
+        smoother = self.decomposition_ == "smoother"
+        levelled = None if smoother else self._levelled(self.kernel_[rows])
         for alpha in ALPHA_STEPS:
             dual = vectors @ (projected / (eigenvalues + alpha)[:, None])
             column = (k[rows] @ dual + targets.mean(0)).argmax(1)
-            if self.decomposition_ == "smoother":
+            if smoother:
                 weights = (vectors[rows] * (eigenvalues / (eigenvalues + alpha))) @ vectors.T
                 weights[own] = 0.0  # own term out, the rest summing to 0 as a test sample's do
                 weights -= weights.sum(1, keepdims=True) / (n - 1)
