@@ -47,6 +47,7 @@ from ntk.spectrum import condition_from_eigenvalues
 
 from . import _figures
 from .curvature import UnfactorableModelError
+from .damping import DOF_FRACTION
 from .evaluation import calibration_metrics, reliability
 from .layers import DEFAULT_SCORE, layer_importance, layer_label
 from .outputs import labels, logits
@@ -236,6 +237,15 @@ def report(
         c_test = _predicted_class_contributions(surrogate, x_test, net_test)  # [M, N]
         explained = []
         baseline = None if retrain is None else retrain(x_train, own)
+        machine, counterfactual = _counterfactual_machine(
+            model,
+            surrogate,
+            x_train,
+            own,
+            batch_size=batch_size,
+            device=device,
+            output_fn=output_fn,
+        )
         for i, category in choose_examples(p_test, y_test, examples):
             cls = int(net_test[i])
             one = inputs.take(x_test, slice(i, i + 1))
@@ -253,7 +263,7 @@ def report(
                     "baseline": float(np.asarray(surrogate.baseline_)[cls]),
                     **sides,
                     "sanity": _sanity(
-                        surrogate, x_train, own, one, cls, c_test[i], sides, retrain, baseline
+                        machine, x_train, own, one, cls, c_test[i], sides, retrain, baseline
                     ),
                 }
             )
@@ -283,6 +293,7 @@ def report(
         "kernel": kernel,
         "attribution": {
             "contribution": "surrogate contribution c_i(x) to the network's predicted class",
+            "counterfactual": counterfactual,
             "examples": explained,
             "cancellation": cancellation,
             "total_influence": total_influence,
@@ -402,22 +413,51 @@ def _neighbours(surrogate, x_one, cls: int, top: int, own: torch.Tensor) -> dict
     return sides
 
 
-def _sanity(surrogate, x_train, own, x_one, cls, c_row, sides, retrain, baseline) -> dict:
+def _counterfactual_machine(model, surrogate, x_train, own, **opts) -> tuple:
+    """The kernel machine whose removal effects the sanity strips show, and its description: the
+    Gauss–Newton machine fitted to the training labels (`own`: the labels, or the network's
+    predictions) at `influence`'s damping, `influence(method="surrogate")`'s machine, whose removal
+    effects predict retraining (results/surrogate.md); when its (N·O)² system does not fit in
+    memory, the surrogate itself if it has a removal formula (else None)."""
+    try:
+        machine = KernelSurrogate(
+            model,
+            kind=surrogate.kind,
+            machine="gauss_newton",
+            effective_parameters=DOF_FRACTION,
+            **opts,
+        ).fit(x_train, own)
+        return machine, "Gauss–Newton kernel machine fitted to the training labels (exact refit)"
+    except MemoryError:
+        if surrogate.removable_:
+            return (
+                surrogate,
+                "the surrogate itself (exact refit; the Gauss–Newton machine did not fit)",
+            )
+        return (
+            None,
+            "none (the Gauss–Newton machine did not fit; the surrogate has no refit formula)",
+        )
+
+
+def _sanity(machine, x_train, own, x_one, cls, c_row, sides, retrain, baseline) -> dict:
     """A card's sanity strip: cancellation Σ|c_i|/|Σc_i| of its contributions, the share of its
     proponents whose label is the predicted class, and the counterfactual of removing those
-    proponents: the drop of the surrogate's output for the class (`KernelSurrogate.influence`,
-    exact refit of the kernel machine; None for machines without it) next to the drop of the
-    network's per-sample centred logit after `retrain` without them (None without `retrain`)."""
+    proponents: the change of the counterfactual `machine`'s output for the class, centred over
+    its outputs (`KernelSurrogate.influence`, exact refit; None without a machine) next to the
+    change of the network's per-sample centred logit after `retrain` without them (None without
+    `retrain`)."""
     gone = np.array([p["index"] for p in sides["proponents"]])
     card = {
         "cancellation": float(cancellation(c_row.numpy()[None])[0]),
         "proponent_label_share": float(np.mean([p["label"] == cls for p in sides["proponents"]])),
         "removed": len(gone),
-        "surrogate_change": None,
+        "counterfactual_change": None,
         "network_change": None,
     }
-    if surrogate.removable_ and len(gone) < len(own):
-        card["surrogate_change"] = -float(surrogate.influence(x_one, gone, output=cls)[0])
+    if machine is not None and len(gone) < len(own):
+        drop = machine.influence(x_one, gone, output="all")[0]
+        card["counterfactual_change"] = -float(drop[cls] - drop.mean())
     if retrain is not None:
         keep = torch.ones(len(own), dtype=torch.bool)
         keep[torch.as_tensor(gone)] = False

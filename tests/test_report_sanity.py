@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from attribution import KernelSurrogate, report
+from attribution.damping import DOF_FRACTION
 from ntk import demo
 
 
@@ -33,7 +34,10 @@ def test_sanity_strip_numbers(tmp_path):
     )
     assert calls == [150, 147, 147]  # once on everything, once per card without 3 proponents
     s = KernelSurrogate(model).fit(x)
+    machine = KernelSurrogate(model, machine="gauss_newton", effective_parameters=DOF_FRACTION)
+    machine.fit(x, y)
     html = (tmp_path / "r.html").read_text()
+    assert result["attribution"]["counterfactual"].startswith("Gauss–Newton kernel machine")
     assert "sanity: cancellation" in html and "network (retrained)" in html
     for card in result["attribution"]["examples"]:
         i, cls, strip = card["index"], card["network_prediction"], card["sanity"]
@@ -42,9 +46,8 @@ def test_sanity_strip_numbers(tmp_path):
         gone = np.argsort(-c, kind="stable")[:3]
         assert sorted(p["index"] for p in card["proponents"]) == sorted(gone.tolist())
         assert strip["proponent_label_share"] == np.mean(y.numpy()[gone] == cls)
-        assert np.isclose(
-            strip["surrogate_change"], -s.influence(xt[i : i + 1], gone, output="all")[0, cls]
-        )
+        drop = machine.influence(xt[i : i + 1], gone, output="all")[0]
+        assert np.isclose(strip["counterfactual_change"], -(drop[cls] - drop.mean()))
         keep = np.setdiff1d(np.arange(150), gone)
         nets = [retrain(xs, ys) for xs, ys in ((x, y), (x[keep], y[keep]))]
         with torch.no_grad():
@@ -53,29 +56,29 @@ def test_sanity_strip_numbers(tmp_path):
         assert np.isclose(strip["network_change"], expected, atol=1e-5)
 
 
-def test_sanity_strip_of_the_gauss_newton_machine(tmp_path):
-    """A surrogate passed in with its own removal effect (the Gauss–Newton machine, not centred)
-    fills the strip's surrogate column with that machine's exact counterfactual."""
+def test_sanity_strip_without_labels_and_without_memory(tmp_path, monkeypatch):
+    """Without training labels the counterfactual machine is fitted to the network's
+    predictions; when its (N·O)² system does not fit, the strip falls back to the surrogate's own
+    exact refit and says so."""
     data = demo.digits(n_train=60)
-    x, y, xt = data.x_train, data.y_train, data.x_test[:20]
+    x, xt = data.x_train, data.x_test[:20]
     torch.manual_seed(0)
-    model = demo.train(demo.mlp(hidden=8), x, y, epochs=3)
-    machine = KernelSurrogate(model, machine="gauss_newton")
-    result = report(
-        model,
-        x,
-        y,
-        xt,
-        surrogate=machine,
-        path=tmp_path / "r.html",
-        examples=1,
-        top=3,
-        kernel_samples=20,
-    )
-    s = KernelSurrogate(model, machine="gauss_newton").fit(x)
-    assert s.removable_ and not KernelSurrogate(model, machine="svm").fit(x).removable_
-    for card in result["attribution"]["examples"]:
-        i, cls = card["index"], card["network_prediction"]
-        gone = np.array([p["index"] for p in card["proponents"]])
-        expected = -s.influence(xt[i : i + 1], gone, output="all")[0, cls]
-        assert np.isclose(card["sanity"]["surrogate_change"], expected)
+    model = demo.train(demo.mlp(hidden=8), x, data.y_train, epochs=3)
+    options = dict(examples=1, top=3, kernel_samples=20, posterior=False)
+    predicted = model(x).argmax(1)
+    machines = {
+        "Gauss–Newton": KernelSurrogate(
+            model, machine="gauss_newton", effective_parameters=DOF_FRACTION
+        ).fit(x, predicted),
+        "the surrogate itself": KernelSurrogate(model).fit(x),
+    }
+    for name, machine in machines.items():
+        if name != "Gauss–Newton":
+            monkeypatch.setattr("attribution.surrogate.available_bytes", lambda device: 10_000)
+        result = report(model, x, None, xt, path=tmp_path / "r.html", **options)
+        assert result["attribution"]["counterfactual"].startswith(name)
+        for card in result["attribution"]["examples"]:
+            i, cls = card["index"], card["network_prediction"]
+            gone = np.array([p["index"] for p in card["proponents"]])
+            drop = machine.influence(xt[i : i + 1], gone, output="all")[0]
+            assert np.isclose(card["sanity"]["counterfactual_change"], -(drop[cls] - drop.mean()))
