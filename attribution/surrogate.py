@@ -369,6 +369,13 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
                 f"machine={self.machine!r} needs a classifier with two or more outputs; a "
                 "single-output model is fitted with machine='ridge'"
             )
+        need = 2 * 8 * (n * o) ** 2  # the system, factored in place, and `influence`'s inverse
+        if self.machine == "gauss_newton" and need > available_bytes(torch.device("cpu")):
+            raise MemoryError(  # before the kernel is computed
+                f"machine='gauss_newton' solves an (N·O)² = {n * o:,}² system ({need / 2**30:.1f} "
+                "GiB with the inverse `influence` forms) that does not fit in the free memory; "
+                "fit fewer training samples, or use machine='ridge' (an N² system)"
+            )
         self.center_ = self._centred()
         self.removable_ = self.center_ or self.machine == "gauss_newton"  # has `influence`
         self.decomposition_ = "dual" if not self.center_ else self.decomposition or "smoother"
@@ -449,13 +456,6 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         `influence`."""
         g = g.double()
         n, o = g.shape
-        need = 2 * 8 * (n * o) ** 2  # the system, factored in place, and `influence`'s inverse
-        if need > available_bytes(torch.device("cpu")):
-            raise MemoryError(
-                f"machine='gauss_newton' solves an (N·O)² = {n * o:,}² system ({need / 2**30:.1f} "
-                "GiB with the inverse `influence` forms) that does not fit in the free memory; "
-                "fit fewer training samples, or use machine='ridge' (an N² system)"
-            )
         step = torch.zeros_like(g)
         if y is not None:
             rows, y = torch.arange(n), torch.as_tensor(y)

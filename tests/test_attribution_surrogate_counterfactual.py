@@ -446,6 +446,11 @@ def test_gauss_newton_removal_equals_refitting_without_the_points(small):
 def test_gauss_newton_machine_that_does_not_fit_is_refused(small, monkeypatch):
     model, x, _ = small
     monkeypatch.setattr("attribution.surrogate.available_bytes", lambda device: 10_000)
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("the kernel was computed before the system was refused")
+
+    monkeypatch.setattr("attribution._kernels.compute", no_kernel)
     with pytest.raises(MemoryError, match=r"\(N·O\)² = 75² system.*machine='ridge'"):
         KernelSurrogate(model, machine="gauss_newton").fit(x, torch.arange(len(x)) % 3)
 
