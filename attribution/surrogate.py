@@ -567,6 +567,8 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         when none is readable. targets: those of the fit [N, C]; proponents: the network's
         predicted labels (None for a single output)."""
         n = k.shape[0]
+        if n == 1:  # no other sample to read: the machine predicts the target at any α
+            return float(ALPHA_STEPS[0])
         eigenvalues, vectors = self.eigen_
         targets = targets.reshape(n, -1)
         projected = vectors.T @ (targets - targets.mean(0))

@@ -3,6 +3,8 @@
 error paths, and the scikit-learn contract (score, cross_val_score, GridSearchCV,
 check_estimator)."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -551,6 +553,10 @@ def test_machines_without_cross_validation_fit_one_or_two_samples(small):
         np.testing.assert_allclose(s.attribute(xt).sum(1) + s.baseline_, s.decision_function(xt))
         assert s.influence(xt).shape == (6, 2)
     assert influence(model, x[:1], y[:1], xt, method="surrogate").shape == (6, 1)
+    with warnings.catch_warnings():  # the readability rule with one sample (nothing to read)
+        warnings.simplefilter("error")
+        one = KernelSurrogate(model).fit(x[:1])
+    np.testing.assert_allclose(one.attribute(xt).sum(1) + one.baseline_, one.decision_function(xt))
     with pytest.raises(ValueError, match="cannot remove the only training point"):
         KernelSurrogate(model).fit(x[:1], y[:1]).influence(xt)
     with pytest.raises(ValueError, match="cv=3 folds need at least 3"):
