@@ -122,7 +122,7 @@ DEFAULT_REFERENCE = 0.25
 # rank N·(O − 1) as effective parameters, chosen for label-fitted faithfulness (issue 11: τ ≥ 0.85
 # between the network and the machine fitted to the labels): the smallest fraction with τ ≥ 0.85
 # on the other settings (`python benchmarks/surrogate_settings.py --cache-dir … --fractions
-# 0.015,0.025,0.05,0.075,0.1,0.15`, results/surrogate.md, last section). Held out τ 0.918 /
+# 0.015,0.025,0.05,0.075,0.1,0.15`, results/surrogate.md, "Two dampings"). Held out τ 0.918 /
 # 0.846 / 0.941 / 0.908 (digits MLP / CNN / breast_cancer / wine; the CNN fold picks 0.05); in
 # sample 0.075 on every fold but the CNN's, τ ≥ 0.908 everywhere. Weak damping lets the machine
 # follow its working responses (the network's logits plus one Newton step) and costs
