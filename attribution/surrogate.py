@@ -408,15 +408,19 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         elif self.machine == "gauss_newton":
             self._fit_gauss_newton(k, g, None if y is None else targets)
         else:
-            if self.center_:
-                self.targets_ = targets.reshape(n, -1)
-                self.target_levels_ = np.quantile(self.targets_, self.reference, axis=0)
             alpha, readable = self.alpha, self.alpha is None and self.center_ and y is None
-            if self.decomposition_ == "smoother" or readable:  # K_c = Σ_e e u_e u_eᵀ
+            smoother = self.decomposition_ == "smoother"
+            eigen = None
+            if smoother or readable:  # K_c = Σ_e e u_e u_eᵀ
                 values, vectors = scipy.linalg.eigh(k)
-                self.eigen_ = (np.clip(values, 0, None), vectors)
+                eigen = (np.clip(values, 0, None), vectors)
+            if smoother:  # t_i − ℓ, ℓ the `reference` quantile of each column
+                t = targets.reshape(n, -1)
+                self.levelled_targets_ = t - np.quantile(t, self.reference, axis=0)
+                self.eigen_ = eigen
             if readable:
-                alpha = self._readable_alpha(k, targets, g.argmax(1).numpy() if o > 1 else None)
+                predicted = g.argmax(1).numpy() if o > 1 else None
+                alpha = self._readable_alpha(k, targets, predicted, eigen)
             elif alpha is None and self.center_:
                 alpha = LABEL_ALPHA
             self._fit_machine(k, targets, o, alpha)
@@ -550,7 +554,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             self.dual_, self.intercept_ = fitted.coef_.T * half, fitted.intercept_ * half
 
     def _readable_alpha(
-        self, k: np.ndarray, targets: np.ndarray, proponents: np.ndarray | None
+        self, k: np.ndarray, targets: np.ndarray, proponents: np.ndarray | None, eigen: tuple
     ) -> float:
         """The smallest α of ALPHA_STEPS at which the centred ridge's decomposition of (up to
         READABLE_ROWS of) the training samples reads as an explanation: for each sample x_j, the
@@ -563,13 +567,13 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         smoother weights of the training samples are the rows of Σ_e e/(e + α) u_e u_eᵀ:
         cancellation falls as α grows (the small-eigenvalue directions that cancel fade) while
         faithfulness falls too, so the first readable α is the most faithful one. The
-        eigendecomposition `eigen_` of the centred kernel k serves every step; the largest step
-        when none is readable. targets: those of the fit [N, C]; proponents: the network's
-        predicted labels (None for a single output)."""
+        eigendecomposition `eigen` (values, vectors) of the centred kernel k serves every step;
+        the largest step when none is readable. targets: those of the fit [N, C]; proponents:
+        the network's predicted labels (None for a single output)."""
         n = k.shape[0]
         if n == 1:  # no other sample to read: the machine predicts the target at any α
             return float(ALPHA_STEPS[0])
-        eigenvalues, vectors = self.eigen_
+        eigenvalues, vectors = eigen
         targets = targets.reshape(n, -1)
         projected = vectors.T @ (targets - targets.mean(0))
         rows = np.arange(n)
@@ -577,16 +581,19 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             rows = np.sort(np.random.default_rng(self.seed).choice(n, READABLE_ROWS, replace=False))
         own = (np.arange(len(rows)), rows)
         smoother = self.decomposition_ == "smoother"
-        levelled = None if smoother else self._levelled(self.kernel_[rows])
+        if smoother:  # k_c(x_j) in the eigenbasis: K_c U = U diag(e)
+            basis_rows = vectors[rows] * eigenvalues
+        else:
+            levelled = self._levelled(self.kernel_[rows])
         for alpha in ALPHA_STEPS:
             dual = vectors @ (projected / (eigenvalues + alpha)[:, None])
             column = (k[rows] @ dual + targets.mean(0)).argmax(1)
             if smoother:
-                weights = (vectors[rows] * (eigenvalues / (eigenvalues + alpha))) @ vectors.T
+                weights = _smoother_weights(basis_rows, alpha, eigen)
                 weights[own] = 0.0  # own term out, the rest summing to 0 as a test sample's do
                 weights -= weights.sum(1, keepdims=True) / (n - 1)
                 weights[own] = 0.0
-                c = weights * (self.targets_ - self.target_levels_)[:, column].T
+                c = weights * self.levelled_targets_[:, column].T
             else:
                 c = levelled * dual[:, column].T
                 c[own] = 0.0  # each sample's own term left out (a test sample has none)
@@ -642,9 +649,8 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         """Contributions [M, N, C] for the test kernel rows k as the machine sees them."""
         if self.decomposition_ == "smoother":  # s(x) = (K_c + αI)⁻¹ k_c(x); κ(x) cancels in k_c
             centred = k - k.mean(1, keepdims=True) - self.row_means_ + self.row_means_.mean()
-            values, vectors = self.eigen_
-            weights = (centred @ vectors / (values + self.alpha_)) @ vectors.T
-            return weights[:, :, None] * (self.targets_ - self.target_levels_)[None]
+            weights = _smoother_weights(centred @ self.eigen_[1], self.alpha_, self.eigen_)
+            return weights[:, :, None] * self.levelled_targets_[None]
         n = self.dual_.shape[0]
         if self.kind == "full":
             o = self.num_outputs_
@@ -848,6 +854,13 @@ def _rank_agreement(net: np.ndarray, surrogate: np.ndarray) -> dict:
         "spearman_logits": float(spearmanr(net, surrogate).statistic),
         "r2_logits": float(r2_score(net, surrogate)),
     }
+
+
+def _smoother_weights(basis_rows: np.ndarray, alpha: float, eigen: tuple) -> np.ndarray:
+    """Kernel ridge's smoother weights s = (K_c + αI)⁻¹ k_c [M, N] for rows k_c already in the
+    eigenbasis of K_c (k_c U, eigen = (e, U)): U diag(1/(e + α)) Uᵀ k_c."""
+    values, vectors = eigen
+    return (basis_rows / (values + alpha)) @ vectors.T
 
 
 def cancellation(c: np.ndarray) -> np.ndarray:
