@@ -8,7 +8,9 @@ r_i = e_{y_i} − p_i the descent direction of example i's cross-entropy in logi
   model of the training loss, τ(z, i) = u_zᵀ J_z (Σ_j J_jᵀ Λ_j J_j + λI)⁻¹ J_iᵀ r_i with the
   softmax curvature Λ_j = diag(p_j) − p_j p_jᵀ (the influence function of Koh & Liang, ICML 2017,
   with the Gauss–Newton Hessian). It is evaluated in kernel form,
-  τ(z, ·) = u_zᵀ Θ(z, X) (Λ Θ(X, X) + λI)⁻¹ R, an (N·O)-dimensional solve.
+  τ(z, ·) = u_zᵀ Θ(z, X) (Λ Θ(X, X) + λI)⁻¹ R, an (N·O)-dimensional solve. By default p_j
+  (hence r_j and Λ_j) comes not from the network's training logits, which a converged network
+  has fitted (r ≈ 0), but from the kernel's gradient flow stopped early (`kernel_flow`).
 - `grad_dot`: u_zᵀ Θ(z, x_i) r_i, the change of f(z) after a gradient step on example i.
 - `surrogate`: the counterfactual of the Gauss–Newton `KernelSurrogate` (`machine="gauss_newton"`,
   the Gauss–Newton model of kernel logistic regression at the network's logits) fitted to the
@@ -49,6 +51,7 @@ from .damping import (
     damped_cholesky,
     kernel_system,
 )
+from .kernel_flow import LOSS_RATIO, flow_logits
 from .outputs import (
     labels,
     margin_gradient,
@@ -105,6 +108,7 @@ def influence(
     train_features=None,
     checkpoints: Sequence | None = None,
     damping: str | float = "auto",
+    training_logits: str | float = "auto",
     seed: int = 0,
     batch_size: int | None = None,
     device=None,
@@ -136,7 +140,13 @@ def influence(
     kfac): λ, or "auto" for `damping.auto_damping`: the λ at which the damped curvature keeps an
     effective number of parameters Σ_k e_k/(e_k + λ) = DOF_FRACTION · N·(O − 1) (e: eigenvalues
     of ΛΘ); for ekfac/kfac, KRONECKER_DAMPING × tr(G)/(N·O) of the factored curvature; for
-    trak, a number is TRAK's λ ("auto": the paper's λ = 0).
+    trak, a number is TRAK's λ ("auto": the paper's λ = 0). training_logits (gauss_newton on
+    a kernel): where the residuals r_i and the curvature Λ_i are evaluated: "network" (the
+    model's logits), a ratio m > 0 (the logits of `kernel_flow.flow_logits` on the training
+    kernel, the gradient flow of the cross-entropy from f = 0 stopped when its training loss is
+    m × the network's), "flow" (m = `kernel_flow.LOSS_RATIO`) or "auto" (the default: "flow"
+    where the N × N kernel is solved, "network" for the other methods and the projected
+    parameter-space path, where "flow" or a ratio is refused).
     batch_size: the kernels' tile size and the projections' featurisation batch (None: from the
     free memory). output_fn: maps the model's output to the logits [B, O] (e.g.
     `lambda out: out.logits` for a HuggingFace model); inputs may be tensors, tuples or dicts of
@@ -161,6 +171,9 @@ def influence(
         if checkpoints is not None:
             raise ValueError("train_features belongs to one model's weights, not to checkpoints")
         kind = "full"
+    flow = _flow_ratio(
+        training_logits, method, kind == "full" and (dim is not None or train_features is not None)
+    )
     if method == "trak":
         if kind not in (None, "full"):
             raise ValueError("method='trak' uses the margin's exact gradients; kind does not apply")
@@ -208,6 +221,7 @@ def influence(
             dim=dim,
             train_features=train_features,
             damping=damping,
+            flow=flow,
             seed=seed,
             batch_size=batch_size,
             device=device,
@@ -231,6 +245,7 @@ def _one_model(
     dim,
     train_features,
     damping,
+    flow,
     seed,
     batch_size,
     device,
@@ -277,7 +292,13 @@ def _one_model(
         lam = KRONECKER_DAMPING * curv.trace / (n * o) if damping == "auto" else float(damping)
         return curv.influence(x_test, u, x_train, r, lam)
     if not fits:
-        kind, dim = "full", default_dim(model)
+        if flow is not None and flow[1]:
+            raise ValueError(
+                "training_logits asks for the kernel's gradient flow, which runs on the N × N "
+                "training kernel; it does not fit in memory here: pass training_logits='network' "
+                "(or 'auto') to use the network's logits"
+            )
+        kind, dim, flow = "full", default_dim(model), None
     if kind == "full" and dim is not None:  # parameter space on projected Jacobians
         from projections import Featurizer
 
@@ -326,7 +347,31 @@ def _one_model(
         left = cross[:, :, None] * u[:, None, :]
     else:
         left = torch.einsum("mo,mioq->miq", u, cross)
+    if flow is not None:
+        scalar = theta if theta.dim() == 2 else theta.diagonal(dim1=2, dim2=3).mean(-1)
+        loss = nn.functional.cross_entropy(g_train, y_train).item()
+        g_train = flow_logits(scalar, y_train, o, flow[0] * loss)
     return gauss_newton(left, theta, g_train, y_train, damping)
+
+
+def _flow_ratio(training_logits, method: str, parameter_space: bool) -> tuple[float, bool] | None:
+    """(loss ratio, asked for explicitly) of the kernel gradient flow whose logits replace the
+    network's training logits, or None for the network's own; refused where no N × N kernel is
+    solved (other methods, the Gauss–Newton system in projected parameter space)."""
+    check_amount(training_logits, "training_logits", words=("auto", "flow", "network"))
+    if training_logits == "network":
+        return None
+    explicit = training_logits != "auto"
+    ratio = LOSS_RATIO if isinstance(training_logits, str) else float(training_logits)
+    if method == "gauss_newton" and not parameter_space:
+        return ratio, explicit
+    if explicit:
+        where = "parameter space" if method == "gauss_newton" else f"method={method!r}"
+        raise ValueError(
+            f"training_logits={training_logits!r} runs the kernel's gradient flow for method "
+            f"'gauss_newton' on a kernel, not in {where}; pass 'network' or 'auto'"
+        )
+    return None
 
 
 def _exact_fits(n_train: int, n_test: int, o: int, kind: str, device: torch.device) -> bool:

@@ -39,6 +39,9 @@ def ours(setting: settings.Setting, smoke: bool) -> dict:
     nets = setting.models(count)
     return {
         "influence auto (gauss_newton, trace)": lambda: influence(model, x, y, xt, yt),
+        "gauss_newton, trace, network's logits": lambda: influence(
+            model, x, y, xt, yt, training_logits="network"
+        ),
         "gauss_newton, full": lambda: influence(model, x, y, xt, yt, kind="full"),
         "grad_dot, full": lambda: influence(model, x, y, xt, yt, method="grad_dot"),
         **{
@@ -50,6 +53,9 @@ def ours(setting: settings.Setting, smoke: bool) -> dict:
         "trak (ours), k=512": lambda: trak(model, x, y, xt, yt, dim=512),
         f"influence auto × {count} models": lambda: influence(
             model, x, y, xt, yt, checkpoints=nets
+        ),
+        f"gauss_newton, trace, network's logits × {count} models": lambda: influence(
+            model, x, y, xt, yt, checkpoints=nets, training_logits="network"
         ),
         f"gauss_newton, full × {count} models": lambda: influence(
             model, x, y, xt, yt, kind="full", checkpoints=nets

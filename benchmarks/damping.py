@@ -1,17 +1,19 @@
 """The damping rule of `attribution.influence` (Gauss–Newton), chosen leave-one-setting-out on
 the LDS ground truth of benchmarks/settings.py.
 
-    python benchmarks/damping.py [--cache-dir DIR]      # the three settings, 100 subsets × 2 seeds
+    python benchmarks/damping.py [--cache-dir DIR] [--training-logits network]  # 100 × 2 truth
     python benchmarks/damping.py --smoke                # seconds
 
 For each setting the damped system SΘS + λI of the default path (trace kernel) is
 eigendecomposed once, so the scores for every λ cost one product: τ = (BS) U diag(1/(e + λ))
 Uᵀ (Sw). Rules compared: λ = c × the mean eigenvalue (the previous default, c = 3) and the
 effective-parameter rule of `auto_damping`, Σ_k e_k/(e_k + λ) = f · N·(O − 1), over a grid of f.
-The rule's constant is chosen on two settings (best mean LDS) and scored on the third; the
-library default (`influence(...)` with damping="auto") is run once per setting as a check that
-it reproduces the table's row for DOF_FRACTION, and method="ekfac" (3 × the mean eigenvalue of
-its factored curvature) is compared with the effective-parameter rule on that spectrum.
+The rule's constant is chosen leave-one-setting-out (best mean LDS on the others); the
+library (`influence(...)` with damping="auto" and the same training logits) is run once per
+setting as a check that it reproduces the table's row for DOF_FRACTION, and method="ekfac" (3 ×
+the mean eigenvalue of its factored curvature) is compared with the effective-parameter rule on
+that spectrum. Residuals and curvature are taken at the training logits of --training-logits:
+the kernel flow's at the library's LOSS_RATIO (default), another ratio, or "network".
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import ntk
 from attribution import influence, lds
 from attribution.curvature import KroneckerCurvature
 from attribution.damping import DOF_FRACTION, auto_damping
+from attribution.kernel_flow import LOSS_RATIO, flow_logits
 from attribution.outputs import (
     labels,
     logits,
@@ -43,8 +46,10 @@ FRACTIONS = (0.003, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.03, 0.05
 MEAN_MULTIPLES = (0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
 
 
-def sweep(setting) -> dict[str, float]:
-    """LDS of the Gauss–Newton scores (trace kernel) for every candidate rule."""
+def sweep(setting, ratio: float | None) -> dict[str, float]:
+    """LDS of the Gauss–Newton scores (trace kernel) for every candidate rule, with residuals and
+    curvature at the kernel flow's logits stopped at `ratio` × the network's training loss (the
+    library's default at LOSS_RATIO), or at the network's logits (None)."""
     model = setting.model
     g, gt = logits(model, setting.x), logits(model, setting.xt)
     n, o = g.shape
@@ -54,6 +59,9 @@ def sweep(setting) -> dict[str, float]:
     trace = ntk.empirical_ntk(model, torch.cat([setting.x, setting.xt]), kind="trace")
     joint = trace.double()[:, :, None, None] / o * torch.eye(o, dtype=torch.float64)
     theta, cross = joint[:n, :n], joint[n:, :n]
+    if ratio is not None:
+        target = ratio * torch.nn.functional.cross_entropy(g, y).item()
+        g = flow_logits(trace.double()[:n, :n], y, o, target)
     s = psd_root(softmax_curvature(g))
     p = g.softmax(1)
     v = s[torch.arange(n), :, y] / p[torch.arange(n), y][:, None]
@@ -71,13 +79,17 @@ def sweep(setting) -> dict[str, float]:
     out = {f"{c:g} × mean eigenvalue": score(c * mean) for c in MEAN_MULTIPLES}
     for f in FRACTIONS:
         out[f"dof fraction {f:g}"] = score(auto_damping(e, n, o, fraction=f))
-    for method in ("gauss_newton", "ekfac"):
-        scores = influence(model, setting.x, setting.y, setting.xt, setting.yt, method=method)
-        out[f"library default, influence(method={method!r})"] = lds(
-            scores, setting.subsets, setting.truth
+    library = {
+        "gauss_newton": dict(training_logits="network" if ratio is None else ratio),
+        "ekfac": {},
+    }
+    for method, options in library.items():
+        scores = influence(
+            model, setting.x, setting.y, setting.xt, setting.yt, method=method, **options
         )
+        out[f"library, influence(method={method!r})"] = lds(scores, setting.subsets, setting.truth)
     # the effective-parameter rule on EK-FAC's factored spectrum (its default keeps 3 × mean)
-    curv = KroneckerCurvature(model, strategy="ekfac").fit(setting.x, g)
+    curv = KroneckerCurvature(model, strategy="ekfac").fit(setting.x, logits(model, setting.x))
     factored = torch.cat([block.eigenvalues.flatten() for block in curv.blocks.values()])
     scores = influence(
         model,
@@ -97,12 +109,18 @@ def main() -> None:
     parser.add_argument("--settings", default=",".join(settings.NAMES))
     parser.add_argument("--cache-dir", default=None, help="where the ground truth is cached")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument(
+        "--training-logits",
+        default=f"{LOSS_RATIO:g}",
+        help="'network', or the kernel flow's loss ratio (default: the library's LOSS_RATIO)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    ratio = None if args.training_logits == "network" else float(args.training_logits)
     rows = {}
     for name in args.settings.split(","):
         setting = settings.load(name, cache_dir=args.cache_dir, smoke=args.smoke)
-        rows[name] = sweep(setting)
+        rows[name] = sweep(setting, ratio)
     names = list(rows)
     print(settings.lds_table(rows, "rule"))
     if len(names) > 1:
@@ -114,7 +132,8 @@ def main() -> None:
             best = max(rows[held][r] for r in candidates)
             old = rows[held]["3 × mean eigenvalue"]
             print(f"| {held} | {chosen[13:]} | {rows[held][chosen]:.3f} | {best:.3f} | {old:.3f} |")
-    print(f"\n(library DOF_FRACTION = {DOF_FRACTION})")
+    logits_used = "the network's" if ratio is None else f"the kernel flow's at {ratio:g} × the loss"
+    print(f"\n(library DOF_FRACTION = {DOF_FRACTION}; training logits: {logits_used})")
 
 
 if __name__ == "__main__":

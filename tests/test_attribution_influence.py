@@ -12,6 +12,7 @@ from torch.func import functional_call, jacrev, vmap
 
 import projections
 from attribution import influence, trak
+from attribution.kernel_flow import LOSS_RATIO, flow_logits
 
 O = 3
 
@@ -51,18 +52,76 @@ def _reference(model, x, y, xt, yt):
     return j, left, g, p, r
 
 
+def _gauss_newton(j, left, g, y, damping):
+    """u_zᵀ J_z (Σ_i J_iᵀ Λ_i J_i + λI)⁻¹ J_iᵀ r_i with residuals and curvature at logits g."""
+    p = g.softmax(1)
+    r = torch.eye(O, dtype=torch.float64)[y] - p
+    curvature = torch.stack([torch.diag(q) - torch.outer(q, q) for q in p])
+    h = torch.einsum("iop,ioa,ipb->ab", curvature, j, j) + damping * torch.eye(
+        j.shape[2], dtype=torch.float64
+    )
+    return left @ torch.linalg.solve(h, torch.einsum("io,ioa->ai", r, j))
+
+
 def test_gauss_newton_matches_parameter_space(setup):
     model, x, y, xt, yt = setup
     j, left, g, p, r = _reference(model, x, y, xt, yt)
-    curvature = torch.stack([torch.diag(q) - torch.outer(q, q) for q in p])
-    h = torch.einsum("iop,ioa,ipb->ab", curvature, j, j) + 0.1 * torch.eye(
-        j.shape[2], dtype=torch.float64
+    expected = _gauss_newton(j, left, g, y, 0.1)
+    got = influence(
+        model,
+        x,
+        y,
+        xt,
+        yt,
+        method="gauss_newton",
+        kind="full",
+        damping=0.1,
+        training_logits="network",
     )
-    expected = left @ torch.linalg.solve(h, torch.einsum("io,ioa->ai", r, j))
-    got = influence(model, x, y, xt, yt, method="gauss_newton", kind="full", damping=0.1)
     torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-10)
     trace = influence(model, x, y, xt, yt, kind="trace", damping=0.1)
     torch.testing.assert_close(influence(model, x, y, xt, yt, damping=0.1), trace)  # auto
+
+
+@pytest.mark.parametrize("ratio", [0.3, 0.6])
+def test_gauss_newton_reads_the_kernel_flows_training_logits(setup, ratio):
+    """Residuals and curvature at `flow_logits` of the output-averaged kernel, stopped at `ratio`
+    × the network's training loss; the default ("auto") is LOSS_RATIO."""
+    model, x, y, xt, yt = setup
+    j, left, g, p, r = _reference(model, x, y, xt, yt)
+    kernel = torch.einsum("ioa,joa->ij", j, j) / O
+    flow = flow_logits(kernel, y, O, ratio * torch.nn.functional.cross_entropy(g, y).item())
+    assert flow.abs().max() > 0.1  # not f = 0, the state at losses ≥ log O (untrained: ≈ log O)
+    expected = _gauss_newton(j, left, flow, y, 0.1)
+    got = influence(model, x, y, xt, yt, kind="full", damping=0.1, training_logits=ratio)
+    torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-10)
+    assert not torch.allclose(got, _gauss_newton(j, left, g, y, 0.1), rtol=1e-3)
+    trace = influence(model, x, y, xt, yt, damping=0.1, training_logits=LOSS_RATIO)
+    torch.testing.assert_close(influence(model, x, y, xt, yt, damping=0.1), trace)
+
+
+def test_training_logits_errors(setup, monkeypatch):
+    model, x, y, xt, yt = setup
+    for method in ("ekfac", "grad_dot", "surrogate", "trak"):
+        with pytest.raises(ValueError, match="training_logits"):
+            influence(model, x, y, xt, method=method, training_logits="flow")
+        influence(model, x, y, xt, method=method, training_logits="network")
+    with pytest.raises(ValueError, match="parameter space"):
+        influence(model, x, y, xt, kind="full", dim=32, training_logits=2.0)
+    with pytest.raises(ValueError, match="training_logits"):
+        influence(model, x, y, xt, training_logits="early")
+    with pytest.raises(ValueError, match="training_logits"):
+        influence(model, x, y, xt, training_logits=-1.0)
+    with pytest.raises(TypeError, match="training_logits"):
+        influence(model, x, y, xt, training_logits=True)
+    module = importlib.import_module("attribution._influence")
+    monkeypatch.setattr(module, "_exact_fits", lambda *args: False)
+    with pytest.raises(ValueError, match="does not fit in memory"):
+        influence(model, x, y, xt, training_logits="flow")
+    torch.testing.assert_close(  # "auto" falls back to the network's logits with the projection
+        influence(model, x, y, xt, yt, damping=0.1),
+        influence(model, x, y, xt, yt, kind="full", damping=0.1, dim=128),
+    )
 
 
 @pytest.mark.parametrize("n_train", [14, 3])
@@ -72,14 +131,11 @@ def test_gauss_newton_with_more_or_fewer_test_than_training_samples(setup, n_tra
     model, x, y, xt, yt = setup
     x, y = x[:n_train], y[:n_train]
     j, left, g, p, r = _reference(model, x, y, xt, yt)
-    curvature = torch.stack([torch.diag(q) - torch.outer(q, q) for q in p])
-    h = torch.einsum("iop,ioa,ipb->ab", curvature, j, j) + 0.1 * torch.eye(
-        j.shape[2], dtype=torch.float64
-    )
-    expected = left @ torch.linalg.solve(h, torch.einsum("io,ioa->ai", r, j))
-    got = influence(model, x, y, xt, yt, kind="full", damping=0.1)
+    expected = _gauss_newton(j, left, g, y, 0.1)
+    network = dict(kind="full", damping=0.1, training_logits="network")
+    got = influence(model, x, y, xt, yt, **network)
     torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-10)
-    tupled = influence(model, (x,), y, (xt,), yt, kind="full", damping=0.1)
+    tupled = influence(model, (x,), y, (xt,), yt, **network)
     torch.testing.assert_close(tupled, expected, rtol=1e-7, atol=1e-10)
 
 

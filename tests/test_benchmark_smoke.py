@@ -181,10 +181,7 @@ def test_damping_benchmark_smoke_run_checks_the_library_default():
     assert proc.returncode == 0, proc.stderr
     rows = {_cells(line)[0]: _cells(line)[1:] for line in proc.stdout.splitlines() if "|" in line}
     # the library's damping="auto" is the rule's row at DOF_FRACTION = 0.015
-    assert (
-        rows["library default, influence(method='gauss_newton')"][0]
-        == rows["dof fraction 0.015"][0]
-    )
+    assert rows["library, influence(method='gauss_newton')"][0] == rows["dof fraction 0.015"][0]
 
 
 def test_posterior_prior_smoke_run_scores_the_library_default():
@@ -272,3 +269,24 @@ def test_projected_influence_smoke_run_agrees_across_ways():
     ways = {cells[1]: float(cells[4]) for cells in rows if cells[4] != "–"}
     assert set(ways) == {"all features in memory", "streamed", "from a store"}
     assert max(ways.values()) < 1e-6
+
+
+def test_training_logits_smoke_run_prints_every_ratio_and_the_held_out_choice():
+    """benchmarks/training_logits.py: a row per ratio and the network's logits, the
+    leave-one-setting-out table with a row per setting, and the ensemble / checkpoint lines."""
+    out = _run_benchmark(
+        "training_logits.py",
+        "--settings",
+        "breast_cancer,wine_mlp",
+        "--ratios",
+        "1,6",
+        "--ensemble",
+        "2",
+        "--checkpoints",
+    )
+    rows = {_cells(line)[0]: _cells(line)[1:] for line in out.splitlines() if line.startswith("|")}
+    assert {"network's logits", "flow at 1 × the network's loss"} <= set(rows)
+    assert all(-1 <= float(v) <= 1 for v in rows["network's logits"])
+    assert rows["breast_cancer"][0] in ("1", "6") and rows["wine_mlp"][0] in ("1", "6")
+    assert "mean of 2 independently seeded networks" in out
+    assert "one run's checkpoints after 1/4 and 1/2" in out

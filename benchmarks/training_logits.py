@@ -1,0 +1,103 @@
+"""Which training logits the Gauss–Newton influence reads its residuals and curvature from: the
+network's own, or the kernel's gradient flow stopped at m × the network's training loss
+(`attribution.kernel_flow`), on the LDS ground truth of benchmarks/settings.py.
+
+    python benchmarks/training_logits.py [--cache-dir DIR] [--settings a,b] [--ratios 4,6]
+        [--ensemble 10] [--checkpoints]
+    python benchmarks/training_logits.py --smoke        # seconds
+
+Every row is `attribution.influence(model, ..., training_logits=...)` with the other defaults;
+the ratio m is chosen leave-one-setting-out (best mean LDS on the other settings) and scored on
+the held-out one. --ensemble K also scores the mean over K independently seeded networks of the
+first setting (digits MLP by default) with the network's logits and with the chosen ratio, and
+--checkpoints the checkpoints after 1/4 and 1/2 of the epochs of one run (benchmarks/checkpoints.py)
+both ways.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from attribution import influence, lds
+from attribution.kernel_flow import LOSS_RATIO
+from benchmarks import settings
+
+RATIOS = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0)
+NETWORK = "network's logits"
+
+
+def row_name(ratio: float) -> str:
+    return f"flow at {ratio:g} × the network's loss"
+
+
+def scores(setting, model, training_logits, checkpoints=None) -> torch.Tensor:
+    s = setting
+    return influence(
+        model, s.x, s.y, s.xt, s.yt, training_logits=training_logits, checkpoints=checkpoints
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", default=",".join(settings.NAMES))
+    parser.add_argument("--cache-dir", default=None, help="where the ground truth is cached")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--ensemble", type=int, default=0, help="networks for the ensemble rows")
+    parser.add_argument("--checkpoints", action="store_true", help="also one run's checkpoints")
+    parser.add_argument("--ratios", default=",".join(f"{m:g}" for m in RATIOS))
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    names = args.settings.split(",")
+    ratios = [float(m) for m in args.ratios.split(",")]
+    rows: dict[str, dict[str, float]] = {}
+    for name in names:
+        s = settings.load(name, cache_dir=args.cache_dir, smoke=args.smoke)
+        model = s.model
+        rows[name] = {NETWORK: lds(scores(s, model, "network"), s.subsets, s.truth)}
+        for m in ratios:
+            rows[name][row_name(m)] = lds(scores(s, model, m), s.subsets, s.truth)
+        print(name, {k: round(v, 3) for k, v in rows[name].items()}, flush=True)
+    print("\n" + settings.lds_table(rows, "training logits"))
+    chosen = LOSS_RATIO
+    if len(names) > 1:
+        print("\nleave-one-setting-out choice of the ratio (best mean LDS on the others)\n")
+        print("| held out | ratio chosen | held-out LDS | in-sample best | network's logits |")
+        print("|---|---|---|---|---|")
+        candidates = [row_name(m) for m in ratios]
+        for held, pick in settings.leave_one_out(rows, candidates).items():
+            best = max(rows[held][r] for r in candidates)
+            print(
+                f"| {held} | {pick.split()[2]} | {rows[held][pick]:.3f} | {best:.3f} "
+                f"| {rows[held][NETWORK]:.3f} |"
+            )
+        pick = max(candidates, key=lambda r: sum(rows[n][r] for n in names))
+        chosen = float(pick.split()[2])
+        print(f"\nbest mean over all settings: ratio {chosen:g}")
+    s = settings.load(names[0], cache_dir=args.cache_dir, smoke=args.smoke)
+    variants = {NETWORK: "network", row_name(chosen): chosen}
+    if args.checkpoints:
+        from benchmarks.checkpoints import trajectory
+
+        nets = trajectory(s)[0]
+        early = [nets[0.25], nets[0.5]]
+        print(f"\n{names[0]}, one run's checkpoints after 1/4 and 1/2 of the epochs")
+        for label, value in variants.items():
+            v = lds(scores(s, s.model, value, checkpoints=early), s.subsets, s.truth)
+            print(f"  {label}: {v:.3f}")
+    if args.ensemble:
+        nets = s.models(args.ensemble)
+        print(f"\n{names[0]}, mean of {args.ensemble} independently seeded networks")
+        for label, value in variants.items():
+            v = lds(torch.stack([scores(s, m, value) for m in nets]).mean(0), s.subsets, s.truth)
+            print(f"  {label}: {v:.3f}")
+
+
+if __name__ == "__main__":
+    main()
