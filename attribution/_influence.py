@@ -145,8 +145,8 @@ def influence(
     model's logits), a ratio m > 0 (the logits of `kernel_flow.flow_logits` on the training
     kernel, the gradient flow of the cross-entropy from f = 0 stopped when its training loss is
     m × the network's), "flow" (m = `kernel_flow.LOSS_RATIO`) or "auto" (the default: "flow"
-    where the N × N kernel is solved, "network" for the other methods and the projected
-    parameter-space path, where "flow" or a ratio is refused).
+    for one model where the N × N kernel is solved; "network" with checkpoints, for the other
+    methods and for the projected parameter-space path, where "flow" or a ratio is refused).
     batch_size: the kernels' tile size and the projections' featurisation batch (None: from the
     free memory). output_fn: maps the model's output to the logits [B, O] (e.g.
     `lambda out: out.logits` for a HuggingFace model); inputs may be tensors, tuples or dicts of
@@ -171,9 +171,8 @@ def influence(
         if checkpoints is not None:
             raise ValueError("train_features belongs to one model's weights, not to checkpoints")
         kind = "full"
-    flow = _flow_ratio(
-        training_logits, method, kind == "full" and (dim is not None or train_features is not None)
-    )
+    parameter_space = kind == "full" and (dim is not None or train_features is not None)
+    flow = _flow_ratio(training_logits, method, parameter_space, checkpoints is not None)
     if method == "trak":
         if kind not in (None, "full"):
             raise ValueError("method='trak' uses the margin's exact gradients; kind does not apply")
@@ -354,12 +353,19 @@ def _one_model(
     return gauss_newton(left, theta, g_train, y_train, damping)
 
 
-def _flow_ratio(training_logits, method: str, parameter_space: bool) -> tuple[float, bool] | None:
+def _flow_ratio(
+    training_logits, method: str, parameter_space: bool, several: bool
+) -> tuple[float, bool] | None:
     """(loss ratio, asked for explicitly) of the kernel gradient flow whose logits replace the
     network's training logits, or None for the network's own; refused where no N × N kernel is
-    solved (other methods, the Gauss–Newton system in projected parameter space)."""
+    solved (other methods, the Gauss–Newton system in projected parameter space). "auto" keeps
+    each checkpoint's own logits when several models are scored (`several`): the checkpoints
+    of one run carry their early logits themselves (digits MLP, 1/4 and 1/2 of the epochs: LDS
+    0.814 with their logits, 0.621 with the flow's at LOSS_RATIO; ten independently trained
+    final models: 0.725 and 0.788, so pass "flow" for those; `python
+    benchmarks/training_logits.py --settings digits_mlp --ratios 6 --ensemble 10 --checkpoints`)."""
     check_amount(training_logits, "training_logits", words=("auto", "flow", "network"))
-    if training_logits == "network":
+    if training_logits == "network" or (training_logits == "auto" and several):
         return None
     explicit = training_logits != "auto"
     ratio = LOSS_RATIO if isinstance(training_logits, str) else float(training_logits)

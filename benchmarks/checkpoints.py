@@ -8,7 +8,9 @@ Each setting's network (seed 0) is retrained along the same trajectory and saved
 quarter, half, three quarters and all of its epochs (the recipe draws its minibatch order epoch
 by epoch from one seeded generator and keeps Adam's learning rate constant, so a run of E' < E
 epochs is the first E' epochs of the full run). `attribution.influence(..., checkpoints=...)`
-averages the scores of the checkpoints it is given; every scheme below is such an average. A
+averages the scores of the checkpoints it is given, each with its own training logits; every
+scheme below is such an average (the final model alone with the kernel flow's training logits,
+`influence`'s one-model default, is the row "library: influence(final model)"). A
 scheme is chosen leave-one-setting-out (best mean LDS on the other settings) and scored on the
 held-out one. --ensemble K repeats the chosen scheme on K independently seeded runs (the
 ensemble of the issue's target) on digits MLP; --truth-seeds 2,4,8,16 scores those rows also
@@ -60,9 +62,13 @@ def trajectory(setting: settings.Setting, runs: int = 1) -> list[dict[float, tor
 
 
 def scores_along(setting, nets: dict, method: str) -> dict[float, torch.Tensor]:
-    """Scores of each checkpoint alone (a scheme's scores are their mean)."""
+    """Scores of each checkpoint alone, with its own training logits (a scheme's scores are their
+    mean, which is what `influence(checkpoints=...)` computes)."""
     s = setting
-    return {f: influence(m, s.x, s.y, s.xt, s.yt, method=method) for f, m in nets.items()}
+    return {
+        f: influence(m, s.x, s.y, s.xt, s.yt, method=method, training_logits="network")
+        for f, m in nets.items()
+    }
 
 
 def scheme_lds(setting, per_checkpoint: dict) -> dict[str, float]:
@@ -110,6 +116,10 @@ def main() -> None:
         fracs = SCHEMES["4 evenly spaced (1/4, 1/2, 3/4, 1)"]
         lib = influence(s.model, s.x, s.y, s.xt, s.yt, checkpoints=[nets[f] for f in fracs])
         rows[name]["library: influence(checkpoints=4 evenly spaced)"] = lds(lib, s.subsets, s.truth)
+        one = influence(s.model, s.x, s.y, s.xt, s.yt)  # the kernel flow's training logits
+        rows[name]["library: influence(final model), the one-model default"] = lds(
+            one, s.subsets, s.truth
+        )
         if not args.no_peers:
             per = {}
             for f, m in nets.items():

@@ -98,6 +98,16 @@ def test_gauss_newton_reads_the_kernel_flows_training_logits(setup, ratio):
     assert not torch.allclose(got, _gauss_newton(j, left, g, y, 0.1), rtol=1e-3)
     trace = influence(model, x, y, xt, yt, damping=0.1, training_logits=LOSS_RATIO)
     torch.testing.assert_close(influence(model, x, y, xt, yt, damping=0.1), trace)
+    # with checkpoints "auto" keeps each one's own logits; explicit values apply to each
+    several = dict(damping=0.1, checkpoints=[model, model])
+    torch.testing.assert_close(
+        influence(model, x, y, xt, yt, **several),
+        influence(model, x, y, xt, yt, damping=0.1, training_logits="network"),
+    )
+    torch.testing.assert_close(
+        influence(model, x, y, xt, yt, training_logits=ratio, **several),
+        influence(model, x, y, xt, yt, damping=0.1, training_logits=ratio),
+    )
 
 
 def test_training_logits_errors(setup, monkeypatch):
@@ -306,7 +316,8 @@ def test_trak_averages_kernel_and_q_separately(setup):
 
 def test_checkpoints_of_one_run_average_their_scores():
     """Checkpoints saved along training (demo.train_checkpoints) give the mean of the scores each
-    checkpoint gives alone, on the Gauss–Newton path and on EK-FAC."""
+    checkpoint gives alone (with its own training logits), on the Gauss–Newton path and on
+    EK-FAC."""
     from ntk import demo
 
     d = demo.digits(n_train=40)
@@ -319,7 +330,10 @@ def test_checkpoints_of_one_run_average_their_scores():
         for state in states:
             m = demo.mlp(hidden=8)
             m.load_state_dict(state)
-            alone.append(influence(m.eval(), x, y, xt, yt, method=method))
+            # each checkpoint with its own logits, as "auto" scores checkpoints
+            alone.append(
+                influence(m.eval(), x, y, xt, yt, method=method, training_logits="network")
+            )
         got = influence(model, x, y, xt, yt, method=method, checkpoints=states)
         torch.testing.assert_close(got, torch.stack(alone).mean(0))
         assert not torch.allclose(alone[0], alone[-1], rtol=1e-3)
