@@ -77,7 +77,8 @@ KRONECKER_DAMPING = 3.0
 # projected4096`) k = 2048 took 1.18× Kronfluence EK-FAC's time and k = 4096 3.42× (our EK-FAC
 # 0.49×); on the CNN at N = 50,000 k = 2048 took 15.6× (our EK-FAC 2.4×). LDS of k = 1024 / 2048
 # / 4096 on the four settings of benchmarks/settings.py (`python benchmarks/attribution_settings.py
-# --no-peers`; digits MLP, digits CNN, breast_cancer, wine; exact 0.674 / 0.618 / 0.608 / 0.636,
+# --no-peers`; digits MLP, digits CNN, breast_cancer, wine; exact with the network's logits, as
+# the projected path uses them, 0.674 / 0.618 / 0.608 / 0.636,
 # EK-FAC 0.503 / 0.355 / 0.625 / 0.698): 0.620 / 0.548 / 0.700 / 0.670, 0.641 / 0.566 / 0.688 /
 # 0.671, 0.652 / 0.579 / 0.669 / 0.676; among the k within 2× Kronfluence's time on the MLP,
 # every leave-one-setting-out fold picks 2048 (best mean LDS on the other three). On the digits
