@@ -292,7 +292,7 @@ def _one_model(
         lam = KRONECKER_DAMPING * curv.trace / (n * o) if damping == "auto" else float(damping)
         return curv.influence(x_test, u, x_train, r, lam)
     if not fits:
-        if flow is not None and flow[1]:
+        if flow is not None and flow[1]:  # asked for explicitly
             raise ValueError(
                 "training_logits asks for the kernel's gradient flow, which runs on the N × N "
                 "training kernel; it does not fit in memory here: pass training_logits='network' "
