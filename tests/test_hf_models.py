@@ -263,7 +263,15 @@ def test_influence_of_dict_inputs(bert):
         warnings.simplefilter("ignore", PerSampleFallbackWarning)
         dot = influence(bert, x, y, xt, method="grad_dot", output_fn=logits)
         gn = influence(
-            bert, x, y, xt, method="gauss_newton", kind="full", damping=0.1, output_fn=logits
+            bert,
+            x,
+            y,
+            xt,
+            method="gauss_newton",
+            kind="full",
+            damping=0.1,
+            training_logits="network",  # the reference's residuals and curvature
+            output_fn=logits,
         )
     torch.testing.assert_close(dot, left @ torch.einsum("io,iop->pi", r, j), rtol=1e-8, atol=1e-10)
     p = g.softmax(1)
