@@ -57,7 +57,8 @@ def flow_logits(
         )
     if not target_loss > 0:
         raise ValueError(f"target_loss must be > 0, got {target_loss}")
-    targets = F.one_hot(y.long(), num_outputs).double()
+    y = y.long()
+    targets = F.one_hot(y, num_outputs).double()
     evals, evecs = torch.linalg.eigh(kernel.double() / n)
     evals = evals.clamp_min(0)
     coef = torch.zeros(n, num_outputs, dtype=torch.float64)  # f = V c
@@ -67,18 +68,18 @@ def flow_logits(
         return c, evecs @ c
 
     def loss(f: torch.Tensor) -> float:
-        return F.cross_entropy(f, y.long()).item()
+        return F.cross_entropy(f, y).item()
 
-    f = evecs @ coef
+    f = torch.zeros(n, num_outputs, dtype=torch.float64)
+    if loss(f) <= target_loss:  # log O: the target lies at or before the start
+        return f
     h = 0.1 / ((1 - 1 / num_outputs) * max(evals[-1].item(), 1e-300))
     for _ in range(MAX_STEPS):
-        if loss(f) <= target_loss:
-            break
         p = f.softmax(1)
         gamma = (p * (1 - p)).sum(1).max().item()
         grad = evecs.T @ (p - targets)
         new_coef, new = advance(h, gamma, grad)
-        if loss(new) < target_loss:  # the last step: the h at which the loss meets the target
+        if loss(new) <= target_loss:  # the last step: the h at which the loss meets the target
             lo, hi = 0.0, h
             for _ in range(_BISECTIONS):
                 mid = (lo + hi) / 2
