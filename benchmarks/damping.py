@@ -59,11 +59,12 @@ def sweep(setting, ratio: float | None) -> dict[str, float]:
     trace = ntk.empirical_ntk(model, torch.cat([setting.x, setting.xt]), kind="trace")
     joint = trace.double()[:, :, None, None] / o * torch.eye(o, dtype=torch.float64)
     theta, cross = joint[:n, :n], joint[n:, :n]
+    fit = g  # where residuals and curvature are taken
     if ratio is not None:
         target = ratio * torch.nn.functional.cross_entropy(g, y).item()
-        g = flow_logits(trace.double()[:n, :n], y, o, target)
-    s = psd_root(softmax_curvature(g))
-    p = g.softmax(1)
+        fit = flow_logits(trace.double()[:n, :n], y, o, target)
+    s = psd_root(softmax_curvature(fit))
+    p = fit.softmax(1)
     v = s[torch.arange(n), :, y] / p[torch.arange(n), y][:, None]
     a = torch.einsum("iop,ijpr,jrq->iojq", s, theta, s).reshape(n * o, n * o)
     e, vecs = torch.linalg.eigh(a)
@@ -89,7 +90,7 @@ def sweep(setting, ratio: float | None) -> dict[str, float]:
         )
         out[f"library, influence(method={method!r})"] = lds(scores, setting.subsets, setting.truth)
     # the effective-parameter rule on EK-FAC's factored spectrum (its default keeps 3 × mean)
-    curv = KroneckerCurvature(model, strategy="ekfac").fit(setting.x, logits(model, setting.x))
+    curv = KroneckerCurvature(model, strategy="ekfac").fit(setting.x, g)
     factored = torch.cat([block.eigenvalues.flatten() for block in curv.blocks.values()])
     scores = influence(
         model,

@@ -57,8 +57,9 @@ def main() -> None:
     names = args.settings.split(",")
     ratios = [float(m) for m in args.ratios.split(",")]
     rows: dict[str, dict[str, float]] = {}
+    loaded = {}
     for name in names:
-        s = settings.load(name, cache_dir=args.cache_dir, smoke=args.smoke)
+        s = loaded[name] = settings.load(name, cache_dir=args.cache_dir, smoke=args.smoke)
         model = s.model
         rows[name] = {NETWORK: lds(scores(s, model, "network"), s.subsets, s.truth)}
         for m in ratios:
@@ -70,17 +71,16 @@ def main() -> None:
         print("\nleave-one-setting-out choice of the ratio (best mean LDS on the others)\n")
         print("| held out | ratio chosen | held-out LDS | in-sample best | network's logits |")
         print("|---|---|---|---|---|")
-        candidates = [row_name(m) for m in ratios]
-        for held, pick in settings.leave_one_out(rows, candidates).items():
+        candidates = {row_name(m): m for m in ratios}
+        for held, pick in settings.leave_one_out(rows, list(candidates)).items():
             best = max(rows[held][r] for r in candidates)
             print(
-                f"| {held} | {pick.split()[2]} | {rows[held][pick]:.3f} | {best:.3f} "
+                f"| {held} | {candidates[pick]:g} | {rows[held][pick]:.3f} | {best:.3f} "
                 f"| {rows[held][NETWORK]:.3f} |"
             )
-        pick = max(candidates, key=lambda r: sum(rows[n][r] for n in names))
-        chosen = float(pick.split()[2])
+        chosen = candidates[max(candidates, key=lambda r: sum(rows[n][r] for n in names))]
         print(f"\nbest mean over all settings: ratio {chosen:g}")
-    s = settings.load(names[0], cache_dir=args.cache_dir, smoke=args.smoke)
+    s = loaded[names[0]]
     variants = {NETWORK: "network", row_name(chosen): chosen}
     if args.checkpoints:
         from benchmarks.checkpoints import trajectory
