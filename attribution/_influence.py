@@ -32,6 +32,7 @@ Scalar kinds (`trace`, `sum_logits`) stand in for Θ as k(x, x') ⊗ I_O. Severa
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -51,7 +52,7 @@ from .damping import (
     damped_cholesky,
     kernel_system,
 )
-from .kernel_flow import LOSS_RATIO, flow_logits
+from .kernel_flow import FITTED_FRACTION, flow_logits
 from .outputs import (
     labels,
     margin_gradient,
@@ -142,12 +143,13 @@ def influence(
     effective number of parameters Σ_k e_k/(e_k + λ) = DOF_FRACTION · N·(O − 1) (e: eigenvalues
     of ΛΘ); for ekfac/kfac, KRONECKER_DAMPING × tr(G)/(N·O) of the factored curvature; for
     trak, a number is TRAK's λ ("auto": the paper's λ = 0). training_logits (gauss_newton on
-    a kernel): where the residuals r_i and the curvature Λ_i are evaluated: "network" (the
-    model's logits), a ratio m > 0 (the logits of `kernel_flow.flow_logits` on the training
-    kernel, the gradient flow of the cross-entropy from f = 0 stopped when its training loss is
-    m × the network's), "flow" (m = `kernel_flow.LOSS_RATIO`) or "auto" (the default: "flow"
-    for one model where the N × N kernel is solved; "network" with checkpoints, for the other
-    methods and for the projected parameter-space path, where "flow" or a ratio is refused).
+    a kernel): where the residuals r_i and the curvature Λ_i are evaluated: "network" (each
+    model's logits), a share D in (0, 1) (the logits of `kernel_flow.flow_logits` on each model's
+    training kernel: the gradient flow of the cross-entropy from f = 0, stopped once it has
+    fitted the share D of the kernel's directions, or at the model's own training loss if
+    sooner), "flow" (D = `kernel_flow.FITTED_FRACTION`) or "auto" (the default: "flow" where
+    the N × N kernel is solved; "network" for the other methods and for the projected
+    parameter-space path, where "flow" or a share is refused).
     batch_size: the kernels' tile size and the projections' featurisation batch (None: from the
     free memory). output_fn: maps the model's output to the logits [B, O] (e.g.
     `lambda out: out.logits` for a HuggingFace model); inputs may be tensors, tuples or dicts of
@@ -173,7 +175,7 @@ def influence(
             raise ValueError("train_features belongs to one model's weights, not to checkpoints")
         kind = "full"
     parameter_space = kind == "full" and (dim is not None or train_features is not None)
-    flow = _flow_ratio(training_logits, method, parameter_space, checkpoints is not None)
+    flow = _flow_fraction(training_logits, method, parameter_space)
     if method == "trak":
         if kind not in (None, "full"):
             raise ValueError("method='trak' uses the margin's exact gradients; kind does not apply")
@@ -292,7 +294,7 @@ def _one_model(
         lam = KRONECKER_DAMPING * curv.trace / (n * o) if damping == "auto" else float(damping)
         return curv.influence(x_test, u, x_train, r, lam)
     if not fits:
-        if flow is not None and flow[1]:  # asked for explicitly
+        if flow is not None and flow.explicit:
             raise ValueError(
                 "training_logits asks for the kernel's gradient flow, which runs on the N × N "
                 "training kernel; it does not fit in memory here: pass training_logits='network' "
@@ -350,28 +352,33 @@ def _one_model(
     if flow is not None:
         scalar = theta if theta.dim() == 2 else theta.diagonal(dim1=2, dim2=3).mean(-1)
         loss = nn.functional.cross_entropy(g_train, y_train).item()
-        g_train = flow_logits(scalar, y_train, o, flow[0] * loss)
+        g_train = flow_logits(scalar, y_train, o, flow.fraction, loss_floor=loss)
     return gauss_newton(left, theta, g_train, y_train, damping)
 
 
-def _flow_ratio(
-    training_logits, method: str, parameter_space: bool, several: bool
-) -> tuple[float, bool] | None:
-    """(loss ratio, asked for explicitly) of the kernel gradient flow whose logits replace the
-    network's training logits, or None for the network's own; refused where no N × N kernel is
-    solved (other methods, the Gauss–Newton system in projected parameter space). "auto" keeps
-    each checkpoint's own logits when several models are scored (`several`): the checkpoints
-    of one run carry their early logits themselves (digits MLP, 1/4 and 1/2 of the epochs: LDS
-    0.814 with their logits, 0.621 with the flow's at LOSS_RATIO; ten independently trained
-    final models: 0.725 and 0.788, so pass "flow" for those; `python
-    benchmarks/training_logits.py --settings digits_mlp --ratios 6 --ensemble 10 --checkpoints`)."""
+class _Flow(NamedTuple):
+    """Where the training logits of the Gauss–Newton influence come from when not the network's."""
+
+    fraction: float  # of the kernel's directions fitted (`kernel_flow.flow_logits`)
+    explicit: bool  # asked for by the caller (an error where it cannot run) rather than "auto"
+
+
+def _flow_fraction(training_logits, method: str, parameter_space: bool) -> _Flow | None:
+    """The kernel gradient flow whose logits replace the network's training logits, or None for
+    the network's own; refused where no N × N kernel is solved (other methods, the Gauss–Newton
+    system in projected parameter space), where "auto" falls back to the network's logits."""
     check_amount(training_logits, "training_logits", words=("auto", "flow", "network"))
-    if training_logits == "network" or (training_logits == "auto" and several):
+    if training_logits == "network":
         return None
+    if not isinstance(training_logits, str) and training_logits >= 1:
+        raise ValueError(
+            "training_logits, as a number the share of the kernel's directions the flow has "
+            f"fitted, must lie in (0, 1), got {training_logits!r}"
+        )
     explicit = training_logits != "auto"
-    ratio = LOSS_RATIO if isinstance(training_logits, str) else float(training_logits)
+    fraction = FITTED_FRACTION if isinstance(training_logits, str) else float(training_logits)
     if method == "gauss_newton" and not parameter_space:
-        return ratio, explicit
+        return _Flow(fraction, explicit)
     if explicit:
         where = "parameter space" if method == "gauss_newton" else f"method={method!r}"
         raise ValueError(

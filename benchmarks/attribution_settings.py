@@ -54,8 +54,8 @@ def ours(setting: settings.Setting, smoke: bool) -> dict:
         f"influence auto × {count} models": lambda: influence(
             model, x, y, xt, yt, checkpoints=nets
         ),
-        f"gauss_newton, trace, flow logits × {count} models": lambda: influence(
-            model, x, y, xt, yt, checkpoints=nets, training_logits="flow"
+        f"gauss_newton, trace, network's logits × {count} models": lambda: influence(
+            model, x, y, xt, yt, checkpoints=nets, training_logits="network"
         ),
         f"gauss_newton, full × {count} models": lambda: influence(
             model, x, y, xt, yt, kind="full", checkpoints=nets

@@ -8,10 +8,10 @@ Each setting's network (seed 0) is retrained along the same trajectory and saved
 quarter, half, three quarters and all of its epochs (the recipe draws its minibatch order epoch
 by epoch from one seeded generator and keeps Adam's learning rate constant, so a run of E' < E
 epochs is the first E' epochs of the full run). `attribution.influence(..., checkpoints=...)`
-averages the scores of the checkpoints it is given, each with its own training logits; every
-scheme below is such an average (the final model alone with the kernel flow's training logits,
-`influence`'s one-model default, is the row "library: influence(final model)"). A
-scheme is chosen leave-one-setting-out (best mean LDS on the other settings) and scored on the
+averages the scores of the checkpoints it is given, each with the kernel flow's training logits
+on its own kernel (the default); every "gauss_newton" scheme below is such an average, and the
+"network's logits" rows score each checkpoint at its own logits instead. A scheme is chosen
+leave-one-setting-out (best mean LDS on the other settings) and scored on the
 held-out one. --ensemble K repeats the chosen scheme on K independently seeded runs (the
 ensemble of the issue's target) on digits MLP; --truth-seeds 2,4,8,16 scores those rows also
 against truths that average more retrainings per subset (less training noise in the truth).
@@ -43,7 +43,12 @@ SCHEMES = {
     "1/4 alone": (0.25,),
     "1/2 alone": (0.5,),
 }
-METHODS = ("gauss_newton", "ekfac")
+# row prefix -> influence options (the Kronecker-factored EK-FAC reads the network's logits)
+METHODS = {
+    "gauss_newton": {},
+    "gauss_newton, network's logits": dict(training_logits="network"),
+    "ekfac": dict(method="ekfac"),
+}
 
 
 def trajectory(setting: settings.Setting, runs: int = 1) -> list[dict[float, torch.nn.Module]]:
@@ -61,14 +66,11 @@ def trajectory(setting: settings.Setting, runs: int = 1) -> list[dict[float, tor
     return out
 
 
-def scores_along(setting, nets: dict, method: str) -> dict[float, torch.Tensor]:
-    """Scores of each checkpoint alone, with its own training logits (a scheme's scores are their
+def scores_along(setting, nets: dict, options: dict) -> dict[float, torch.Tensor]:
+    """Scores of each checkpoint alone under `influence` options (a scheme's scores are their
     mean, which is what `influence(checkpoints=...)` computes)."""
     s = setting
-    return {
-        f: influence(m, s.x, s.y, s.xt, s.yt, method=method, training_logits="network")
-        for f, m in nets.items()
-    }
+    return {f: influence(m, s.x, s.y, s.xt, s.yt, **options) for f, m in nets.items()}
 
 
 def scheme_lds(setting, per_checkpoint: dict) -> dict[str, float]:
@@ -105,21 +107,17 @@ def main() -> None:
         s = settings.load(name, cache_dir=args.cache_dir, smoke=args.smoke)
         nets = trajectory(s)[0]
         rows[name] = {}
-        for method in METHODS:
+        for prefix, options in METHODS.items():
             start = time.perf_counter()
-            per = scores_along(s, nets, method)
+            per = scores_along(s, nets, options)
             seconds = (time.perf_counter() - start) / len(per)
             for scheme, value in scheme_lds(s, per).items():
-                rows[name][f"{method}: {scheme}"] = value
-            print(f"{name} {method}: {seconds:.1f} s per checkpoint", flush=True)
+                rows[name][f"{prefix}: {scheme}"] = value
+            print(f"{name} {prefix}: {seconds:.1f} s per checkpoint", flush=True)
         # the library averages exactly these scores
         fracs = SCHEMES["4 evenly spaced (1/4, 1/2, 3/4, 1)"]
         lib = influence(s.model, s.x, s.y, s.xt, s.yt, checkpoints=[nets[f] for f in fracs])
         rows[name]["library: influence(checkpoints=4 evenly spaced)"] = lds(lib, s.subsets, s.truth)
-        one = influence(s.model, s.x, s.y, s.xt, s.yt)  # the kernel flow's training logits
-        rows[name]["library: influence(final model), the one-model default"] = lds(
-            one, s.subsets, s.truth
-        )
         if not args.no_peers:
             per = {}
             for f, m in nets.items():
@@ -148,7 +146,7 @@ def main() -> None:
         fracs = chosen_fracs.get(name, SCHEMES["4 evenly spaced (1/4, 1/2, 3/4, 1)"])
         finals, schemes = [], []
         for nets in trajectory(s, args.ensemble):
-            per = scores_along(s, {f: nets[f] for f in set(fracs) | {1.0}}, "gauss_newton")
+            per = scores_along(s, {f: nets[f] for f in set(fracs) | {1.0}}, {})
             finals.append(per[1.0])
             schemes.append(torch.stack([per[f] for f in fracs]).mean(0))
         print(

@@ -13,7 +13,8 @@ library (`influence(...)` with damping="auto" and the same training logits) is r
 setting as a check that it reproduces the table's row for DOF_FRACTION, and method="ekfac" (3 ×
 the mean eigenvalue of its factored curvature) is compared with the effective-parameter rule on
 that spectrum. Residuals and curvature are taken at the training logits of --training-logits:
-the kernel flow's at the library's LOSS_RATIO (default), another ratio, or "network".
+the kernel flow's at the library's FITTED_FRACTION (default), another share of the kernel's
+directions, or "network".
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import ntk
 from attribution import influence, lds
 from attribution.curvature import KroneckerCurvature
 from attribution.damping import DOF_FRACTION, auto_damping
-from attribution.kernel_flow import LOSS_RATIO, flow_logits
+from attribution.kernel_flow import FITTED_FRACTION, flow_logits
 from attribution.outputs import (
     labels,
     logits,
@@ -46,10 +47,10 @@ FRACTIONS = (0.003, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.03, 0.05
 MEAN_MULTIPLES = (0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
 
 
-def sweep(setting, ratio: float | None) -> dict[str, float]:
+def sweep(setting, share: float | None) -> dict[str, float]:
     """LDS of the Gauss–Newton scores (trace kernel) for every candidate rule, with residuals and
-    curvature at the kernel flow's logits stopped at `ratio` × the network's training loss (the
-    library's default at LOSS_RATIO), or at the network's logits (None)."""
+    curvature at the kernel flow's logits stopped once it has fitted `share` of the kernel's
+    directions (the library's default at FITTED_FRACTION), or at the network's logits (None)."""
     model = setting.model
     g, gt = logits(model, setting.x), logits(model, setting.xt)
     n, o = g.shape
@@ -60,9 +61,9 @@ def sweep(setting, ratio: float | None) -> dict[str, float]:
     joint = trace.double()[:, :, None, None] / o * torch.eye(o, dtype=torch.float64)
     theta, cross = joint[:n, :n], joint[n:, :n]
     fit = g  # where residuals and curvature are taken
-    if ratio is not None:
-        target = ratio * torch.nn.functional.cross_entropy(g, y).item()
-        fit = flow_logits(trace.double()[:n, :n], y, o, target)
+    if share is not None:
+        loss = torch.nn.functional.cross_entropy(g, y).item()
+        fit = flow_logits(trace.double()[:n, :n], y, o, share, loss_floor=loss)
     s = psd_root(softmax_curvature(fit))
     p = fit.softmax(1)
     v = s[torch.arange(n), :, y] / p[torch.arange(n), y][:, None]
@@ -81,7 +82,7 @@ def sweep(setting, ratio: float | None) -> dict[str, float]:
     for f in FRACTIONS:
         out[f"dof fraction {f:g}"] = score(auto_damping(e, n, o, fraction=f))
     library = {
-        "gauss_newton": dict(training_logits="network" if ratio is None else ratio),
+        "gauss_newton": dict(training_logits="network" if share is None else share),
         "ekfac": {},
     }
     for method, options in library.items():
@@ -112,16 +113,17 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument(
         "--training-logits",
-        default=f"{LOSS_RATIO:g}",
-        help="'network', or the kernel flow's loss ratio (default: the library's LOSS_RATIO)",
+        default=f"{FITTED_FRACTION:g}",
+        help="'network', or the share of the kernel's directions the flow fits (default: the "
+        "library's FITTED_FRACTION)",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    ratio = None if args.training_logits == "network" else float(args.training_logits)
+    share = None if args.training_logits == "network" else float(args.training_logits)
     rows = {}
     for name in args.settings.split(","):
         setting = settings.load(name, cache_dir=args.cache_dir, smoke=args.smoke)
-        rows[name] = sweep(setting, ratio)
+        rows[name] = sweep(setting, share)
     names = list(rows)
     print(settings.lds_table(rows, "rule"))
     if len(names) > 1:
@@ -133,7 +135,7 @@ def main() -> None:
             best = max(rows[held][r] for r in candidates)
             old = rows[held]["3 × mean eigenvalue"]
             print(f"| {held} | {chosen[13:]} | {rows[held][chosen]:.3f} | {best:.3f} | {old:.3f} |")
-    logits_used = "the network's" if ratio is None else f"the kernel flow's at {ratio:g} × the loss"
+    logits_used = "the network's" if share is None else f"the kernel flow's at the share {share:g}"
     print(f"\n(library DOF_FRACTION = {DOF_FRACTION}; training logits: {logits_used})")
 
 

@@ -1,17 +1,17 @@
 """Which training logits the Gauss–Newton influence reads its residuals and curvature from: the
-network's own, or the kernel's gradient flow stopped at m × the network's training loss
-(`attribution.kernel_flow`), on the LDS ground truth of benchmarks/settings.py.
+network's own, or the kernel's gradient flow stopped once it has fitted a share D of the kernel's
+directions (`attribution.kernel_flow`), on the LDS ground truth of benchmarks/settings.py.
 
-    python benchmarks/training_logits.py [--cache-dir DIR] [--settings a,b] [--ratios 4,6]
+    python benchmarks/training_logits.py [--cache-dir DIR] [--settings a,b] [--fractions .04,.05]
         [--ensemble 10] [--checkpoints]
     python benchmarks/training_logits.py --smoke        # seconds
 
 Every row is `attribution.influence(model, ..., training_logits=...)` with the other defaults;
-the ratio m is chosen leave-one-setting-out (best mean LDS on the other settings) and scored on
+the share D is chosen leave-one-setting-out (best mean LDS on the other settings) and scored on
 the held-out one. --ensemble K also scores the mean over K independently seeded networks of the
-first setting (digits MLP by default) with the network's logits and with the chosen ratio, and
---checkpoints the checkpoints after 1/4 and 1/2 of the epochs of one run (benchmarks/checkpoints.py)
-both ways.
+first setting (digits MLP by default) with the network's logits and with the flow at the chosen
+share, and --checkpoints the checkpoints after 1/4 and 1/2 of the epochs of one run
+(benchmarks/checkpoints.py) both ways.
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attribution import influence, lds
-from attribution.kernel_flow import LOSS_RATIO
+from attribution.kernel_flow import FITTED_FRACTION
 from benchmarks import settings
 
-RATIOS = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0)
+FRACTIONS = (0.02, 0.025, 0.03, 0.035, 0.04, 0.045, 0.05, 0.055, 0.06, 0.07)
 NETWORK = "network's logits"
 
 
-def row_name(ratio: float) -> str:
-    return f"flow at {ratio:g} × the network's loss"
+def row_name(fraction: float) -> str:
+    return f"flow to {fraction:g} of the directions"
 
 
 def scores(setting, model, training_logits, checkpoints=None) -> torch.Tensor:
@@ -51,27 +51,27 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--ensemble", type=int, default=0, help="networks for the ensemble rows")
     parser.add_argument("--checkpoints", action="store_true", help="also one run's checkpoints")
-    parser.add_argument("--ratios", default=",".join(f"{m:g}" for m in RATIOS))
+    parser.add_argument("--fractions", default=",".join(f"{d:g}" for d in FRACTIONS))
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     names = args.settings.split(",")
-    ratios = [float(m) for m in args.ratios.split(",")]
+    fractions = [float(d) for d in args.fractions.split(",")]
     rows: dict[str, dict[str, float]] = {}
     loaded = {}
     for name in names:
         s = loaded[name] = settings.load(name, cache_dir=args.cache_dir, smoke=args.smoke)
         model = s.model
         rows[name] = {NETWORK: lds(scores(s, model, "network"), s.subsets, s.truth)}
-        for m in ratios:
-            rows[name][row_name(m)] = lds(scores(s, model, m), s.subsets, s.truth)
+        for d in fractions:
+            rows[name][row_name(d)] = lds(scores(s, model, d), s.subsets, s.truth)
         print(name, {k: round(v, 3) for k, v in rows[name].items()}, flush=True)
     print("\n" + settings.lds_table(rows, "training logits"))
-    chosen = LOSS_RATIO
+    chosen = FITTED_FRACTION
     if len(names) > 1:
-        print("\nleave-one-setting-out choice of the ratio (best mean LDS on the others)\n")
-        print("| held out | ratio chosen | held-out LDS | in-sample best | network's logits |")
+        print("\nleave-one-setting-out choice of the share (best mean LDS on the others)\n")
+        print("| held out | share chosen | held-out LDS | in-sample best | network's logits |")
         print("|---|---|---|---|---|")
-        candidates = {row_name(m): m for m in ratios}
+        candidates = {row_name(d): d for d in fractions}
         for held, pick in settings.leave_one_out(rows, list(candidates)).items():
             best = max(rows[held][r] for r in candidates)
             print(
@@ -79,7 +79,7 @@ def main() -> None:
                 f"| {rows[held][NETWORK]:.3f} |"
             )
         chosen = candidates[max(candidates, key=lambda r: sum(rows[n][r] for n in names))]
-        print(f"\nbest mean over all settings: ratio {chosen:g}")
+        print(f"\nbest mean over all settings: share {chosen:g}")
     s = loaded[names[0]]
     variants = {NETWORK: "network", row_name(chosen): chosen}
     if args.checkpoints:

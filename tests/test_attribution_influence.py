@@ -12,7 +12,7 @@ from torch.func import functional_call, jacrev, vmap
 
 import projections
 from attribution import influence, trak
-from attribution.kernel_flow import LOSS_RATIO, flow_logits
+from attribution.kernel_flow import FITTED_FRACTION, flow_logits
 
 O = 3
 
@@ -83,31 +83,55 @@ def test_gauss_newton_matches_parameter_space(setup):
     torch.testing.assert_close(influence(model, x, y, xt, yt, damping=0.1), trace)  # auto
 
 
-@pytest.mark.parametrize("ratio", [0.3, 0.6])
-def test_gauss_newton_reads_the_kernel_flows_training_logits(setup, ratio):
-    """Residuals and curvature at `flow_logits` of the output-averaged kernel, stopped at `ratio`
-    × the network's training loss; the default ("auto") is LOSS_RATIO."""
+def _fit(model, x, y, steps):
+    """A copy of `model` after `steps` Adam steps on the cross-entropy of (x, y)."""
+    model = copy.deepcopy(model)
+    optimiser = torch.optim.Adam(model.parameters(), lr=0.05)
+    for _ in range(steps):
+        optimiser.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimiser.step()
+    return model
+
+
+@pytest.mark.parametrize("share", [0.1, 0.3])
+def test_gauss_newton_reads_the_kernel_flows_training_logits(setup, share):
+    """Residuals and curvature at `flow_logits` of the output-averaged kernel, stopped once it
+    has fitted `share` of its directions (the network, fitted to its labels, is far below that
+    loss); the default ("auto") is FITTED_FRACTION, for one model and for several."""
     model, x, y, xt, yt = setup
+    model = _fit(model, x, y, 200)
     j, left, g, p, r = _reference(model, x, y, xt, yt)
     kernel = torch.einsum("ioa,joa->ij", j, j) / O
-    flow = flow_logits(kernel, y, O, ratio * torch.nn.functional.cross_entropy(g, y).item())
-    assert flow.abs().max() > 0.1  # not f = 0, the state at losses ≥ log O (untrained: ≈ log O)
+    flow = flow_logits(kernel, y, O, share)
+    ce = torch.nn.functional.cross_entropy
+    assert ce(flow, y).item() > 0.5 > 100 * ce(g, y).item()  # the share stopped it, not the floor
     expected = _gauss_newton(j, left, flow, y, 0.1)
-    got = influence(model, x, y, xt, yt, kind="full", damping=0.1, training_logits=ratio)
+    got = influence(model, x, y, xt, yt, kind="full", damping=0.1, training_logits=share)
     torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-10)
     assert not torch.allclose(got, _gauss_newton(j, left, g, y, 0.1), rtol=1e-3)
-    trace = influence(model, x, y, xt, yt, damping=0.1, training_logits=LOSS_RATIO)
+    trace = influence(model, x, y, xt, yt, damping=0.1, training_logits=FITTED_FRACTION)
     torch.testing.assert_close(influence(model, x, y, xt, yt, damping=0.1), trace)
-    # with checkpoints "auto" keeps each one's own logits; explicit values apply to each
-    several = dict(damping=0.1, checkpoints=[model, model])
+    several = dict(damping=0.1, checkpoints=[model, model])  # each model its own flow
+    torch.testing.assert_close(influence(model, x, y, xt, yt, **several), trace)
     torch.testing.assert_close(
-        influence(model, x, y, xt, yt, **several),
-        influence(model, x, y, xt, yt, damping=0.1, training_logits="network"),
+        influence(model, x, y, xt, yt, training_logits=share, **several),
+        influence(model, x, y, xt, yt, damping=0.1, training_logits=share),
     )
-    torch.testing.assert_close(
-        influence(model, x, y, xt, yt, training_logits=ratio, **several),
-        influence(model, x, y, xt, yt, damping=0.1, training_logits=ratio),
-    )
+
+
+def test_the_flow_goes_no_further_than_the_network(setup):
+    """A share the flow would reach only below the network's own training loss stops at that
+    loss (a network a few steps into training)."""
+    model, x, y, xt, yt = setup
+    model = _fit(model, x, y, 10)
+    j, left, g, p, r = _reference(model, x, y, xt, yt)
+    loss = torch.nn.functional.cross_entropy(g, y).item()
+    kernel = torch.einsum("ioa,joa->ij", j, j) / O
+    flow = flow_logits(kernel, y, O, 0.9, loss_floor=loss)
+    assert torch.nn.functional.cross_entropy(flow, y).item() == pytest.approx(loss, rel=1e-6)
+    got = influence(model, x, y, xt, yt, kind="full", damping=0.1, training_logits=0.9)
+    torch.testing.assert_close(got, _gauss_newton(j, left, flow, y, 0.1), rtol=1e-7, atol=1e-10)
 
 
 def test_training_logits_errors(setup, monkeypatch):
@@ -117,11 +141,12 @@ def test_training_logits_errors(setup, monkeypatch):
             influence(model, x, y, xt, method=method, training_logits="flow")
         influence(model, x, y, xt, method=method, training_logits="network")
     with pytest.raises(ValueError, match="parameter space"):
-        influence(model, x, y, xt, kind="full", dim=32, training_logits=2.0)
+        influence(model, x, y, xt, kind="full", dim=32, training_logits=0.05)
     with pytest.raises(ValueError, match="training_logits"):
         influence(model, x, y, xt, training_logits="early")
-    with pytest.raises(ValueError, match="training_logits"):
-        influence(model, x, y, xt, training_logits=-1.0)
+    for share in (-1.0, 0.0, 1.0, 6.0):
+        with pytest.raises(ValueError, match="training_logits"):
+            influence(model, x, y, xt, training_logits=share)
     with pytest.raises(TypeError, match="training_logits"):
         influence(model, x, y, xt, training_logits=True)
     module = importlib.import_module("attribution._influence")
@@ -316,8 +341,8 @@ def test_trak_averages_kernel_and_q_separately(setup):
 
 def test_checkpoints_of_one_run_average_their_scores():
     """Checkpoints saved along training (demo.train_checkpoints) give the mean of the scores each
-    checkpoint gives alone (with its own training logits), on the Gauss–Newton path and on
-    EK-FAC."""
+    checkpoint gives alone (each with its own kernel flow's training logits on the Gauss–Newton
+    path, its own logits on EK-FAC)."""
     from ntk import demo
 
     d = demo.digits(n_train=40)
@@ -330,10 +355,7 @@ def test_checkpoints_of_one_run_average_their_scores():
         for state in states:
             m = demo.mlp(hidden=8)
             m.load_state_dict(state)
-            # each checkpoint with its own logits, as "auto" scores checkpoints
-            alone.append(
-                influence(m.eval(), x, y, xt, yt, method=method, training_logits="network")
-            )
+            alone.append(influence(m.eval(), x, y, xt, yt, method=method))
         got = influence(model, x, y, xt, yt, method=method, checkpoints=states)
         torch.testing.assert_close(got, torch.stack(alone).mean(0))
         assert not torch.allclose(alone[0], alone[-1], rtol=1e-3)

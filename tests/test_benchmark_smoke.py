@@ -271,22 +271,22 @@ def test_projected_influence_smoke_run_agrees_across_ways():
     assert max(ways.values()) < 1e-6
 
 
-def test_training_logits_smoke_run_prints_every_ratio_and_the_held_out_choice():
-    """benchmarks/training_logits.py: a row per ratio and the network's logits, the
+def test_training_logits_smoke_run_prints_every_share_and_the_held_out_choice():
+    """benchmarks/training_logits.py: a row per share and the network's logits, the
     leave-one-setting-out table with a row per setting, and the ensemble / checkpoint lines."""
     out = _run_benchmark(
         "training_logits.py",
         "--settings",
         "breast_cancer,wine_mlp",
-        "--ratios",
-        "1,6",
+        "--fractions",
+        "0.03,0.06",
         "--ensemble",
         "2",
         "--checkpoints",
     )
     rows = {_cells(line)[0]: _cells(line)[1:] for line in out.splitlines() if line.startswith("|")}
-    assert {"network's logits", "flow at 1 × the network's loss"} <= set(rows)
+    assert {"network's logits", "flow to 0.03 of the directions"} <= set(rows)
     assert all(-1 <= float(v) <= 1 for v in rows["network's logits"])
-    assert rows["breast_cancer"][0] in ("1", "6") and rows["wine_mlp"][0] in ("1", "6")
+    assert rows["breast_cancer"][0] in ("0.03", "0.06") and rows["wine_mlp"][0] in ("0.03", "0.06")
     assert "mean of 2 independently seeded networks" in out
     assert "one run's checkpoints after 1/4 and 1/2" in out
