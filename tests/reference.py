@@ -91,3 +91,15 @@ def lpntk(full: torch.Tensor, y1: torch.Tensor, y2: torch.Tensor) -> torch.Tenso
     """s(y)ᵀ Θ(x, x') s(y') [N1, N2] from the full kernel [N1, N2, O, O]."""
     o = full.shape[-1]
     return torch.einsum("io,ijoq,jq->ij", signs(y1, o), full.double(), signs(y2, o))
+
+
+def gauss_newton_influence(j, left, g, y, damping: float) -> torch.Tensor:
+    """u_zᵀ J_z (Σ_i J_iᵀ Λ_i J_i + λI)⁻¹ J_iᵀ r_i in parameter space, with residuals
+    r_i = e_{y_i} − p_i and curvature Λ_i = diag(p_i) − p_i p_iᵀ at the training logits g [N, O];
+    j: Jacobians [N, O, P]; left: u_zᵀ J_z [M, P]."""
+    p = g.softmax(1)
+    r = torch.eye(g.shape[1], dtype=torch.float64)[y] - p
+    curvature = torch.stack([torch.diag(q) - torch.outer(q, q) for q in p])
+    h = torch.einsum("iop,ioa,ipb->ab", curvature, j, j)
+    h = h + damping * torch.eye(j.shape[2], dtype=torch.float64)
+    return left @ torch.linalg.solve(h, torch.einsum("io,ioa->ai", r, j))

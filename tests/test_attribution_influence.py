@@ -8,6 +8,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from reference import gauss_newton_influence
 from torch.func import functional_call, jacrev, vmap
 
 import projections
@@ -52,21 +53,10 @@ def _reference(model, x, y, xt, yt):
     return j, left, g, p, r
 
 
-def _gauss_newton(j, left, g, y, damping):
-    """u_zᵀ J_z (Σ_i J_iᵀ Λ_i J_i + λI)⁻¹ J_iᵀ r_i with residuals and curvature at logits g."""
-    p = g.softmax(1)
-    r = torch.eye(O, dtype=torch.float64)[y] - p
-    curvature = torch.stack([torch.diag(q) - torch.outer(q, q) for q in p])
-    h = torch.einsum("iop,ioa,ipb->ab", curvature, j, j) + damping * torch.eye(
-        j.shape[2], dtype=torch.float64
-    )
-    return left @ torch.linalg.solve(h, torch.einsum("io,ioa->ai", r, j))
-
-
 def test_gauss_newton_matches_parameter_space(setup):
     model, x, y, xt, yt = setup
     j, left, g, p, r = _reference(model, x, y, xt, yt)
-    expected = _gauss_newton(j, left, g, y, 0.1)
+    expected = gauss_newton_influence(j, left, g, y, 0.1)
     got = influence(
         model,
         x,
@@ -106,10 +96,10 @@ def test_gauss_newton_reads_the_kernel_flows_training_logits(setup, share):
     flow = flow_logits(kernel, y, O, share)
     ce = torch.nn.functional.cross_entropy
     assert ce(flow, y).item() > 0.5 > 100 * ce(g, y).item()  # the share stopped it, not the floor
-    expected = _gauss_newton(j, left, flow, y, 0.1)
+    expected = gauss_newton_influence(j, left, flow, y, 0.1)
     got = influence(model, x, y, xt, yt, kind="full", damping=0.1, training_logits=share)
     torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-10)
-    assert not torch.allclose(got, _gauss_newton(j, left, g, y, 0.1), rtol=1e-3)
+    assert not torch.allclose(got, gauss_newton_influence(j, left, g, y, 0.1), rtol=1e-3)
     trace = influence(model, x, y, xt, yt, damping=0.1, training_logits=FITTED_FRACTION)
     torch.testing.assert_close(influence(model, x, y, xt, yt, damping=0.1), trace)
     several = dict(damping=0.1, checkpoints=[model, model])  # each model its own flow
@@ -131,7 +121,9 @@ def test_the_flow_goes_no_further_than_the_network(setup):
     flow = flow_logits(kernel, y, O, 0.9, loss_floor=loss)
     assert torch.nn.functional.cross_entropy(flow, y).item() == pytest.approx(loss, rel=1e-6)
     got = influence(model, x, y, xt, yt, kind="full", damping=0.1, training_logits=0.9)
-    torch.testing.assert_close(got, _gauss_newton(j, left, flow, y, 0.1), rtol=1e-7, atol=1e-10)
+    torch.testing.assert_close(
+        got, gauss_newton_influence(j, left, flow, y, 0.1), rtol=1e-7, atol=1e-10
+    )
 
 
 def test_training_logits_errors(setup, monkeypatch):
@@ -166,7 +158,7 @@ def test_gauss_newton_with_more_or_fewer_test_than_training_samples(setup, n_tra
     model, x, y, xt, yt = setup
     x, y = x[:n_train], y[:n_train]
     j, left, g, p, r = _reference(model, x, y, xt, yt)
-    expected = _gauss_newton(j, left, g, y, 0.1)
+    expected = gauss_newton_influence(j, left, g, y, 0.1)
     network = dict(kind="full", damping=0.1, training_logits="network")
     got = influence(model, x, y, xt, yt, **network)
     torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-10)
