@@ -170,18 +170,15 @@ def test_projected_gauss_newton_is_the_formula_on_features(setup):
     model, x, y, xt, yt = setup
     f, ft = (projections.features(model, v, dim=32, kind="full", seed=1).double() for v in (x, xt))
     g = model(x).detach()
-    p = g.softmax(1)
-    curvature = torch.stack([torch.diag(q) - torch.outer(q, q) for q in p])
-    h = torch.einsum("iop,ioa,ipb->ab", curvature, f, f) + 0.1 * torch.eye(32, dtype=torch.float64)
     left = torch.einsum("mo,moa->ma", _margin_grad(model(xt).detach(), yt), ft)
-    r = torch.eye(O, dtype=torch.float64)[y] - p
-    expected = left @ torch.linalg.solve(h, torch.einsum("io,ioa->ai", r, f))
+    expected = gauss_newton_influence(f, left, g, y, 0.1)  # the formula on the features
     for batch_size in (None, 3):  # one batch, or streamed in five (14 training samples)
         got = influence(
             model, x, y, xt, yt, kind="full", dim=32, seed=1, damping=0.1, batch_size=batch_size
         )
         torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-10)
     grad_dot = influence(model, x, y, xt, yt, method="grad_dot", dim=32, seed=1, batch_size=3)
+    r = torch.eye(O, dtype=torch.float64)[y] - g.softmax(1)
     torch.testing.assert_close(grad_dot, left @ torch.einsum("io,ioa->ai", r, f))
 
 
@@ -193,12 +190,8 @@ def test_training_features_read_from_a_store(setup, tmp_path):
     opts = dict(dim=32, kind="full", seed=4, projector="gaussian")
     projections.featurize(model, x, path, block=5, store_dtype="float64", **opts)
     f, ft = (projections.features(model, v, **opts).double() for v in (x, xt))
-    p = model(x).detach().softmax(1)
-    curvature = torch.stack([torch.diag(q) - torch.outer(q, q) for q in p])
-    h = torch.einsum("iop,ioa,ipb->ab", curvature, f, f) + 0.1 * torch.eye(32, dtype=torch.float64)
     left = torch.einsum("mo,moa->ma", _margin_grad(model(xt).detach(), yt), ft)
-    r = torch.eye(O, dtype=torch.float64)[y] - p
-    expected = left @ torch.linalg.solve(h, torch.einsum("io,ioa->ai", r, f))
+    expected = gauss_newton_influence(f, left, model(x).detach(), y, 0.1)
     got = influence(model, x, y, xt, yt, train_features=path, damping=0.1, batch_size=4)
     torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-10)
     # method="auto" uses it too; dim may be repeated
