@@ -10,7 +10,8 @@ r_i = e_{y_i} − p_i the descent direction of example i's cross-entropy in logi
   with the Gauss–Newton Hessian). It is evaluated in kernel form,
   τ(z, ·) = u_zᵀ Θ(z, X) (Λ Θ(X, X) + λI)⁻¹ R, an (N·O)-dimensional solve. By default p_j
   (hence r_j and Λ_j) comes not from the network's training logits, which a converged network
-  has fitted (r ≈ 0), but from the kernel's gradient flow stopped early (`kernel_flow`).
+  has fitted (r ≈ 0), but from the kernel's gradient flow stopped early (`kernel_flow`), and
+  u_z then from the same flow's test logits.
 - `grad_dot`: u_zᵀ Θ(z, x_i) r_i, the change of f(z) after a gradient step on example i.
 - `surrogate`: the counterfactual of the Gauss–Newton `KernelSurrogate` (`machine="gauss_newton"`,
   the Gauss–Newton model of kernel logistic regression at the network's logits) fitted to the
@@ -147,7 +148,8 @@ def influence(
     model's logits), a share D in (0, 1) (the logits of `kernel_flow.flow_logits` on each model's
     training kernel: the gradient flow of the cross-entropy from f = 0, stopped once it has
     fitted the share D of the kernel's directions, or at the model's own training loss if
-    sooner), "flow" (D = `kernel_flow.FITTED_FRACTION`) or "auto" (the default: "flow" where
+    sooner; the test margins' gradients u_z are then taken at the same flow's test logits),
+    "flow" (D = `kernel_flow.FITTED_FRACTION`) or "auto" (the default: "flow" where
     the N × N kernel is solved; "network" for the other methods and for the projected
     parameter-space path, where "flow" or a share is refused).
     batch_size: the kernels' tile size and the projections' featurisation batch (None: from the
@@ -256,7 +258,8 @@ def _one_model(
 ) -> torch.Tensor:
     g_train, g_test = train_test_logits(model, x_train, x_test, output_fn)
     y_train = labels(y_train, g_train.shape[0], g_train.shape[1], "y_train")
-    u = margin_gradient(g_test, test_labels(g_test, y_test))  # [M, O]
+    y_test = test_labels(g_test, y_test)
+    u = margin_gradient(g_test, y_test)  # [M, O]
     if method == "surrogate":
         surrogate = KernelSurrogate(
             model,
@@ -345,15 +348,23 @@ def _one_model(
     else:
         theta = _kernels.output_kernel_factor(model, x_train, **opts)
         cross = _kernels.output_kernel_factor(model, x_test, x_train, **opts)
+    if flow is not None:  # both sides at the flow's state: training residuals, test margins
+        scalar, scalar_cross = (
+            (theta, cross) if theta.dim() == 2 else (output_average(theta), output_average(cross))
+        )
+        loss = nn.functional.cross_entropy(g_train, y_train).item()
+        state = flow_logits(scalar, y_train, o, flow.fraction, loss_floor=loss, cross=scalar_cross)
+        g_train, u = state.train, margin_gradient(state.test, y_test)
     if cross.dim() == 2:
         left = cross[:, :, None] * u[:, None, :]
     else:
         left = torch.einsum("mo,mioq->miq", u, cross)
-    if flow is not None:
-        scalar = theta if theta.dim() == 2 else theta.diagonal(dim1=2, dim2=3).mean(-1)
-        loss = nn.functional.cross_entropy(g_train, y_train).item()
-        g_train = flow_logits(scalar, y_train, o, flow.fraction, loss_floor=loss)
     return gauss_newton(left, theta, g_train, y_train, damping)
+
+
+def output_average(theta: torch.Tensor) -> torch.Tensor:
+    """The scalar kernel (1/O) Σ_o Θ(·, ·)_oo [A, B] of an all-output kernel [A, B, O, O]."""
+    return theta.diagonal(dim1=2, dim2=3).mean(-1)
 
 
 class _Flow(NamedTuple):

@@ -13,8 +13,9 @@ library (`influence(...)` with damping="auto" and the same training logits) is r
 setting as a check that it reproduces the table's row for DOF_FRACTION, and method="ekfac" (3 ×
 the mean eigenvalue of its factored curvature) is compared with the effective-parameter rule on
 that spectrum. Residuals and curvature are taken at the training logits of --training-logits:
-the kernel flow's at the library's FITTED_FRACTION (default), another share of the kernel's
-directions, or "network".
+the kernel flow's at the library's FITTED_FRACTION (default; the test margins' gradients then at
+the flow's test logits, as in the library), another share of the kernel's directions, or
+"network".
 """
 
 from __future__ import annotations
@@ -55,15 +56,18 @@ def sweep(setting, share: float | None) -> dict[str, float]:
     g, gt = logits(model, setting.x), logits(model, setting.xt)
     n, o = g.shape
     y = labels(setting.y, n, o, "y")
-    u = margin_gradient(gt, labels(setting.yt, gt.shape[0], o, "y_test"))
+    yt = labels(setting.yt, gt.shape[0], o, "y_test")
+    u = margin_gradient(gt, yt)
     # Θ ≈ (trace / O) ⊗ I_O, the Gauss–Newton default's stand-in for the full kernel
     trace = ntk.empirical_ntk(model, torch.cat([setting.x, setting.xt]), kind="trace")
     joint = trace.double()[:, :, None, None] / o * torch.eye(o, dtype=torch.float64)
     theta, cross = joint[:n, :n], joint[n:, :n]
-    fit = g  # where residuals and curvature are taken
+    fit = g  # where residuals and curvature are taken (and the test margins' gradients)
     if share is not None:
         loss = torch.nn.functional.cross_entropy(g, y).item()
-        fit = flow_logits(trace.double()[:n, :n], y, o, share, loss_floor=loss)
+        k = trace.double()
+        state = flow_logits(k[:n, :n], y, o, share, loss_floor=loss, cross=k[n:, :n])
+        fit, u = state.train, margin_gradient(state.test, yt)
     s = psd_root(softmax_curvature(fit))
     p = fit.softmax(1)
     v = s[torch.arange(n), :, y] / p[torch.arange(n), y][:, None]

@@ -84,22 +84,35 @@ def _fit(model, x, y, steps):
     return model
 
 
+def _flow_reference(model, x, y, xt, yt, share, loss_floor=None):
+    """The flow of the output-averaged kernel (training and test logits) and u_zᵀ J_z with the
+    margin's gradient at the flow's test logits."""
+    j, jt = _jacobian(model, x), _jacobian(model, xt)
+    kernel = torch.einsum("ioa,joa->ij", j, j) / O
+    cross = torch.einsum("moa,joa->mj", jt, j) / O
+    flow = flow_logits(kernel, y, O, share, loss_floor=loss_floor, cross=cross)
+    return flow, torch.einsum("mo,moa->ma", _margin_grad(flow.test, yt), jt)
+
+
 @pytest.mark.parametrize("share", [0.1, 0.3])
-def test_gauss_newton_reads_the_kernel_flows_training_logits(setup, share):
+def test_gauss_newton_reads_the_kernel_flows_logits(setup, share):
     """Residuals and curvature at `flow_logits` of the output-averaged kernel, stopped once it
     has fitted `share` of its directions (the network, fitted to its labels, is far below that
-    loss); the default ("auto") is FITTED_FRACTION, for one model and for several."""
+    loss), and the test margins' gradients at the same flow's test logits; the default ("auto")
+    is FITTED_FRACTION, for one model and for several."""
     model, x, y, xt, yt = setup
     model = _fit(model, x, y, 200)
     j, left, g, p, r = _reference(model, x, y, xt, yt)
-    kernel = torch.einsum("ioa,joa->ij", j, j) / O
-    flow = flow_logits(kernel, y, O, share)
+    flow, flow_left = _flow_reference(model, x, y, xt, yt, share)
     ce = torch.nn.functional.cross_entropy
-    assert ce(flow, y).item() > 0.5 > 100 * ce(g, y).item()  # the share stopped it, not the floor
-    expected = gauss_newton_influence(j, left, flow, y, 0.1)
+    assert ce(flow.train, y).item() > 0.5 > 100 * ce(g, y).item()  # the share stopped it
+    expected = gauss_newton_influence(j, flow_left, flow.train, y, 0.1)
     got = influence(model, x, y, xt, yt, kind="full", damping=0.1, training_logits=share)
     torch.testing.assert_close(got, expected, rtol=1e-7, atol=1e-10)
-    assert not torch.allclose(got, gauss_newton_influence(j, left, g, y, 0.1), rtol=1e-3)
+    network_test = gauss_newton_influence(j, left, flow.train, y, 0.1)  # u at the network's
+    network_train = gauss_newton_influence(j, flow_left, g, y, 0.1)  # r, Λ at the network's
+    assert not torch.allclose(got, network_test, rtol=1e-3)
+    assert not torch.allclose(got, network_train, rtol=1e-3)
     trace = influence(model, x, y, xt, yt, damping=0.1, training_logits=FITTED_FRACTION)
     torch.testing.assert_close(influence(model, x, y, xt, yt, damping=0.1), trace)
     several = dict(damping=0.1, checkpoints=[model, model])  # each model its own flow
@@ -117,12 +130,12 @@ def test_the_flow_goes_no_further_than_the_network(setup):
     model = _fit(model, x, y, 10)
     j, left, g, p, r = _reference(model, x, y, xt, yt)
     loss = torch.nn.functional.cross_entropy(g, y).item()
-    kernel = torch.einsum("ioa,joa->ij", j, j) / O
-    flow = flow_logits(kernel, y, O, 0.9, loss_floor=loss)
-    assert torch.nn.functional.cross_entropy(flow, y).item() == pytest.approx(loss, rel=1e-6)
+    flow, flow_left = _flow_reference(model, x, y, xt, yt, 0.9, loss_floor=loss)
+    ce = torch.nn.functional.cross_entropy
+    assert ce(flow.train, y).item() == pytest.approx(loss, rel=1e-6)
     got = influence(model, x, y, xt, yt, kind="full", damping=0.1, training_logits=0.9)
     torch.testing.assert_close(
-        got, gauss_newton_influence(j, left, flow, y, 0.1), rtol=1e-7, atol=1e-10
+        got, gauss_newton_influence(j, flow_left, flow.train, y, 0.1), rtol=1e-7, atol=1e-10
     )
 
 

@@ -1,6 +1,7 @@
 """kernel_flow.flow_logits: the kernel's gradient flow of the cross-entropy, against plain
-gradient descent with small steps written out here; the stopping rule (share of the kernel's
-directions fitted, loss floor); bad input."""
+gradient descent with small steps written out here (training logits and other inputs' logits
+through the cross kernel); the stopping rule (share of the kernel's directions fitted, loss
+floor); bad input."""
 
 import pytest
 import torch
@@ -12,14 +13,19 @@ from attribution.kernel_flow import flow_logits
 O = 3
 
 
-@pytest.fixture(scope="module")
-def clusters():
+def _points():
+    """Three Gaussian clusters of ten 2-d points, labelled by cluster."""
     torch.manual_seed(0)
     y = torch.arange(30) % O
-    x = 2 * torch.randn(O, 2, dtype=torch.float64)[y] + 0.8 * torch.randn(
+    return 2 * torch.randn(O, 2, dtype=torch.float64)[y] + 0.8 * torch.randn(
         30, 2, dtype=torch.float64
     )
-    return torch.exp(-(torch.cdist(x, x) ** 2) / 2), y
+
+
+@pytest.fixture(scope="module")
+def clusters():
+    x = _points()
+    return torch.exp(-(torch.cdist(x, x) ** 2) / 2), torch.arange(30) % O
 
 
 def _share(f, time, eigenvalues):
@@ -28,39 +34,62 @@ def _share(f, time, eigenvalues):
     return (1 - torch.exp(-time * (p * (1 - p)).sum(1).mean() * eigenvalues)).mean().item()
 
 
-def _gradient_descent(kernel, y, share):
+def _gradient_descent(kernel, y, share, cross=None):
     """Euler steps of df/dt = −(k/N)(softmax(f) − Y) at 1 % of the stable step, the last one cut
-    where the share of directions fitted meets `share`."""
+    where the share of directions fitted meets `share`; with `cross` [M, N], also the logits
+    f_z moved by the same steps through k(z, X)/N."""
     k = kernel / len(y)
     eigenvalues = torch.linalg.eigvalsh(k)
     eta = 0.01 / eigenvalues[-1].item()
     f, onehot, time = torch.zeros(len(y), O, dtype=torch.float64), F.one_hot(y, O).double(), 0.0
+    kz = torch.zeros(0, len(y), dtype=torch.float64) if cross is None else cross / len(y)
+    fz = torch.zeros(len(kz), O, dtype=torch.float64)
     while True:
-        new = f - eta * k @ (f.softmax(1) - onehot)
+        residual = f.softmax(1) - onehot
+        new, new_z = f - eta * k @ residual, fz - eta * kz @ residual
         before, after = _share(f, time, eigenvalues), _share(new, time + eta, eigenvalues)
         if after >= share:
-            return f + (share - before) / (after - before) * (new - f)
-        f, time = new, time + eta
+            cut = (share - before) / (after - before)
+            return f + cut * (new - f), fz + cut * (new_z - fz)
+        f, fz, time = new, new_z, time + eta
 
 
 @pytest.mark.parametrize("share", [0.05, 0.1, 0.15])
 def test_flow_follows_gradient_descent_to_the_share(clusters, share):
     kernel, y = clusters
-    got = flow_logits(kernel, y, O, share)
-    expected = _gradient_descent(kernel, y, share)
+    got = flow_logits(kernel, y, O, share).train
+    expected, _ = _gradient_descent(kernel, y, share)
     assert (got - expected).norm() / expected.norm() < 0.01  # 0.36–0.53 % measured
     assert 0.1 < F.cross_entropy(got, y).item() < 1.0  # neither the start nor fitted
+
+
+@pytest.mark.parametrize("share", [0.05, 0.15])
+def test_other_inputs_follow_the_same_flow(clusters, share):
+    """Logits of inputs outside the training set (the cross kernel of held-out points, and of the
+    training points themselves, which must reproduce the training logits)."""
+    kernel, y = clusters
+    torch.manual_seed(1)
+    z = 2 * torch.randn(7, 2, dtype=torch.float64)
+    x = _points()
+    cross = torch.exp(-(torch.cdist(z, x) ** 2) / 2)
+    state = flow_logits(kernel, y, O, share, cross=cross)
+    _, expected = _gradient_descent(kernel, y, share, cross)
+    assert (state.test - expected).norm() / expected.norm() < 0.01  # 0.33–0.52 % measured
+    assert state.test.shape == (7, O)
+    itself = flow_logits(kernel, y, O, share, cross=kernel)
+    torch.testing.assert_close(itself.test, itself.train, rtol=1e-9, atol=1e-9)
+    assert flow_logits(kernel, y, O, share).test is None
 
 
 def test_coarse_steps_leave_the_flow(clusters, monkeypatch):
     """The tolerance above is tight enough to see a coarser integration: faster-growing steps,
     or a first step at 10 % of the stable step (the flow's time runs ahead)."""
     kernel, y = clusters
-    expected = _gradient_descent(kernel, y, 0.1)
+    expected, _ = _gradient_descent(kernel, y, 0.1)
     for constant, value in (("STEP_GROWTH", 1.5), ("FIRST_STEP", 0.1)):
         with monkeypatch.context() as patch:
             patch.setattr(kernel_flow, constant, value)
-            got = flow_logits(kernel, y, O, 0.1)
+            got = flow_logits(kernel, y, O, 0.1).train
         assert (got - expected).norm() / expected.norm() > 0.01
 
 
@@ -68,17 +97,17 @@ def test_the_loss_floor_stops_the_flow_first(clusters):
     """A share beyond the flow's reach (it levels off once the labels are fitted) stops at the
     floor; a floor below the loss at the share changes nothing."""
     kernel, y = clusters
-    floored = flow_logits(kernel, y, O, 0.5, loss_floor=0.05)
+    floored = flow_logits(kernel, y, O, 0.5, loss_floor=0.05).train
     assert F.cross_entropy(floored, y).item() == pytest.approx(0.05, rel=1e-6)
     torch.testing.assert_close(
-        flow_logits(kernel, y, O, 0.1, loss_floor=0.01), flow_logits(kernel, y, O, 0.1)
+        flow_logits(kernel, y, O, 0.1, loss_floor=0.01).train, flow_logits(kernel, y, O, 0.1).train
     )
 
 
 def test_a_share_out_of_reach_runs_max_steps(clusters, monkeypatch):
     kernel, y = clusters
     monkeypatch.setattr(kernel_flow, "MAX_STEPS", 10)
-    short = flow_logits(kernel, y, O, 0.5)  # stops after MAX_STEPS with the state it reached
+    short = flow_logits(kernel, y, O, 0.5).train  # stops after MAX_STEPS with the state it reached
     assert 0 < F.cross_entropy(short, y).item() < F.cross_entropy(0 * short, y).item()
 
 
@@ -93,3 +122,6 @@ def test_bad_input(clusters):
         flow_logits(kernel[:5], y, O, 0.1)
     with pytest.raises(ValueError, match=r"\[N, N\]"):
         flow_logits(kernel, y[:5], O, 0.1)
+    for cross in (kernel[:, :5], kernel[0]):
+        with pytest.raises(ValueError, match=r"cross must be \[M, N\]"):
+            flow_logits(kernel, y, O, 0.1, cross=cross)

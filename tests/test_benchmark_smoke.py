@@ -173,14 +173,15 @@ def test_lpntk_uses_smoke_run_prints_aucs_and_pruning_curves():
 def test_damping_benchmark_smoke_run_checks_the_library_default():
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "damping.py"
     proc = subprocess.run(
-        [sys.executable, str(script), "--smoke", "--settings", "breast_cancer"],
+        [sys.executable, str(script), "--smoke", "--settings", "wine_mlp"],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     rows = {_cells(line)[0]: _cells(line)[1:] for line in proc.stdout.splitlines() if "|" in line}
-    # the library's damping="auto" is the rule's row at DOF_FRACTION = 0.015
+    # the library's damping="auto" is the rule's row at DOF_FRACTION = 0.015 (three classes: the
+    # row also depends on where the benchmark takes the test margins' gradients, as the library)
     assert rows["library, influence(method='gauss_newton')"][0] == rows["dof fraction 0.015"][0]
 
 
