@@ -115,8 +115,8 @@ def flow_logits(
     integral = torch.zeros(n, num_outputs, dtype=torch.float64)  # a = Vᵀ ∫ (p − Y) dt
 
     def advance(h: float, gamma: float, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rate = h * gamma * evals
-        step = torch.where(rate > 0, -torch.expm1(-rate) / (gamma * evals), h)
+        speed = gamma * evals
+        step = torch.where(speed > 0, -torch.expm1(-h * speed) / speed, h)
         a = integral + step[:, None] * grad
         return a, evecs @ (-evals[:, None] * a)
 
