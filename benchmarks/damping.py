@@ -59,14 +59,13 @@ def sweep(setting, share: float | None) -> dict[str, float]:
     yt = labels(setting.yt, gt.shape[0], o, "y_test")
     u = margin_gradient(gt, yt)
     # Θ ≈ (trace / O) ⊗ I_O, the Gauss–Newton default's stand-in for the full kernel
-    trace = ntk.empirical_ntk(model, torch.cat([setting.x, setting.xt]), kind="trace")
-    joint = trace.double()[:, :, None, None] / o * torch.eye(o, dtype=torch.float64)
+    trace = ntk.empirical_ntk(model, torch.cat([setting.x, setting.xt]), kind="trace").double()
+    joint = trace[:, :, None, None] / o * torch.eye(o, dtype=torch.float64)
     theta, cross = joint[:n, :n], joint[n:, :n]
     fit = g  # where residuals and curvature are taken (and the test margins' gradients)
     if share is not None:
         loss = torch.nn.functional.cross_entropy(g, y).item()
-        k = trace.double()
-        state = flow_logits(k[:n, :n], y, o, share, loss_floor=loss, cross=k[n:, :n])
+        state = flow_logits(trace[:n, :n], y, o, share, loss_floor=loss, cross=trace[n:, :n])
         fit, u = state.train, margin_gradient(state.test, yt)
     s = psd_root(softmax_curvature(fit))
     p = fit.softmax(1)
