@@ -9,6 +9,7 @@ over z.
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -137,6 +138,22 @@ class SubsetModels:
         """Margins g_y − logsumexp_{j≠y} g_j on (x, y), averaged over seeds: [S, N]."""
         out = self.outputs(x).double()
         return margins(out, labels(y, out.shape[2], out.shape[3]).to(out.device)).mean(1)
+
+    def modules(self) -> list[nn.Module]:
+        """Every model as a module of its own (eval mode), subset-major: model s·seeds + r was
+        trained on subset s with seed r. An ensemble trained on random halves of the training set
+        (`random_subsets`) is what `influence(checkpoints=...)` averages best (benchmarks/
+        training_logits.py --ensemble)."""
+        stacked = {**self.params, **self.buffers}
+        out = []
+        for j in range(self.num_subsets * self.seeds):
+            module = copy_module(self.base)
+            named = itertools.chain(module.named_parameters(), module.named_buffers())
+            with torch.no_grad():  # named_parameters names a tied tensor once, as stacked
+                for name, tensor in named:
+                    tensor.copy_(stacked[name][j])
+            out.append(module.eval())
+        return out
 
 
 def train_on_subsets(

@@ -61,7 +61,7 @@ def trajectory(setting: settings.Setting, runs: int = 1) -> list[dict[float, tor
         stack = train_on_subsets(
             setting.factory, setting.x, setting.y, everything, seeds=runs, **recipe
         )
-        for run, net in enumerate(settings._modules(stack, runs)):
+        for run, net in enumerate(stack.modules()):
             out[run][f] = net
     return out
 

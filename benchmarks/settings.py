@@ -21,7 +21,6 @@ Usage: `setting = load("digits_mlp", subsets=100, seeds=2, cache_dir=...)`, then
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import time
@@ -127,19 +126,16 @@ class Setting:
             self._copies = train_on_subsets(
                 self.factory, self.x, self.y, everything, seeds=count, **self.recipe
             )
-        return _modules(self._copies, count)
+        return self._copies.modules()[:count]
+
+    def halves(self, count: int) -> list[nn.Module]:
+        """`count` networks, each trained by the recipe on its own random half of the training set
+        (`random_subsets` drawn with seed 1, not the truth's subsets; initialisation seed 0)."""
+        mask = random_subsets(len(self.x), count, 0.5, seed=1)
+        return train_on_subsets(self.factory, self.x, self.y, mask, **self.recipe).modules()
 
     def accuracy(self, model: nn.Module) -> float:
         return demo.accuracy(model, self.xt, self.yt)
-
-
-def _modules(stack: SubsetModels, count: int) -> list[nn.Module]:
-    out = []
-    for j in range(count):
-        m = copy.deepcopy(stack.base)
-        m.load_state_dict({k: v[j] for k, v in stack.params.items()})
-        out.append(m.eval())
-    return out
 
 
 def load(

@@ -264,6 +264,30 @@ def test_train_on_subsets_with_a_module_registered_under_two_names():
         torch.testing.assert_close(outputs[s, 0], model(x[:5]).detach(), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", ["Tied", "MLP"])
+def test_modules_are_the_stacked_models_one_by_one(name):
+    """SubsetModels.modules(): module s·seeds + r gives model (s, r)'s outputs, tied weights tied
+    still, in eval mode, and a module of its own (changing one leaves the others as they were)."""
+    import models
+
+    factory = lambda: getattr(models, name)().double()  # noqa: E731
+    d = 4 if name == "Tied" else 5
+    x = torch.randn(30, d, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    y = torch.arange(30) % 3
+    stack = train_on_subsets(factory, x, y, random_subsets(30, 3, seed=4), seeds=2, epochs=2)
+    outputs = stack.outputs(x[:6])  # [S, seeds, 6, 3]
+    members = stack.modules()
+    assert len(members) == 6 and not any(m.training for m in members)
+    for j, module in enumerate(members):
+        want = outputs[j // 2, j % 2]
+        torch.testing.assert_close(module(x[:6]).detach(), want, rtol=1e-12, atol=1e-12)
+    if name == "Tied":
+        assert members[0].dec.weight is members[0].enc.weight
+    with torch.no_grad():
+        next(members[0].parameters()).add_(1.0)
+    torch.testing.assert_close(members[1](x[:6]).detach(), outputs[0, 1], rtol=1e-12, atol=1e-12)
+
+
 def test_evaluation_inputs_found_by_fuzzing_are_refused_clearly():
     with pytest.raises(ValueError, match="num_subsets must be an integer, at least 1"):
         random_subsets(16, 0)
