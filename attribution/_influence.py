@@ -139,7 +139,10 @@ def influence(
     state dicts of `model`'s architecture whose scores are averaged (each with its own kernel and
     curvature; None uses `model` alone): independently trained copies, or checkpoints saved along
     one training run (`ntk.demo.train_checkpoints`), which predict retraining better than the
-    final weights alone (`python benchmarks/checkpoints.py`). damping (gauss_newton, ekfac,
+    final weights alone (`python benchmarks/checkpoints.py`). Copies each trained on its own
+    random half of x_train (`train_on_subsets(..., random_subsets(N, K, seed=...)).modules()`)
+    predict it better than copies trained on all of it (`python benchmarks/training_logits.py
+    --ensemble 10`: picked in every leave-one-setting-out fold). damping (gauss_newton, ekfac,
     kfac): λ, or "auto" for `damping.auto_damping`: the λ at which the damped curvature keeps an
     effective number of parameters Σ_k e_k/(e_k + λ) = DOF_FRACTION · N·(O − 1) (e: eigenvalues
     of ΛΘ); for ekfac/kfac, KRONECKER_DAMPING × tr(G)/(N·O) of the factored curvature; for

@@ -8,9 +8,10 @@ directions (`attribution.kernel_flow`), on the LDS ground truth of benchmarks/se
 
 Every row is `attribution.influence(model, ..., training_logits=...)` with the other defaults;
 the share D is chosen leave-one-setting-out (best mean LDS on the other settings) and scored on
-the held-out one. --ensemble K also scores the mean over K independently seeded networks of the
-first setting (digits MLP by default) with the network's logits and with the flow at the chosen
-share, and --checkpoints the checkpoints after 1/4 and 1/2 of the epochs of one run
+the held-out one. --ensemble K also scores, on every setting, the mean over K networks with the
+network's logits and with the flow at the chosen share: K independently seeded networks on the
+whole training set, and K networks each trained on its own random half of it (`Setting.halves`);
+--checkpoints the checkpoints after 1/4 and 1/2 of the epochs of one run of the first setting
 (benchmarks/checkpoints.py) both ways.
 """
 
@@ -92,11 +93,20 @@ def main() -> None:
             v = lds(scores(s, s.model, value, checkpoints=early), s.subsets, s.truth)
             print(f"  {label}: {v:.3f}")
     if args.ensemble:
-        nets = s.models(args.ensemble)
-        print(f"\n{names[0]}, mean of {args.ensemble} independently seeded networks")
-        for label, value in variants.items():
-            v = lds(torch.stack([scores(s, m, value) for m in nets]).mean(0), s.subsets, s.truth)
-            print(f"  {label}: {v:.3f}")
+        k = args.ensemble
+        members = {f"{k} seeds on all the data": "models", f"{k} on random halves": "halves"}
+        table = {}
+        for name in names:
+            s = loaded[name]
+            table[name] = {}
+            for kind, method in members.items():
+                nets = getattr(s, method)(k)
+                for label, value in variants.items():
+                    mean = torch.stack([scores(s, m, value) for m in nets]).mean(0)
+                    table[name][f"{kind}, {label}"] = lds(mean, s.subsets, s.truth)
+            print(name, {r: round(v, 3) for r, v in table[name].items()}, flush=True)
+        print(f"\nmean of the scores of {k} networks\n")
+        print(settings.lds_table(table, "ensemble members, training logits"))
 
 
 if __name__ == "__main__":

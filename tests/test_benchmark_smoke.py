@@ -289,5 +289,9 @@ def test_training_logits_smoke_run_prints_every_share_and_the_held_out_choice():
     assert {"network's logits", "flow to 0.03 of the directions"} <= set(rows)
     assert all(-1 <= float(v) <= 1 for v in rows["network's logits"])
     assert rows["breast_cancer"][0] in ("0.03", "0.06") and rows["wine_mlp"][0] in ("0.03", "0.06")
-    assert "mean of 2 independently seeded networks" in out
+    for members in ("2 seeds on all the data", "2 on random halves"):
+        ensemble = [r for r in rows if r.startswith(f"{members}, ")]  # network's, the flow's
+        assert len(ensemble) == 2 and f"{members}, network's logits" in ensemble
+        for cells in (rows[r] for r in ensemble):  # breast_cancer, wine_mlp, mean
+            assert len(cells) == 3 and all(-1 <= float(v) <= 1 for v in cells)
     assert "one run's checkpoints after 1/4 and 1/2" in out
