@@ -53,7 +53,7 @@ from .damping import (
     damped_cholesky,
     kernel_system,
 )
-from .kernel_flow import FITTED_FRACTION, flow_logits
+from .kernel_flow import FITTED_FRACTION, influence_state
 from .outputs import (
     labels,
     margin_gradient,
@@ -355,9 +355,7 @@ def _one_model(
         scalar, scalar_cross = (
             (theta, cross) if theta.dim() == 2 else (output_average(theta), output_average(cross))
         )
-        loss = nn.functional.cross_entropy(g_train, y_train).item()
-        state = flow_logits(scalar, y_train, o, flow.fraction, loss_floor=loss, cross=scalar_cross)
-        g_train, u = state.train, margin_gradient(state.test, y_test)
+        g_train, u = influence_state(scalar, scalar_cross, g_train, y_train, y_test, flow.fraction)
     if cross.dim() == 2:
         left = cross[:, :, None] * u[:, None, :]
     else:

@@ -37,6 +37,8 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional as F
 
+from .outputs import margin_gradient
+
 # `influence(training_logits="auto")` stops the flow when it has fitted this share of the kernel's
 # directions (module docstring): the best mean LDS over the four settings of `python
 # benchmarks/training_logits.py` (digits MLP, digits CNN, breast_cancer, wine, test margins at
@@ -148,3 +150,21 @@ def flow_logits(
             return stopped(*advance(hi, gamma, grad))
         integral, f, time, h = new_integral, new, time + h, h * STEP_GROWTH
     return stopped(integral, f)
+
+
+def influence_state(
+    kernel: torch.Tensor,
+    cross: torch.Tensor,
+    network_logits: torch.Tensor,
+    y: torch.Tensor,
+    y_test: torch.Tensor,
+    fitted_fraction: float = FITTED_FRACTION,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where `influence` reads both sides of the Gauss–Newton influence function: the flow's
+    training logits [N, O] (stopped at `fitted_fraction`, or at the network's own training loss
+    CE(network_logits, y) if sooner) and the test margins' gradients u_z [M, O] at the flow's test
+    logits. kernel: k(X, X) [N, N]; cross: k(Z, X) [M, N] (scalar kernels)."""
+    loss = F.cross_entropy(network_logits, y).item()
+    o = network_logits.shape[1]
+    state = flow_logits(kernel, y, o, fitted_fraction, loss_floor=loss, cross=cross)
+    return state.train, margin_gradient(state.test, y_test)

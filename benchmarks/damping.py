@@ -35,7 +35,7 @@ import ntk
 from attribution import influence, lds
 from attribution.curvature import KroneckerCurvature
 from attribution.damping import DOF_FRACTION, auto_damping
-from attribution.kernel_flow import FITTED_FRACTION, flow_logits
+from attribution.kernel_flow import FITTED_FRACTION, influence_state
 from attribution.outputs import (
     labels,
     logits,
@@ -64,9 +64,7 @@ def sweep(setting, share: float | None) -> dict[str, float]:
     theta, cross = joint[:n, :n], joint[n:, :n]
     fit = g  # where residuals and curvature are taken (and the test margins' gradients)
     if share is not None:
-        loss = torch.nn.functional.cross_entropy(g, y).item()
-        state = flow_logits(trace[:n, :n], y, o, share, loss_floor=loss, cross=trace[n:, :n])
-        fit, u = state.train, margin_gradient(state.test, yt)
+        fit, u = influence_state(trace[:n, :n], trace[n:, :n], g, y, yt, share)
     s = psd_root(softmax_curvature(fit))
     p = fit.softmax(1)
     v = s[torch.arange(n), :, y] / p[torch.arange(n), y][:, None]
