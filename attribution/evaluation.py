@@ -141,9 +141,9 @@ class SubsetModels:
 
     def modules(self) -> list[nn.Module]:
         """Every model as a module of its own (eval mode), subset-major: model s·seeds + r was
-        trained on subset s with seed r. An ensemble trained on random halves of the training set
-        (`random_subsets`) is what `influence(checkpoints=...)` averages best (benchmarks/
-        training_logits.py --ensemble)."""
+        trained on subset s with seed r. Networks trained on random halves of the training set
+        (`random_subsets`), averaged by `influence(checkpoints=...)`, predict retraining better
+        than networks trained on all of it (`benchmarks/training_logits.py --ensemble`)."""
         stacked = {**self.params, **self.buffers}
         out = []
         for j in range(self.num_subsets * self.seeds):
