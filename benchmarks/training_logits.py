@@ -94,13 +94,14 @@ def main() -> None:
             print(f"  {label}: {v:.3f}")
     if args.ensemble:
         k = args.ensemble
-        members = {f"{k} seeds on all the data": "models", f"{k} on random halves": "halves"}
         table = {}
         for name in names:
             s = loaded[name]
             table[name] = {}
-            for kind, method in members.items():
-                nets = getattr(s, method)(k)
+            for kind, nets in (
+                (f"{k} seeds on all the data", s.models(k)),
+                (f"{k} on random halves", s.halves(k)),
+            ):
                 for label, value in variants.items():
                     mean = torch.stack([scores(s, m, value) for m in nets]).mean(0)
                     table[name][f"{kind}, {label}"] = lds(mean, s.subsets, s.truth)
