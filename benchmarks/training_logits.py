@@ -3,14 +3,15 @@ network's own, or the kernel's gradient flow stopped once it has fitted a share 
 directions (`attribution.kernel_flow`), on the LDS ground truth of benchmarks/settings.py.
 
     python benchmarks/training_logits.py [--cache-dir DIR] [--settings a,b] [--fractions .04,.05]
-        [--ensemble 10] [--checkpoints]
+        [--ensemble 10 [--peer-python PY]] [--checkpoints]
     python benchmarks/training_logits.py --smoke        # seconds
 
 Every row is `attribution.influence(model, ..., training_logits=...)` with the other defaults;
 the share D is chosen leave-one-setting-out (best mean LDS on the other settings) and scored on
 the held-out one. --ensemble K also scores, on every setting, the mean over K networks with the
 network's logits and with the flow at the chosen share: K independently seeded networks on the
-whole training set, and K networks each trained on its own random half of it (`Setting.halves`);
+whole training set, and K networks each trained on its own random half of it (`Setting.halves`),
+with --peer-python also Kronfluence EK-FAC's scores of the same networks, averaged alike;
 --checkpoints the checkpoints after 1/4 and 1/2 of the epochs of one run of the first setting
 (benchmarks/checkpoints.py) both ways.
 """
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attribution import influence, lds
 from attribution.kernel_flow import FITTED_FRACTION
 from benchmarks import settings
+from benchmarks.attribution_settings import run_peers
 
 FRACTIONS = (0.02, 0.025, 0.03, 0.035, 0.04, 0.045, 0.05, 0.055, 0.06, 0.07)
 NETWORK = "network's logits"
@@ -45,6 +47,13 @@ def scores(setting, model, training_logits, checkpoints=None) -> torch.Tensor:
     )
 
 
+def kronfluence(setting, model, python: str) -> torch.Tensor:
+    """Kronfluence EK-FAC's scores of one network, run in the peer's interpreter `python`."""
+    s = setting
+    out = run_peers(model, [model], s.x, s.y, s.xt, s.yt, python, "kronfluence_ekfac")
+    return torch.as_tensor(out["kronfluence_ekfac"][0]).double()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", default=",".join(settings.NAMES))
@@ -53,6 +62,11 @@ def main() -> None:
     parser.add_argument("--ensemble", type=int, default=0, help="networks for the ensemble rows")
     parser.add_argument("--checkpoints", action="store_true", help="also one run's checkpoints")
     parser.add_argument("--fractions", default=",".join(f"{d:g}" for d in FRACTIONS))
+    parser.add_argument(
+        "--peer-python",
+        default=os.environ.get("NTK_PEER_PYTHON"),
+        help="an interpreter with kronfluence: also Kronfluence EK-FAC on the ensembles' networks",
+    )
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     names = args.settings.split(",")
@@ -105,6 +119,9 @@ def main() -> None:
                 for label, value in variants.items():
                     mean = torch.stack([scores(s, m, value) for m in nets]).mean(0)
                     table[name][f"{kind}, {label}"] = lds(mean, s.subsets, s.truth)
+                if args.peer_python:  # the peer's scores of the same networks, averaged alike
+                    mean = torch.stack([kronfluence(s, m, args.peer_python) for m in nets]).mean(0)
+                    table[name][f"{kind}, Kronfluence EK-FAC"] = lds(mean, s.subsets, s.truth)
             print(name, {r: round(v, 3) for r, v in table[name].items()}, flush=True)
         print(f"\nmean of the scores of {k} networks\n")
         print(settings.lds_table(table, "ensemble members, training logits"))
