@@ -1,5 +1,6 @@
 """Smoke tests of the benchmarks: quick runs print their tables."""
 
+import os
 import re
 import subprocess
 import sys
@@ -101,8 +102,13 @@ def test_attribution_scale_smoke_run_prints_its_table():
 
 def _run_benchmark(name: str, *args: str) -> str:
     script = Path(__file__).resolve().parents[1] / "benchmarks" / name
+    env = {k: v for k, v in os.environ.items() if k != "NTK_PEER_PYTHON"}  # no peers in smoke runs
     proc = subprocess.run(
-        [sys.executable, str(script), "--smoke", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, str(script), "--smoke", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
