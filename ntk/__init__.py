@@ -5,7 +5,7 @@ import importlib
 from .core.kinds import KINDS, LABELLED_KINDS
 from .core.memory import KernelTooLargeError
 from .empirical import METHODS, empirical_ntk, empirical_ntk_fn
-from .spectrum import condition_number, eigenvalues, kernel_alignment
+from .spectrum import condition_number, descent_residual, eigenvalues, kernel_alignment
 
 __all__ = [
     "KINDS",
@@ -13,6 +13,7 @@ __all__ = [
     "METHODS",
     "KernelTooLargeError",
     "condition_number",
+    "descent_residual",
     "eigenvalues",
     "empirical_ntk",
     "empirical_ntk_fn",

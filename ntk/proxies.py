@@ -18,6 +18,11 @@ pseudo-NTK of Mohamadi et al., ICML 2023):
   of the kernel in the directions the labels point the outputs; needs labels, and always uses
   the lpNTK (the `kind` option does not apply). Other kernel metrics read the lpNTK with
   kind="lpntk".
+- `descent`  what a short training can fit: −log of the share of the centred one-hot labels Y
+  that T = 256 steps of gradient descent on the linearised network (step 1/λmax, from zero
+  outputs) leave unfitted, Σ_i (1 − λ_i/λmax)^{2T} ‖u_iᵀY‖² / ‖Y‖² over the eigenpairs of Θ
+  (`ntk.spectrum.descent_residual`; the share is `ProxyScore.raw`). It reads both what κ reads
+  (the slow directions) and what LGA reads (how much of Y the fast ones hold).
 
 Zero-cost baselines (Abdelfattah et al., ICLR 2021) on the same batch, with the cross-entropy loss
 L (binary for a model with one output, a logit): `grad_norm` Σ_p ‖∂L/∂θ_p‖ over parameter tensors;
@@ -72,7 +77,7 @@ from .core.model import (
 from .core.seeding import seeded
 from .core.tiles import require_finite
 from .empirical import empirical_ntk
-from .spectrum import condition_number, eigenvalues, kernel_alignment
+from .spectrum import condition_number, descent_residual, eigenvalues, kernel_alignment
 
 KERNEL_METRICS = (
     "lga",
@@ -84,6 +89,7 @@ KERNEL_METRICS = (
     "lga_centred",
     "layer_condition",
     "label_condition",
+    "descent",
 )
 BASELINE_METRICS = ("naswot", "synflow", "grad_norm", "snip", "jacob_cov", "params")
 METRICS = KERNEL_METRICS + BASELINE_METRICS
@@ -127,8 +133,22 @@ RANKING_BATCH_SIZE = 64
 # / 0.64 / 0.64.
 DEFAULT_REPEATS = 4
 RANKING_REPEATS = 2
+# `descent`'s number of steps T, picked in an exploration on four NAS spaces (digits MLPs / CNNs,
+# cancer MLPs, attention; NAS-Bench-201 took no part) over T = 1 … 4096 in the vote with NASWOT:
+# its worst-space τ was flat from T = 64 to 4096 (0.67–0.70). `descent` is not among the
+# candidates of the defaults: with it in their pool the rule chose worse on held-out spaces
+# (benchmarks/nas/compare.py's OUTSIDE_POOL, `python benchmarks/nas/repeats.py --cached`).
+DESCENT_STEPS = 256
 SINGULAR = 1e-10  # layer_condition: relative λmin below which a layer kernel counts as singular
-_NEEDS_LABELS = ("lga", "lga_cosine", "lga_centred", "label_condition", "grad_norm", "snip")
+_NEEDS_LABELS = (
+    "lga",
+    "lga_cosine",
+    "lga_centred",
+    "label_condition",
+    "descent",
+    "grad_norm",
+    "snip",
+)
 _ACTIVATIONS = (
     nn.ReLU,
     nn.ReLU6,
@@ -682,6 +702,12 @@ def _label_condition(net, x, y, *, kind, layers, output_fn):
     return _condition(net, x, y, kind="lpntk", layers=layers, output_fn=output_fn)
 
 
+def _descent(net, x, y, *, kind, layers, output_fn):
+    k = _square(_kernel(net, x, y, kind, layers, output_fn))
+    share = descent_residual(k, y, DESCENT_STEPS)
+    return (-math.log(share) if share > 0 else math.inf), share
+
+
 def _layer_condition(net, x, y, *, kind, layers, output_fn):
     parts = empirical_ntk(
         net,
@@ -853,6 +879,7 @@ _MEASURES = {
     "lga_centred": _lga_centred,
     "layer_condition": _layer_condition,
     "label_condition": _label_condition,
+    "descent": _descent,
     "naswot": _naswot,
     "synflow": _synflow,
     "grad_norm": _grad_norm,

@@ -1,6 +1,9 @@
-"""Spectral summaries of kernels: eigenvalues, condition number and kernel–label alignment."""
+"""Spectral summaries of kernels: eigenvalues, condition number, kernel–label alignment and the
+share of the labels that kernel gradient descent leaves unfitted."""
 
 from __future__ import annotations
+
+import numbers
 
 import numpy as np
 import torch
@@ -126,3 +129,52 @@ def kernel_alignment(kernel, y, *, centering: str = "kernel") -> float:
     if any(norm <= CONSTANT * scale for norm, scale in zip(norms, scales)):
         return 0.0
     return float((k * lab).sum()) / (norms[0] * norms[1])
+
+
+def descent_residual(kernel, y, steps: int) -> float:
+    """The share of the labels that `steps` steps of kernel gradient descent leave unfitted.
+
+    Gradient descent on ½‖f − Y‖² moves the outputs of the network linearised at its
+    initialisation by −η K (f − Y) per step (K the [N, N] kernel of the batch). From f = 0 with
+    η = 1/λmax, the largest step that shrinks every direction monotonically, the residual after T
+    steps is (I − K/λmax)^T Y, and the share of ‖Y‖² it keeps is
+
+        Σ_i (1 − λ_i/λmax)^{2T} ‖u_iᵀ Y‖² / Σ_i ‖u_iᵀ Y‖²
+
+    (λ_i, u_i the eigenpairs of K; rounding's negative eigenvalues count as 0). It joins what
+    κ reads (how slowly the weakest directions fall) and what alignment reads (how much of Y lies
+    in the strong ones). Y: integer class labels [N] as centred one-hot columns, real targets
+    ([N] or [N, m]) centred; the centring leaves out the constant a bias fits at once.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    if np.ndim(kernel) != 2:
+        raise ValueError(
+            f"descent_residual needs an [N, N] kernel, got shape {tuple(np.shape(kernel))} "
+            "(use kind='trace', 'sum_logits' or 'lpntk')"
+        )
+    k = symmetric_matrix(kernel, "descent_residual needs")
+    t = inputs.targets(y)
+    inputs.check_finite_targets(t)
+    if t.dim() == 0 or (not t.is_floating_point() and t.dim() != 1):
+        raise ValueError(
+            f"y must hold one class label per sample ([N] integers) or real targets, got shape "
+            f"{tuple(t.shape)}"
+        )
+    if t.is_floating_point():
+        t = t.to(torch.float64).reshape(t.shape[0], -1)
+    else:  # classes as columns, whatever integers (or booleans) name them
+        t = torch.nn.functional.one_hot(torch.unique(t, return_inverse=True)[1]).to(torch.float64)
+    if k.shape[0] != (n := t.shape[0]):
+        raise ValueError(f"kernel is {k.shape[0]} × {k.shape[0]} but y has {n} entries")
+    scale = float(t.square().sum())
+    t = t - t.mean(0)
+    total = float(t.square().sum())
+    if total <= CONSTANT * scale:  # zero up to the rounding of the centring
+        raise ValueError("y is constant (one class): there is nothing for descent to fit")
+    lam, vectors = torch.linalg.eigh(k)
+    lam = lam.clamp_min(0.0)
+    if float(lam[-1]) <= 0.0:
+        return 1.0  # a zero kernel moves nothing
+    weights = (vectors.T @ t).square().sum(1)
+    return float((weights * (1.0 - lam / lam[-1]).pow(2 * steps)).sum()) / total

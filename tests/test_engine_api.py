@@ -325,6 +325,59 @@ def test_kernel_alignment_matches_its_formulas():
         ntk.kernel_alignment(k, y, centering="nope")
 
 
+def _gradient_descent_share(k, targets, steps):
+    """‖f_T − Y‖² / ‖Y‖² after `steps` steps f ← f − K (f − Y) / λmax from f = 0, Y centred."""
+    y = targets - targets.mean(0)
+    f = torch.zeros_like(y)
+    step = 1.0 / torch.linalg.eigvalsh(k)[-1]
+    for _ in range(steps):
+        f = f - step * (k @ (f - y))
+    return float((f - y).square().sum() / y.square().sum())
+
+
+def test_descent_residual_is_the_residual_of_explicit_gradient_descent():
+    torch.manual_seed(2)
+    a = torch.randn(9, 4, dtype=torch.float64)
+    k = a @ a.T  # rank 4 < 9: directions outside the kernel's range are never fitted
+    y = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2])
+    onehot = torch.nn.functional.one_hot(y).double()
+    for steps in (1, 7, 40):
+        share = ntk.descent_residual(k, y, steps)
+        assert share == pytest.approx(_gradient_descent_share(k, onehot, steps), rel=1e-10)
+    assert ntk.descent_residual(k, y, 40) < ntk.descent_residual(k, y, 7) < 1.0
+    # labels named by other integers (or booleans) are the same classes
+    assert ntk.descent_residual(k, y * 5 - 3, 7) == pytest.approx(ntk.descent_residual(k, y, 7))
+    binary = y == 1
+    assert ntk.descent_residual(k, binary, 7) == pytest.approx(
+        _gradient_descent_share(k, binary.double()[:, None], 7), rel=1e-10
+    )
+    targets = torch.randn(9, 2, dtype=torch.float64)  # real targets: their columns, centred
+    assert ntk.descent_residual(k, targets, 7) == pytest.approx(
+        _gradient_descent_share(k, targets, 7), rel=1e-10
+    )
+    # labels along the kernel's top direction are fitted in one step; a zero kernel fits nothing
+    centred = binary.double() - binary.double().mean()
+    assert ntk.descent_residual(torch.outer(centred, centred), binary, 1) < 1e-12
+    assert ntk.descent_residual(torch.zeros(9, 9), y, 3) == 1.0
+
+
+@pytest.mark.parametrize(
+    "kernel, y, steps, message",
+    [
+        (torch.eye(4), torch.tensor([0, 1, 0, 1]), 0, "steps must be a positive integer"),
+        (torch.eye(4), torch.tensor([0, 1, 0, 1]), 2.5, "steps must be a positive integer"),
+        (torch.eye(4), torch.tensor([0, 1, 0]), 3, "kernel is 4 × 4 but y has 3 entries"),
+        (torch.eye(4), torch.tensor([1, 1, 1, 1]), 3, "y is constant"),
+        (torch.eye(4), torch.tensor([0.0, 1.0, float("nan"), 1.0]), 3, "y contains non-finite"),
+        (torch.eye(4), torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0]]), 3, "y must hold one"),
+        (torch.ones(2, 2, 3, 3), torch.tensor([0, 1]), 3, r"needs an \[N, N\] kernel"),
+    ],
+)
+def test_descent_residual_refuses_bad_input(kernel, y, steps, message):
+    with pytest.raises(ValueError, match=message):
+        ntk.descent_residual(kernel, y, steps)
+
+
 def test_auto_picks_structured_when_layers_are_known(monkeypatch):
     calls = []
     import ntk.core.structured as structured

@@ -363,7 +363,15 @@ def test_rank_checks_its_options_before_any_candidate(data, options, error, mess
             proxies.score(tiny(), x, y, **options)
 
 
-LABEL_METRICS = ["lga", "lga_cosine", "lga_centred", "label_condition", "grad_norm", "snip"]
+LABEL_METRICS = [
+    "lga",
+    "lga_cosine",
+    "lga_centred",
+    "label_condition",
+    "descent",
+    "grad_norm",
+    "snip",
+]
 
 
 @pytest.mark.parametrize(
@@ -559,6 +567,28 @@ def test_label_condition_is_the_condition_of_the_labelled_kernel(data):
         proxies.score(model, x, None)  # the default metric reads the labels
     with pytest.raises(ValueError, match="on kind 'lpntk' needs class labels"):
         proxies.score(model, x, None, metric="condition_number", kind="lpntk")
+
+
+def test_descent_is_the_label_residual_of_gradient_descent_on_the_direct_kernel(data):
+    """−log of ‖f_T − Y‖² / ‖Y‖² after T = DESCENT_STEPS steps f ← f − K (f − Y) / λmax from
+    f = 0, with K the sum-of-logits kernel from per-sample gradients and Y the centred one-hot
+    labels, iterated here step by step."""
+    x, y = data
+    model = tiny().eval()
+    g = torch.from_numpy(sum_logit_grads(model, x))
+    k = g @ g.T
+    targets = torch.nn.functional.one_hot(y, O).double()
+    targets = targets - targets.mean(0)
+    f = torch.zeros_like(targets)
+    step = 1.0 / torch.linalg.eigvalsh(k)[-1]
+    for _ in range(proxies.DESCENT_STEPS):
+        f = f - step * (k @ (f - targets))
+    share = float((f - targets).square().sum() / targets.square().sum())
+    details = run(model, x, y, "descent", return_details=True)
+    assert details.raw[0] == pytest.approx(share, rel=1e-3)
+    assert details.value == pytest.approx(-math.log(share), rel=1e-3)
+    with pytest.raises(ValueError, match="needs class labels"):
+        proxies.score(model, x, None, metric="descent")
 
 
 def test_float_input_metrics_are_exactly_those_refusing_token_ids():

@@ -27,6 +27,7 @@ PROXY_METRICS = (  # ntk.proxies.METRICS
     "lga_centred",
     "layer_condition",
     "label_condition",
+    "descent",
     "naswot",
     "synflow",
     "grad_norm",

@@ -10,7 +10,9 @@ Printed: Kendall τ of the defaults as coded (`proxies.DEFAULT` on DEFAULT_BATCH
 `score`, the vote `proxies.DEFAULT_RANKING` on RANKING_BATCH_SIZE for `rank`) per space for
 r = 1 … REPEATS; the leave-one-space-out choice of r for each (compare.py's rule: best
 worst-space τ on the other spaces, ties by the mean); and the same rule over (candidate, r)
-jointly, to see whether the metric chosen at compare.py's 2 repeats still wins.
+jointly, to see whether the metric chosen at compare.py's 2 repeats still wins; and that joint
+rule's held-out τ from the pool without and with compare.OUTSIDE_POOL's metrics, which keeps
+them out of the pool when they lower the held-out worst.
 
     python benchmarks/nas/repeats.py [--cached] [--spaces digits_mlp,...,nb201]
 """
@@ -25,7 +27,17 @@ from functools import partial
 
 import numpy as np
 import torch
-from compare import HERE, LARGE, SMALL, SPACE_NAMES, choose, leave_one_out, load, proxy_label
+from compare import (
+    HERE,
+    LARGE,
+    OUTSIDE_POOL,
+    SMALL,
+    SPACE_NAMES,
+    choose,
+    leave_one_out,
+    load,
+    proxy_label,
+)
 from nb201 import NB201Net, digits32, ops_of
 
 from ntk import proxies
@@ -102,12 +114,15 @@ def main() -> None:
         data[name], accs[name] = scored(name, args.cached)
     spaces = list(data)
     # τ of every candidate (single metrics and votes) per number of repeats and space
-    taus = {}
+    # (and, in `wider`, with compare.OUTSIDE_POOL's metrics in the pool too)
+    taus, wider = {}, {}
     for r in range(1, REPEATS + 1):
         scores = {s: means(data[s], r) for s in spaces}
         for what, votes in (("score", False), ("rank", True)):
             t = leave_one_out(scores, accs, votes)[2]
             taus.update({(what, c, r): t[c] for c in t})
+            t = leave_one_out(scores, accs, votes, outside=())[2]
+            wider.update({(what, c, r): t[c] for c in t})
     code = {
         "score": proxy_label(proxies.DEFAULT, proxies.DEFAULT_BATCH_SIZE),
         "rank": proxy_label(" + ".join(proxies.DEFAULT_RANKING), proxies.RANKING_BATCH_SIZE),
@@ -147,6 +162,29 @@ def main() -> None:
             f"chosen on all spaces: {r_all} repeats (worst τ {min(by_r[r_all].values()):+.3f}); "
             f"jointly {pick_all[0]} with {pick_all[1]} repeats "
             f"(worst τ {min(joint[pick_all].values()):+.3f})"
+        )
+    if len(spaces) > 1:
+        pools(taus, wider, spaces)
+
+
+def pools(taus: dict, wider: dict, spaces: list) -> None:
+    """The joint rule's held-out τ per space from the pool without and with OUTSIDE_POOL."""
+    print(f"\nThe pool: the joint rule without and with {', '.join(OUTSIDE_POOL)} as candidates")
+    print("| held-out space | what | pool | (candidate, repeats) chosen | τ held-out |")
+    print("|---|---|---|---|---|")
+    for what in ("score", "rank"):
+        worst = {}
+        for pool, table in (("without", taus), ("with", wider)):
+            joint = {(c, r): t for (w, c, r), t in table.items() if w == what}
+            held = {}
+            for space in spaces:
+                pick = choose(joint, [s for s in spaces if s != space])
+                held[space] = joint[pick][space]
+                print(f"| {space} | {what} | {pool} | {pick[0]}, {pick[1]} | {held[space]:+.3f} |")
+            worst[pool] = min(held.values())
+        print(
+            f"pool for {what}: held-out worst τ {worst['without']:+.3f} without, "
+            f"{worst['with']:+.3f} with"
         )
 
 
