@@ -363,15 +363,7 @@ def test_rank_checks_its_options_before_any_candidate(data, options, error, mess
             proxies.score(tiny(), x, y, **options)
 
 
-LABEL_METRICS = [
-    "lga",
-    "lga_cosine",
-    "lga_centred",
-    "label_condition",
-    "descent",
-    "grad_norm",
-    "snip",
-]
+LABEL_METRICS = "lga lga_cosine lga_centred label_condition descent grad_norm snip".split()
 
 
 @pytest.mark.parametrize(
