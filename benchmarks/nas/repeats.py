@@ -148,11 +148,10 @@ def main() -> None:
             "| (candidate, repeats) chosen | τ held-out |"
         )
         print("|---|---|---|---|---|")
-        joint = {(c, r): t for (w, c, r), t in taus.items() if w == what}
+        joint = jointly(taus, what)
+        repeats_picks, picks = held_out(by_r, spaces), held_out(joint, spaces)
         for held in spaces:
-            rest = [s for s in spaces if s != held]
-            r = choose(by_r, rest)
-            pick = choose(joint, rest)
+            r, pick = repeats_picks[held], picks[held]
             print(
                 f"| {held} | {r} | {by_r[r][held]:+.3f} | {pick[0]}, {pick[1]} | "
                 f"{joint[pick][held]:+.3f} |"
@@ -167,6 +166,16 @@ def main() -> None:
         pools(taus, wider, spaces)
 
 
+def jointly(taus: dict, what: str) -> dict:
+    """{(candidate, repeats): τ per space} of one default ("score" or "rank")."""
+    return {(c, r): t for (w, c, r), t in taus.items() if w == what}
+
+
+def held_out(table: dict, spaces: list) -> dict:
+    """{space: the key of `table` the rule chooses on the other spaces}."""
+    return {held: choose(table, [s for s in spaces if s != held]) for held in spaces}
+
+
 def pools(taus: dict, wider: dict, spaces: list) -> None:
     """The joint rule's held-out τ per space from the pool without and with OUTSIDE_POOL."""
     print(f"\nThe pool: the joint rule without and with {', '.join(OUTSIDE_POOL)} as candidates")
@@ -175,10 +184,9 @@ def pools(taus: dict, wider: dict, spaces: list) -> None:
     for what in ("score", "rank"):
         worst = {}
         for pool, table in (("without", taus), ("with", wider)):
-            joint = {(c, r): t for (w, c, r), t in table.items() if w == what}
+            joint = jointly(table, what)
             held = {}
-            for space in spaces:
-                pick = choose(joint, [s for s in spaces if s != space])
+            for space, pick in held_out(joint, spaces).items():
                 held[space] = joint[pick][space]
                 print(f"| {space} | {what} | {pool} | {pick[0]}, {pick[1]} | {held[space]:+.3f} |")
             worst[pool] = min(held.values())
