@@ -79,19 +79,40 @@ def condition_from_eigenvalues(ev) -> float:
     return float(ev[0]) / lo if lo > 0 else float("inf")
 
 
-def label_matrix(y) -> torch.Tensor:
-    """Targets as a kernel: ±1 label agreement for integer class labels [N], y yᵀ for real
-    targets (one column per output for a 2-D y). Integer labels of another shape are refused."""
+def _labels_or_targets(y) -> torch.Tensor:
+    """y as a tensor of integer class labels [N] or finite real targets [N, ...]; integer labels
+    of another shape are refused."""
     y = inputs.targets(y)
     if y.dim() == 0:
         raise ValueError(f"y must hold one label or target per sample, got a scalar {y.item()!r}")
     inputs.check_finite_targets(y)
+    if not y.is_floating_point() and y.dim() != 1:  # an [N, 1] column of labels is no target
+        raise ValueError(
+            f"y holds integer class labels of shape {tuple(y.shape)}; class labels are one "
+            f"per sample, shape ({len(y)},) (real-valued targets are floats)"
+        )
+    return y
+
+
+def _labelled_kernel(kernel, n: int, name: str) -> torch.Tensor:
+    """`symmetric_matrix` of a scalar kernel [N, N] of the n labelled samples; `name` (the
+    function) heads the errors."""
+    k = symmetric_matrix(kernel, f"{name} needs")
+    if np.ndim(kernel) != 2:  # as_matrix flattens full and diagonal kernels to [N·O, N·O]
+        raise ValueError(
+            f"{name} needs an [N, N] kernel, got shape {tuple(np.shape(kernel))} "
+            "(use kind='trace', 'sum_logits' or 'lpntk')"
+        )
+    if k.shape[0] != n:
+        raise ValueError(f"kernel is {k.shape[0]} × {k.shape[0]} but y has {n} entries")
+    return k
+
+
+def label_matrix(y) -> torch.Tensor:
+    """Targets as a kernel: ±1 label agreement for integer class labels [N], y yᵀ for real
+    targets (one column per output for a 2-D y). Integer labels of another shape are refused."""
+    y = _labels_or_targets(y)
     if not y.is_floating_point():
-        if y.dim() != 1:  # an [N, 1] column of labels is no target vector y yᵀ could read
-            raise ValueError(
-                f"y holds integer class labels of shape {tuple(y.shape)}; class labels are one "
-                f"per sample, shape ({len(y)},) (real-valued targets are floats)"
-            )
         return (y[:, None] == y[None, :]).to(torch.float64) * 2 - 1
     y = y.to(torch.float64).reshape(y.shape[0], -1)
     return y @ y.T
@@ -108,14 +129,7 @@ def kernel_alignment(kernel, y, *, centering: str = "kernel") -> float:
     A constant kernel or constant labels (one class) have nothing to align: 0.
     """
     lab = label_matrix(y)
-    k = symmetric_matrix(kernel, "kernel_alignment needs")
-    if np.ndim(kernel) != 2:  # as_matrix flattens full and diagonal kernels to [N·O, N·O]
-        raise ValueError(
-            f"kernel_alignment needs an [N, N] kernel, got shape {tuple(np.shape(kernel))} "
-            "(use kind='trace' or 'sum_logits')"
-        )
-    if k.shape[0] != (n := len(lab)):
-        raise ValueError(f"kernel is {k.shape[0]} × {k.shape[0]} but y has {n} entries")
+    k = _labelled_kernel(kernel, n := len(lab), "kernel_alignment")
     scales = float(torch.linalg.norm(k)), float(torch.linalg.norm(lab))
     if centering == "kernel":
         h = torch.eye(n, dtype=torch.float64) - 1.0 / n
@@ -148,25 +162,12 @@ def descent_residual(kernel, y, steps: int) -> float:
     """
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
-    if np.ndim(kernel) != 2:
-        raise ValueError(
-            f"descent_residual needs an [N, N] kernel, got shape {tuple(np.shape(kernel))} "
-            "(use kind='trace', 'sum_logits' or 'lpntk')"
-        )
-    k = symmetric_matrix(kernel, "descent_residual needs")
-    t = inputs.targets(y)
-    inputs.check_finite_targets(t)
-    if t.dim() == 0 or (not t.is_floating_point() and t.dim() != 1):
-        raise ValueError(
-            f"y must hold one class label per sample ([N] integers) or real targets, got shape "
-            f"{tuple(t.shape)}"
-        )
+    t = _labels_or_targets(y)
+    k = _labelled_kernel(kernel, len(t), "descent_residual")
     if t.is_floating_point():
         t = t.to(torch.float64).reshape(t.shape[0], -1)
     else:  # classes as columns, whatever integers (or booleans) name them
         t = torch.nn.functional.one_hot(torch.unique(t, return_inverse=True)[1]).to(torch.float64)
-    if k.shape[0] != (n := t.shape[0]):
-        raise ValueError(f"kernel is {k.shape[0]} × {k.shape[0]} but y has {n} entries")
     scale = float(t.square().sum())
     t = t - t.mean(0)
     total = float(t.square().sum())

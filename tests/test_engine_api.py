@@ -369,7 +369,7 @@ def test_descent_residual_is_the_residual_of_explicit_gradient_descent():
         (torch.eye(4), torch.tensor([0, 1, 0]), 3, "kernel is 4 × 4 but y has 3 entries"),
         (torch.eye(4), torch.tensor([1, 1, 1, 1]), 3, "y is constant"),
         (torch.eye(4), torch.tensor([0.0, 1.0, float("nan"), 1.0]), 3, "y contains non-finite"),
-        (torch.eye(4), torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0]]), 3, "y must hold one"),
+        (torch.eye(4), torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0]]), 3, "y holds integer class"),
         (torch.ones(2, 2, 3, 3), torch.tensor([0, 1]), 3, r"needs an \[N, N\] kernel"),
     ],
 )
