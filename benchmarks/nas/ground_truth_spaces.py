@@ -1,6 +1,7 @@
 """Ground truth for the spaces of `spaces.py`: validation accuracy of every architecture after
-its space's training budget (Adam, `demo.train`), for 5 seeds; writes truth_<space>.json next to
-this file, with the seed-to-seed ceiling (mean Kendall τ / Spearman ρ over pairs of seeds).
+its space's training budget (Adam, `demo.train`), averaged over ground_truth.SEEDS (20); writes
+truth_<space>.json next to this file, with the seed-to-seed ceiling (mean Kendall τ / Spearman ρ
+over pairs of seeds: how noisy one run is; the mean over the seeds is less noisy).
 
     python benchmarks/nas/ground_truth_spaces.py [digits_cnn cancer_mlp seq_attention]
 """
@@ -15,12 +16,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from ground_truth import SEEDS
 from scipy.stats import kendalltau, spearmanr
 from spaces import SPACES
 
 from ntk import demo
-
-SEEDS = (0, 1, 2, 3, 4)
 
 
 def truth_path(name: str) -> Path:

@@ -11,8 +11,8 @@ Printed: Kendall τ of the defaults as coded (`proxies.DEFAULT` on DEFAULT_BATCH
 r = 1 … REPEATS; the leave-one-space-out choice of r for each (compare.py's rule: best
 worst-space τ on the other spaces, ties by the mean); and the same rule over (candidate, r)
 jointly, to see whether the metric chosen at compare.py's 2 repeats still wins; and that joint
-rule's held-out τ from the pool without and with compare.OUTSIDE_POOL's metrics, which keeps
-them out of the pool when they lower the held-out worst.
+rule's held-out τ from the pool without and with compare.JUDGED's metrics, which keeps them
+out of the pool (compare.OUTSIDE_POOL) when they lower the held-out worst.
 
     python benchmarks/nas/repeats.py [--cached] [--spaces digits_mlp,...,nb201]
 """
@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from compare import (
     HERE,
+    JUDGED,
     LARGE,
-    OUTSIDE_POOL,
     SMALL,
     SPACE_NAMES,
     choose,
@@ -113,16 +113,19 @@ def main() -> None:
     for name in args.spaces.split(","):
         data[name], accs[name] = scored(name, args.cached)
     spaces = list(data)
-    # τ of every candidate (single metrics and votes) per number of repeats and space
-    # (and, in `wider`, with compare.OUTSIDE_POOL's metrics in the pool too)
-    taus, wider = {}, {}
+    # τ of every candidate (single metrics and votes) per number of repeats and space, from the
+    # pool as coded, and without (`narrow`) and with (`wider`) compare.JUDGED's metrics
+    taus, narrow, wider = {}, {}, {}
     for r in range(1, REPEATS + 1):
         scores = {s: means(data[s], r) for s in spaces}
         for what, votes in (("score", False), ("rank", True)):
-            t = leave_one_out(scores, accs, votes)[2]
-            taus.update({(what, c, r): t[c] for c in t})
-            t = leave_one_out(scores, accs, votes, outside=())[2]
-            wider.update({(what, c, r): t[c] for c in t})
+            for table, pool in (
+                (taus, {}),
+                (narrow, {"outside": JUDGED}),
+                (wider, {"outside": ()}),
+            ):
+                t = leave_one_out(scores, accs, votes, **pool)[2]
+                table.update({(what, c, r): t[c] for c in t})
     code = {
         "score": proxy_label(proxies.DEFAULT, proxies.DEFAULT_BATCH_SIZE),
         "rank": proxy_label(" + ".join(proxies.DEFAULT_RANKING), proxies.RANKING_BATCH_SIZE),
@@ -163,7 +166,7 @@ def main() -> None:
             f"(worst τ {min(joint[pick_all].values()):+.3f})"
         )
     if len(spaces) > 1:
-        pools(taus, wider, spaces)
+        pools(narrow, wider, spaces)
 
 
 def jointly(taus: dict, what: str) -> dict:
@@ -176,14 +179,14 @@ def held_out(table: dict, spaces: list) -> dict:
     return {held: choose(table, [s for s in spaces if s != held]) for held in spaces}
 
 
-def pools(taus: dict, wider: dict, spaces: list) -> None:
-    """The joint rule's held-out τ per space from the pool without and with OUTSIDE_POOL."""
-    print(f"\nThe pool: the joint rule without and with {', '.join(OUTSIDE_POOL)} as candidates")
+def pools(narrow: dict, wider: dict, spaces: list) -> None:
+    """The joint rule's held-out τ per space from the pool without and with compare.JUDGED."""
+    print(f"\nThe pool: the joint rule without and with {', '.join(JUDGED)} as candidates")
     print("| held-out space | what | pool | (candidate, repeats) chosen | τ held-out |")
     print("|---|---|---|---|---|")
     for what in ("score", "rank"):
         worst = {}
-        for pool, table in (("without", taus), ("with", wider)):
+        for pool, table in (("without", narrow), ("with", wider)):
             joint = jointly(table, what)
             held = {}
             for space, pick in held_out(joint, spaces).items():
