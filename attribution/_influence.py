@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from ntk.core import inputs
+from ntk.core.checks import check_amount
 from ntk.core.floats import flush_denormals
 from ntk.core.memory import available_bytes
 from ntk.core.model import ModelView
@@ -48,7 +49,6 @@ from . import _kernels, curvature
 from ._trak import trak
 from .damping import (
     DOF_FRACTION,
-    check_amount,
     cholesky_solve,
     damped_cholesky,
     kernel_system,

@@ -19,8 +19,8 @@ from torch import nn
 
 import ntk
 from ntk.core import inputs, kinds
+from ntk.core.checks import check_amount
 
-from .damping import check_amount
 from .outputs import (
     labels,
     margin_gradient,

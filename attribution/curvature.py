@@ -35,12 +35,11 @@ import torch
 import torch.nn.functional as F
 
 from ntk.core import inputs, structured
-from ntk.core.memory import available_bytes, check_size
+from ntk.core.checks import check_amount, check_integer
+from ntk.core.memory import available_bytes
 from ntk.core.model import ModelView, check_eval_mode
 from ntk.core.tiles import require_finite
 from ntk.empirical import check_outputs
-
-from .damping import check_amount
 
 STRATEGIES = ("kfac", "ekfac")
 MAX_DENSE = 8192  # most parameters of a block without Kronecker structure (kept dense)
@@ -153,7 +152,7 @@ class KroneckerCurvature:
             raise ValueError(
                 f"unknown strategy {strategy!r}; valid strategies are {', '.join(STRATEGIES)}"
             )
-        batch_size = check_size(batch_size, "batch_size", optional=True)
+        batch_size = check_integer(batch_size, "batch_size", optional=True)
         check_eval_mode(model)
         self.view = ModelView(model, output_fn=output_fn, device=device, dtype=dtype)
         self.strategy = strategy

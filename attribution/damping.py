@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from numbers import Real
 
 import scipy.linalg
 import scipy.optimize
@@ -44,30 +43,6 @@ EXACT_SPECTRUM = 4096
 DOF_FRACTION = 0.015
 # Y ↦ AY for the system A, where a structured product is cheaper than the dense one
 Product = Callable[[torch.Tensor], torch.Tensor]
-
-
-def check_amount(value, name: str, *, words: tuple[str, ...] = (), zero: bool = False) -> None:
-    """Refuse option `name` (damping, prior_precision, noise, alpha) unless it is one of `words`
-    or a finite number > 0 (zero=True: ≥ 0). A bool, an int to Python, is refused with a
-    TypeError instead of being read as 1 or 0; anything else with a ValueError."""
-    amount = f"a {'non-negative' if zero else 'positive'} finite number"
-    named = " or ".join(map(repr, words))
-    if isinstance(value, bool):
-        raise TypeError(
-            f"{name} must be {named + ' or ' if words else ''}{amount}, got the bool {value!r}"
-        )
-    if isinstance(value, str):
-        if value not in words:
-            raise ValueError(
-                f"{name} must be {named + ' or ' if words else ''}{amount}, got {value!r}"
-            )
-        return
-    if not (
-        isinstance(value, Real) and math.isfinite(value) and (value >= 0 if zero else value > 0)
-    ):
-        raise ValueError(
-            f"{name} must be {amount}{f' (or {named})' if words else ''}, got {value!r}"
-        )
 
 
 def effective_parameters(eigenvalues: torch.Tensor, damping: float) -> float:

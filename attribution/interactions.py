@@ -34,7 +34,7 @@ from torch import nn
 
 import ntk
 from ntk.core import kinds
-from ntk.core.memory import check_size
+from ntk.core.checks import check_integer
 
 from .outputs import logits
 
@@ -59,7 +59,7 @@ def sample_interactions(
     exact lpNTK, else the Gram matrix of `projections.features(kind="lpntk")` of that dimension
     (seeded by `seed`). output_fn and dtype as in `ntk.empirical_ntk`. The model is never
     modified."""
-    projection_dim = check_size(projection_dim, "projection_dim", optional=True)
+    projection_dim = check_integer(projection_dim, "projection_dim", optional=True)
     g = logits(model, x, output_fn=output_fn, name="x")
     n, o = g.shape
     if n < 2:

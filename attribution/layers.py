@@ -46,8 +46,8 @@ from torch.func import grad
 import ntk
 import projections
 from ntk.core import inputs
+from ntk.core.checks import check_integer
 from ntk.core.kinds import cross_entropy, loss_labels
-from ntk.core.memory import check_size
 from ntk.core.model import ModelView, check_eval_mode, check_output_rows, copy_module
 from ntk.core.persample import map_samples
 from ntk.core.seeding import seeded
@@ -294,7 +294,7 @@ def layer_importance(
     """
     if score not in SCORES:
         raise ValueError(f"unknown score {score!r}; valid scores are {', '.join(SCORES)}")
-    projection_dim = check_size(projection_dim, "projection_dim", optional=True)
+    projection_dim = check_integer(projection_dim, "projection_dim", optional=True)
     x = inputs.from_numpy(x, "x", inputs.param_dtype(model))  # numpy arrays of floats
     n = inputs.validate(x, "x")
     if y is not None:

@@ -70,6 +70,7 @@ from sklearn.utils.validation import check_is_fitted
 from torch import nn
 
 from ntk.core import inputs
+from ntk.core.checks import check_amount
 from ntk.core.jacobian import jacobian_features
 from ntk.core.memory import available_bytes
 from ntk.core.model import ModelView
@@ -244,7 +245,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
                     f"{name} must be one of {', '.join(valid)}, got {getattr(self, name)!r}"
                 )
         for name, words in (("prior_precision", PRIORS), ("noise", ("auto",))):
-            damping.check_amount(getattr(self, name), name, words=words)
+            check_amount(getattr(self, name), name, words=words)
         if self.mc_samples < 1:
             raise ValueError(f"mc_samples must be at least 1, got {self.mc_samples}")
         if self.curvature in STRATEGIES and not self._full_exact_jacobians():

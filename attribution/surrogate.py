@@ -87,11 +87,12 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from torch import nn
 
 from ntk.core import inputs
+from ntk.core.checks import check_amount
 from ntk.core.kinds import ONE_LOGIT
 from ntk.core.memory import available_bytes
 
 from . import _kernels
-from .damping import check_amount, cholesky_solve, damped_cholesky, scalar_kernel_system
+from .damping import cholesky_solve, damped_cholesky, scalar_kernel_system
 from .outputs import labels, logits, logits_like_training, psd_root, softmax_curvature
 
 MACHINES = ("ridge", "svm", "logistic", "representer", "gauss_newton")

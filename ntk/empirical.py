@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from .core import inputs, kinds, ntk_vp, persample, structured
-from .core.memory import KernelTooLargeError, available_bytes, block_size, check_size, human
+from .core.checks import check_integer
+from .core.memory import KernelTooLargeError, available_bytes, block_size, human
 from .core.model import ModelView, check_eval_mode, check_output_rows
 from .core.tiles import Grid
 
@@ -127,7 +128,7 @@ class _Computation:
         self.kind = kinds.get(kind)
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; valid methods are {', '.join(METHODS)}")
-        batch_size = check_size(batch_size, "batch_size", optional=True)
+        batch_size = check_integer(batch_size, "batch_size", optional=True)
         if isinstance(layers, str) and layers != "all":
             raise ValueError(
                 f"layers must be None, 'all' or a list of module names, got {layers!r}"

@@ -23,7 +23,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ntk.core import inputs, kinds, structured
-from ntk.core.memory import available_bytes, block_size, check_size
+from ntk.core.checks import check_integer
+from ntk.core.memory import available_bytes, block_size
 from ntk.core.model import ModelView, check_eval_mode
 from ntk.core.tiles import Grid, require_finite
 from ntk.empirical import check_outputs, check_per_layer
@@ -58,7 +59,7 @@ class Featurizer:
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        dim = check_size(dim, "dim")
+        dim = check_integer(dim, "dim")
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
             raise TypeError(f"seed must be an integer, got {seed!r}")
         seed = int(seed)
@@ -159,7 +160,7 @@ class Featurizer:
     ):
         """(rows, features of x[rows]) batch by batch, `batch_size` samples at a time (None: from
         the free memory): the features of a whole set without holding them all."""
-        batch_size = check_size(batch_size, "batch_size", optional=True)
+        batch_size = check_integer(batch_size, "batch_size", optional=True)
         self.prepare(x, name)  # validates x
         n = inputs.count(x)
         y = self.kind.check_labels(labels, n, self.num_outputs, labels_name)
@@ -322,7 +323,7 @@ def kernel(phi1, phi2=None, *, kind: str, out=None, tile: int = 4096, progress: 
 def kernel_grid(phi1, phi2=None, *, kind: str, tile: int = 4096) -> Grid:
     """The tile grid of Φ1 Φ2ᵀ (shared with `projections.distributed.kernel`)."""
     kind = kinds.get(kind)
-    tile = check_size(tile, "tile")
+    tile = check_integer(tile, "tile")
     sym = phi2 is None
     phi2 = phi1 if sym else phi2
     want = kind.feature_axes()

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 
 from ntk.core import inputs, kinds
-from ntk.core.memory import check_size
+from ntk.core.checks import check_integer
 from ntk.distributed import rank_and_world
 
 from . import _format
@@ -66,8 +66,8 @@ def featurize(
     rank calling with the same arguments (None: whenever a group of more than one process is
     initialised); see `projections.distributed`.
     """
-    block = check_size(block, "block")
-    batch_size = check_size(batch_size, "batch_size", optional=True)
+    block = check_integer(block, "block")
+    batch_size = check_integer(batch_size, "batch_size", optional=True)
     try:
         name = np.dtype(store_dtype).name
     except TypeError:  # e.g. a torch.dtype, which numpy cannot interpret

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import numbers
 import os
 
 import torch
@@ -47,16 +46,3 @@ def human(nbytes: float) -> str:
             return f"{nbytes:.1f} {unit}"
         nbytes /= 1024
     return f"{nbytes:.1f} TiB"
-
-
-def check_size(value, name: str, optional: bool = False) -> int | None:
-    """A size (batch, tile, block, projection dimension): a positive integer, Python's or numpy's
-    but not a bool, as an int; None passes when `optional` (chosen from the free memory).
-    Anything else is a ValueError naming `name`."""
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(
-            f"{name} must be a positive integer{' or None' if optional else ''}, got {value!r}"
-        )
-    return int(value)
