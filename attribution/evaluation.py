@@ -14,7 +14,6 @@ import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from numbers import Integral
 
 import numpy as np
 import torch
@@ -24,6 +23,7 @@ from torch import nn
 from torch.func import stack_module_state
 
 from ntk.core import inputs
+from ntk.core.checks import check_amount, check_integer
 from ntk.core.kinds import class_labels
 from ntk.core.model import FunctionalCall, copy_module, naming_failures
 from ntk.core.seeding import seeded
@@ -35,12 +35,10 @@ from .outputs import labels, margins
 def random_subsets(n: int, num_subsets: int, alpha: float = 0.5, *, seed: int = 0) -> torch.Tensor:
     """`num_subsets` random subsets of size round(α·n) of range(n), as a bool mask [num_subsets,
     n]."""
-    if not (isinstance(n, Integral) and n >= 0):
-        raise ValueError(f"n must be a non-negative integer (the training set's size), got {n!r}")
-    if not (isinstance(num_subsets, Integral) and num_subsets >= 1):
-        raise ValueError(f"num_subsets must be an integer, at least 1, got {num_subsets!r}")
-    if not 0 < alpha < 1:
-        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    n = check_integer(n, "n", least=0)
+    num_subsets = check_integer(num_subsets, "num_subsets")
+    check_amount(alpha, "alpha", below=1)
+    seed = check_integer(seed, "seed", least=None)
     size = round(alpha * n)
     if not 0 < size < n:
         raise ValueError(f"alpha={alpha} gives empty or full subsets of {n} examples")
@@ -208,8 +206,7 @@ def train_on_subsets(
         ("batch_size", batch_size, 1),
         ("chunk", chunk, 1),
     ):
-        if not (isinstance(value, Integral) and value >= least):
-            raise ValueError(f"{name} must be an integer ≥ {least}, got {value!r}")
+        check_integer(value, name, least=least)
     _check_fits(probe, x)
     members = torch.stack([torch.nonzero(row).squeeze(1) for row in mask])  # [S, m]
     jobs = [(s, r) for s in range(len(members)) for r in range(seeds)]
@@ -311,10 +308,9 @@ def _check_against_outputs(y: torch.Tensor, o: int, loss: str) -> None:
 def flip_labels(y: torch.Tensor, fraction: float, num_classes: int, *, seed: int = 0):
     """Replace the labels of a random `fraction` of examples by a different random class.
     Returns (noisy labels, bool mask of the flipped examples)."""
-    if not 0 < fraction < 1:
-        raise ValueError(f"fraction must be in (0, 1), got {fraction}")
-    if not (isinstance(num_classes, Integral) and num_classes >= 2):
-        raise ValueError(f"num_classes must be an integer ≥ 2, got {num_classes!r}")
+    check_amount(fraction, "fraction", below=1)
+    num_classes = check_integer(num_classes, "num_classes", least=2)
+    seed = check_integer(seed, "seed", least=None)
     y = inputs.targets(y, "y")
     y = class_labels(y, len(y), num_classes, "y")
     gen = torch.Generator().manual_seed(seed)
@@ -388,8 +384,7 @@ def reliability(probs, labels, n_bins: int = 15) -> dict[str, np.ndarray]:
             f"probs must be rows of class probabilities summing to 1; row {i} sums to "
             f"{p[i].sum():.4g} (calibration_metrics renormalises its rows)"
         )
-    if not (isinstance(n_bins, Integral) and n_bins >= 1):
-        raise ValueError(f"n_bins must be a positive integer, got {n_bins!r}")
+    n_bins = check_integer(n_bins, "n_bins")
     confidence, correct = p.max(1), (p.argmax(1) == y)
     bins = np.clip(np.ceil(confidence * n_bins).astype(int) - 1, 0, n_bins - 1)
     used = np.unique(bins)

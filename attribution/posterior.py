@@ -70,7 +70,7 @@ from sklearn.utils.validation import check_is_fitted
 from torch import nn
 
 from ntk.core import inputs
-from ntk.core.checks import check_amount
+from ntk.core.checks import check_amount, check_integer
 from ntk.core.jacobian import jacobian_features
 from ntk.core.memory import available_bytes
 from ntk.core.model import ModelView
@@ -246,8 +246,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
                 )
         for name, words in (("prior_precision", PRIORS), ("noise", ("auto",))):
             check_amount(getattr(self, name), name, words=words)
-        if self.mc_samples < 1:
-            raise ValueError(f"mc_samples must be at least 1, got {self.mc_samples}")
+        check_integer(self.mc_samples, "mc_samples")  # sklearn's Integral lets a bool through
         if self.curvature in STRATEGIES and not self._full_exact_jacobians():
             raise ValueError(
                 f"curvature={self.curvature!r} is the Kronecker-factored curvature of the full "

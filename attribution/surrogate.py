@@ -87,7 +87,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from torch import nn
 
 from ntk.core import inputs
-from ntk.core.checks import check_amount
+from ntk.core.checks import check_amount, check_integer
 from ntk.core.kinds import ONE_LOGIT
 from ntk.core.memory import available_bytes
 
@@ -669,12 +669,13 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         return self._ranked(x_test, k, output, -1.0)
 
     def _ranked(self, x_test, k, output, sign):
+        k = check_integer(k, "k")
         kernel = self._test_kernel(x_test)
         c = self._contributions(kernel)
         if output is None:
             column = self._predicted_columns(kernel)
         else:  # svm and logistic have a column per class among the training labels only
-            integer = isinstance(output, Integral)
+            integer = isinstance(output, Integral) and not isinstance(output, bool)
             columns = np.flatnonzero(self.classes_ == output) if integer else []
             if len(columns) != 1:
                 raise ValueError(
@@ -682,7 +683,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
                     f"classes among its training labels), got {output!r}"
                 )
             column = np.full(c.shape[0], columns[0])
-        if not 0 < k <= c.shape[1]:
+        if k > c.shape[1]:
             raise ValueError(f"k must be in 1..{c.shape[1]}, got {k}")
         chosen = c[np.arange(c.shape[0]), :, column] * sign
         idx = np.argsort(-chosen, axis=1, kind="stable")[:, :k]
@@ -718,7 +719,8 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         c = self.num_outputs_
         if output is None:
             return self._decision(self._levelled(k)).argmax(1)
-        if not isinstance(output, Integral) or not 0 <= output < c:
+        integer = isinstance(output, Integral) and not isinstance(output, bool)
+        if not integer or not 0 <= output < c:
             raise ValueError(
                 f"output must be 'all', None or a column in 0..{c - 1}, got {output!r}"
             )
@@ -873,7 +875,7 @@ def cancellation(c: np.ndarray) -> np.ndarray:
 
 def label_share(c: np.ndarray, y_train: np.ndarray, predicted: np.ndarray, k: int) -> np.ndarray:
     """Share of each row's k largest contributions c [M, N] whose y_train is `predicted` [M]."""
-    if not 0 < k <= c.shape[1]:
+    if check_integer(k, "k") > c.shape[1]:
         raise ValueError(f"k must be in 1..{c.shape[1]}, got {k}")
     top = np.argsort(-c, axis=1, kind="stable")[:, :k]
     return np.mean(y_train[top] == np.asarray(predicted)[:, None], axis=1)

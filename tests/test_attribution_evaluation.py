@@ -223,15 +223,16 @@ def test_train_on_subsets_checks_its_counts():
     integer"), batch_size=0 or chunk=0 as "range() arg 3 must not be zero", and epochs=-1
     returned untrained models."""
     x, y, subsets = torch.randn(12, 4), torch.tensor([0, 1, 2] * 4), random_subsets(12, 3)
-    for setting, least in (
-        (dict(seeds=2.5), 1),
-        (dict(epochs=1.5), 0),
-        (dict(epochs=-1), 0),
-        (dict(batch_size=0), 1),
-        (dict(chunk=0), 1),
+    for setting, integer in (
+        (dict(seeds=2.5), "a positive integer"),
+        (dict(epochs=1.5), "a non-negative integer"),
+        (dict(epochs=-1), "a non-negative integer"),
+        (dict(batch_size=0), "a positive integer"),
+        (dict(chunk=0), "a positive integer"),
+        (dict(seeds=True), "a positive integer"),
     ):
         ((name, value),) = setting.items()
-        with pytest.raises(ValueError, match=f"^{name} must be an integer ≥ {least}, got {value}"):
+        with pytest.raises(ValueError, match=f"^{name} must be {integer}, got {value}"):
             train_on_subsets(lambda: torch.nn.Linear(4, 3), x, y, subsets, **setting)
 
 
@@ -240,9 +241,30 @@ def test_random_subsets_takes_integers_only():
     "zeros() takes 1 positional argument but 2 were given")."""
     with pytest.raises(ValueError, match="n must be a non-negative integer.*got 10.0"):
         random_subsets(10.0, 3)
-    with pytest.raises(ValueError, match="num_subsets must be an integer, at least 1, got 2.5"):
+    with pytest.raises(ValueError, match="num_subsets must be a positive integer, got 2.5"):
         random_subsets(10, 2.5)
     assert random_subsets(np.int64(10), np.int64(3)).shape == (3, 10)
+
+
+def test_counts_fractions_and_seeds_refuse_bools_and_strings():
+    """A bool was read as 1 (random_subsets(16, True): "zeros() takes 1 positional argument",
+    n_bins=True one bin), a string fraction failed on `<` ("not supported between instances of
+    'int' and 'str'"), a fractional seed inside torch ("manual_seed expected a long")."""
+    y = torch.arange(12) % 3
+    with pytest.raises(ValueError, match="^num_subsets must be a positive integer, got True"):
+        random_subsets(16, True)
+    with pytest.raises(ValueError, match=r"^alpha must be a number in \(0, 1\), got '0.5'"):
+        random_subsets(16, 4, alpha="0.5")
+    with pytest.raises(ValueError, match=r"^fraction must be a number in \(0, 1\), got '0.2'"):
+        flip_labels(y, "0.2", 3)
+    with pytest.raises(ValueError, match=r"^fraction must be a number in \(0, 1\), got 1"):
+        flip_labels(y, 1, 3)
+    for call in (lambda: random_subsets(16, 4, seed=1.5), lambda: flip_labels(y, 0.2, 3, seed=1.5)):
+        with pytest.raises(ValueError, match="^seed must be an integer, got 1.5"):
+            call()
+    probs = torch.full((3, 3), 1 / 3)
+    with pytest.raises(ValueError, match="^n_bins must be a positive integer, got True"):
+        expected_calibration_error(probs, [0, 1, 2], n_bins=True)
 
 
 def test_train_on_subsets_with_a_module_registered_under_two_names():
@@ -289,7 +311,7 @@ def test_modules_are_the_stacked_models_one_by_one(name):
 
 
 def test_evaluation_inputs_found_by_fuzzing_are_refused_clearly():
-    with pytest.raises(ValueError, match="num_subsets must be an integer, at least 1"):
+    with pytest.raises(ValueError, match="num_subsets must be a positive integer"):
         random_subsets(16, 0)
     subsets = random_subsets(16, 2)
     with pytest.raises(ValueError, match="needs at least 3"):

@@ -819,3 +819,10 @@ def test_bool_prior_precision_and_noise_are_refused(small_classifier):
         NTKPosterior(model, prior_precision=True).fit(x, y)
     with pytest.raises(TypeError, match="noise must be .*number.*, got the bool True"):
         NTKPosterior(model, likelihood="regression", noise=True).fit(x, torch.zeros(len(x), 3))
+
+
+def test_a_bool_mc_samples_is_refused(small_classifier):
+    """mc_samples=True passed sklearn's Integral and drew one sample."""
+    model, x, y, _, _ = small_classifier
+    with pytest.raises(ValueError, match="^mc_samples must be a positive integer, got True"):
+        NTKPosterior(model, link="mc", mc_samples=True).fit(x, y)

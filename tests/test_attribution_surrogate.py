@@ -315,3 +315,20 @@ def test_a_bool_alpha_is_refused(trained):
     model, x, y, _, _ = trained
     with pytest.raises(TypeError, match="alpha must be .*number.*, got the bool True"):
         KernelSurrogate(model, alpha=True).fit(x[:40], y[:40])
+
+
+def test_k_and_output_are_integers_not_bools_or_strings():
+    """output=True was read as class (or column) 1, k=True as 1; k=1.5, "3" or None failed in
+    numpy or on `<` with raw TypeErrors."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    x, xt = torch.randn(10, 4), torch.randn(3, 4)
+    s = KernelSurrogate(model).fit(x)
+    with pytest.raises(ValueError, match="output must be one of the surrogate's classes"):
+        s.proponents(xt, output=True)
+    with pytest.raises(ValueError, match="output must be 'all', None or a column"):
+        s.influence(xt, output=True)
+    calls = (s.proponents, s.opponents, s.coherence)
+    for call, k in zip(calls * 4, [True] * 3 + [1.5] * 3 + ["3"] * 3 + [None] * 3):
+        with pytest.raises(ValueError, match=f"^k must be a positive integer, got {k!r}"):
+            call(xt, k=k)

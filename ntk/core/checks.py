@@ -20,11 +20,17 @@ def check_integer(value, name: str, *, least: int | None = 1, optional: bool = F
     return int(value)
 
 
-def check_amount(value, name: str, *, words: tuple[str, ...] = (), zero: bool = False) -> None:
-    """Refuse option `name` (damping, prior_precision, noise, alpha) unless it is one of `words`
-    or a finite number > 0 (zero=True: ≥ 0). A bool, an int to Python, is refused with a
-    TypeError instead of being read as 1 or 0; anything else with a ValueError."""
-    amount = f"a {'non-negative' if zero else 'positive'} finite number"
+def check_amount(
+    value, name: str, *, words: tuple[str, ...] = (), zero: bool = False, below: float | None = None
+) -> None:
+    """Refuse option `name` (damping, prior_precision, noise, alpha, fraction) unless it is one of
+    `words` or a finite number > 0 (zero=True: ≥ 0), and < `below` when given (a fraction:
+    below=1). A bool, an int to Python, is refused with a TypeError instead of being read as 1 or
+    0; anything else with a ValueError."""
+    if below is None:
+        amount = f"a {'non-negative' if zero else 'positive'} finite number"
+    else:
+        amount = f"a number in {'[' if zero else '('}0, {below:g})"
     named = " or ".join(map(repr, words))
     if isinstance(value, bool):
         raise TypeError(
@@ -40,6 +46,7 @@ def check_amount(value, name: str, *, words: tuple[str, ...] = (), zero: bool = 
         isinstance(value, numbers.Real)
         and math.isfinite(value)
         and (value >= 0 if zero else value > 0)
+        and (below is None or value < below)
     ):
         raise ValueError(
             f"{name} must be {amount}{f' (or {named})' if words else ''}, got {value!r}"
