@@ -9,6 +9,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .core.checks import check_amount, check_integer
+from .core.inputs import targets
+from .core.kinds import class_labels
+
 
 @dataclass
 class DigitsData:
@@ -25,8 +29,10 @@ def digits(n_train: int = 1000, seed: int = 0, dtype=torch.float32) -> DigitsDat
     the first `n_train` samples train, the rest test. Features scaled to [0, 1]."""
     from sklearn.datasets import load_digits
 
+    n_train = check_integer(n_train, "n_train")
+    seed = check_integer(seed, "seed", least=0)  # numpy's generators take no negative seed
     data = load_digits()
-    if not 0 < n_train < len(data.target):
+    if not n_train < len(data.target):
         raise ValueError(f"n_train must be between 1 and {len(data.target) - 1}, got {n_train}")
     order = np.random.default_rng(seed).permutation(len(data.target))
     x = torch.tensor(data.data[order] / 16.0, dtype=dtype)
@@ -36,6 +42,13 @@ def digits(n_train: int = 1000, seed: int = 0, dtype=torch.float32) -> DigitsDat
 
 def mlp(hidden: int = 64, depth: int = 1, inputs: int = 64, classes: int = 10) -> nn.Sequential:
     """A ReLU MLP inputs → hidden (× depth) → classes."""
+    for name, value in (
+        ("hidden", hidden),
+        ("depth", depth),
+        ("inputs", inputs),
+        ("classes", classes),
+    ):
+        check_integer(value, name)
     layers, width = [], inputs
     for _ in range(depth):
         layers += [nn.Linear(width, hidden), nn.ReLU()]
@@ -57,7 +70,9 @@ def train(
     progress: bool = False,
 ) -> nn.Module:
     """Train a classifier with Adam and cross-entropy (fixed seed); returns it in eval mode.
-    `progress`: a bar over the epochs."""
+    `progress`: a bar over the epochs. x [N, ...] and class labels y [N] in 0..O−1 of the model's
+    O outputs; bad arguments are refused before training, and a failure during it leaves the model
+    in the mode it came in."""
     for _ in _epochs(model, x, y, epochs, batch_size, lr, weight_decay, seed, progress):
         pass
     return model.eval()
@@ -81,7 +96,8 @@ def train_checkpoints(
     mode). Pass them to `attribution.influence(..., checkpoints=...)`: averaged over checkpoints
     of one run, the influence predicts retraining better than from the final model alone
     (`python benchmarks/checkpoints.py`)."""
-    if not 1 <= count <= epochs:
+    epochs = check_integer(epochs, "epochs", least=0)
+    if not 1 <= check_integer(count, "count", least=None) <= epochs:
         raise ValueError(f"count must be between 1 and epochs ({epochs}), got {count}")
     marks = {-(-k * epochs // count) for k in range(1, count + 1)}
     states = []
@@ -94,16 +110,48 @@ def train_checkpoints(
 
 def _epochs(model, x, y, epochs, batch_size, lr, weight_decay, seed, progress):
     """Train `model` in place epoch by epoch (Adam, cross-entropy, minibatch order from `seed`),
-    yielding the number of epochs done after each."""
-    generator = torch.Generator().manual_seed(seed)
-    opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
-    model.train()
-    for epoch in tqdm(range(epochs), disable=not progress, desc="training the demo", unit="epoch"):
-        for idx in torch.randperm(len(y), generator=generator).split(batch_size):
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-            opt.step()
-        yield epoch + 1
+    yielding the number of epochs done after each; its train/eval mode is restored afterwards."""
+    epochs = check_integer(epochs, "epochs", least=0)
+    batch_size = check_integer(batch_size, "batch_size")
+    generator = torch.Generator().manual_seed(check_integer(seed, "seed", least=None))
+    opt = adam(model.parameters(), lr, weight_decay)
+    training = model.training
+    try:
+        model.eval()
+        y = _labels(model, x, y)
+        model.train()
+        bar = tqdm(range(epochs), disable=not progress, desc="training the demo", unit="epoch")
+        for epoch in bar:
+            for idx in torch.randperm(len(y), generator=generator).split(batch_size):
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+                opt.step()
+            yield epoch + 1
+    finally:
+        model.train(training)
+
+
+def _labels(model: nn.Module, x: torch.Tensor, y) -> torch.Tensor:
+    """y as class labels of x's samples in 0..O−1, O the outputs of `model` on one sample
+    (without gradients; the caller sets the mode), refused naming x and y otherwise."""
+    y = targets(y)
+    if len(x) != len(y):
+        raise ValueError(f"x holds {len(x)} samples but y holds {len(y)} labels")
+    with torch.no_grad():
+        out = model(x[:1])
+    return class_labels(y, len(y), out.shape[-1], "y")
+
+
+def adam(parameters, lr: float, weight_decay: float) -> torch.optim.Adam:
+    """The recipe's optimizer (`train`, `attribution.train_on_subsets`): Adam over those of
+    `parameters` that require gradients (frozen ones stay as they are); lr > 0 and
+    weight_decay ≥ 0, finite, refused naming them otherwise."""
+    check_amount(lr, "lr")
+    check_amount(weight_decay, "weight_decay", zero=True)
+    trainable = [p for p in parameters if p.requires_grad]
+    if not trainable:
+        raise ValueError("the model has no trainable parameters (requires_grad=True) to train")
+    return torch.optim.Adam(trainable, lr=lr, weight_decay=weight_decay)
 
 
 def demo_model(seed: int = 0, progress: bool = False) -> tuple[nn.Module, DigitsData]:

@@ -23,10 +23,10 @@ def check_integer(value, name: str, *, least: int | None = 1, optional: bool = F
 def check_amount(
     value, name: str, *, words: tuple[str, ...] = (), zero: bool = False, below: float | None = None
 ) -> None:
-    """Refuse option `name` (damping, prior_precision, noise, alpha, fraction) unless it is one of
-    `words` or a finite number > 0 (zero=True: ≥ 0), and < `below` when given (a fraction:
-    below=1). A bool, an int to Python, is refused with a TypeError instead of being read as 1 or
-    0; anything else with a ValueError."""
+    """Refuse option `name` (damping, prior_precision, noise, alpha, fraction, lr) unless it is
+    one of `words` or a finite number > 0 (zero=True: ≥ 0), and < `below` when given (a
+    fraction: below=1). A bool, an int to Python, is refused with a TypeError instead of being
+    read as 1 or 0; anything else with a ValueError."""
     if below is None:
         amount = f"a {'non-negative' if zero else 'positive'} finite number"
     else:
