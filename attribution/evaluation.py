@@ -25,8 +25,15 @@ from torch.func import stack_module_state
 from ntk.core import inputs
 from ntk.core.checks import check_amount, check_integer
 from ntk.core.kinds import class_labels
-from ntk.core.model import FunctionalCall, copy_module, naming_failures
+from ntk.core.model import (
+    FunctionalCall,
+    check_output_fn,
+    copy_module,
+    from_factory,
+    naming_failures,
+)
 from ntk.core.seeding import seeded
+from ntk.demo import adam
 
 from .layers import check_labels
 from .outputs import labels, margins
@@ -181,10 +188,18 @@ def train_on_subsets(
     output_fn maps the model's output to the logits [B, O] (e.g. `lambda out: out.logits`). The
     models are vmapped, so the model's forward must not branch on data (models that cannot be
     vmapped are refused by torch.func). numpy arrays of floats are cast to the model's parameter
-    dtype; inputs the model cannot take are refused naming x (`ModelInputError`).
+    dtype; inputs the model cannot take are refused naming x (`ModelInputError`). Parameters the
+    factory's module freezes (requires_grad=False) stay as built, and a module the factory hands
+    out (`lambda: model`) is never changed.
     """
-    with seeded(0):  # the first model `_train_chunk` builds: its dtype, and x checked against it
-        probe = factory().eval()
+    if isinstance(factory, nn.Module) or not callable(factory):
+        raise TypeError(
+            "factory must be a function that builds a new nn.Module (e.g. lambda: MyNet()), got "
+            f"{type(factory).__name__}"
+        )
+    check_output_fn(output_fn)
+    # a copy of the first model `_train_chunk` builds: its dtype, and x checked against it
+    probe = from_factory(factory, 0).eval()
     x = inputs.from_numpy(x, "x", inputs.param_dtype(probe))  # numpy arrays of floats
     n = inputs.validate(x, "x")
     y = inputs.targets(y)
@@ -257,9 +272,8 @@ def _train_chunk(
         with seeded(r):  # the caller's random state (CPU and GPUs) is left as it was
             models.append(factory())
     base = copy_module(models[0]).train()
-    params, buffers = stack_module_state(models)
-    params = {k: v.detach().requires_grad_() for k, v in params.items()}
-    opt = torch.optim.Adam(params.values(), lr=lr, weight_decay=weight_decay)
+    params, buffers = stack_module_state(models)  # requires_grad as in the factory's modules
+    opt = adam(params.values(), lr, weight_decay)
     m = members.shape[1]
     gens = {r: torch.Generator().manual_seed(r) for r in {r for _, r in jobs}}
     rows = torch.tensor([s for s, _ in jobs])

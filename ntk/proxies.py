@@ -70,6 +70,7 @@ from .core import inputs, kinds
 from .core.model import (
     check_output_fn,
     copy_module,
+    from_factory,
     naming_failures,
     output_tensor,
     resolve_device,
@@ -499,15 +500,7 @@ def _prepare(candidate: Candidate, seed: int) -> nn.Module:
         return copy_module(candidate)
     if not callable(candidate):
         raise TypeError(f"model must be an nn.Module or a factory, got {type(candidate).__name__}")
-    with seeded(seed):
-        try:
-            net = candidate()
-        except Exception as exc:
-            # the caller's factory is bad input, as a module that fails on x is
-            raise ValueError(f"the factory raised {type(exc).__name__}: {exc}") from exc
-    if not isinstance(net, nn.Module):
-        raise TypeError(f"the factory returned a {type(net).__name__}, not an nn.Module")
-    return copy_module(net)
+    return from_factory(candidate, seed)
 
 
 def _check_outputs(net: nn.Module, x, output_fn: Callable | None) -> None:

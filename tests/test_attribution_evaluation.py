@@ -1,6 +1,7 @@
 """The LDS, the vmapped retraining harness (checked on linear regression, where the trained
 weights and the influence are known in closed form) and mislabel detection."""
 
+import copy
 from types import SimpleNamespace
 
 import numpy as np
@@ -418,3 +419,54 @@ def test_subset_training_casts_numpy_floats_and_names_tensors_of_another_dtype()
         train_on_subsets(lambda: torch.nn.Linear(4, 3), torch.as_tensor(x), y, subsets, epochs=1)
     with pytest.raises(ModelInputError, match=r"^x: .*dtype torch.float64.*cast the inputs to"):
         models.outputs(torch.as_tensor(x))
+
+
+def _mlp():
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def test_train_on_subsets_trains_only_the_parameters_the_factory_leaves_trainable():
+    """Every stacked parameter was made trainable: a layer the factory froze was trained."""
+
+    def factory():
+        net = _mlp()
+        net[0].requires_grad_(False)
+        return net
+
+    x, y = torch.randn(16, 4), torch.arange(16) % 3
+    stack = train_on_subsets(factory, x, y, random_subsets(16, 3), epochs=2, batch_size=4)
+    torch.manual_seed(0)  # model (s, 0) is built under seed 0
+    init = factory()
+    for j in range(3):
+        torch.testing.assert_close(stack.params["0.weight"][j], init[0].weight, rtol=0, atol=0)
+        assert not torch.equal(stack.params["2.weight"][j], init[2].weight)
+
+
+def test_train_on_subsets_leaves_a_module_its_factory_hands_out_as_it_was():
+    """A factory returning one shared module (lambda: net): the probe put it in eval mode."""
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 3))
+    net.train()
+    before = copy.deepcopy(net.state_dict())
+    x, y = torch.randn(16, 4), torch.arange(16) % 3
+    train_on_subsets(lambda: net, x, y, random_subsets(16, 3), epochs=1, batch_size=4)
+    assert all(m.training for m in net.modules())
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+    assert all(p.requires_grad for p in net.parameters())
+
+
+def test_train_on_subsets_refuses_a_bad_factory_lr_or_output_fn():
+    """lr=inf trained every model to NaN silently; lr="a", output_fn="logits", a factory
+    returning 3 and a module in place of a factory failed with raw TypeErrors or
+    AttributeErrors."""
+    x, y, subsets = torch.randn(12, 4), torch.arange(12) % 3, random_subsets(12, 3)
+    for lr in (float("inf"), "a", 0):
+        with pytest.raises(ValueError, match="^lr must be a positive finite number"):
+            train_on_subsets(_mlp, x, y, subsets, epochs=1, lr=lr)
+    with pytest.raises(TypeError, match="^output_fn must be a function"):
+        train_on_subsets(_mlp, x, y, subsets, epochs=1, output_fn="logits")
+    with pytest.raises(TypeError, match="^the factory returned a int, not an nn.Module"):
+        train_on_subsets(lambda: 3, x, y, subsets, epochs=1)
+    with pytest.raises(TypeError, match="^factory must be a function that builds a new nn.Module"):
+        train_on_subsets(_mlp(), x, y, subsets, epochs=1)
+    with pytest.raises(ValueError, match="^the factory raised TypeError: .*in_features"):
+        train_on_subsets(torch.nn.Linear, x, y, subsets, epochs=1)

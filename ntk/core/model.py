@@ -15,6 +15,7 @@ from torch.func import functional_call
 from torch.nn.utils import parametrize
 
 from . import inputs
+from .seeding import seeded
 
 _DROPOUT = (
     nn.Dropout,
@@ -295,6 +296,22 @@ def copy_module(module: nn.Module) -> nn.Module:
         if isinstance(t, torch.Tensor) and not t.is_leaf
     }
     return copy.deepcopy(module, memo)
+
+
+def from_factory(factory: Callable[[], nn.Module], seed: int) -> nn.Module:
+    """A private copy of the module `factory()` builds under `seed` (the global random state is
+    restored afterwards): a factory may hand out a module the caller holds (`lambda: model`),
+    which training or calibrating would otherwise modify. A factory that fails or returns no
+    nn.Module is refused naming it."""
+    with seeded(seed):
+        try:
+            net = factory()
+        except Exception as exc:
+            # the caller's factory is bad input, as a module that fails on x is
+            raise ValueError(f"the factory raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(net, nn.Module):
+        raise TypeError(f"the factory returned a {type(net).__name__}, not an nn.Module")
+    return copy_module(net)
 
 
 def tensor_aliases(model: nn.Module) -> dict[str, list[str]]:
