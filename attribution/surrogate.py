@@ -79,7 +79,7 @@ from scipy.stats import kendalltau, spearmanr
 from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.kernel_ridge import KernelRidge
 from sklearn.linear_model import LogisticRegression
-from sklearn.metrics import jaccard_score, r2_score
+from sklearn.metrics import accuracy_score, jaccard_score, r2_score
 from sklearn.model_selection import GridSearchCV, GroupKFold, KFold
 from sklearn.svm import SVC
 from sklearn.utils._param_validation import Interval, StrOptions
@@ -631,6 +631,13 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
                 "decision_function gives the surrogate's output"
             )
         return self.classes_[self._predicted_columns(self._test_kernel(x, name="x"))]
+
+    def score(self, x, y, sample_weight=None) -> float:
+        """The accuracy of `predict` on (x, y); y class labels of the model's outputs, refused
+        (naming y) as `faithfulness` refuses them."""
+        predicted = self.predict(x)
+        y = labels(y, len(predicted), self.num_outputs_, "y").numpy()
+        return float(accuracy_score(y, predicted, sample_weight=sample_weight))
 
     def _predicted_columns(self, k: np.ndarray) -> np.ndarray:
         """The decision column of each test row's predicted class, for test kernel rows k as the

@@ -332,3 +332,18 @@ def test_k_and_output_are_integers_not_bools_or_strings():
     for call, k in zip(calls * 4, [True] * 3 + [1.5] * 3 + ["3"] * 3 + [None] * 3):
         with pytest.raises(ValueError, match=f"^k must be a positive integer, got {k!r}"):
             call(xt, k=k)
+
+
+def test_score_refuses_labels_that_are_no_class_of_the_model():
+    """score (sklearn's accuracy) took labels outside the outputs as wrong predictions (0.0)
+    where faithfulness refuses them, and too few labels got sklearn's words, naming no argument."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    x, xt, yt = torch.randn(10, 4), torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    s = KernelSurrogate(model).fit(x)
+    with pytest.raises(ValueError, match=r"^y holds labels outside 0..2: 9 at sample 0"):
+        s.score(xt, torch.full((5,), 9))
+    with pytest.raises(ValueError, match=r"^y must be a 1-d tensor of 5 class labels, got shape"):
+        s.score(xt, yt[:2])
+    assert s.score(xt, yt) == np.mean(s.predict(xt) == yt.numpy())
+    assert s.score(xt, yt, sample_weight=[1, 0, 0, 0, 0]) == float(s.predict(xt)[0] == 0)
