@@ -64,6 +64,17 @@ def _array(x) -> np.ndarray:
     return np.asarray(x)
 
 
+def _numbers(x, name: str) -> np.ndarray:
+    """`_array(x)`, refused naming `name` unless it holds numbers (not strings or objects)."""
+    array = _array(x)
+    if array.dtype.kind not in "biuf":
+        raise TypeError(
+            f"{name} must hold numbers, got {array.dtype.name} values such as "
+            f"{array.reshape(-1)[:1].tolist()}"
+        )
+    return array
+
+
 def _as_mask(subsets, n: int) -> torch.Tensor:
     mask = torch.as_tensor(_array(subsets))
     if mask.dim() != 2 or mask.shape[1] != n:
@@ -82,8 +93,8 @@ def lds(scores, subsets, subset_outputs) -> float:
     `subset_outputs` [S, N_test] the retrained models' outputs (e.g. margins, averaged over seeds).
     Test examples whose outputs or predictions are constant over subsets are skipped (warning).
     """
-    scores = torch.as_tensor(_array(scores), dtype=torch.float64)
-    outputs = torch.as_tensor(_array(subset_outputs), dtype=torch.float64)
+    scores = torch.as_tensor(_numbers(scores, "scores"), dtype=torch.float64)
+    outputs = torch.as_tensor(_numbers(subset_outputs, "subset_outputs"), dtype=torch.float64)
     if scores.dim() != 2:
         raise ValueError(f"scores must be [N_test, N_train], got shape {tuple(scores.shape)}")
     mask = _as_mask(subsets, scores.shape[1])
@@ -340,7 +351,7 @@ def mislabel_auc(self_influence: Sequence[float], flipped: Sequence[bool]) -> fl
     """ROC AUC of detecting flipped labels by ranking training examples by self-influence.
     self_influence [N] scores, flipped [N] a mask (booleans or 0/1) with both flipped and clean
     samples (the AUC compares the two)."""
-    scores, mask = _array(self_influence), _array(flipped)
+    scores, mask = _numbers(self_influence, "self_influence"), _array(flipped)
     if scores.ndim != 1 or mask.ndim != 1:
         raise ValueError(
             f"self_influence and flipped must be 1-D, one entry per sample, got shapes "
@@ -372,14 +383,16 @@ def mislabel_auc(self_influence: Sequence[float], flipped: Sequence[bool]) -> fl
 
 
 def _probabilities(probs, labels) -> tuple[np.ndarray, np.ndarray]:
-    """probs as float64 rows [N, C] of class probabilities (finite, non-negative) and labels as
-    class indices [N] in 0..C−1, refused naming the argument otherwise."""
-    p, y = _array(probs).astype(np.float64), _array(labels)
+    """probs as float64 rows [N ≥ 1, C] of class probabilities (finite, non-negative) and labels
+    as class indices [N] in 0..C−1, refused naming the argument otherwise."""
+    p, y = _numbers(probs, "probs").astype(np.float64), _array(labels)
     if p.ndim != 2 or y.shape != (p.shape[0],):
         raise ValueError(
             f"probs must be [N, C] (a column per class; two classes: [1 − p, p]) and labels [N], "
             f"one per row of probs, got shapes {p.shape} and {y.shape}"
         )
+    if len(p) == 0:
+        raise ValueError("probs holds no samples: calibration needs at least one")
     if not np.isfinite(p).all() or (p < 0).any():
         raise ValueError("probs must be finite and non-negative")
     return p, class_labels(y, len(p), p.shape[1], "labels").numpy()

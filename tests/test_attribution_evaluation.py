@@ -470,3 +470,18 @@ def test_train_on_subsets_refuses_a_bad_factory_lr_or_output_fn():
         train_on_subsets(_mlp(), x, y, subsets, epochs=1)
     with pytest.raises(ValueError, match="^the factory raised TypeError: .*in_features"):
         train_on_subsets(torch.nn.Linear, x, y, subsets, epochs=1)
+
+
+def test_metrics_refuse_no_samples_and_strings_naming_the_argument():
+    """No samples gave an ECE of nan, empty reliability bins and sklearn's "Found array with 0
+    sample(s)"; strings failed in numpy ("could not convert string to float")."""
+    empty, none = torch.zeros(0, 3), torch.zeros(0, dtype=torch.long)
+    for metric in (reliability, expected_calibration_error, calibration_metrics):
+        with pytest.raises(ValueError, match="^probs holds no samples"):
+            metric(empty, none)
+        with pytest.raises(TypeError, match="^probs must hold numbers"):
+            metric([["a", "b"]], [0])
+    with pytest.raises(TypeError, match=r"^self_influence must hold numbers, got str32 .*\['a'\]"):
+        mislabel_auc(["a"] * 4, [0, 1, 0, 1])
+    with pytest.raises(TypeError, match="^scores must hold numbers"):
+        lds([["a"] * 4], random_subsets(4, 3), torch.zeros(3, 1))
