@@ -3,25 +3,35 @@ share of the labels that kernel gradient descent leaves unfitted."""
 
 from __future__ import annotations
 
-import numbers
-
 import numpy as np
 import torch
 
 from .core import inputs
+from .core.checks import check_integer
 
 CONSTANT = 1e-10  # kernel_alignment: a centred matrix this small relative to the raw one is zero
 
 
 def as_matrix(kernel) -> torch.Tensor:
-    """A square kernel as a symmetric matrix: [N, N] as is, `full` [N, N, O, O] flattened to
-    [N·O, N·O] (sample-major), `diagonal` [N, N, O] as the block-diagonal [N·O, N·O]."""
+    """A square kernel (a real tensor or array) as a symmetric matrix: [N, N] as is, `full`
+    [N, N, O, O] flattened to [N·O, N·O] (sample-major), `diagonal` [N, N, O] as the
+    block-diagonal [N·O, N·O]."""
     if isinstance(kernel, dict):
         raise TypeError(
             f"expected one kernel, got a dict of {len(kernel)} per-layer kernels (layers=...); "
             "pass one of them, or per_layer=False for their total"
         )
-    k = torch.as_tensor(np.asarray(kernel) if not isinstance(kernel, torch.Tensor) else kernel)
+    if isinstance(kernel, torch.Tensor):
+        k = kernel
+    else:
+        array = np.asarray(kernel)
+        if array.dtype.kind not in "biufc":
+            raise TypeError(
+                f"kernel must be a numeric array, got {type(kernel).__name__} (dtype {array.dtype})"
+            )
+        k = torch.as_tensor(array)
+    if k.is_complex():  # converted to a real matrix, it lost its imaginary part silently
+        raise TypeError(f"kernel must be a real array, got dtype {k.dtype}")
     if k.dim() < 2 or k.shape[0] != k.shape[1]:
         raise ValueError(f"expected a square kernel [N, N, ...], got shape {tuple(k.shape)}")
     n = k.shape[0]
@@ -160,8 +170,9 @@ def descent_residual(kernel, y, steps: int) -> float:
     in the strong ones). Y: integer class labels [N] as centred one-hot columns, real targets
     ([N] or [N, m]) centred; the centring leaves out the constant a bias fits at once.
     """
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
-        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    steps = check_integer(steps, "steps")
+    if steps >= 2**62:  # the exponent 2·steps is a 64-bit integer
+        raise ValueError(f"steps must be a positive integer below 2**62, got {steps!r}")
     t = _labels_or_targets(y)
     k = _labelled_kernel(kernel, len(t), "descent_residual")
     if t.is_floating_point():

@@ -366,6 +366,8 @@ def test_descent_residual_is_the_residual_of_explicit_gradient_descent():
     [
         (torch.eye(4), torch.tensor([0, 1, 0, 1]), 0, "steps must be a positive integer"),
         (torch.eye(4), torch.tensor([0, 1, 0, 1]), 2.5, "steps must be a positive integer"),
+        # failed in torch's pow ("OverflowError: int too big to convert")
+        (torch.eye(4), torch.tensor([0, 1, 0, 1]), 10**30, r"steps must be .* below 2\*\*62"),
         (torch.eye(4), torch.tensor([0, 1, 0]), 3, "kernel is 4 × 4 but y has 3 entries"),
         (torch.eye(4), torch.tensor([1, 1, 1, 1]), 3, "y is constant"),
         (torch.eye(4), torch.tensor([0.0, 1.0, float("nan"), 1.0]), 3, "y contains non-finite"),
@@ -376,6 +378,21 @@ def test_descent_residual_is_the_residual_of_explicit_gradient_descent():
 def test_descent_residual_refuses_bad_input(kernel, y, steps, message):
     with pytest.raises(ValueError, match=message):
         ntk.descent_residual(kernel, y, steps)
+
+
+def test_spectral_helpers_refuse_complex_and_non_numeric_kernels():
+    """A complex Hermitian kernel lost its imaginary part (eigenvalues [2, 2] of [[2, i], [−i, 2]],
+    whose eigenvalues are 3 and 1); a string or None failed in torch.as_tensor ("can't convert
+    np.ndarray of type numpy.str_")."""
+    hermitian = torch.tensor([[2, 1j], [-1j, 2]], dtype=torch.complex128)
+    with pytest.raises(TypeError, match="^kernel must be a real array, got dtype torch.complex128"):
+        ntk.eigenvalues(hermitian)
+    with pytest.raises(TypeError, match="^kernel must be a real array"):
+        ntk.condition_number(hermitian.numpy())
+    for call, kernel in ((ntk.eigenvalues, "abc"), (ntk.condition_number, None)):
+        with pytest.raises(TypeError, match="^kernel must be a numeric array"):
+            call(kernel)
+    assert ntk.descent_residual(torch.eye(4) + 0.1, torch.tensor([0, 1, 0, 1]), 2**62 - 1) == 0
 
 
 def test_auto_picks_structured_when_layers_are_known(monkeypatch):
