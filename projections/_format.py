@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 from ntk.core import inputs, kinds
 from ntk.core.files import atomic_path
 from ntk.core.kinds import KINDS
+from ntk.core.tiles import require_finite_cast
 
 from ._projectors import PROJECTORS
 
@@ -364,11 +365,11 @@ def write_blocks(
                 for s in range(0, size, manifest["batch"]):
                     part = fz.block(inputs.take(x, slice(s, s + manifest["batch"])))
                     values = part.detach().cpu().numpy().astype(manifest["store_dtype"])
-                    if not np.isfinite(values).all():  # `block` checked them before the cast
-                        raise ValueError(
-                            f"the features of block {i} ({_samples(i, manifest)}) overflow "
-                            f"store_dtype={manifest['store_dtype']!r}; use a wider store_dtype"
-                        )
+                    require_finite_cast(  # `block` checked them before the cast
+                        values,
+                        f"the features of block {i} ({_samples(i, manifest)})",
+                        f"store_dtype={manifest['store_dtype']!r}; use a wider store_dtype",
+                    )
                     array[start + s : start + s + part.shape[0]] = values
                 array.flush()
                 rows = array[start : start + size]

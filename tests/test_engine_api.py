@@ -263,6 +263,21 @@ def test_out_that_cannot_hold_the_kernel_is_refused():
         ntk.empirical_ntk(model, x1, kind="trace", out=[[0.0] * n] * n)
 
 
+def test_an_out_whose_dtype_the_kernel_overflows_is_refused():
+    """A float16 out received inf where the kernel exceeds 65504, silently (featurize's float16
+    store refuses the same overflow)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    x = torch.randn(6, 4)
+    fits = ntk.empirical_ntk(model, x, kind="trace", out=np.zeros((6, 6), np.float16))
+    np.testing.assert_allclose(fits, ntk.empirical_ntk(model, x, kind="trace"), rtol=2e-3)
+    with torch.no_grad():
+        model[2].weight.mul_(1000)
+    for out in (np.zeros((6, 6), np.float16), torch.zeros(6, 6, dtype=torch.float16)):
+        with pytest.raises(ValueError, match=r"^the kernel values .* overflow out's dtype .*16"):
+            ntk.empirical_ntk(model, x, kind="trace", out=out)
+
+
 def test_kernels_that_cannot_fit_are_refused_with_size_and_alternatives(monkeypatch):
     monkeypatch.setattr("ntk.empirical.available_bytes", lambda device: 1000)
     model, x1, _ = make("mlp")

@@ -152,12 +152,30 @@ def require_finite(t: torch.Tensor, what: str) -> None:
         )
 
 
+def require_finite_cast(values, what: str, into: str) -> None:
+    """Refuse values (a tensor or numpy array), finite before a cast into a narrower floating
+    dtype (`require_finite`), that the cast turned into inf: "{what} overflow {into}"."""
+    if isinstance(values, torch.Tensor):
+        finite = bool(torch.isfinite(values).all())
+    else:
+        finite = bool(np.isfinite(values).all())
+    if not finite:
+        raise ValueError(f"{what} overflow {into}")
+
+
 def _span(s: slice) -> str:
     return f"{s.start}–{s.stop - 1}"
 
 
 def _write(target, rows: slice, cols: slice, value: torch.Tensor) -> None:
+    """Put a tile into the target's rows and columns, in its dtype (refused if it overflows)."""
     if isinstance(target, np.ndarray):
-        target[rows, cols] = value.detach().cpu().numpy()
+        cast = value.detach().cpu().numpy().astype(target.dtype, copy=False)
     else:
-        target[rows, cols] = value.to(device=target.device, dtype=target.dtype)
+        cast = value.to(device=target.device, dtype=target.dtype)
+    require_finite_cast(
+        cast,
+        f"the kernel values between samples {_span(rows)} and {_span(cols)}",
+        f"out's dtype {target.dtype}; pass an out of a wider dtype",
+    )
+    target[rows, cols] = cast
