@@ -43,7 +43,7 @@ from ntk.core import inputs
 from ntk.core.checks import check_amount
 from ntk.core.floats import flush_denormals
 from ntk.core.memory import available_bytes
-from ntk.core.model import ModelView
+from ntk.core.model import ModelView, check_module
 
 from . import _kernels, curvature
 from ._trak import trak
@@ -163,6 +163,7 @@ def influence(
     float64 either way; torch.float64 computes the kernels in float64 too. numpy arrays of floats
     are cast to `dtype` (None: the model's parameters'); tensors keep theirs.
     """
+    check_module(model)
     cast = dtype or inputs.param_dtype(model)
     x_train, x_test = (
         inputs.from_numpy(x_train, "x_train", cast),

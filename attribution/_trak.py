@@ -20,6 +20,7 @@ from torch import nn
 import ntk
 from ntk.core import inputs, kinds
 from ntk.core.checks import check_amount
+from ntk.core.model import check_module
 
 from .outputs import (
     labels,
@@ -62,6 +63,7 @@ def trak(
     gradient (one cotangent, not O). output_fn and dtype: as in `influence` (kernels and
     features in `dtype`, None: the model's; solves in float64).
     """
+    check_module(model)
     check_amount(damping, "damping", zero=True)
     cast = dtype or inputs.param_dtype(model)  # numpy arrays of floats
     x_train, x_test = (

@@ -10,7 +10,7 @@ from torch import nn
 
 from ntk.core import inputs
 from ntk.core.kinds import ONE_LOGIT, class_labels  # checked in the core: lpntk needs them too
-from ntk.core.model import ModelView, check_output_rows, copy_module
+from ntk.core.model import ModelView, check_module, check_output_rows, copy_module
 
 
 def labels(y, n: int, num_outputs: int, name: str = "y") -> torch.Tensor:
@@ -117,8 +117,7 @@ def psd_root(a: torch.Tensor) -> torch.Tensor:
 
 def models(model: nn.Module, checkpoints: Sequence | None) -> list[nn.Module]:
     """The models to average over: `model`, or copies of it holding each checkpoint's weights."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_module(model)
     if checkpoints is None:
         return [model]
     if len(checkpoints) == 0:

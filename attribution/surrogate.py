@@ -90,6 +90,7 @@ from ntk.core import inputs
 from ntk.core.checks import check_amount, check_integer
 from ntk.core.kinds import ONE_LOGIT
 from ntk.core.memory import available_bytes
+from ntk.core.model import check_module
 
 from . import _kernels
 from .damping import cholesky_solve, damped_cholesky, scalar_kernel_system
@@ -232,8 +233,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
 
     # -- kernels ---------------------------------------------------------------------------------
     def _check_params(self) -> None:
-        if not isinstance(self.model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(self.model).__name__}")
+        check_module(self.model)
         self._validate_params()
         if self.alpha is not None:  # sklearn's Interval(Real) lets a bool through
             check_amount(self.alpha, "alpha", words=("cv",))

@@ -11,7 +11,7 @@ from torch import nn
 from .core import inputs, kinds, ntk_vp, persample, structured
 from .core.checks import check_integer
 from .core.memory import KernelTooLargeError, available_bytes, block_size, human
-from .core.model import ModelView, check_eval_mode, check_output_rows
+from .core.model import ModelView, check_eval_mode, check_module, check_output_rows
 from .core.tiles import Grid
 
 METHODS = ("auto", "jacobian", "ntk_vp", "structured")
@@ -123,8 +123,7 @@ class _Computation:
         progress,
         per_layer=None,
     ):
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        check_module(model)
         self.kind = kinds.get(kind)
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; valid methods are {', '.join(METHODS)}")

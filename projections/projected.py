@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from ntk.core import inputs, kinds, structured
 from ntk.core.checks import check_integer
 from ntk.core.memory import available_bytes, block_size
-from ntk.core.model import ModelView, check_eval_mode
+from ntk.core.model import ModelView, check_eval_mode, check_module
 from ntk.core.tiles import Grid, require_finite
 from ntk.empirical import check_outputs, check_per_layer
 
@@ -57,8 +57,7 @@ class Featurizer:
         dtype: torch.dtype | None = None,
         output_fn: Callable | None = None,
     ):
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        check_module(model)
         dim = check_integer(dim, "dim")
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
             raise TypeError(f"seed must be an integer, got {seed!r}")

@@ -729,3 +729,12 @@ def test_influence_flushes_subnormal_numbers_and_restores_the_setting(setup, mon
         finally:
             torch.set_flush_denormal(False)
     assert seen == [True, True]
+
+
+def test_a_function_in_place_of_the_model_is_refused_naming_model():
+    """A plain function failed reading the parameters' dtype ("'function' object has no attribute
+    'parameters'")."""
+    x, y, xt = torch.randn(6, 4), torch.arange(6) % 3, torch.randn(2, 4)
+    for call in (influence, trak):
+        with pytest.raises(TypeError, match="^model must be a torch.nn.Module, got function"):
+            call(lambda z: z, x, y, xt)

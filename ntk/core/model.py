@@ -44,6 +44,12 @@ class ModelForwardError(RuntimeError):
         self.module = module
 
 
+def check_module(model, name: str = "model") -> None:
+    """Refuse anything but an nn.Module (a function, a class, a state dict) naming `name`."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{name} must be a torch.nn.Module, got {type(model).__name__}")
+
+
 def resolve_device(device) -> torch.device:
     """`torch.device(device)`, refused with a ValueError unless a tensor can be made there."""
     try:
@@ -455,8 +461,7 @@ class ModelView:
         device=None,
         dtype: torch.dtype | None = None,
     ):
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        check_module(model)
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(
                 f"dtype must be a floating torch.dtype (torch.float64...), got {dtype!r}"
