@@ -1,6 +1,7 @@
 """Bad input to the CLI: exit 2 with one line that names the flag, before any computation; no
 traceback and no advice from numpy or torch."""
 
+import re
 import sys
 
 import numpy as np
@@ -164,6 +165,112 @@ def test_an_output_into_a_missing_directory_is_refused_before_computing(
     assert flag in err and "does not exist" in err and f"{files}/no/such/dir" in err
     assert ".part" not in err
     assert not (files / "built").exists()  # refused before the model was even made
+
+
+MODEL = "--model {f}/factory.py:build --weights {f}/w.pt --data {f}/train.npz"
+
+
+@pytest.mark.parametrize(
+    "args, flags, read",
+    [
+        ("layers --output {f}/lp.png --plot {f}/lp.png", ("--output", "--plot"), None),
+        ("kernel --kind trace --save {f}/k.npy --output {f}/./k.npy", ("--save", "--output"), None),
+        (
+            "report --out {f}/r.html --output {f}/r.html --test {f}/t.npz",
+            ("--out", "--output"),
+            None,
+        ),
+        (
+            "report --out {f}/r.html --output {f}/r.json --test {f}/t.npz",
+            ("--out", "--output"),
+            None,
+        ),
+        ("layers --output {f}/w.pt", ("--output", "--weights"), "w.pt"),
+        ("kernel --kind trace --save {f}/train.npz", ("--save", "--data"), "train.npz"),
+        ("layers --output {f}/factory.py", ("--output", "--model"), "factory.py"),
+        (
+            "report --test {f}/t.npz --out {f}/t.html --output {f}/t.npz",
+            ("--output", "--test"),
+            "t.npz",
+        ),
+        (
+            "attribute --test {f}/t.npz --checkpoint {f}/c.pt --output {f}/c.pt",
+            ("--output", "--checkpoint"),
+            "c.pt",
+        ),
+        (
+            "nas --candidates {f}/factory.py:CANDIDATES --output {f}/factory.py",
+            ("--output", "--candidates"),
+            "factory.py",
+        ),
+    ],
+)
+def test_an_output_that_names_another_output_or_an_input_is_refused_before_any_work(
+    labelled, capsys, args, flags, read
+):
+    """Two outputs on one file, or an output on an input file, once exited 0 having overwritten
+    one with the other; now refused naming both flags, with nothing written."""
+    f = labelled
+    np.savez(f / "t.npz", x=np.zeros((4, 4), np.float32))
+    (f / "c.pt").write_bytes((f / "w.pt").read_bytes())
+    before = {p.name: p.read_bytes() for p in f.iterdir()}
+    command, *rest = args.format(f=f).split()
+    model = MODEL.format(f=f).split()[-2:] if command == "nas" else MODEL.format(f=f).split()
+    err = usage_error(capsys, command, *model, *rest)
+    assert all(re.search(rf"(^|\s){flag}\b", err) for flag in flags), err
+    assert read is None or f"{f}/{read}" in err, err
+    assert {p.name: p.read_bytes() for p in f.iterdir()} == before  # nothing written
+    assert not (f / "built").exists()  # refused before the model was even made
+
+
+def test_an_output_inside_the_store_that_featurize_writes_is_refused(labelled, capsys):
+    f = labelled
+    args = ["featurize", str(f / "st"), *MODEL.format(f=f).split(), "--dim", "8"]
+    assert run(capsys, *args)[0] == 0
+    manifest = (f / "st" / "manifest.json").read_bytes()
+    for extra, flag in (
+        (["--output", str(f / "st" / "manifest.json"), "--format", "json"], "--output"),
+        (["--kernel-tiles", str(f / "st" / "tiles")], "--kernel-tiles"),
+    ):
+        err = usage_error(capsys, *args, *extra)
+        assert err.startswith(f"ntk: error: {flag} ") and "STORE" in err and f"{f}/st" in err, err
+        assert (f / "st" / "manifest.json").read_bytes() == manifest
+    assert sorted(p.name for p in (f / "st").iterdir()) == ["features.npy", "lock", "manifest.json"]
+    args[1] = str(f / "new")
+    err = usage_error(capsys, *args, "--output", str(f / "new"))
+    assert err.startswith(f"ntk: error: --output and STORE both name {f}/new"), err
+    assert not (f / "new").exists()
+
+
+@pytest.mark.parametrize(
+    "args, flag, where",
+    [
+        ("layers --output /proc/a.json --format json", "--output", "/proc"),
+        ("layers --plot /proc/a.png", "--plot", "/proc"),
+        ("kernel --kind trace --save /sys/k.npy", "--save", "/sys"),
+        ("report --test {f}/train.npz --out /proc/r.html", "--out", "/proc"),
+        ("report --test {f}/train.npz --out {f}/r.html --output /proc/s.json", "--output", "/proc"),
+        ("featurize /proc/st --dim 8", "STORE", "/proc"),
+        ("featurize {f}/st --dim 8 --kernel-tiles /proc/kt", "--kernel-tiles", "/proc"),
+        ("layers --output {f}/train.npz/a.json", "--output", "{f}/train.npz is not a directory"),
+        ("kernel --kind trace --save {f}", "--save", "{f} is a directory, not a file"),
+        ("report --test {f}/train.npz --out {f}/d.html", "--out", "{f}/d.json is a directory"),
+    ],
+)
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(
+    labelled, capsys, args, flag, where
+):
+    """Unwritable outputs once failed with a FileNotFoundError on a temporary .part file, after
+    all the work (`report --output` after writing the report): exit 2 naming the flag and where."""
+    f = labelled
+    (f / "d.json").mkdir()
+    before = sorted(p.name for p in f.iterdir())
+    command, *rest = args.format(f=f).split()
+    err = usage_error(capsys, command, *MODEL.format(f=f).split(), *rest)
+    assert err.startswith(f"ntk: error: {flag}") and where.format(f=f) in err, err
+    assert ".part" not in err and "Error" not in err
+    assert sorted(p.name for p in f.iterdir()) == before  # nothing written
+    assert not (f / "built").exists()
 
 
 @pytest.mark.parametrize("command", ["kernel", "layers", "attribute", "nas", "featurize"])

@@ -8,11 +8,13 @@ import click
 from .choices import INFLUENCE_METHODS
 from .common import (
     UsageProblem,
+    check_paths,
     class_labels,
     emit,
     flag_names,
     load_output_fn,
     load_weights,
+    model_files,
     model_options,
     resolve_model_and_data,
     resolve_test_data,
@@ -106,6 +108,15 @@ def attribute(
     from .._influence import influence, resolve_method
     from ..outputs import logits
 
+    check_paths(
+        [("--output", out.path)],
+        [
+            *model_files(model_spec, weights, data),
+            ("--test", test_file),
+            *(("--checkpoint", path) for path in checkpoint_files),
+            ("--train-features", train_features),
+        ],
+    )
     model, x_train, y_train = resolve_model_and_data(model_spec, weights, data, samples, device)
     if y_train is None:
         raise UsageProblem("--data must hold training labels y for attribution")

@@ -17,6 +17,7 @@ import operator
 import os
 import re
 import sys
+import tempfile
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -346,15 +347,76 @@ def flag_names(**names: str):
         raise
 
 
-def check_output_path(path: str | None, option: str) -> None:
-    """Refuse, before any computation, an output path whose directory does not exist."""
-    if path is None:
-        return
+def spec_file(spec: str | None) -> str | None:
+    """The .py file that a path/file.py:attr spec (--model, --candidates) reads, else None."""
+    target = None if spec is None else spec.rsplit(":", 1)[0]
+    return target if target is not None and target.endswith(".py") else None
+
+
+def model_files(model_spec, weights, data, option: str = "--data") -> list:
+    """(flag, path) of the files that --model (a .py file), --weights and --data (or the flag
+    `option` that gave the data) read, for `check_paths`."""
+    return [
+        ("--model", spec_file(model_spec)),
+        ("--weights", weights),
+        (option, None if data == "digits" else data),
+    ]
+
+
+def check_paths(
+    files: Sequence[tuple[str, str | None]],
+    reads: Sequence[tuple[str, str | None]] = (),
+    directories: Sequence[tuple[str, str | None]] = (),
+) -> None:
+    """Refuse, before any work, the outputs a command cannot write or would lose something to:
+    each (flag, path) of `files` and `directories` it writes (None: not given) must be writable
+    (its directory exists and takes new files; a file no directory, a directory no file), and no
+    written path may be, hold or lie inside another written path or a path it reads (`reads`:
+    --data, --weights, a store, ...), compared as resolved paths. Errors name both flags."""
+    written = [(flag, path, False) for flag, path in files if path is not None]
+    written += [(flag, path, True) for flag, path in directories if path is not None]
+    for flag, path, directory in written:
+        _check_writable(flag, path, directory)
+    entries = [(flag, path, True) for flag, path, _ in written]
+    entries += [(flag, path, False) for flag, path in reads if path is not None]
+    resolved = [Path(path).resolve() for _, path, _ in entries]
+    for i, (flag, path, writes) in enumerate(entries):
+        for j in range(min(i, len(written))):  # each path against the written ones before it
+            other, there, _ = entries[j]
+            if resolved[i] == resolved[j]:
+                raise UsageProblem(
+                    f"{other} and {flag} both name {path}: each output needs a path of its own"
+                    if writes
+                    else f"{other} {there} is the input of {flag}; an output must not overwrite it"
+                )
+            if resolved[j] in resolved[i].parents or resolved[i] in resolved[j].parents:
+                inner, outer = (i, j) if resolved[j] in resolved[i].parents else (j, i)
+                raise UsageProblem(
+                    f"{entries[inner][0]} {entries[inner][1]} lies inside {entries[outer][0]} "
+                    f"{entries[outer][1]}, a directory this command "
+                    f"{'writes' if entries[outer][2] else 'reads'}; name a path outside it"
+                )
+
+
+def _check_writable(flag: str, path: str, directory: bool) -> None:
+    """`check_paths` for one output: a file or directory that can be created or replaced."""
     target = Path(path)
-    if target.is_dir():
-        raise UsageProblem(f"{option}: {path} is a directory, not a file")
-    if not target.parent.is_dir():
-        raise UsageProblem(f"{option}: directory {target.parent} does not exist (for {path})")
+    if directory and target.exists() and not target.is_dir():
+        raise UsageProblem(f"{flag}: {path} is a file, not a directory")
+    if not directory and target.is_dir():
+        raise UsageProblem(f"{flag}: {path} is a directory, not a file")
+    folder = target if target.is_dir() else target.parent
+    if folder.exists() and not folder.is_dir():
+        raise UsageProblem(f"{flag}: cannot write {path}: {folder} is not a directory")
+    if not folder.is_dir():
+        raise UsageProblem(f"{flag}: directory {folder} does not exist (for {path})")
+    try:  # a trial file that disappears when closed: no permission bit tells (root, /proc)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError:
+        raise UsageProblem(
+            f"{flag}: cannot write {path}: directory {folder} is not writable"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -383,7 +445,6 @@ def output_options(
     def decorate(f):
         @functools.wraps(f)
         def command(*args, fmt, output, all_columns, columns: str | None, **kwargs):
-            check_output_path(output, "--output")
             chosen = tuple(c.strip() for c in columns.split(",") if c.strip()) if columns else ()
             if all_columns and chosen:
                 raise UsageProblem("--all and --columns exclude each other")

@@ -13,9 +13,11 @@ import click
 from .choices import DEFAULT_PROJECTOR, KERNEL_KINDS, PROJECTORS
 from .common import (
     UsageProblem,
+    check_paths,
     emit,
     interactive,
     load_output_fn,
+    model_files,
     model_options,
     resolve_model_and_data,
     step,
@@ -93,12 +95,11 @@ def featurize(
     import projections.store
     from ntk.distributed import check_empty, rank_and_world
 
-    for path, option in ((store, "STORE"), (kernel_tiles, "--kernel-tiles")):
-        parent = None if path is None else os.path.dirname(os.path.abspath(path))
-        if parent is not None and not os.path.isdir(parent):
-            raise UsageProblem(f"{option}: directory {parent} does not exist (for {path})")
-    if os.path.exists(store) and not os.path.isdir(store):
-        raise UsageProblem(f"STORE: {store} is a file; a feature store is a directory")
+    check_paths(
+        [("--output", out.path)],
+        model_files(model_spec, weights, data),
+        [("STORE", store), ("--kernel-tiles", kernel_tiles)],
+    )
     foreign = projections.store.foreign_files(store) if os.path.isdir(store) else []
     if foreign:
         raise UsageProblem(

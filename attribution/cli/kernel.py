@@ -10,11 +10,12 @@ import click
 from .choices import KERNEL_KINDS, KERNEL_METHODS
 from .common import (
     UsageProblem,
-    check_output_path,
+    check_paths,
     done,
     emit,
     interactive,
     load_output_fn,
+    model_files,
     model_options,
     resolve_model_and_data,
     step,
@@ -77,7 +78,7 @@ def kernel(
     kinds = kinds or KERNEL_KINDS
     if save is not None and len(kinds) != 1:
         raise UsageProblem("--save needs exactly one --kind")
-    check_output_path(save, "--save")
+    check_paths([("--output", out.path), ("--save", save)], model_files(model_spec, weights, data))
     model, x, _ = resolve_model_and_data(
         model_spec, weights, data, samples, device, default_samples=DEFAULT_SAMPLES, labels=False
     )

@@ -7,12 +7,13 @@ import click
 from .choices import DEFAULT_LAYER_SCORE, KERNEL_KINDS, LABEL_SCORES, LAYER_SCORES
 from .common import (
     UsageProblem,
-    check_output_path,
+    check_paths,
     done,
     emit,
     flag_names,
     interactive,
     load_output_fn,
+    model_files,
     model_options,
     resolve_model_and_data,
     untrained_note,
@@ -101,7 +102,7 @@ def layers(
 
     if depth is not None and group != "blocks":
         raise UsageProblem("--depth needs --group blocks")
-    check_output_path(plot, "--plot")
+    check_paths([("--output", out.path), ("--plot", plot)], model_files(model_spec, weights, data))
     grouping: object | None = None if group == "layers" else (depth or "blocks")
     model, x, y = resolve_model_and_data(model_spec, weights, data, samples, device)
     if y is None and score in LABEL_SCORES:

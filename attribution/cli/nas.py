@@ -11,6 +11,7 @@ from .choices import DEFAULT_RANKING, PROXY_METRICS, RANKING_BATCH_SIZE, RANKING
 from .common import (
     DEVICE_OPTION,
     UsageProblem,
+    check_paths,
     emit,
     flag_names,
     in_model_dtype,
@@ -19,6 +20,7 @@ from .common import (
     load_object,
     load_output_fn,
     output_options,
+    spec_file,
     untrained_note,
 )
 
@@ -103,6 +105,10 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
     from ntk import demo, proxies
     from ntk.core import inputs
 
+    check_paths(
+        [("--output", out.path)],
+        [("--candidates", spec_file(spec)), ("--data", None if data == "digits" else data)],
+    )
     candidates = demo_space() if spec is None else load_object(spec, "candidates")
     if not isinstance(candidates, dict):
         raise UsageProblem(

@@ -11,12 +11,13 @@ from .common import (
     DEMO_SAMPLES,
     UNTRAINED,
     UsageProblem,
-    check_output_path,
+    check_paths,
     class_labels,
     emit,
     flag_names,
     interactive,
     load_output_fn,
+    model_files,
     model_options,
     more_than_held,
     resolve_model_and_data,
@@ -140,13 +141,17 @@ def report(
     html = report_path
     if Path(html).suffix.lower() not in (".html", ".htm"):
         raise UsageProblem(f"--out must name an .html file, got {html}")
-    check_output_path(html, "--out")
+    json_path = str(Path(html).with_suffix(".json"))
     shape = _shape(image_shape)
     if train_file is not None:
         data = train_file
     if model_spec is None and data != "digits":
         raise UsageProblem("a training data file needs --model (the built-in demo uses digits)")
     option = "data" if train_file is None else "train"
+    check_paths(
+        [("--out", html), ("--out (its .json)", json_path), ("--output", out.path)],
+        [*model_files(model_spec, weights, data, f"--{option}"), ("--test", test_file)],
+    )
     model, x_train, y_train = resolve_model_and_data(
         model_spec,
         weights,
@@ -241,7 +246,6 @@ def report(
                 "samples": f"{calibration['metrics_samples']} {calibration['metrics_split']}",
             }
         )
-    json_path = str(Path(html).with_suffix(".json"))
     notes = [f"written: {html} and {json_path}"]
     if not calibration["enabled"]:
         notes.append(f"calibration section {calibration['note']}")
