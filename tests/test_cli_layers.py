@@ -234,3 +234,16 @@ def test_frozen_layers_are_named_as_not_ranked(tmp_path, capsys):
         main(["layers", *common, "--format", "json"])
     printed = json.loads(capsys.readouterr().out)
     assert printed["frozen"] == ["0"] and "0" not in [r["layer"] for r in printed["rows"]]
+
+
+@pytest.mark.parametrize("name", ["p.txt", "p"])
+def test_a_plot_in_a_format_matplotlib_cannot_write_is_refused_naming_plot(tmp_path, capsys, name):
+    """matplotlib's "Format 'txt' is not supported" came after the work, without the flag; a name
+    without a suffix was saved as p.png while the command said p."""
+    _, _, common = setup(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        main(["layers", *common, "--plot", str(tmp_path / name)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"ntk: error: --plot: {tmp_path / name}") and "png, ps, raw" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.npz", "factory.py"]

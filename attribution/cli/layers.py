@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from .choices import DEFAULT_LAYER_SCORE, KERNEL_KINDS, LABEL_SCORES, LAYER_SCORES
@@ -21,6 +23,20 @@ from .common import (
 
 # The columns of `attribution.layer_importance`'s rows.
 COLUMNS = ("layer", "type", "params", *LAYER_SCORES, "trace", "rank")
+
+
+def _check_plot(path: str | None) -> None:
+    """--plot: a name ending in a format matplotlib writes (it would add .png to one without)."""
+    if path is None:
+        return
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if Path(path).suffix[1:].lower() not in formats:
+        raise UsageProblem(
+            f"--plot: {path} must end in the suffix of a format matplotlib writes: "
+            f"{', '.join(sorted(formats))}"
+        )
 
 
 def _plot(rows: list[dict], score: str, path: str) -> None:
@@ -103,6 +119,7 @@ def layers(
     if depth is not None and group != "blocks":
         raise UsageProblem("--depth needs --group blocks")
     check_paths([("--output", out.path), ("--plot", plot)], model_files(model_spec, weights, data))
+    _check_plot(plot)
     grouping: object | None = None if group == "layers" else (depth or "blocks")
     model, x, y = resolve_model_and_data(model_spec, weights, data, samples, device)
     if y is None and score in LABEL_SCORES:
