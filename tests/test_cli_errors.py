@@ -273,6 +273,13 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_work(
     assert not (f / "built").exists()
 
 
+def test_a_report_on_one_test_sample_names_the_flag(files, capsys):
+    np.savez(files / "one.npz", x=np.zeros((1, 4), np.float32))
+    args = ["report", "--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
+    err = usage_error(capsys, *args, "--test", f"{files}/one.npz", "--out", f"{files}/r.html")
+    assert err.startswith("ntk: error: --test:") and "at least 2" in err
+
+
 @pytest.mark.parametrize("command", ["kernel", "layers", "attribute", "nas", "featurize"])
 def test_an_unknown_column_is_refused_before_any_work_with_the_valid_ones(files, capsys, command):
     args = [command, "--columns", "kind,foo"]

@@ -375,6 +375,9 @@ def test_cli_on_files(tmp_path, capsys):
         (["--out", "r.txt"], "--out must name an .html file"),
         (["--image-shape", "8by8"], "--image-shape must look like"),
         (["--train", "x.npz"], "needs --model"),
+        (["--test-samples", "1"], "'--test-samples': 1 is not in the range x>=2"),
+        (["--alpha", "nan"], "'--alpha': nan is not a finite number"),
+        (["--alpha", "inf"], "'--alpha': inf is not a finite number"),
     ],
 )
 def test_cli_usage_errors(args, message, capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import click
@@ -26,6 +27,13 @@ from .common import (
 )
 
 
+def _finite(ctx, param, value: float | None) -> float | None:
+    """--alpha: a finite number (FloatRange lets nan, which no comparison refuses, and inf by)."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number")
+    return value
+
+
 @click.command()
 @model_options(("measure", "value", "samples"))
 @click.option(
@@ -41,7 +49,10 @@ from .common import (
     help="test data (.npz/.pt with x and optionally y); default: the digits test split",
 )
 @click.option(
-    "--test-samples", type=click.IntRange(min=1), default=None, help="use the first N test samples"
+    "--test-samples",
+    type=click.IntRange(min=2),
+    default=None,
+    help="use the first N test samples (at least 2: faithfulness compares their rankings)",
 )
 @click.option(
     "--out",
@@ -70,6 +81,7 @@ from .common import (
 @click.option(
     "--alpha",
     type=click.FloatRange(min=0, min_open=True),
+    callback=_finite,
     default=None,
     help="surrogate regularisation (default: KernelSurrogate's)",
 )
@@ -164,6 +176,11 @@ def report(
     n_train = inputs.count(x_train)
     kernel_samples = kernel_samples or min(n_train, DEMO_SAMPLES)
     x_test, y_test = resolve_test_data(test_file, data, test_samples, model, x_train)
+    if inputs.count(x_test) < 2:
+        raise UsageProblem(
+            f"--test: {test_file} holds 1 sample; the report needs at least 2 (faithfulness "
+            "compares their rankings)"
+        )
     more_than_held("kernel_samples", n_train, option)
     more_than_held("examples", inputs.count(x_test), "test")
     output_fn = load_output_fn(output_fn)
