@@ -273,6 +273,17 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_work(
     assert not (f / "built").exists()
 
 
+@pytest.mark.parametrize("command", ["kernel", "featurize", "layers"])
+def test_labels_of_another_length_than_x_are_refused_by_every_command(files, capsys, command):
+    """kernel and featurize never use the labels but ran on a file whose y did not fit its x."""
+    np.savez(files / "ylen.npz", x=np.zeros((10, 4), np.float32), y=np.arange(7) % 3)
+    args = [command, "--model", f"{files}/factory.py:build", "--data", f"{files}/ylen.npz"]
+    args += [str(files / "st"), "--dim", "8"] if command == "featurize" else []
+    err = usage_error(capsys, *args)
+    assert "--data: x has 10 samples but y has shape (7,)" in err
+    assert not (files / "st").exists()
+
+
 def test_a_report_on_one_test_sample_names_the_flag(files, capsys):
     np.savez(files / "one.npz", x=np.zeros((1, 4), np.float32))
     args = ["report", "--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]

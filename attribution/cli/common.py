@@ -232,7 +232,8 @@ def load_arrays(
 ) -> tuple[Any, torch.Tensor | None]:
     """Inputs `x` and optional labels `y` from an .npz or .pt file. `x` is one array, or several
     model inputs passed by keyword: arrays named x.<name> (e.g. x.input_ids and
-    x.attention_mask), or in a .pt file a dict of tensors under x."""
+    x.attention_mask), or in a .pt file a dict of tensors under x. labels=False: y, whatever it
+    holds, is only checked to have one entry per sample, and None is returned for it."""
     import numpy as np
     import torch
 
@@ -294,8 +295,8 @@ def load_arrays(
             if isinstance(x, dict)
             else torch.as_tensor(x)
         )
-        y = content.get("y") if labels else None
-        y = None if y is None else inputs.targets(y)
+        y = content.get("y")
+        y = None if y is None else inputs.targets(y) if labels else np.asarray(y)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise UsageProblem(f"--{option}: {path}: {_first_line(exc)}") from None
     if isinstance(x, torch.Tensor) and (x.dim() == 0 or len(x) == 0):
@@ -304,9 +305,9 @@ def load_arrays(
         n = inputs.validate(x, "x")
     except (TypeError, ValueError) as exc:
         raise UsageProblem(f"--{option}: {path}: {exc}") from None
-    if y is not None and (y.dim() == 0 or len(y) != n):
+    if y is not None and (y.ndim == 0 or len(y) != n):
         raise UsageProblem(f"--{option}: x has {n} samples but y has shape {tuple(y.shape)}")
-    return x, y
+    return x, y if labels else None
 
 
 def class_labels(model: nn.Module, x, y, option: str, output_fn: Callable | None):
@@ -758,7 +759,8 @@ def resolve_model_and_data(
     labels: bool = True,
 ):
     """The model and (x, y) a subcommand works on; no --model means the trained demo network.
-    option: the command-line name of `data` in errors; labels=False: y is not read (None)."""
+    option: the command-line name of `data` in errors; labels=False: y is not used (None; only
+    its length is checked)."""
     if model_spec is None:
         if weights is not None:
             raise UsageProblem("--weights needs --model")
