@@ -148,6 +148,17 @@ def report(
             f"path must name an .html file (the JSON is written beside it, as "
             f"{path.with_suffix('.json').name}), got {str(path)!r}"
         )
+    json_path = path.with_suffix(".json")  # both files checked before any work, or either written
+    if not path.parent.is_dir():
+        raise ValueError(f"path: directory {path.parent} does not exist (for {str(path)!r})")
+    for target in (path, json_path):
+        if target.is_dir():
+            raise ValueError(f"path: {target} is a directory, not a file the report can write")
+    if surrogate is not None and surrogate.model is not model:
+        raise ValueError(
+            "surrogate is a KernelSurrogate of another model (surrogate.model is not model); "
+            "pass KernelSurrogate(model, ...) or None"
+        )
     cast = inputs.param_dtype(model)  # numpy arrays of floats
     x_train, x_test = (
         inputs.from_numpy(x_train, "x_train", cast),
@@ -314,7 +325,7 @@ def report(
     html = _render(result, figures)
     plain = _plain(result)
     text = json.dumps(plain, indent=1, allow_nan=False) + "\n"
-    for target, content in ((path, html), (path.with_suffix(".json"), text)):
+    for target, content in ((path, html), (json_path, text)):
         with atomic_path(target) as tmp:
             tmp.write_bytes(content.encode("utf-8"))
     return plain

@@ -207,6 +207,34 @@ def test_a_report_that_fails_while_written_leaves_the_earlier_files(setup, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.html", "r.json"]
 
 
+def test_files_it_cannot_write_and_another_models_surrogate_are_refused_before_any_work(
+    setup, tmp_path, monkeypatch
+):
+    """A JSON path that is a directory failed after the HTML was written, a missing directory
+    after all the work, and a surrogate of another network was used as given."""
+    import attribution._report
+
+    model, x_train, y_train, x_test, y_test = setup
+
+    def computed(*args, **kwargs):
+        raise AssertionError("the report started its work before checking its arguments")
+
+    monkeypatch.setattr(attribution._report, "logits", computed)
+    (tmp_path / "r.json").mkdir()
+    cases = [
+        ({"path": tmp_path / "r.html"}, f"{tmp_path / 'r.json'} is a directory"),
+        ({"path": tmp_path / "nodir" / "r.html"}, f"directory {tmp_path / 'nodir'} does not exist"),
+        (
+            {"path": tmp_path / "s.html", "surrogate": KernelSurrogate(copy.deepcopy(model))},
+            "surrogate is a KernelSurrogate of another model",
+        ),
+    ]
+    for arguments, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            report(model, x_train, y_train, x_test, y_test, **arguments)
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
 def test_example_choice():
     p = torch.tensor([[0.9, 0.1], [0.2, 0.8], [0.55, 0.45], [0.97, 0.03], [0.6, 0.4]])
     y = torch.tensor([0, 0, 0, 0, 1])
