@@ -273,6 +273,26 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_work(
     assert not (f / "built").exists()
 
 
+def test_a_device_is_an_output_written_in_place(files, capsys, monkeypatch):
+    """--output /dev/null is judged by its own permission, not by a trial file in /dev, where
+    only root may create one (as for every user but root here)."""
+    import tempfile
+
+    trial = tempfile.TemporaryFile
+
+    def as_a_user(*args, dir=None, **kwargs):
+        if str(dir) == "/dev":
+            raise PermissionError(13, "Permission denied")
+        return trial(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", as_a_user)
+    model = ["--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
+    err = usage_error(capsys, "kernel", *model, "--kind", "trace", "--save", "/dev/k.npy")
+    assert "--save: cannot write /dev/k.npy: directory /dev is not writable" in err
+    code, out, err = run(capsys, "layers", *model, "--output", "/dev/null")
+    assert code == 0 and out == "", err
+
+
 @pytest.mark.parametrize("command", ["kernel", "featurize", "layers"])
 def test_labels_of_another_length_than_x_are_refused_by_every_command(files, capsys, command):
     """kernel and featurize never use the labels but ran on a file whose y did not fit its x."""

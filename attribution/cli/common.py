@@ -400,18 +400,25 @@ def check_paths(
 
 
 def _check_writable(flag: str, path: str, directory: bool) -> None:
-    """`check_paths` for one output: a file or directory that can be created or replaced."""
+    """`check_paths` for one output: a file or directory that can be created or replaced. An
+    existing directory (a store resumed) or device (/dev/null) is judged by its permissions, any
+    other path by a trial file in its directory (root is permitted everything, but /proc or a
+    read-only mount take no files)."""
     target = Path(path)
     if directory and target.exists() and not target.is_dir():
         raise UsageProblem(f"{flag}: {path} is a file, not a directory")
     if not directory and target.is_dir():
         raise UsageProblem(f"{flag}: {path} is a directory, not a file")
-    folder = target if target.is_dir() else target.parent
+    if target.exists() and not target.is_file():  # no trial file where other ranks list a store
+        if not os.access(target, os.W_OK | (os.X_OK if directory else 0)):
+            raise UsageProblem(f"{flag}: {path} is not writable")
+        return
+    folder = target.parent
     if folder.exists() and not folder.is_dir():
         raise UsageProblem(f"{flag}: cannot write {path}: {folder} is not a directory")
     if not folder.is_dir():
         raise UsageProblem(f"{flag}: directory {folder} does not exist (for {path})")
-    try:  # a trial file that disappears when closed: no permission bit tells (root, /proc)
+    try:
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError:
