@@ -154,6 +154,10 @@ def report(
     for target in (path, json_path):
         if target.is_dir():
             raise ValueError(f"path: {target} is a directory, not a file the report can write")
+        if target.exists() and not target.is_file():
+            raise ValueError(
+                f"path: {target} is not a regular file; the report replaces it by a rename"
+            )
     if surrogate is not None and surrogate.model is not model:
         raise ValueError(
             "surrogate is a KernelSurrogate of another model (surrogate.model is not model); "

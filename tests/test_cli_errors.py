@@ -1,6 +1,7 @@
 """Bad input to the CLI: exit 2 with one line that names the flag, before any computation; no
 traceback and no advice from numpy or torch."""
 
+import os
 import re
 import sys
 
@@ -291,6 +292,27 @@ def test_a_device_is_an_output_written_in_place(files, capsys, monkeypatch):
     assert "--save: cannot write /dev/k.npy: directory /dev is not writable" in err
     code, out, err = run(capsys, "layers", *model, "--output", "/dev/null")
     assert code == 0 and out == "", err
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        ("kernel --kind trace --save {p}", "--save"),
+        ("report --test {f}/train.npz --out {p}.html", "--out"),
+        ("report --test {f}/train.npz --out {p}x.html", "--out (its .json)"),
+    ],
+)
+def test_an_output_written_by_a_rename_refuses_a_device(files, capsys, args, flag):
+    """--save /dev/null run as root replaced the device by a regular file (the output is
+    written to a temporary file renamed onto the path); a FIFO stands in for the device."""
+    pipe = files / "pipe"
+    os.mkfifo(pipe)
+    os.mkfifo(files / "pipe.html")
+    os.mkfifo(files / "pipex.json")
+    command, *rest = args.format(f=files, p=pipe).split()
+    err = usage_error(capsys, command, "--model", f"{files}/factory.py:build", *rest)
+    assert f"ntk: error: {flag}: " in err and "is not a regular file; the output replaces" in err
+    assert pipe.is_fifo() and (files / "pipe.html").is_fifo() and (files / "pipex.json").is_fifo()
 
 
 @pytest.mark.parametrize("command", ["kernel", "featurize", "layers"])

@@ -221,8 +221,10 @@ def test_files_it_cannot_write_and_another_models_surrogate_are_refused_before_a
 
     monkeypatch.setattr(attribution._report, "logits", computed)
     (tmp_path / "r.json").mkdir()
+    os.mkfifo(tmp_path / "p.html")  # a device such as /dev/null, which the rename would replace
     cases = [
         ({"path": tmp_path / "r.html"}, f"{tmp_path / 'r.json'} is a directory"),
+        ({"path": tmp_path / "p.html"}, f"{tmp_path / 'p.html'} is not a regular file"),
         ({"path": tmp_path / "nodir" / "r.html"}, f"directory {tmp_path / 'nodir'} does not exist"),
         (
             {"path": tmp_path / "s.html", "surrogate": KernelSurrogate(copy.deepcopy(model))},
@@ -232,7 +234,7 @@ def test_files_it_cannot_write_and_another_models_surrogate_are_refused_before_a
     for arguments, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
             report(model, x_train, y_train, x_test, y_test, **arguments)
-    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.html", "r.json"]
 
 
 def test_example_choice():

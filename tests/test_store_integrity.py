@@ -421,3 +421,14 @@ def test_atomic_path_renames_a_complete_file_and_removes_a_failed_one(tmp_path, 
         tmp.write_bytes(b"par")
         raise RuntimeError("midway")
     assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]  # no file under the final name
+
+
+def test_atomic_path_refuses_to_replace_a_device(tmp_path):
+    """The rename replaced a device such as /dev/null (as root) with a regular file."""
+    from ntk.core.files import atomic_path
+
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    with pytest.raises(ValueError, match="pipe is not a regular file"), atomic_path(pipe):
+        pass
+    assert pipe.is_fifo() and [p.name for p in tmp_path.iterdir()] == ["pipe"]

@@ -19,7 +19,7 @@ import re
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -368,16 +368,23 @@ def check_paths(
     files: Sequence[tuple[str, str | None]],
     reads: Sequence[tuple[str, str | None]] = (),
     directories: Sequence[tuple[str, str | None]] = (),
+    renamed: Collection[str] = (),
 ) -> None:
     """Refuse, before any work, the outputs a command cannot write or would lose something to:
     each (flag, path) of `files` and `directories` it writes (None: not given) must be writable
-    (its directory exists and takes new files; a file no directory, a directory no file), and no
+    (its directory exists and takes new files; a file no directory, a directory no file; the
+    files of the flags in `renamed`, written to a temporary file renamed onto the path, not an
+    existing device or other file that is not a regular one, which the rename would replace), and no
     written path may be, hold or lie inside another written path or a path it reads (`reads`:
     --data, --weights, a store, ...), compared as resolved paths. Errors name both flags."""
     written = [(flag, path, False) for flag, path in files if path is not None]
     written += [(flag, path, True) for flag, path in directories if path is not None]
     for flag, path, directory in written:
         _check_writable(flag, path, directory)
+        if flag in renamed and Path(path).exists() and not Path(path).is_file():
+            raise UsageProblem(
+                f"{flag}: {path} is not a regular file; the output replaces it by a rename"
+            )
     entries = [(flag, path, True) for flag, path, _ in written]
     entries += [(flag, path, False) for flag, path in reads if path is not None]
     resolved = [Path(path).resolve() for _, path, _ in entries]

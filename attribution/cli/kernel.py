@@ -78,7 +78,11 @@ def kernel(
     kinds = kinds or KERNEL_KINDS
     if save is not None and len(kinds) != 1:
         raise UsageProblem("--save needs exactly one --kind")
-    check_paths([("--output", out.path), ("--save", save)], model_files(model_spec, weights, data))
+    check_paths(
+        [("--output", out.path), ("--save", save)],
+        model_files(model_spec, weights, data),
+        renamed=["--save"],
+    )
     model, x, _ = resolve_model_and_data(
         model_spec, weights, data, samples, device, default_samples=DEFAULT_SAMPLES, labels=False
     )

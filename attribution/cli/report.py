@@ -163,6 +163,7 @@ def report(
     check_paths(
         [("--out", html), ("--out (its .json)", json_path), ("--output", out.path)],
         [*model_files(model_spec, weights, data, f"--{option}"), ("--test", test_file)],
+        renamed=["--out", "--out (its .json)"],
     )
     model, x_train, y_train = resolve_model_and_data(
         model_spec,

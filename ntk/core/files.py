@@ -31,8 +31,11 @@ def atomic_path(target, *, temporary: str | None = None, durable: bool = False) 
 
     `temporary`: the temporary's file name (the caller creates the file), for writers whose
     leftovers are recognised by name; by default a fresh ``.<name>.<random>.part`` (created
-    empty, with the permissions of a normal new file)."""
+    empty, with the permissions of a normal new file). An existing `target` that is not a
+    regular file (a device such as /dev/null, a pipe) is refused: the rename would replace it."""
     target = Path(target)
+    if target.exists() and not target.is_file():
+        raise ValueError(f"{target} is not a regular file; the output replaces it by a rename")
     tmp = _new_temporary(target) if temporary is None else target.parent / temporary
     try:
         yield tmp
