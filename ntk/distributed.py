@@ -181,14 +181,12 @@ def run_grid(
         return None
     if rank == 0:
         results = grid.allocate(out)
-        for i, j, values in grid.compute(mine, progress=progress):
-            grid.write(results, i, j, values)
+        grid.fill(results, grid.compute(mine, progress=progress), out)
         received: list = [None] * world
         if world > 1:
             dist.gather_object(None, received, dst=0)
         for part in received[1:]:
-            for i, j, values in part:
-                grid.write(results, i, j, values)
+            grid.fill(results, part, out)
         return grid.result(results)
     part = [
         (i, j, {k: v.detach().cpu() for k, v in values.items()})

@@ -142,8 +142,7 @@ class _Computation:
     def run(self, x1, x2, out, *, labels=None, labels2=None):
         grid = self.grid(x1, x2, out, labels=labels, labels2=labels2)
         results = grid.allocate(out)
-        for i, j, values in grid.compute(progress=self.progress):
-            grid.write(results, i, j, values)
+        grid.fill(results, grid.compute(progress=self.progress), out)
         return grid.result(results)
 
     def grid(self, x1, x2, out=None, *, labels=None, labels2=None, in_memory: bool = True) -> Grid:

@@ -310,12 +310,16 @@ def kernel(phi1, phi2=None, *, kind: str, out=None, tile: int = 4096, progress: 
     `open_store`), computed in tiles of `tile` × `tile` samples so that only two tiles of
     features are in memory at once (phi2=None: the tiles on and above the diagonal, mirrored).
     `out`: an optional preallocated array (e.g. `numpy.lib.format.open_memmap`) that receives
-    the kernel; otherwise a numpy array is returned."""
+    the kernel; otherwise a numpy array is returned. The features are checked finite, tile by
+    tile, before anything is written."""
     grid = kernel_grid(phi1, phi2, kind=kind, tile=tile)
     dtype = str(grid.dtype).removeprefix("torch.")
     results = grid.allocate(np.empty(grid.shape, dtype=dtype) if out is None else out)
-    for i, j, values in grid.compute(progress=progress):
-        grid.write(results, i, j, values)
+    for name, phi in [("phi1", phi1)] + ([] if phi2 is None else [("phi2", phi2)]):
+        for start in range(0, phi.shape[0], grid.tile_size):
+            rows = slice(start, start + grid.tile_size)
+            require_finite(torch.as_tensor(np.asarray(phi[rows])), f"{name}[{start}:{rows.stop}]")
+    grid.fill(results, grid.compute(progress=progress), out)
     return results[None]
 
 

@@ -278,6 +278,19 @@ def test_an_out_whose_dtype_the_kernel_overflows_is_refused():
             ntk.empirical_ntk(model, x, kind="trace", out=out)
 
 
+def test_a_tile_that_fails_part_way_says_that_out_is_incomplete():
+    """A tile failing after others were written into `out` left it partly filled, looking
+    complete; the error says so (out is the caller's, left as it is)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x = torch.randn(8, 4)
+    x[6] *= 1000  # the kernel of sample 6 overflows float16, in the second row of tiles
+    out = np.zeros((8, 8), np.float16)
+    with pytest.raises(ValueError, match="overflow .*; out holds only the tiles before this one"):
+        ntk.empirical_ntk(model, x, kind="trace", out=out, batch_size=4)
+    assert out[:4, :4].all()
+
+
 def test_kernels_that_cannot_fit_are_refused_with_size_and_alternatives(monkeypatch):
     monkeypatch.setattr("ntk.empirical.available_bytes", lambda device: 1000)
     model, x1, _ = make("mlp")

@@ -527,6 +527,23 @@ def test_kernel_of_features_in_two_dtypes():
         projections.kernel(np.ones((3, 2, 4), dtype=np.int64), kind="trace")
 
 
+def test_features_that_are_not_finite_are_refused_before_out_is_written(tmp_path):
+    """A NaN row of phi failed at its tile, after the tiles before it were written into `out`
+    (a valid .npy memmap, the rest zero, looking complete)."""
+    phi = np.random.default_rng(0).standard_normal((16, 8))
+    phi2 = phi[:5].copy()
+    phi2[3] = np.nan
+    phi[10] = np.inf
+    for args, message in (((phi[:8], phi2), r"phi2\[0:4\]"), ((phi,), r"phi1\[8:12\]")):
+        shape = (len(args[0]), len(args[-1]))
+        out = np.lib.format.open_memmap(
+            tmp_path / "k.npy", mode="w+", dtype=np.float64, shape=shape
+        )
+        with pytest.raises(ValueError, match=f"^{message} is not finite"):
+            projections.kernel(*args, kind="sum_logits", tile=4, out=out)
+        assert not out.any()
+
+
 def test_projected_kernel_of_sequences_of_other_lengths():
     """x1 and x2 of other sequence lengths were refused ("different per-sample shapes"); the
     projected kernel is the product of each set's features, and the exact one's estimate."""

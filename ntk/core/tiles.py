@@ -137,6 +137,20 @@ class Grid:
             if self.symmetric and i != j:
                 _write(results[key], cs, rs, self.kind.transpose(value))
 
+    def fill(self, results: dict, tiles: Iterable[tuple[int, int, dict]], out=None) -> None:
+        """`write` each (i, j, values) of `tiles` (e.g. `compute`'s); a failure part-way
+        through a caller's `out` says that `out` is incomplete (it is left as it is)."""
+        try:
+            for i, j, values in tiles:
+                self.write(results, i, j, values)
+        except Exception as e:
+            if out is None:
+                raise
+            if isinstance(e, ValueError):
+                raise ValueError(f"{e}; out holds only the tiles before this one") from None
+            e.add_note("out holds only the tiles before this one")
+            raise
+
     def result(self, results: dict):
         """The kernel (keys [None]) or the dict of components."""
         return results[None] if self.keys == [None] else {k: results[k] for k in self.keys}
