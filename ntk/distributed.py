@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -199,7 +200,11 @@ def run_grid(
 def load_tiles(path: str | os.PathLike, *, out=None) -> Kernel:
     """Assemble the kernel that `empirical_ntk(..., path=path)` wrote: a tensor, or a dict per
     layer; `out` (e.g. `numpy.lib.format.open_memmap`) receives a total kernel instead."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
     root = Path(path)
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"path {root} is a file, not a directory of kernel tiles")
     try:
         index = json.loads((root / _INDEX).read_text())
     except FileNotFoundError:
@@ -228,12 +233,33 @@ def load_tiles(path: str | os.PathLike, *, out=None) -> Kernel:
         desc="",
     )
     results = grid.allocate(out)
-    for i, j in grid.tiles():
-        with np.load(root / _TILES / f"{i}_{j}.npz") as tile:
-            grid.write(
-                results, i, j, {k: torch.from_numpy(tile[f"c{c}"]) for c, k in enumerate(keys)}
-            )
+    grid.fill(results, (_read_tile(root, grid, results, i, j) for i, j in grid.tiles()), out)
     return grid.result(results)
+
+
+def _read_tile(root: Path, grid: Grid, results: dict, i: int, j: int) -> tuple[int, int, dict]:
+    """Tile (i, j) of the kernel under `root`, refused if missing, unreadable or misshapen."""
+    file = root / _TILES / f"{i}_{j}.npz"
+    try:
+        with np.load(file) as tile:
+            values = {k: torch.from_numpy(tile[f"c{c}"]) for c, k in enumerate(grid.keys)}
+    except FileNotFoundError:
+        raise ValueError(f"tile {file} of the kernel at {root} is missing") from None
+    except OSError as e:
+        raise ValueError(f"cannot read tile {file} of the kernel at {root}: {e}") from None
+    except (ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        raise ValueError(
+            f"tile {file} of the kernel at {root} is damaged: not the .npz of arrays that "
+            "empirical_ntk writes"
+        ) from None
+    for k, value in values.items():
+        want = tuple(results[k][grid.rows[i], grid.cols[j]].shape)
+        if tuple(value.shape) != want:
+            raise ValueError(
+                f"tile {file} of the kernel at {root} has shape {tuple(value.shape)}, "
+                f"expected {want}"
+            )
+    return i, j, values
 
 
 def check_empty(root: Path, rewrite: bool = False) -> None:

@@ -96,6 +96,18 @@ def new_manifest(settings: dict, batch: int) -> dict:
     return manifest
 
 
+def store_root(path) -> Path:
+    """The directory of a feature store named by `path`; refuse what is not a path, or a file."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"path must be a str or os.PathLike naming a feature store, got {type(path).__name__}"
+        )
+    root = Path(path)
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"path {root} is a file; a feature store is a directory")
+    return root
+
+
 def read_manifest(root: Path) -> dict:
     """The manifest of the store at `root`, checked field by field (`check_manifest`)."""
     file = root / MANIFEST
@@ -287,7 +299,7 @@ def open_store(path: str | os.PathLike, *, verify: bool = True) -> np.ndarray:
     verify: recompute every block's SHA-256 and refuse a corrupted store (reads the whole file).
     Use `projections.kernel(open_store(p), kind=store_info(p)["kind"])` for Φ Φᵀ in tiles.
     """
-    root = Path(path)
+    root = store_root(path)
     manifest = read_manifest(root)
     if not complete(manifest):
         missing = manifest["num_blocks"] - len(manifest["blocks"])
@@ -312,7 +324,7 @@ def foreign_files(path: str | os.PathLike) -> list[str]:
 
 def store_info(path: str | os.PathLike) -> dict:
     """The manifest of the store at `path` (settings, shape, complete blocks), checked."""
-    return read_manifest(Path(path))
+    return read_manifest(store_root(path))
 
 
 # -- writing -------------------------------------------------------------------------------------

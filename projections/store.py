@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -66,6 +65,7 @@ def featurize(
     rank calling with the same arguments (None: whenever a group of more than one process is
     initialised); see `projections.distributed`.
     """
+    root = _format.store_root(path)
     block = check_integer(block, "block")
     batch_size = check_integer(batch_size, "batch_size", optional=True)
     try:
@@ -96,7 +96,6 @@ def featurize(
     first = next(blocks)
     fz.prepare(first, "data")
     blocks = _chain(first, blocks)
-    root = Path(path)
     settings = {
         "format": _format.FORMAT,
         "model": fz.fingerprint(),

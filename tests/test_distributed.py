@@ -4,6 +4,7 @@ rank 1 dies mid-way and is resumed. The worker is tests/distributed_worker.py.""
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -170,6 +171,28 @@ def test_ranks_that_disagree_or_fail_raise_on_every_rank(runs):
         and "not an empty directory" in errors[0]["path"]
     )
     assert errors[1]["path"].startswith("RuntimeError: rank 0 failed")
+
+
+def test_kernel_tiles_that_are_missing_damaged_or_misshapen_are_named(tmp_path):
+    """load_tiles of a file, a missing tile, a damaged or misshapen one failed with raw
+    NotADirectoryError, FileNotFoundError, numpy's pickle advice or a broadcast error."""
+    model, x = model_and_data()
+    ntk.distributed.empirical_ntk(model, x[:8], kind="trace", batch_size=4, path=tmp_path / "t")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="file, not a directory of kernel tiles"):
+        ntk.distributed.load_tiles(tmp_path / "file")
+    tile = tmp_path / "t" / "tiles" / "0_1.npz"
+    cases = [
+        (lambda: tile.unlink(), "is missing"),
+        (lambda: tile.write_bytes(b"junk"), "is damaged: not the .npz of arrays"),
+        (lambda: np.savez(tile, c0=np.zeros((2, 2))), "has shape \\(2, 2\\), expected \\(4, 4\\)"),
+    ]
+    for damage, message in cases:
+        damage()
+        with pytest.raises(ValueError, match=f"^tile {re.escape(str(tile))} .*{message}"):
+            ntk.distributed.load_tiles(tmp_path / "t")
+        with pytest.raises(ValueError, match=f"{message}.*; out holds only the tiles before this"):
+            ntk.distributed.load_tiles(tmp_path / "t", out=np.zeros((8, 8)))
 
 
 def test_single_process_fallback_and_errors(tmp_path):

@@ -151,6 +151,24 @@ def test_mismatched_settings_and_models_are_refused(tmp_path):
         store(path, model, x)
 
 
+def test_a_path_that_is_a_file_or_no_path_is_refused_naming_path(tmp_path):
+    """featurize into an existing file failed with a raw FileExistsError, open_store(None) with
+    a TypeError from pathlib."""
+    model, x = model_and_data()
+    (tmp_path / "file").write_text("x")
+    message = f"path {tmp_path / 'file'} is a file; a feature store is a directory"
+    for call in (
+        lambda: store(tmp_path / "file", model, x),
+        lambda: projections.open_store(tmp_path / "file"),
+        lambda: projections.store_info(tmp_path / "file"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            call()
+    with pytest.raises(TypeError, match="path must be a str or os.PathLike .* got NoneType"):
+        projections.open_store(None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
 def test_a_labelled_kind_is_refused_before_anything_is_written(tmp_path):
     """featurize takes no labels: kind='lpntk' is refused naming kind (it failed asking for a
     labels= featurize lacks, after creating the store)."""
