@@ -37,7 +37,8 @@ _PROBE = 4  # samples `Featurizer.prepare` runs through the model (`block` check
 
 
 class Featurizer:
-    """Fixed projection settings for one model; call `block(x)` on batches of samples.
+    """Fixed projection settings for one model; call `prepare(x)` on a first batch, then
+    `block(x)` on batches of samples.
 
     The random matrices are generated once and reused for every batch. The model is read
     through a functional view and never modified.
@@ -171,6 +172,10 @@ class Featurizer:
     def block(self, x, labels=None) -> Features:
         """Features of a prepared batch: [B, k] or [B, O, k] (dict per layer with per_layer);
         `labels`: the batch's labels, for a labelled kind."""
+        if self._plan is None:
+            raise RuntimeError("call prepare(x) first: it checks the model's outputs and plans")
+        if inputs.count(x) == 0:
+            raise ValueError("x holds no samples")
         return self._block(x, self.kind.check_labels(labels, inputs.count(x), self.num_outputs))
 
     def _block(self, x, labels) -> Features:

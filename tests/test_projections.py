@@ -3,6 +3,7 @@ determinism, the structured (Kronecker) and dense paths, and input checks."""
 
 import copy
 import math
+import re
 
 import numpy as np
 import pytest
@@ -512,6 +513,17 @@ def test_features_of_a_mixed_precision_model():
     exact = ntk.empirical_ntk(model, x, kind="full").double()
     estimate = torch.einsum("iak,jbk->ijab", phi, phi)
     assert float((estimate - exact).norm() / exact.norm()) < 0.1
+
+
+def test_a_featurizer_names_a_missing_prepare_and_an_empty_batch():
+    """block before prepare failed inside torch.eye, an empty batch inside the model."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).eval()
+    x = torch.randn(6, 4)
+    with pytest.raises(RuntimeError, match=re.escape("call prepare(x) first")):
+        projections.Featurizer(model, dim=8).block(x)
+    with pytest.raises(ValueError, match="^x holds no samples$"):
+        projections.Featurizer(model, dim=8).prepare(x).block(x[:0])
 
 
 def test_kernel_of_features_in_two_dtypes():
