@@ -28,7 +28,7 @@ import json
 import math
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 
 import ntk
 from ntk.core import inputs
+from ntk.core.checks import check_integer
 from ntk.core.files import atomic_path
 from ntk.core.kinds import ONE_LOGIT
 from ntk.core.model import ModelView
@@ -158,6 +159,23 @@ def report(
             raise ValueError(
                 f"path: {target} is not a regular file; the report replaces it by a rename"
             )
+    if surrogate is not None and not isinstance(surrogate, KernelSurrogate):
+        raise TypeError(
+            f"surrogate must be a KernelSurrogate of model or None, got {type(surrogate).__name__}"
+        )
+    if retrain is not None and not callable(retrain):
+        raise TypeError(
+            "retrain must be a callable (x, y) -> trained network or None, got "
+            f"{type(retrain).__name__}"
+        )
+    if settings is not None and not isinstance(settings, Mapping):
+        raise TypeError(
+            f"settings must be a dict of extra settings rows or None, got {type(settings).__name__}"
+        )
+    if image_shape is not None:
+        if isinstance(image_shape, str) or not isinstance(image_shape, (Sequence, np.ndarray)):
+            raise TypeError(f"image_shape must be (H, W), (C, H, W) or None, got {image_shape!r}")
+        image_shape = tuple(check_integer(s, "image_shape's sizes") for s in image_shape)
     if surrogate is not None and surrogate.model is not model:
         raise ValueError(
             "surrogate is a KernelSurrogate of another model (surrogate.model is not model); "
@@ -641,14 +659,13 @@ def _image_view(x, image_shape) -> np.ndarray | None:
         if image_shape is not None:
             raise ValueError("image_shape needs tensor inputs, not a tuple or dict of tensors")
         return None
-    if image_shape is not None:
-        shape = tuple(int(s) for s in image_shape)
-        if math.prod(shape) != x[0].numel() or len(shape) not in (2, 3):
+    if image_shape is not None:  # a tuple of positive ints (checked by `report`)
+        if math.prod(image_shape) != x[0].numel() or len(image_shape) not in (2, 3):
             raise ValueError(
-                f"image_shape {shape} does not fit samples of shape {tuple(x.shape[1:])} "
+                f"image_shape {image_shape} does not fit samples of shape {tuple(x.shape[1:])} "
                 "(give (H, W) or (C, H, W))"
             )
-        return x.detach().cpu().float().reshape(-1, *shape).numpy()
+        return x.detach().cpu().float().reshape(-1, *image_shape).numpy()
     if x.dim() == 3 or (x.dim() == 4 and x.shape[1] in (1, 3)):
         return x.detach().cpu().float().numpy()
     return None

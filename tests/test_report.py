@@ -230,10 +230,14 @@ def test_files_it_cannot_write_and_another_models_surrogate_are_refused_before_a
             {"path": tmp_path / "s.html", "surrogate": KernelSurrogate(copy.deepcopy(model))},
             "surrogate is a KernelSurrogate of another model",
         ),
+        ({"path": tmp_path / "s.html", "image_shape": (4, -2)}, "image_shape's sizes must be"),
     ]
     for arguments, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
             report(model, x_train, y_train, x_test, y_test, **arguments)
+    for name in ("surrogate", "retrain", "settings", "image_shape"):  # failed deep inside
+        with pytest.raises(TypeError, match=f"^{name} must be .* got (str|'x')"):
+            report(model, x_train, y_train, x_test, y_test, path=tmp_path / "s.html", **{name: "x"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.html", "r.json"]
 
 
