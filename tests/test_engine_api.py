@@ -817,6 +817,30 @@ def test_kernel_of_one_set_is_exactly_symmetric(method):
             assert torch.equal(k, k.permute(*perm)), (kind, batch_size)
 
 
+def test_a_list_of_rows_is_read_as_an_array_and_a_tuple_as_several_inputs():
+    """A Python list was read as several positional inputs (one per sample), failing with
+    structure errors, while KernelSurrogate read it as a table; now it is an array everywhere."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).eval()
+    x, y, xt = torch.randn(6, 3), torch.arange(6) % 2, torch.randn(2, 3)
+    torch.testing.assert_close(
+        ntk.empirical_ntk(model, x.tolist(), kind="trace"),
+        ntk.empirical_ntk(model, x, kind="trace"),
+    )
+    torch.testing.assert_close(
+        attribution.influence(model, x.tolist(), y, xt.tolist(), damping=0.1),
+        attribution.influence(model, x, y, xt, damping=0.1),
+    )
+    posterior = attribution.NTKPosterior(model).fit(x, y)
+    np.testing.assert_allclose(
+        posterior.predict_proba(xt.tolist()), posterior.predict_proba(xt), rtol=1e-6
+    )
+    with pytest.raises(ValueError, match=r"^x1 is a list that is not an array .*a tuple means"):
+        ntk.empirical_ntk(model, [[1.0, 2.0, 3.0], [1.0]], kind="trace")
+    with pytest.raises(ValueError, match="x1: all tensors must have the same number of samples"):
+        ntk.empirical_ntk(model, (x, xt), kind="trace")  # a tuple: two inputs of the model
+
+
 def test_numpy_float64_inputs_take_the_models_dtype():
     """numpy's default float64 arrays to a float32 model failed in its first layer ("mat1 and
     mat2 must have the same dtype"); they are cast to the parameters' dtype, as sklearn casts,

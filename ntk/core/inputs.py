@@ -34,7 +34,8 @@ def param_dtype(model) -> torch.dtype | None:
 def from_numpy(x, name: str, dtype: torch.dtype | None = None):
     """`x` with numpy arrays (alone, in a tuple/list or in a dict) turned into tensors of the
     same dtype (floating ones in `dtype` when given), so that arrays are accepted wherever
-    tensors are; tensors pass through."""
+    tensors are; tensors pass through. A list of no tensors or arrays (numbers, rows of them) is
+    read as a numpy array, as scikit-learn reads it; a tuple stays several model inputs."""
 
     def one(leaf):
         if not isinstance(leaf, np.ndarray):
@@ -44,6 +45,14 @@ def from_numpy(x, name: str, dtype: torch.dtype | None = None):
         t = torch.as_tensor(np.ascontiguousarray(leaf))
         return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
+    if isinstance(x, list) and not any(isinstance(v, (torch.Tensor, np.ndarray)) for v in x):
+        try:
+            x = np.asarray(x)
+        except ValueError:
+            raise ValueError(
+                f"{name} is a list that is not an array of numbers (rows of unequal length?): "
+                "pass a tensor or numpy array (a tuple means several model inputs)"
+            ) from None
     if isinstance(x, (tuple, list)):
         return tuple(one(v) for v in x)
     if isinstance(x, dict):
