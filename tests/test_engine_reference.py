@@ -321,6 +321,74 @@ def test_a_layer_whose_forward_is_replaced_on_the_instance_is_not_factored():
         assert rel_err(value, ref[layer]) <= 1e-10, layer
 
 
+class _CatReuse(torch.nn.Module):
+    """a's weight is used again outside a, inside torch.cat's list argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.out = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        w = torch.cat([self.a.weight, self.a.weight], 1)
+        return self.out(torch.tanh(self.a(x)) + 0.5 * torch.cat([x, x], 1) @ w.T)
+
+
+class _SortUnsort(torch.nn.Module):
+    """Per sample, but a sees the batch sorted by norm (row b is another sample's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.out = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        idx = x.norm(dim=1).argsort()
+        return self.out(torch.tanh(self.a(x[idx])[idx.argsort()]))
+
+
+class _Flipped(_SortUnsort):
+    def forward(self, x):
+        return self.out(torch.tanh(self.a(x.flip(0)).flip(0)))
+
+
+@pytest.mark.parametrize("method", ("structured", "auto"))
+@pytest.mark.parametrize("model", (_CatReuse, _SortUnsort, _Flipped))
+def test_a_weight_in_a_list_argument_or_a_reordered_batch_leaves_the_layer_to_autodiff(
+    model, method
+):
+    """A weight used again inside a list argument (torch.cat, einsum's list form) was not seen
+    as used outside its module, and a layer fed the batch in another order (sorted, flipped)
+    was read as if row b were sample b: the structured kernel was 24–52 % off, silently."""
+    torch.manual_seed(0)
+    net = model().double().eval()
+    x = torch.randn(7, 3, dtype=torch.float64)
+    ref = kernels(net, x)
+    parts = ntk.empirical_ntk(net, x, kind="full", method=method, layers="all")
+    for layer, value in parts.items():
+        assert rel_err(value, ref[layer]) <= 1e-10, layer
+
+
+def test_a_layer_run_on_micro_batches_is_refused_by_the_structured_method():
+    """A module called once per chunk of the batch kept only the last chunk's inputs (a layer's
+    kernel 87 % off, the last sample's row broadcast to all): now an error naming it."""
+
+    class MicroBatched(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.out = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.out(torch.tanh(torch.cat([self.c(chunk) for chunk in x.split(3)])))
+
+    torch.manual_seed(0)
+    net = MicroBatched().double().eval()
+    x = torch.randn(7, 3, dtype=torch.float64)
+    with pytest.raises(Exception, match="module 'c' once per forward pass"):
+        ntk.empirical_ntk(net, x, kind="trace", method="structured", layers=["c"])
+    value = ntk.empirical_ntk(net, x, kind="full", method="jacobian", layers="all")
+    ref = kernels(net, x)
+    assert all(rel_err(value[layer], ref[layer]) <= 1e-10 for layer in value)
+
+
 def test_structured_plan_covers_known_layers_and_falls_back_for_the_rest():
     from ntk.core import inputs
     from ntk.core.model import ModelView

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from . import inputs
 from .jacobian import jacobian_features
@@ -281,7 +282,8 @@ class _UsageProbe(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         current = self.stack[-1] if self.stack else None
-        for arg in (*args, *kwargs.values()):
+        # nested too: a weight inside a list or tuple argument (torch.cat([w, w]), einsum's list)
+        for arg in tree_leaves((args, kwargs)):
             name = self.param_ids.get(id(arg))
             if name is not None:
                 self.users.setdefault(name, set()).add(current)
@@ -437,27 +439,62 @@ def _leads_with(args, out, b: int) -> bool:
 
 
 def _leading_sample_axis(view: ModelView, x, names: dict[str, nn.Module]) -> set[str]:
-    """The layers among `names` whose input and output lead with the sample axis in a forward
-    pass on _CONFIRM copies of the first sample of `x`. The planning pass alone cannot tell it
-    from another axis of _PROBE entries: a sequence-first [S, B, F] with S = 2 (the default
-    layout of nn.TransformerEncoderLayer) would be factored as if S were the samples."""
+    """The layers among `names` whose input and output lead with the sample axis, row b holding
+    sample b: in a forward pass on _CONFIRM copies of the first sample of `x` (the planning pass
+    alone cannot tell the sample axis from another axis of _PROBE entries: a sequence-first
+    [S, B, F] with S = 2, the default layout of nn.TransformerEncoderLayer, would be factored as
+    if S were the samples), and, in a pass on up to _CONFIRM distinct samples, with each row equal
+    to that sample's own pass (a model that sorts, flips or routes the batch around a layer feeds
+    it other samples' rows)."""
     seen: set[str] = set()
+    captured: dict[str, list] = {}
+    rows = [_CONFIRM]  # samples in the current pass
 
     def hook(name):
         def record(module, args, out):
-            if _leads_with(args, out, _CONFIRM):
+            if _leads_with(args, out, rows[0]):
                 seen.add(name)
+                captured.setdefault(name, []).append((args[0].detach(), out.detach()))
 
         return record
 
+    def run(idx: list[int]) -> None:
+        captured.clear()
+        rows[0] = len(idx)
+        with torch.no_grad():
+            view.forward(view.params, inputs.take(x, torch.tensor(idx, dtype=torch.long)))
+
     handles = [module.register_forward_hook(hook(n), prepend=True) for n, module in names.items()]
     try:
-        with torch.no_grad():
-            view.forward(view.params, inputs.take(x, torch.zeros(_CONFIRM, dtype=torch.long)))
+        run([0] * _CONFIRM)
+        confirmed, seen = seen, set()
+        distinct = list(range(min(_CONFIRM, inputs.count(x))))
+        if len(distinct) > 1:
+            run(distinct)
+            batched = {n: captured[n][0] for n in seen if len(captured[n]) == 1}
+            for b in distinct:
+                run([b])
+                batched = {
+                    n: pair
+                    for n, pair in batched.items()
+                    if len(captured.get(n, ())) == 1
+                    and all(_same(t[b], one[0]) for t, one in zip(pair, captured[n][0]))
+                }
+            confirmed &= set(batched)
     finally:
         for h in handles:
             h.remove()
-    return seen
+    return confirmed
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether one sample's row of a batched pass matches its own pass, to rounding."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.is_floating_point():
+        return bool(torch.equal(a, b))
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    return bool(torch.allclose(a, b, rtol=1e-4, atol=1e-5 * scale + 1e-12))
 
 
 def _batch_shared(module: nn.Module, args, out) -> bool:
@@ -604,6 +641,12 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor, name: str | Non
     def hook(name):
         def record(module, args, out):
             x_in = args[0].detach()
+            if name in layer_inputs or (name not in plan_.shared and x_in.shape[0] != b):
+                raise RuntimeError(
+                    f"the structured eNTK reads module {name!r} once per forward pass with all "
+                    f"{b} samples, but it ran again or on {x_in.shape[0]} of them (micro-batches?)"
+                    "; pass method='jacobian'"
+                )
             if name in plan_.shared:
                 out, x_in = _expand_shared(out, x_in, b)
             if isinstance(module, nn.Embedding):
