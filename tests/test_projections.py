@@ -569,3 +569,27 @@ def test_projected_kernel_of_sequences_of_other_lengths():
     torch.testing.assert_close(torch.as_tensor(k), phi1 @ phi2.T)
     exact = ntk.empirical_ntk(model, x1, x2, kind="sum_logits")
     assert float((torch.as_tensor(k) - exact).norm() / exact.norm()) < 0.1
+
+
+class _SortUnsort(nn.Module):
+    """Per sample, but its first layer sees the batch sorted by norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.out = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        idx = x.norm(dim=1).argsort()
+        return self.out(torch.tanh(self.a(x[idx])[idx.argsort()]))
+
+
+def test_a_layer_fed_a_reordered_batch_is_projected_from_its_own_samples_rows():
+    """The featurizer planned on one sample, which cannot show that a layer's row b is another
+    sample's: the projected kernel of a model that sorts its batch was 33 % off (0.8 % now, the
+    projection's own error at this dim)."""
+    torch.manual_seed(0)
+    model = _SortUnsort().double().eval()
+    x = torch.randn(7, 3, dtype=torch.float64)
+    exact = ntk.empirical_ntk(model, x, kind="trace", method="jacobian")
+    got = projections.projected_ntk(model, x, kind="trace", dim=20000, seed=0)
+    assert (got - exact).abs().max() / exact.abs().max() < 0.05
