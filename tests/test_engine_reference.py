@@ -389,6 +389,27 @@ def test_a_layer_run_on_micro_batches_is_refused_by_the_structured_method():
     assert all(rel_err(value[layer], ref[layer]) <= 1e-10 for layer in value)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_a_layer_run_under_no_grad_has_a_zero_kernel(method):
+    """A layer the forward runs under torch.no_grad() does not move the outputs: its kernel is
+    zero (the structured method failed, "element 0 of tensors does not require grad")."""
+
+    class NoGrad(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.out = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            with torch.no_grad():
+                h = torch.tanh(self.a(x))
+            return self.out(h)
+
+    net = NoGrad().double().eval()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    value = ntk.empirical_ntk(net, x, kind="full", method=method, layers=["a"])["a"]
+    assert value.shape == (5, 5, 2, 2) and not value.any()
+
+
 def test_structured_plan_covers_known_layers_and_falls_back_for_the_rest():
     from ntk.core import inputs
     from ntk.core.model import ModelView

@@ -681,7 +681,9 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor, name: str | Non
         grad_out = grad_out.contiguous()
         layers = list(perturbations)
         targets = [perturbations[n] for n in layers]
-        if grad_out.shape[0] == 1:  # one cotangent: a plain backward pass, no vmap over it
+        if not out.requires_grad:  # no factored layer reaches the outputs (a torch.no_grad())
+            signals = [None] * len(targets)
+        elif grad_out.shape[0] == 1:  # one cotangent: a plain backward pass, no vmap over it
             signals = torch.autograd.grad(out, targets, grad_out[0], allow_unused=True)
             signals = [None if s is None else s.unsqueeze(0) for s in signals]
         else:
