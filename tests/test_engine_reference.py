@@ -367,26 +367,38 @@ def test_a_weight_in_a_list_argument_or_a_reordered_batch_leaves_the_layer_to_au
         assert rel_err(value, ref[layer]) <= 1e-10, layer
 
 
-def test_a_layer_run_on_micro_batches_is_refused_by_the_structured_method():
+class _MicroBatched(torch.nn.Module):
+    """Per sample, but c runs once per chunk of 4 samples."""
+
+    def __init__(self):
+        super().__init__()
+        self.c, self.out = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(torch.cat([self.c(part) for part in x.split(4)])))
+
+
+@pytest.mark.parametrize("method", ("structured", "auto"))
+def test_a_layer_run_on_micro_batches_is_left_to_autodiff(method):
     """A module called once per chunk of the batch kept only the last chunk's inputs (a layer's
-    kernel 87 % off, the last sample's row broadcast to all): now an error naming it."""
-
-    class MicroBatched(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.c, self.out = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)
-
-        def forward(self, x):
-            return self.out(torch.tanh(torch.cat([self.c(chunk) for chunk in x.split(3)])))
-
+    kernel 87 % off, the last sample's row broadcast to all): the plan sees the chunks (a pass on
+    up to structured._CHUNKS samples) and leaves the module to autodiff."""
     torch.manual_seed(0)
-    net = MicroBatched().double().eval()
+    net = _MicroBatched().double().eval()
     x = torch.randn(7, 3, dtype=torch.float64)
-    with pytest.raises(Exception, match="module 'c' once per forward pass"):
-        ntk.empirical_ntk(net, x, kind="trace", method="structured", layers=["c"])
-    value = ntk.empirical_ntk(net, x, kind="full", method="jacobian", layers="all")
     ref = kernels(net, x)
+    value = ntk.empirical_ntk(net, x, kind="full", method=method, layers="all")
     assert all(rel_err(value[layer], ref[layer]) <= 1e-10 for layer in value)
+
+
+def test_a_layer_run_on_chunks_the_plan_did_not_see_is_refused_naming_it():
+    """Planned on 3 samples (one chunk), computed on blocks of 20 (five): an error naming the
+    module instead of the last chunk's rows."""
+    torch.manual_seed(0)
+    net = _MicroBatched().double().eval()
+    x = torch.randn(20, 3, dtype=torch.float64)
+    with pytest.raises(Exception, match="module 'c' once per forward pass with all 20 samples"):
+        ntk.empirical_ntk(net, x[:3], x, kind="trace", method="structured", layers=["c"])
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -325,6 +325,7 @@ class Plan:
 
 _PROBE = 2  # samples in the planning pass: a module must see this batch axis to be factored
 _CONFIRM = 3  # samples in a second pass that tells the sample axis from an axis of _PROBE entries
+_CHUNKS = 16  # samples in a pass that finds modules run once per chunk of a batch of this many
 
 
 def plan(
@@ -445,7 +446,8 @@ def _leading_sample_axis(view: ModelView, x, names: dict[str, nn.Module]) -> set
     [S, B, F] with S = 2, the default layout of nn.TransformerEncoderLayer, would be factored as
     if S were the samples), and, in a pass on up to _CONFIRM distinct samples, with each row equal
     to that sample's own pass (a model that sorts, flips or routes the batch around a layer feeds
-    it other samples' rows)."""
+    it other samples' rows), and called once in a pass on up to _CHUNKS samples (micro-batches:
+    larger chunks are refused by `features`)."""
     seen: set[str] = set()
     captured: dict[str, list] = {}
     rows = [_CONFIRM]  # samples in the current pass
@@ -469,18 +471,24 @@ def _leading_sample_axis(view: ModelView, x, names: dict[str, nn.Module]) -> set
         run([0] * _CONFIRM)
         confirmed, seen = seen, set()
         distinct = list(range(min(_CONFIRM, inputs.count(x))))
-        if len(distinct) > 1:
-            run(distinct)
-            batched = {n: captured[n][0] for n in seen if len(captured[n]) == 1}
-            for b in distinct:
-                run([b])
-                batched = {
-                    n: pair
-                    for n, pair in batched.items()
-                    if len(captured.get(n, ())) == 1
-                    and all(_same(t[b], one[0]) for t, one in zip(pair, captured[n][0]))
-                }
-            confirmed &= set(batched)
+        try:
+            if len(distinct) > 1:
+                run(distinct)
+                batched = {n: captured[n][0] for n in seen if len(captured[n]) == 1}
+                for b in distinct:
+                    run([b])
+                    batched = {
+                        n: pair
+                        for n, pair in batched.items()
+                        if len(captured.get(n, ())) == 1
+                        and all(_same(t[b], one[0]) for t, one in zip(pair, captured[n][0]))
+                    }
+                confirmed &= set(batched)
+            if inputs.count(x) > len(distinct):  # a module run on chunks of the batch
+                run(list(range(min(_CHUNKS, inputs.count(x)))))
+                confirmed = {n for n in confirmed if len(captured.get(n, ())) == 1}
+        except (RuntimeError, ValueError, IndexError, TypeError):
+            confirmed = set()  # a sample the model fails on: the blocks' own passes name it
     finally:
         for h in handles:
             h.remove()
