@@ -322,7 +322,7 @@ def kernel(phi1, phi2=None, *, kind: str, out=None, tile: int = 4096, progress: 
     results = grid.allocate(np.empty(grid.shape, dtype=dtype) if out is None else out)
     for name, phi in [("phi1", phi1)] + ([] if phi2 is None else [("phi2", phi2)]):
         for start in range(0, phi.shape[0], grid.tile_size):
-            rows = slice(start, start + grid.tile_size)
+            rows = slice(start, min(start + grid.tile_size, phi.shape[0]))
             require_finite(torch.as_tensor(np.asarray(phi[rows])), f"{name}[{start}:{rows.stop}]")
     grid.fill(results, grid.compute(progress=progress), out)
     return results[None]
