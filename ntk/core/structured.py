@@ -695,10 +695,7 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor, name: str | Non
             signals = torch.autograd.grad(out, targets, grad_out[0], allow_unused=True)
             signals = [None if s is None else s.unsqueeze(0) for s in signals]
         else:
-            with quiet_batching_notes():
-                signals = torch.autograd.grad(
-                    out, targets, grad_outputs=grad_out, is_grads_batched=True, allow_unused=True
-                )
+            signals = _batched_signals(out, targets, grad_out)
         for layer, d in zip(layers, signals):
             if d is None:
                 d = torch.zeros(
@@ -712,6 +709,29 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor, name: str | Non
         jac = jacobian_features(view, x, cot, plan_.fallback)
         terms += [Explicit(view.owner[n], g) for n, g in jac.items()]
     return terms
+
+
+def _batched_signals(out: torch.Tensor, targets: list, grad_out: torch.Tensor) -> list:
+    """∂(cotangent · out)/∂target for each of the C cotangents grad_out [C, B, O]: one backward
+    pass vmapped over them, or one pass per cotangent where the vmap fails inside a backward
+    formula (GroupNorm on a channels_last tensor: "NYI: querying is_contiguous inside of vmap")."""
+    try:
+        with quiet_batching_notes():
+            return torch.autograd.grad(
+                out,
+                targets,
+                grad_outputs=grad_out,
+                is_grads_batched=True,
+                allow_unused=True,
+                retain_graph=True,
+            )
+    except RuntimeError as exc:
+        if "vmap" not in str(exc):
+            raise
+    passes = [
+        torch.autograd.grad(out, targets, g, allow_unused=True, retain_graph=True) for g in grad_out
+    ]
+    return [None if parts[0] is None else torch.stack(parts) for parts in zip(*passes, strict=True)]
 
 
 def _checked(view: ModelView, x, name: str | None) -> torch.Tensor:
