@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 import ntk
 from ntk.core import inputs
 from ntk.core.checks import check_integer
-from ntk.core.files import atomic_path
+from ntk.core.files import atomic_path, check_replaceable
 from ntk.core.kinds import ONE_LOGIT
 from ntk.core.model import ModelView
 from ntk.spectrum import condition_from_eigenvalues
@@ -155,10 +155,7 @@ def report(
     for target in (path, json_path):
         if target.is_dir():
             raise ValueError(f"path: {target} is a directory, not a file the report can write")
-        if target.exists() and not target.is_file():
-            raise ValueError(
-                f"path: {target} is not a regular file; the report replaces it by a rename"
-            )
+        check_replaceable(target, "path")
     if surrogate is not None and not isinstance(surrogate, KernelSurrogate):
         raise TypeError(
             f"surrogate must be a KernelSurrogate of model or None, got {type(surrogate).__name__}"

@@ -381,10 +381,13 @@ def check_paths(
     written += [(flag, path, True) for flag, path in directories if path is not None]
     for flag, path, directory in written:
         _check_writable(flag, path, directory)
-        if flag in renamed and Path(path).exists() and not Path(path).is_file():
-            raise UsageProblem(
-                f"{flag}: {path} is not a regular file; the output replaces it by a rename"
-            )
+        if flag in renamed:
+            from ntk.core.files import check_replaceable
+
+            try:
+                check_replaceable(path, flag)
+            except ValueError as exc:
+                raise UsageProblem(str(exc)) from None
     entries = [(flag, path, True) for flag, path, _ in written]
     entries += [(flag, path, False) for flag, path in reads if path is not None]
     resolved = [Path(path).resolve() for _, path, _ in entries]

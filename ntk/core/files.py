@@ -23,6 +23,17 @@ def _new_temporary(target: Path) -> Path:
     raise FileExistsError(f"no free temporary name for {target}")
 
 
+def check_replaceable(target, name: str | None = None) -> None:
+    """Refuse an existing `target` that is not a regular file (a device such as /dev/null, a
+    pipe): `atomic_path`'s rename would replace it. `name`: the argument or flag that gave it."""
+    target = Path(target)
+    if target.exists() and not target.is_file():
+        where = "" if name is None else f"{name}: "
+        raise ValueError(
+            f"{where}{target} is not a regular file; the output replaces it by a rename"
+        )
+
+
 @contextmanager
 def atomic_path(target, *, temporary: str | None = None, durable: bool = False) -> Iterator[Path]:
     """Yield a temporary path in `target`'s folder to write; on normal exit (fsync'ed first if
@@ -34,8 +45,7 @@ def atomic_path(target, *, temporary: str | None = None, durable: bool = False) 
     empty, with the permissions of a normal new file). An existing `target` that is not a
     regular file (a device such as /dev/null, a pipe) is refused: the rename would replace it."""
     target = Path(target)
-    if target.exists() and not target.is_file():
-        raise ValueError(f"{target} is not a regular file; the output replaces it by a rename")
+    check_replaceable(target)
     tmp = _new_temporary(target) if temporary is None else target.parent / temporary
     try:
         yield tmp
