@@ -448,14 +448,12 @@ def _leading_sample_axis(view: ModelView, x, names: dict[str, nn.Module]) -> set
     to that sample's own pass (a model that sorts, flips or routes the batch around a layer feeds
     it other samples' rows), and called once in a pass on up to _CHUNKS samples (micro-batches:
     larger chunks are refused by `features`)."""
-    seen: set[str] = set()
-    captured: dict[str, list] = {}
+    captured: dict[str, list] = {}  # layer → (input, output) of each call leading with the rows
     rows = [_CONFIRM]  # samples in the current pass
 
     def hook(name):
         def record(module, args, out):
             if _leads_with(args, out, rows[0]):
-                seen.add(name)
                 captured.setdefault(name, []).append((args[0].detach(), out.detach()))
 
         return record
@@ -469,12 +467,12 @@ def _leading_sample_axis(view: ModelView, x, names: dict[str, nn.Module]) -> set
     handles = [module.register_forward_hook(hook(n), prepend=True) for n, module in names.items()]
     try:
         run([0] * _CONFIRM)
-        confirmed, seen = seen, set()
+        confirmed = set(captured)
         distinct = list(range(min(_CONFIRM, inputs.count(x))))
         try:
             if len(distinct) > 1:
                 run(distinct)
-                batched = {n: captured[n][0] for n in seen if len(captured[n]) == 1}
+                batched = {n: calls[0] for n, calls in captured.items() if len(calls) == 1}
                 for b in distinct:
                     run([b])
                     batched = {
