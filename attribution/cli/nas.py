@@ -19,6 +19,7 @@ from .common import (
     load_arrays,
     load_object,
     load_output_fn,
+    model_files,
     output_options,
     spec_file,
     untrained_note,
@@ -107,7 +108,7 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
 
     check_paths(
         [("--output", out.path)],
-        [("--candidates", spec_file(spec)), ("--data", None if data == "digits" else data)],
+        [("--candidates", spec_file(spec)), *model_files(None, None, data)],
     )
     candidates = demo_space() if spec is None else load_object(spec, "candidates")
     if not isinstance(candidates, dict):
