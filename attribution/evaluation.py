@@ -66,13 +66,7 @@ def _array(x) -> np.ndarray:
 
 def _numbers(x, name: str) -> np.ndarray:
     """`_array(x)`, refused naming `name` unless it holds numbers (not strings or objects)."""
-    array = _array(x)
-    if array.dtype.kind not in "biuf":
-        raise TypeError(
-            f"{name} must hold numbers, got {array.dtype.name} values such as "
-            f"{array.reshape(-1)[:1].tolist()}"
-        )
-    return array
+    return inputs.numbers(_array(x), name)
 
 
 def _as_mask(subsets, n: int) -> torch.Tensor:

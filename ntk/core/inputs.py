@@ -66,14 +66,22 @@ def targets(y, name: str = "y") -> torch.Tensor:
     objects) refused with a message naming `name`."""
     if isinstance(y, torch.Tensor):
         return y.detach()
-    array = np.asarray(y)
+    array = numbers(
+        y, name, " (integer class labels or real targets)", "; map class names to 0..C−1 first"
+    )
+    return torch.as_tensor(array)
+
+
+def numbers(x, name: str, what: str = "", advice: str = "") -> np.ndarray:
+    """`x` (a numpy array or a list) as a numpy array of numbers or booleans; strings and objects
+    are refused naming `name` (`what` describes the numbers wanted, `advice` ends the message)."""
+    array = np.asarray(x)
     if array.dtype.kind not in "biuf":
         raise TypeError(
-            f"{name} must hold numbers (integer class labels or real targets), got "
-            f"{array.dtype.name} values such as {array.reshape(-1)[:1].tolist()}; map class "
-            "names to 0..C−1 first"
+            f"{name} must hold numbers{what}, got {array.dtype.name} values such as "
+            f"{array.reshape(-1)[:1].tolist()}{advice}"
         )
-    return torch.as_tensor(array)
+    return array
 
 
 def check_finite_targets(y: torch.Tensor, name: str = "y") -> None:
