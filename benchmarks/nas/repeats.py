@@ -31,6 +31,7 @@ from compare import (
     HERE,
     JUDGED,
     LARGE,
+    OUTSIDE_POOL,
     SMALL,
     SPACE_NAMES,
     choose,
@@ -113,19 +114,17 @@ def main() -> None:
     for name in args.spaces.split(","):
         data[name], accs[name] = scored(name, args.cached)
     spaces = list(data)
-    # τ of every candidate (single metrics and votes) per number of repeats and space, from the
-    # pool as coded, and without (`narrow`) and with (`wider`) compare.JUDGED's metrics
-    taus, narrow, wider = {}, {}, {}
+    # τ of every candidate (single metrics and votes) per number of repeats and space, by the
+    # metrics left out of the pool: as coded (OUTSIDE_POOL), without compare.JUDGED's metrics and
+    # with them (the dict computes each distinct pool once; the coded one is one of the others)
+    by_pool: dict[tuple, dict] = {OUTSIDE_POOL: {}, JUDGED: {}, (): {}}
     for r in range(1, REPEATS + 1):
         scores = {s: means(data[s], r) for s in spaces}
         for what, votes in (("score", False), ("rank", True)):
-            for table, pool in (
-                (taus, {}),
-                (narrow, {"outside": JUDGED}),
-                (wider, {"outside": ()}),
-            ):
-                t = leave_one_out(scores, accs, votes, **pool)[2]
+            for outside, table in by_pool.items():
+                t = leave_one_out(scores, accs, votes, outside=outside)[2]
                 table.update({(what, c, r): t[c] for c in t})
+    taus, narrow, wider = by_pool[OUTSIDE_POOL], by_pool[JUDGED], by_pool[()]
     code = {
         "score": proxy_label(proxies.DEFAULT, proxies.DEFAULT_BATCH_SIZE),
         "rank": proxy_label(" + ".join(proxies.DEFAULT_RANKING), proxies.RANKING_BATCH_SIZE),
