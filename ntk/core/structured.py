@@ -694,6 +694,7 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor, name: str | Non
             signals = [None if s is None else s.unsqueeze(0) for s in signals]
         else:
             signals = _batched_signals(out, targets, grad_out)
+            out = out.detach()  # frees the graph, which it retained for its per-cotangent passes
         for layer, d in zip(layers, signals):
             if d is None:
                 d = torch.zeros(
