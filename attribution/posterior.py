@@ -244,9 +244,13 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
                 raise ValueError(
                     f"{name} must be one of {', '.join(valid)}, got {getattr(self, name)!r}"
                 )
+        # sklearn's Integral and Real let a bool through: every number again by the shared checks
         for name, words in (("prior_precision", PRIORS), ("noise", ("auto",))):
             check_amount(getattr(self, name), name, words=words)
-        check_integer(self.mc_samples, "mc_samples")  # sklearn's Integral lets a bool through
+        check_integer(self.mc_samples, "mc_samples")
+        check_integer(self.projection_dim, "projection_dim", optional=True)
+        check_integer(self.seed, "seed", least=None)
+        check_integer(self.batch_size, "batch_size", optional=True)
         if self.curvature in STRATEGIES and not self._full_exact_jacobians():
             raise ValueError(
                 f"curvature={self.curvature!r} is the Kronecker-factored curvature of the full "

@@ -235,8 +235,17 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
     def _check_params(self) -> None:
         check_module(self.model)
         self._validate_params()
-        if self.alpha is not None:  # sklearn's Interval(Real) lets a bool through
+        # sklearn's Interval(Integral) and Interval(Real) let a bool through (True is 1): every
+        # number again by the shared checks (its range is the constraints')
+        if self.alpha is not None:
             check_amount(self.alpha, "alpha", words=("cv",))
+        check_amount(self.reference, "reference", zero=True)
+        if self.effective_parameters is not None:
+            check_amount(self.effective_parameters, "effective_parameters", below=1)
+        check_integer(self.projection_dim, "projection_dim", optional=True)
+        check_integer(self.cv, "cv", least=2)
+        check_integer(self.seed, "seed", least=None)
+        check_integer(self.batch_size, "batch_size", optional=True)
         if self.kind == "full" and (self.machine != "ridge" or self.normalize):
             raise ValueError(
                 "kind='full' (a multi-output kernel) works with machine='ridge' and "

@@ -821,6 +821,31 @@ def test_bool_prior_precision_and_noise_are_refused(small_classifier):
         NTKPosterior(model, likelihood="regression", noise=True).fit(x, torch.zeros(len(x), 3))
 
 
+def test_every_number_parameter_refuses_a_bool(small_classifier):
+    """sklearn's Integral and Real constraints let a bool through (True is 1): projection_dim,
+    seed and batch_size took True and False as 1 and 0 (a projection of dimension 1, or none)."""
+    model, x, y, _, _ = small_classifier
+    cases = _bools_the_constraints_take(attribution.NTKPosterior)
+    assert {"projection_dim", "seed", "batch_size", "mc_samples"} <= {n for n, _ in cases}
+    for name, value in cases:
+        with pytest.raises((ValueError, TypeError), match=f"^{name} must be .*got.* {value}$"):
+            NTKPosterior(model, **{name: value}).fit(x, y)
+
+
+def _bools_the_constraints_take(estimator) -> list[tuple[str, bool]]:
+    """(parameter, bool) for each bool that a parameter's scikit-learn constraints take though
+    the parameter is not a flag."""
+    from sklearn.utils._param_validation import make_constraint
+
+    return [
+        (name, value)
+        for name, constraints in estimator._parameter_constraints.items()
+        if constraints != "no_validation" and "boolean" not in constraints
+        for value in (True, False)
+        if any(make_constraint(c).is_satisfied_by(value) for c in constraints)
+    ]
+
+
 def test_a_bool_mc_samples_is_refused(small_classifier):
     """mc_samples=True passed sklearn's Integral and drew one sample."""
     model, x, y, _, _ = small_classifier

@@ -317,6 +317,24 @@ def test_a_bool_alpha_is_refused(trained):
         KernelSurrogate(model, alpha=True).fit(x[:40], y[:40])
 
 
+def test_every_number_parameter_refuses_a_bool():
+    """sklearn's Interval(Integral) and Interval(Real) let a bool through (True is 1):
+    projection_dim=True was a projection of dimension 1, reference=True the top quantile."""
+    from test_attribution_posterior import _bools_the_constraints_take
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    x = torch.randn(10, 4)
+    cases = _bools_the_constraints_take(KernelSurrogate)
+    expected = {"projection_dim", "seed", "batch_size", "reference", "alpha"}
+    assert expected <= {n for n, _ in cases}
+    for name, value in cases:
+        with pytest.raises((ValueError, TypeError), match=f"^{name} must be .*got.* {value}$"):
+            KernelSurrogate(model, **{name: value}).fit(x)
+    with pytest.raises(ValueError, match="^projection_dim must be a positive integer or None"):
+        KernelSurrogate(model, projection_dim=True).fit(x)
+
+
 def test_k_and_output_are_integers_not_bools_or_strings():
     """output=True was read as class (or column) 1, k=True as 1; k=1.5, "3" or None failed in
     numpy or on `<` with raw TypeErrors."""
