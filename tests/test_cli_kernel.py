@@ -1,22 +1,26 @@
 """`ntk kernel` as a user runs it: a subprocess, every format, saving, and usage errors."""
 
 import json
+import os
+import resource
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 import ntk
 
 
-def run(*args, cwd=None):
+def run(*args, cwd=None, **kwargs):
     return subprocess.run(
         [sys.executable, "-m", "attribution.cli", "kernel", *args],
         capture_output=True,
         text=True,
         cwd=cwd,
         timeout=300,
+        **kwargs,
     )
 
 
@@ -128,3 +132,26 @@ def test_every_format_carries_the_layer_shares_the_untrained_note_and_the_saved_
     assert run(*common, "--output", str(tmp_path / "k.txt")).returncode == 0
     written = (tmp_path / "k.txt").read_text()
     assert "eNTK of 6 samples" in written and "per-layer trace shares" in written
+
+
+@pytest.mark.parametrize("fmt", ["json", "csv", "table"])
+def test_an_output_that_fails_part_way_leaves_the_earlier_file(tmp_path, fmt):
+    """--output was written in place: a write that failed part-way (here a full disk, made by a
+    file size limit of 64 bytes) left the first 64 bytes of the result under the output's name
+    in place of the earlier file."""
+    (tmp_path / "factory.py").write_text(FACTORY)
+    np.savez(tmp_path / "data.npz", x=np.zeros((6, 4), np.float32))
+    target = tmp_path / "k.out"
+    target.write_text("an earlier result\n")
+    common = ["--model", str(tmp_path / "factory.py:build"), "--data", str(tmp_path / "data.npz")]
+
+    def full_disk():  # Python ignores SIGXFSZ: a write past the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64, resource.RLIM_INFINITY))
+
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    args = [*common, "--kind", "trace", "--format", fmt, "--output", str(target)]
+    out = run(*args, preexec_fn=full_disk, env=env)
+    assert out.returncode != 0 and "File too large" in out.stderr, out.stderr
+    assert target.read_text() == "an earlier result\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.npz", "factory.py", "k.out"]
+    assert run(*args).returncode == 0 and target.read_text() != "an earlier result\n"

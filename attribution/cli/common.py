@@ -16,6 +16,7 @@ import math
 import operator
 import os
 import re
+import shutil
 import sys
 import tempfile
 import zipfile
@@ -556,7 +557,8 @@ def emit(
             writer.writerows(rows)
             text = buf.getvalue()
         if out.path:
-            Path(out.path).write_text(text)
+            with output_file(out.path) as f:
+                f.write(text)
         else:
             click.echo(text, nl=False)
         return
@@ -572,11 +574,33 @@ def emit(
         notes = [*notes, f"{len(hidden)} more columns with --all or --columns, or in json/csv"]
     with contextlib.ExitStack() as stack:
         if out.path:
-            f = stack.enter_context(open(out.path, "a" if append else "w"))
+            f = stack.enter_context(output_file(out.path, append=append))
             console = Console(file=f, width=120, color_system=None)
         else:
             console = Console(color_system="auto" if interactive() else None)
         _print_table(console, rows, chosen, title, headers or {}, notes)
+
+
+@contextlib.contextmanager
+def output_file(path, *, append: bool = False):
+    """--output open for writing text, written to a temporary file renamed onto `path` once
+    complete, so that a failure part-way (a full disk, an interrupt, an error while rendering)
+    leaves no file, or the earlier one as it was, rather than a partial file under that name.
+    append: after what `path` holds (a second table of one command), copied into the temporary
+    file first. An existing `path` that is not a regular file (/dev/null, a pipe), which the
+    rename would replace, is written in place."""
+    target = Path(path)
+    if target.exists() and not target.is_file():
+        with open(target, "a" if append else "w") as f:
+            yield f
+        return
+    from ntk.core.files import atomic_path
+
+    with atomic_path(target) as tmp:
+        if append and target.exists():
+            shutil.copyfile(target, tmp)
+        with open(tmp, "a" if append else "w") as f:
+            yield f
 
 
 def _print_table(console, rows, shown, title, headers, notes) -> None:
