@@ -224,6 +224,36 @@ def test_an_output_that_names_another_output_or_an_input_is_refused_before_any_w
     assert not (f / "built").exists()  # refused before the model was even made
 
 
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        ("layers --model mine.models:build --output {out}", "--model"),
+        ("kernel --kind trace --model mine.models:build --save {out}", "--model"),
+        ("nas --candidates mine.models:CANDIDATES --output {out}", "--candidates"),
+    ],
+)
+def test_an_output_onto_the_module_a_dotted_spec_names_is_refused(
+    labelled, capsys, monkeypatch, args, flag
+):
+    """--model package.module:attr was not resolved to its file, so --output overwrote the
+    model's source; the module's file is found without importing anything (its package's
+    __init__ is not run), before any work."""
+    f = labelled
+    (f / "mine").mkdir()
+    (f / "mine" / "__init__.py").write_text("import pathlib\npathlib.Path('imported').touch()\n")
+    (f / "mine" / "models.py").write_text(FACTORY)
+    monkeypatch.chdir(f)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the CLI may add the working directory
+    before = {p: p.read_bytes() for p in f.rglob("*") if p.is_file()}
+    out = "mine/./models.py"
+    command, *rest = args.format(out=out).split()
+    err = usage_error(capsys, command, *rest, "--data", "train.npz")
+    written = "--save" if "--save" in rest else "--output"
+    assert f"{written} {out} is the input of {flag}" in err, err
+    assert {p: p.read_bytes() for p in f.rglob("*") if p.is_file()} == before
+    assert not (f / "imported").exists() and "mine" not in sys.modules
+
+
 def test_an_output_inside_the_store_that_featurize_writes_is_refused(labelled, capsys):
     f = labelled
     args = ["featurize", str(f / "st"), *MODEL.format(f=f).split(), "--dim", "8"]

@@ -96,14 +96,47 @@ def load_object(spec: str, what: str = "model") -> Any:
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
         else:
-            if os.getcwd() not in sys.path:
-                sys.path.insert(0, os.getcwd())
+            _working_directory_importable()
             module = importlib.import_module(target)
     except Exception as exc:
         raise UsageProblem(f"--{what}: cannot import {target}: {_first_line(exc)}") from None
     if not hasattr(module, attr):
         raise UsageProblem(f"--{what}: {target} has no attribute {attr!r}")
     return getattr(module, attr)
+
+
+def _working_directory_importable() -> None:
+    """Modules in the working directory importable by name, as with `python -m`."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
+def module_file(name: str) -> str | None:
+    """The file that `import name` (package.module) would run, found the way the import system
+    finds it (the working directory included, as `load_object` imports) but without importing
+    anything: a package's __init__ is not run to find its submodules, so nothing heavy is loaded.
+    None where no such file is found (a module that does not exist is left to the import to
+    report; a built-in or namespace package has no file)."""
+    parts = name.split(".")
+    if not all(part.isidentifier() for part in parts):
+        return None
+    _working_directory_importable()
+    spec, path = None, None
+    for i in range(len(parts)):
+        fullname = ".".join(parts[: i + 1])
+        spec = getattr(sys.modules.get(fullname), "__spec__", None)
+        if spec is None:
+            try:  # each finder of the import system, given the parent package's folders
+                found = (getattr(f, "find_spec", lambda *_: None) for f in sys.meta_path)
+                spec = next((s for find in found if (s := find(fullname, path))), None)
+            except Exception:  # a finder's own failure: the import will report it
+                return None
+        if spec is None:
+            return None
+        path = spec.submodule_search_locations
+        if path is None and i < len(parts) - 1:  # not a package: it has no submodules
+            return None
+    return spec.origin if spec.has_location and spec.origin else None
 
 
 def load_model(spec: str, weights: str | None = None, device: str | None = None) -> nn.Module:
@@ -350,14 +383,17 @@ def flag_names(**names: str):
 
 
 def spec_file(spec: str | None) -> str | None:
-    """The .py file that a path/file.py:attr spec (--model, --candidates) reads, else None."""
-    target = None if spec is None else spec.rsplit(":", 1)[0]
-    return target if target is not None and target.endswith(".py") else None
+    """The source file that a path/file.py:attr or package.module:attr spec (--model,
+    --candidates) reads (`module_file`, found without importing), else None."""
+    if spec is None or ":" not in spec:  # not a spec: load_object says so
+        return None
+    target = spec.rsplit(":", 1)[0]
+    return target if target.endswith(".py") else module_file(target)
 
 
 def model_files(model_spec, weights, data, option: str = "--data") -> list:
-    """(flag, path) of the files that --model (a .py file), --weights and --data (or the flag
-    `option` that gave the data) read, for `check_paths`."""
+    """(flag, path) of the files that --model (a .py file or a module's), --weights and --data
+    (or the flag `option` that gave the data) read, for `check_paths`."""
     return [
         ("--model", spec_file(model_spec)),
         ("--weights", weights),
