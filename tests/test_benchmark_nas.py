@@ -1,6 +1,6 @@
 """Smoke runs of the cross-space NAS benchmark (benchmarks/nas/compare.py,
-ground_truth_spaces.py) and the layer-importance families benchmark, and the leave-one-out
-choice they rely on."""
+ground_truth_spaces.py, holdout.py) and the layer-importance families benchmark, and the
+leave-one-out choice they rely on."""
 
 import os
 import subprocess
@@ -70,7 +70,14 @@ def test_leave_one_out_reports_the_held_out_tau_of_a_choice_made_without_it(nas_
 @pytest.mark.slow  # 25–35 s on the loaded 2-core machine
 def test_ground_truth_of_each_new_space_trains_every_seed(nas_modules):
     _, gt = nas_modules
-    for name in ("digits_cnn", "cancer_mlp", "seq_attention"):
+    assert set(gt.ALL_SPACES) == {
+        "digits_cnn",
+        "cancer_mlp",
+        "seq_attention",
+        "seq_conv",
+        "synth_mlp",
+    }
+    for name in gt.ALL_SPACES:
         truth = gt.ground_truth(name, seeds=(0, 1), n=2)
         archs = truth["architectures"]
         assert len(archs) == 2
@@ -90,6 +97,24 @@ def test_compare_smoke_prints_tau_per_space_and_the_held_out_choice():
     folds = _table(proc.stdout, "| held-out space |")
     assert set(folds) == {"digits_mlp", "digits_cnn", "cancer_mlp", "seq_attention"}
     assert "rank default chosen on all spaces" in proc.stdout
+
+
+@pytest.mark.slow  # ~20 s on the loaded 2-core machine
+def test_holdout_smoke_scores_the_coded_defaults_on_spaces_no_rule_reads(nas_modules):
+    """holdout.py checks the defaults as coded on the held-out spaces; the scripts that choose
+    the defaults never read those spaces."""
+    compare = nas_modules[0]
+    proc = _script("holdout.py", "--smoke")
+    assert proc.returncode == 0, proc.stderr
+    import holdout
+
+    for space in ("seq_conv", "synth_mlp"):
+        rows = _table(proc.stdout.split(f"{space}: ")[1], "| proxy |")
+        assert {holdout.SCORE_DEFAULT, holdout.RANK_DEFAULT, "naswot", "params"} == set(rows)
+        assert all(-1 <= float(row[0]) <= 1 for row in rows.values())
+    assert proxies.DEFAULT in holdout.SCORE_DEFAULT
+    assert " + ".join(proxies.DEFAULT_RANKING) in holdout.RANK_DEFAULT
+    assert not set(holdout.HELD_OUT_SPACES) & set(compare.SPACE_NAMES)
 
 
 def test_nb201_smoke_and_cached_report_without_the_truth_package():

@@ -9,8 +9,19 @@
   at position p. Embedding width 8–32, 1–3 blocks, 1–4 heads, with or without the attention
   (MLP-only blocks), mean- or first-token pooling.
 
-`SPACES[name]()` gives a `Space`: the candidates (name → factory), the data split and the
-training budget that `ground_truth_spaces.py` uses.
+Two held-out spaces, `HELD_OUT_SPACES`, never used to choose a default (holdout.py only checks
+the defaults as coded on them; compare.py and repeats.py do not read them):
+
+- `seq_conv`  30 one-dimensional CNNs on a generated majority task: 16 one-hot tokens
+  (vocabulary 4), the label is the most frequent token (the smallest on a tie). Width 4–32,
+  1–4 convolutions of kernel 1, 3 or 5, plain or residual, BatchNorm / GroupNorm / none, ReLU /
+  GELU / tanh, mean or max pooling over positions.
+- `synth_mlp`  30 MLPs on a generated tabular task (scikit-learn's `make_classification`: 20
+  features, 10 informative, 5 classes, 3 % flipped labels): width 8–128, 1–6 hidden layers,
+  plain or pre-norm residual blocks, BatchNorm / LayerNorm / none, ReLU / SiLU / GELU / tanh.
+
+`SPACES[name]()` (or `HELD_OUT_SPACES[name]()`) gives a `Space`: the candidates (name →
+factory), the data split and the training budget that `ground_truth_spaces.py` uses.
 """
 
 from __future__ import annotations
@@ -182,3 +193,134 @@ def seq_attention(n=30) -> Space:
 
 
 SPACES = {"digits_cnn": digits_cnn, "cancer_mlp": cancer_mlp, "seq_attention": seq_attention}
+
+
+# ---------------------------------------------------------- held out: 1-D CNNs on sequences
+
+MAJORITY_LEN, MAJORITY_VOCAB = 16, 4
+_ACTS = {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU, "tanh": nn.Tanh}
+
+
+def majority_task(n, seed):
+    """n sequences of one-hot tokens [n, vocabulary, length]; the label is the most frequent
+    token (argmax takes the smallest on a tie)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, MAJORITY_VOCAB, (n, MAJORITY_LEN), generator=g)
+    one_hot = nn.functional.one_hot(tokens, MAJORITY_VOCAB)
+    return one_hot.float().transpose(1, 2).contiguous(), one_hot.sum(1).argmax(1)
+
+
+class ConvNet1d(nn.Module):
+    """Pointwise stem → `depth` blocks conv → norm → activation (added to their input when
+    residual) → mean or max over positions → linear."""
+
+    def __init__(self, width, depth, kernel, residual, norm, act, pool):
+        super().__init__()
+        norms = {"bn": lambda: [nn.BatchNorm1d(width)], "gn": lambda: [nn.GroupNorm(2, width)]}
+        self.stem = nn.Conv1d(MAJORITY_VOCAB, width, 1)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(
+                nn.Conv1d(width, width, kernel, padding=kernel // 2),
+                *norms.get(norm, list)(),
+                _ACTS[act](),
+            )
+            for _ in range(depth)
+        )
+        self.residual, self.pool = residual, pool
+        self.head = nn.Linear(width, MAJORITY_VOCAB)
+
+    def forward(self, x):
+        h = self.stem(x)
+        for block in self.blocks:
+            h = h + block(h) if self.residual else block(h)
+        return self.head(h.mean(2) if self.pool == "mean" else h.amax(2))
+
+
+def seq_conv(n=30) -> Space:
+    grid = list(
+        itertools.product(
+            (4, 8, 16, 32),
+            (1, 2, 4),
+            (1, 3, 5),
+            (False, True),
+            ("none", "bn", "gn"),
+            ("relu", "gelu", "tanh"),
+            ("mean", "max"),
+        )
+    )
+    out = {}
+    for width, depth, kernel, residual, norm, act, pool in _pick(grid, n, 4):
+        name = f"conv-w{width}-d{depth}-k{kernel}{'-res' if residual else ''}-{norm}-{act}-{pool}"
+        out[name] = partial(ConvNet1d, width, depth, kernel, residual, norm, act, pool)
+    x, y = majority_task(3000, 0)
+    budget = {"epochs": 3, "lr": 3e-3, "batch_size": 64, "weight_decay": 1e-4}
+    return Space(out, x[:2000], y[:2000], x[2000:], y[2000:], budget)
+
+
+# ----------------------------------------------- held out: MLPs on generated tabular data
+
+
+class Residual(nn.Module):
+    """h + linear(activation(linear(norm h)))."""
+
+    def __init__(self, width, norm, act):
+        super().__init__()
+        self.body = nn.Sequential(
+            _norm1d(norm, width), nn.Linear(width, width), _ACTS[act](), nn.Linear(width, width)
+        )
+
+    def forward(self, h):
+        return h + self.body(h)
+
+
+def _norm1d(norm, width) -> nn.Module:
+    return {"bn": nn.BatchNorm1d, "ln": nn.LayerNorm}.get(norm, lambda _: nn.Identity())(width)
+
+
+class SynthMLP(nn.Sequential):
+    def __init__(self, width, depth, norm, act, residual, inputs=20, classes=5):
+        if residual:
+            body = [Residual(width, norm, act) for _ in range(depth)]
+        else:
+            body = [
+                m
+                for _ in range(depth)
+                for m in (nn.Linear(width, width), _norm1d(norm, width), _ACTS[act]())
+            ]
+        super().__init__(nn.Linear(inputs, width), _ACTS[act](), *body, nn.Linear(width, classes))
+
+
+def synth_mlp(n=30) -> Space:
+    from sklearn.datasets import make_classification
+    from sklearn.preprocessing import StandardScaler
+
+    grid = list(
+        itertools.product(
+            (8, 16, 32, 64, 128),
+            (1, 2, 4, 6),
+            ("none", "bn", "ln"),
+            ("relu", "silu", "gelu", "tanh"),
+            (False, True),
+        )
+    )
+    out = {}
+    for width, depth, norm, act, residual in _pick(grid, n, 5):
+        name = f"mlp-w{width}-d{depth}-{norm}-{act}{'-res' if residual else ''}"
+        out[name] = partial(SynthMLP, width, depth, norm, act, residual)
+    x, y = make_classification(
+        n_samples=2000,
+        n_features=20,
+        n_informative=10,
+        n_redundant=4,
+        n_classes=5,
+        class_sep=0.8,
+        flip_y=0.03,
+        random_state=0,
+    )
+    x = StandardScaler().fit(x[:1000]).transform(x)
+    x, y = torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.long)
+    budget = {"epochs": 8, "lr": 1e-3, "batch_size": 64, "weight_decay": 1e-4}
+    return Space(out, x[:1000], y[:1000], x[1000:], y[1000:], budget)
+
+
+HELD_OUT_SPACES = {"seq_conv": seq_conv, "synth_mlp": synth_mlp}
