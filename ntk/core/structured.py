@@ -301,6 +301,7 @@ class Plan:
     positions: dict[str, int]  # layer name -> number of weight-sharing positions S
     activations: int  # elements of all module outputs for one sample
     shared: set[str] = field(default_factory=set)  # embeddings looked up once for the batch
+    version: int = 0  # changes each time `leave_to_autodiff` takes modules out
 
     @property
     def empty(self) -> bool:
@@ -322,10 +323,22 @@ class Plan:
         names = other.fallback + [n for names in other.covered.values() for n in names]
         return cls({}, {}, set(), names, {}, other.activations)
 
+    def leave_to_autodiff(self, layers) -> None:
+        """Differentiate the parameters these layers cover by autodiff from now on (modules
+        `features` found running on micro-batches); bumps `version` if any."""
+        for layer in layers:
+            self.fallback += self.covered.pop(layer)
+            del self.modules[layer]
+            self.positions.pop(layer, None)
+            self.factored.discard(layer)
+            self.shared.discard(layer)
+            self.version += 1
+
 
 _PROBE = 2  # samples in the planning pass: a module must see this batch axis to be factored
 _CONFIRM = 3  # samples in a second pass that tells the sample axis from an axis of _PROBE entries
 _CHUNKS = 16  # samples in a pass that finds modules run once per chunk of a batch of this many
+_SETTLE_BYTES = 1 << 30  # module outputs `settle`'s pass may hold, if more than _CHUNKS samples'
 
 
 def plan(
@@ -447,7 +460,7 @@ def _leading_sample_axis(view: ModelView, x, names: dict[str, nn.Module]) -> set
     if S were the samples), and, in a pass on up to _CONFIRM distinct samples, with each row equal
     to that sample's own pass (a model that sorts, flips or routes the batch around a layer feeds
     it other samples' rows), and called once in a pass on up to _CHUNKS samples (micro-batches:
-    larger chunks are refused by `features`)."""
+    larger chunks are found by `features`)."""
     captured: dict[str, list] = {}  # layer → (input, output) of each call leading with the rows
     rows = [_CONFIRM]  # samples in the current pass
 
@@ -635,51 +648,31 @@ def prefers_autodiff(
 # --------------------------------------------------------------------------------------------
 
 
-def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor, name: str | None = None) -> list:
+def features(
+    view: ModelView, plan_: Plan, x, cot: torch.Tensor, name: str | None = None, adapt: bool = False
+) -> list:
     """Explicit and factored Jacobian terms of every trainable parameter for a block `x`, seen
     through the cotangents `cot` ([C, O] shared by the samples, or [C, B, O] per sample).
     name: check the block's forward pass as the argument `name` (a failing model raises
-    `ModelInputError` naming it; one finite output row per sample, `check_output_rows`)."""
-    layer_inputs: dict[str, torch.Tensor] = {}
-    perturbations: dict[str, torch.Tensor] = {}
+    `ModelInputError` naming it; one finite output row per sample, `check_output_rows`).
+    A module of the plan that the pass runs more than once or on fewer than the block's samples
+    (micro-batches) is refused naming it, or with adapt=True left to autodiff in `plan_`
+    (`Plan.leave_to_autodiff`) and the block computed again."""
     b = inputs.count(x)
-
-    def hook(name):
-        def record(module, args, out):
-            x_in = args[0].detach()
-            if name in layer_inputs or (name not in plan_.shared and x_in.shape[0] != b):
-                raise RuntimeError(
-                    f"the structured eNTK reads module {name!r} once per forward pass with all "
-                    f"{b} samples, but it ran again or on {x_in.shape[0]} of them (micro-batches?)"
-                    "; pass method='jacobian'"
-                )
-            if name in plan_.shared:
-                out, x_in = _expand_shared(out, x_in, b)
-            if isinstance(module, nn.Embedding):
-                layer_inputs[name] = x_in.reshape(x_in.shape[0], -1)
-            elif isinstance(module, _NORMS):
-                layer_inputs[name] = _normalised(module, x_in)
-            else:
-                layer_inputs[name] = _linear_factors(module, x_in, plan_.bias_input(name))
-            # a zero perturbation whose gradient is ∂f/∂out: one scalar leaf broadcast to the
-            # output's shape (no zero-filled copy of the activation)
-            zero = torch.zeros((), dtype=out.dtype, device=out.device, requires_grad=True)
-            eps = zero.expand(out.shape)
-            perturbations[name] = eps
-            return out + eps
-
-        return record
-
     terms: list = []
     if not plan_.empty:
-        # before the model's own forward hooks, which may change the output (autograd follows)
-        handles = [m.register_forward_hook(hook(n), prepend=True) for n, m in plan_.modules.items()]
-        try:
-            with torch.enable_grad():
-                out = _checked(view, x, name)
-        finally:
-            for h in handles:
-                h.remove()
+        with torch.enable_grad():
+            out, layer_inputs, perturbations, chunked = _read(view, plan_, x, name)
+        if chunked:
+            if not adapt:
+                layer, rows = next(iter(chunked.items()))
+                raise RuntimeError(
+                    f"the structured eNTK reads module {layer!r} once per forward pass with all "
+                    f"{b} samples, but it ran again or on {rows} of them (micro-batches?); "
+                    "pass method='jacobian'"
+                )
+            plan_.leave_to_autodiff(chunked)
+            return features(view, plan_, x, cot, name, adapt)
         if name is not None:
             check_output_rows(out, b, name)
         b, o = out.shape
@@ -708,6 +701,69 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor, name: str | Non
         jac = jacobian_features(view, x, cot, plan_.fallback)
         terms += [Explicit(view.owner[n], g) for n, g in jac.items()]
     return terms
+
+
+def _read(view: ModelView, plan_: Plan, x, name: str | None, record: bool = True):
+    """One forward pass on the block `x` through the plan's modules: (outputs, each module's
+    inputs as its terms read them, the zero perturbation added to each module's output, and
+    {module: rows of its call} for modules run again or on fewer than the block's samples).
+    record=False: only find those modules."""
+    layer_inputs: dict[str, torch.Tensor | None] = {}
+    perturbations: dict[str, torch.Tensor] = {}
+    chunked: dict[str, int] = {}
+    b = inputs.count(x)
+
+    def hook(layer):
+        def read(module, args, out):
+            x_in = args[0].detach()
+            if layer in chunked:
+                return None
+            if layer in layer_inputs or (layer not in plan_.shared and x_in.shape[0] != b):
+                chunked[layer] = x_in.shape[0]
+                return None
+            if not record:
+                layer_inputs[layer] = None  # seen: a second call is found
+                return None
+            if layer in plan_.shared:
+                out, x_in = _expand_shared(out, x_in, b)
+            if isinstance(module, nn.Embedding):
+                layer_inputs[layer] = x_in.reshape(x_in.shape[0], -1)
+            elif isinstance(module, _NORMS):
+                layer_inputs[layer] = _normalised(module, x_in)
+            else:
+                layer_inputs[layer] = _linear_factors(module, x_in, plan_.bias_input(layer))
+            # a zero perturbation whose gradient is ∂f/∂out: one scalar leaf broadcast to the
+            # output's shape (no zero-filled copy of the activation)
+            zero = torch.zeros((), dtype=out.dtype, device=out.device, requires_grad=True)
+            eps = zero.expand(out.shape)
+            perturbations[layer] = eps
+            return out + eps
+
+        return read
+
+    # before the model's own forward hooks, which may change the output (autograd follows)
+    handles = [m.register_forward_hook(hook(n), prepend=True) for n, m in plan_.modules.items()]
+    try:
+        out = _checked(view, x, name)
+    finally:
+        for h in handles:
+            h.remove()
+    return out, layer_inputs, perturbations, chunked
+
+
+def settle(view: ModelView, plan_: Plan, x, largest: int, name: str) -> None:
+    """Leave to autodiff (`Plan.leave_to_autodiff`) the modules that a forward pass on up to
+    `largest` samples (x's, repeated; checked as the argument `name`) runs on micro-batches,
+    before any block is computed, so that blocks of up to that many samples never change the
+    plan. The pass holds about _SETTLE_BYTES of module outputs at most, and takes _CHUNKS samples
+    at least (as `plan`'s)."""
+    if plan_.empty:
+        return
+    itemsize = next(iter(view.params.values())).element_size()
+    rows = max(_CHUNKS, _SETTLE_BYTES // max(1, plan_.activations * itemsize))
+    index = torch.arange(min(largest, rows)) % inputs.count(x)
+    with torch.no_grad():
+        plan_.leave_to_autodiff(_read(view, plan_, inputs.take(x, index), name, record=False)[3])
 
 
 def _batched_signals(out: torch.Tensor, targets: list, grad_out: torch.Tensor) -> list:
