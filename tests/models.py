@@ -132,6 +132,19 @@ class CallCounter(MLP):
         return super().forward(x)
 
 
+class Chunked(nn.Module):
+    """Per sample, but its body runs once per chunk of `size` samples (micro-batches)."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+        self.body = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(torch.cat([self.body(c) for c in x.split(self.size)])))
+
+
 class Scalar(nn.Module):
     def __init__(self):
         super().__init__()

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from models import CASES, CallCounter, SequenceFirst, SharedPositions, TwoDtypes, make
+from models import CASES, CallCounter, Chunked, SequenceFirst, SharedPositions, TwoDtypes, make
 from reference import kernels, layer_params, lpntk, of_kind, rel_err
 
 import ntk
@@ -399,6 +399,27 @@ def test_a_layer_run_on_chunks_the_plan_did_not_see_is_refused_naming_it():
     x = torch.randn(20, 3, dtype=torch.float64)
     with pytest.raises(Exception, match="module 'c' once per forward pass with all 20 samples"):
         ntk.empirical_ntk(net, x[:3], x, kind="trace", method="structured", layers=["c"])
+
+
+@pytest.mark.parametrize("size", (32, 17))
+def test_auto_leaves_a_body_run_on_chunks_of_a_block_to_autodiff(size):
+    """A body run on chunks of 32 (or 17) samples, which the plan's pass on 16 samples cannot
+    show, in blocks of 64: `auto` failed ("reads module 'body.0' once per forward pass with
+    all 64 samples"); it now leaves the body to autodiff, computing blocks of the old plan again
+    (x1's block, seen before x2's first block). `structured` still refuses it naming the module."""
+    torch.manual_seed(0)
+    net = Chunked(size).double().eval()
+    x = torch.randn(80, 3, dtype=torch.float64)
+    ref = kernels(net, x)
+    for kind in ("full", "trace"):
+        value = ntk.empirical_ntk(net, x, kind=kind, method="auto", batch_size=64)
+        assert rel_err(value, of_kind(ref[None], kind)) <= 1e-10, kind
+    parts = ntk.empirical_ntk(net, x[:3], x, kind="trace", batch_size=64, layers="all")
+    assert list(parts) == ["body.0", "body.2", "out"]
+    for layer, value in parts.items():
+        assert rel_err(value, of_kind(ref[layer][:3], "trace")) <= 1e-10, layer
+    with pytest.raises(RuntimeError, match="module 'body.0' once per forward pass with all 64 "):
+        ntk.empirical_ntk(net, x, kind="trace", method="structured", batch_size=64)
 
 
 @pytest.mark.parametrize("method", METHODS)
