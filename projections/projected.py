@@ -34,6 +34,7 @@ from ._sketch import Sketcher
 
 Features = torch.Tensor | dict
 _PROBE = 4  # samples `Featurizer.prepare` runs through the model (`block` checks the rest)
+_LARGEST = 512  # samples of `default_batch`'s largest batches: `prepare` looks for micro-batches
 
 
 class Featurizer:
@@ -110,6 +111,10 @@ class Featurizer:
                 only=self._only,
                 factor_all=True,
             )
+            # modules run on micro-batches of batches up to this large are left to autodiff now,
+            # not by the first batch that shows them: every batch is projected alike (larger
+            # chunks in larger batches are refused naming the module)
+            structured.settle(self.view, self._plan, x, _LARGEST, name)
             vocab = {
                 l: m.num_embeddings
                 for l, m in self._plan.modules.items()
@@ -147,7 +152,7 @@ class Featurizer:
             + max(routes, default=0)
         )
         budget = max(0.25 * available_bytes(self.view.device), 64 << 20)
-        return max(1, min(512, block_size(n, per_sample, 0.0, budget)))
+        return max(1, min(_LARGEST, block_size(n, per_sample, 0.0, budget)))
 
     def batches(
         self,

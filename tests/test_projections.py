@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from models import SharedPositions, TwoDtypes, make
+from models import Chunked, SharedPositions, TwoDtypes, make
 from torch import nn
 
 import ntk
@@ -593,3 +593,26 @@ def test_a_layer_fed_a_reordered_batch_is_projected_from_its_own_samples_rows():
     exact = ntk.empirical_ntk(model, x, kind="trace", method="jacobian")
     got = projections.projected_ntk(model, x, kind="trace", dim=20000, seed=0)
     assert (got - exact).abs().max() / exact.abs().max() < 0.05
+
+
+@pytest.mark.parametrize("size", (32, 17))
+def test_a_body_run_on_chunks_of_a_batch_is_projected_by_autodiff(size):
+    """A body run on chunks of 32 (or 17) samples, which the plan's pass on 16 samples cannot
+    show, in batches of 64: the features failed ("the model failed on inputs…"); `prepare` now
+    leaves the body to autodiff, so every batch (x1's 3 samples too) is projected as for a body
+    the plan sees chunked (chunks of 4) from the start, and the kernel estimates the eNTK."""
+    torch.manual_seed(0)
+    net = Chunked(size).double().eval()
+    seen = Chunked(4).double().eval()
+    seen.load_state_dict(net.state_dict())
+    x = torch.randn(80, 3, dtype=torch.float64)
+    for kind in ("full", "trace"):
+        got = projections.features(net, x, dim=64, kind=kind, seed=3, batch_size=64)
+        want = projections.features(seen, x, dim=64, kind=kind, seed=3, batch_size=64)
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-14), kind
+    got = projections.projected_ntk(net, x[:3], x, kind="trace", dim=64, seed=3, batch_size=64)
+    want = projections.projected_ntk(seen, x[:3], x, kind="trace", dim=64, seed=3, batch_size=64)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-14)
+    exact = ntk.empirical_ntk(net, x[:8], kind="trace", method="jacobian")
+    close = projections.projected_ntk(net, x[:8], kind="trace", dim=20000, seed=0)
+    assert (close - exact).abs().max() / exact.abs().max() < 0.05
