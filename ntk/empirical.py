@@ -205,8 +205,10 @@ class _Computation:
         planned_tile = self.tile_size or min(max(n1, n2), 256)  # the cost model's tile size
         method = self.method
         plan = structured.plan(view, x1, kind, c, planned_tile, only=only)
-        adapt = self.method == "auto"  # micro-batched modules found in a block: left to autodiff
         if method == "auto":
+            # modules run on micro-batches of blocks up to the largest tile: left to autodiff
+            largest = self.tile_size or min(max(n1, n2), AUTO_BLOCK_LIMIT)
+            structured.settle(view, plan, x1, largest)
             autodiff = not plan.covered or (
                 persample.vmappable(view.model)
                 and structured.prefers_autodiff(plan, kind, c, planned_tile, view.device)
@@ -235,15 +237,10 @@ class _Computation:
         else:
 
             def prepare(x, u):
-                return _Block(
-                    plan,
-                    lambda: _by_component(
-                        structured.features(view, plan, x, u, adapt=adapt), selected
-                    ),
-                )
+                return _by_component(structured.features(view, plan, x, u), selected)
 
             def contract(a, b):
-                return _contract_terms(*_Block.current(a, b), kind)
+                return _contract_terms(a, b, kind)
 
         return Grid(
             n1=n1,
@@ -325,25 +322,6 @@ def _by_component(terms: list, selected: list[str] | None) -> dict:
         joined = [structured.Explicit(key, torch.cat(explicit, 2))] if explicit else []
         grouped[key] = joined + [t for t in mine if isinstance(t, structured.Factored)]
     return grouped
-
-
-class _Block:
-    """A block's grouped terms, with the `Plan.version` they were computed under: computed again
-    once `structured.features` has left a module to autodiff in a later block."""
-
-    def __init__(self, plan: structured.Plan, compute: Callable[[], dict]):
-        self.plan, self.compute = plan, compute
-        self.terms, self.version = compute(), plan.version
-
-    @staticmethod
-    def current(*blocks: _Block) -> list[dict]:
-        """The blocks' terms, all under the plan's current version (a tile contracts terms of
-        one plan)."""
-        while any(b.version != b.plan.version for b in blocks):
-            for b in blocks:
-                if b.version != b.plan.version:
-                    b.terms, b.version = b.compute(), b.plan.version
-        return [b.terms for b in blocks]
 
 
 def _contract_terms(f1: dict, f2: dict, kind: kinds.Kind) -> dict:

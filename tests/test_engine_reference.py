@@ -405,8 +405,9 @@ def test_a_layer_run_on_chunks_the_plan_did_not_see_is_refused_naming_it():
 def test_auto_leaves_a_body_run_on_chunks_of_a_block_to_autodiff(size):
     """A body run on chunks of 32 (or 17) samples, which the plan's pass on 16 samples cannot
     show, in blocks of 64: `auto` failed ("reads module 'body.0' once per forward pass with
-    all 64 samples"); it now leaves the body to autodiff, computing blocks of the old plan again
-    (x1's block, seen before x2's first block). `structured` still refuses it naming the module."""
+    all 64 samples"); it now leaves the body to autodiff before any block (a pass on as many
+    samples as the tile, x1's 3 repeated in the cross kernel). `structured` still refuses it
+    naming the module."""
     torch.manual_seed(0)
     net = Chunked(size).double().eval()
     x = torch.randn(80, 3, dtype=torch.float64)

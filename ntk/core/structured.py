@@ -301,7 +301,6 @@ class Plan:
     positions: dict[str, int]  # layer name -> number of weight-sharing positions S
     activations: int  # elements of all module outputs for one sample
     shared: set[str] = field(default_factory=set)  # embeddings looked up once for the batch
-    version: int = 0  # changes each time `leave_to_autodiff` takes modules out
 
     @property
     def empty(self) -> bool:
@@ -324,15 +323,14 @@ class Plan:
         return cls({}, {}, set(), names, {}, other.activations)
 
     def leave_to_autodiff(self, layers) -> None:
-        """Differentiate the parameters these layers cover by autodiff from now on (modules
-        `features` found running on micro-batches); bumps `version` if any."""
+        """Differentiate the parameters these layers cover by autodiff (modules `settle` found
+        running on micro-batches)."""
         for layer in layers:
             self.fallback += self.covered.pop(layer)
             del self.modules[layer]
             self.positions.pop(layer, None)
             self.factored.discard(layer)
             self.shared.discard(layer)
-            self.version += 1
 
 
 _PROBE = 2  # samples in the planning pass: a module must see this batch axis to be factored
@@ -648,31 +646,25 @@ def prefers_autodiff(
 # --------------------------------------------------------------------------------------------
 
 
-def features(
-    view: ModelView, plan_: Plan, x, cot: torch.Tensor, name: str | None = None, adapt: bool = False
-) -> list:
+def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor, name: str | None = None) -> list:
     """Explicit and factored Jacobian terms of every trainable parameter for a block `x`, seen
     through the cotangents `cot` ([C, O] shared by the samples, or [C, B, O] per sample).
     name: check the block's forward pass as the argument `name` (a failing model raises
     `ModelInputError` naming it; one finite output row per sample, `check_output_rows`).
     A module of the plan that the pass runs more than once or on fewer than the block's samples
-    (micro-batches) is refused naming it, or with adapt=True left to autodiff in `plan_`
-    (`Plan.leave_to_autodiff`) and the block computed again."""
+    (micro-batches that `settle` did not see, or was not asked to) is refused naming it."""
     b = inputs.count(x)
     terms: list = []
     if not plan_.empty:
         with torch.enable_grad():
             out, layer_inputs, perturbations, chunked = _read(view, plan_, x, name)
         if chunked:
-            if not adapt:
-                layer, rows = next(iter(chunked.items()))
-                raise RuntimeError(
-                    f"the structured eNTK reads module {layer!r} once per forward pass with all "
-                    f"{b} samples, but it ran again or on {rows} of them (micro-batches?); "
-                    "pass method='jacobian'"
-                )
-            plan_.leave_to_autodiff(chunked)
-            return features(view, plan_, x, cot, name, adapt)
+            layer, rows = next(iter(chunked.items()))
+            raise RuntimeError(
+                f"the structured eNTK reads module {layer!r} once per forward pass with all "
+                f"{b} samples, but it ran again or on {rows} of them (micro-batches?); "
+                "pass method='jacobian'"
+            )
         if name is not None:
             check_output_rows(out, b, name)
         b, o = out.shape
@@ -751,7 +743,7 @@ def _read(view: ModelView, plan_: Plan, x, name: str | None, record: bool = True
     return out, layer_inputs, perturbations, chunked
 
 
-def settle(view: ModelView, plan_: Plan, x, largest: int, name: str) -> None:
+def settle(view: ModelView, plan_: Plan, x, largest: int, name: str | None = None) -> None:
     """Leave to autodiff (`Plan.leave_to_autodiff`) the modules that a forward pass on up to
     `largest` samples (x's, repeated; checked as the argument `name`) runs on micro-batches,
     before any block is computed, so that blocks of up to that many samples never change the
