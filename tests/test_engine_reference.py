@@ -407,7 +407,7 @@ def test_auto_leaves_a_body_run_on_chunks_of_a_block_to_autodiff(size):
     show, in blocks of 64: `auto` failed ("reads module 'body.0' once per forward pass with
     all 64 samples"); it now leaves the body to autodiff before any block (a pass on as many
     samples as the tile, x1's 3 repeated in the cross kernel). `structured` still refuses it
-    naming the module."""
+    naming the module and the batch size that works, which does."""
     torch.manual_seed(0)
     net = Chunked(size).double().eval()
     x = torch.randn(80, 3, dtype=torch.float64)
@@ -419,8 +419,11 @@ def test_auto_leaves_a_body_run_on_chunks_of_a_block_to_autodiff(size):
     assert list(parts) == ["body.0", "body.2", "out"]
     for layer, value in parts.items():
         assert rel_err(value, of_kind(ref[layer][:3], "trace")) <= 1e-10, layer
-    with pytest.raises(RuntimeError, match="module 'body.0' once per forward pass with all 64 "):
+    hint = f"module 'body.0' once per forward pass with all 64 .* batches of at most {size} "
+    with pytest.raises(RuntimeError, match=hint):
         ntk.empirical_ntk(net, x, kind="trace", method="structured", batch_size=64)
+    value = ntk.empirical_ntk(net, x, kind="trace", method="structured", batch_size=size)
+    assert rel_err(value, of_kind(ref[None], "trace")) <= 1e-10
 
 
 @pytest.mark.parametrize("method", METHODS)

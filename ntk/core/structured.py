@@ -660,10 +660,11 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor, name: str | Non
             out, layer_inputs, perturbations, chunked = _read(view, plan_, x, name)
         if chunked:
             layer, rows = next(iter(chunked.items()))
+            smaller = f"batches of at most {rows} samples (batch_size), or " if rows < b else ""
             raise RuntimeError(
                 f"the structured eNTK reads module {layer!r} once per forward pass with all "
-                f"{b} samples, but it ran again or on {rows} of them (micro-batches?); "
-                "pass method='jacobian'"
+                f"{b} samples, but it ran again or on {rows} of them (micro-batches?): use "
+                f"{smaller}method='jacobian' where the function takes one"
             )
         if name is not None:
             check_output_rows(out, b, name)
