@@ -17,8 +17,15 @@ leave-one-family-out choice for each truth (and for both averaged): for each fam
 with the best worst-family mean ρ on the other families, and its ρ on the held-out family. The
 per-model ρ are saved to results/layer_families.json; `--cached` re-prints the tables from it.
 
+`--held-out` runs instead eight models of two families that no choice reads (added after the
+default was fixed): one-dimensional CNNs on the generated majority task and MLPs with GELU / SiLU
+on generated tabular data (the data of benchmarks/nas/spaces.py's held-out spaces), and prints
+the same tables without a choice, the code default's figures beside every other score's
+(results/layer_families_held_out.json).
+
     python benchmarks/layer_families.py            # ≈ 10 min on the shared 2-core machine
     python benchmarks/layer_families.py --cached   # the tables of the last full run
+    python benchmarks/layer_families.py --held-out [--cached]   # ≈ 3 min
     python benchmarks/layer_families.py --smoke    # two tiny models, seconds
 """
 
@@ -34,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from layer_importance import DigitsCNN, Transformer, pointer_task
+from nas.spaces import HELD_OUT_SPACES, ConvNet1d, SynthMLP
 from scipy.stats import spearmanr
 from torch import nn
 
@@ -52,6 +60,7 @@ TRUTH_SEEDS = 20
 TRUTH_NAMES = ("loss_increase", "prune_finetune")
 CRITERIA = (("loss_increase",), ("prune_finetune",), TRUTH_NAMES)
 CACHE = Path(__file__).parent / "results" / "layer_families.json"
+HELD_OUT_CACHE = CACHE.with_name("layer_families_held_out.json")
 RELIABILITY = "truth reliability"  # a row of each model's table: the truth's split-half ρ
 
 
@@ -112,6 +121,38 @@ def setups(smoke=False):
     yield "transformer", "transformer-w16", lambda: Transformer(width=16), 10, seq
 
 
+def held_out_setups():
+    """(family, name, factory, epochs, data) of the families no choice reads."""
+    for family, space, models, epochs in (
+        (
+            "conv1d",
+            "seq_conv",
+            {
+                "conv1d-w32-d3-res-bn": lambda: ConvNet1d(32, 3, 3, True, "bn", "relu", "mean"),
+                "conv1d-w16-d4-gn-max": lambda: ConvNet1d(16, 4, 5, False, "gn", "gelu", "max"),
+                "conv1d-w8-d2-tanh": lambda: ConvNet1d(8, 2, 3, False, "none", "tanh", "mean"),
+                "conv1d-w32-d2-res-gn-max": lambda: ConvNet1d(32, 2, 5, True, "gn", "relu", "max"),
+            },
+            10,
+        ),
+        (
+            "synth-mlp",
+            "synth_mlp",
+            {
+                "synth-w64-d4-ln-gelu": lambda: SynthMLP(64, 4, "ln", "gelu", False),
+                "synth-w128-d3-bn-silu-res": lambda: SynthMLP(128, 3, "bn", "silu", True),
+                "synth-w32-d6-relu-res": lambda: SynthMLP(32, 6, "none", "relu", True),
+                "synth-w128-d2-ln-tanh": lambda: SynthMLP(128, 2, "ln", "tanh", False),
+            },
+            30,
+        ),
+    ):
+        data = HELD_OUT_SPACES[space]()
+        split = (data.x_train, data.y_train, data.x_val, data.y_val)
+        for name, factory in models.items():
+            yield family, name, factory, epochs, split
+
+
 def prune_finetune(model, x_tr, y_tr, x_ev, y_ev, steps=FT_STEPS):
     """{row: loss increase on (x_ev, y_ev) after zeroing and freezing the row and fine-tuning
     the rest for `steps`, against fine-tuning with nothing pruned}."""
@@ -140,10 +181,11 @@ def prune_finetune(model, x_tr, y_tr, x_ev, y_ev, steps=FT_STEPS):
     }
 
 
-def run(smoke=False):
+def run(smoke=False, held_out=False):
     """{model: (family, {score: {truth: ρ}})}."""
     out = {}
-    for family, name, factory, epochs, (x_tr, y_tr, x_te, y_te) in setups(smoke):
+    models = held_out_setups() if held_out else setups(smoke)
+    for family, name, factory, epochs, (x_tr, y_tr, x_te, y_te) in models:
         start = time.perf_counter()
         torch.manual_seed(0)
         model = demo.train(factory(), x_tr, y_tr, epochs=epochs)
@@ -212,7 +254,7 @@ def choose(results, families, truths):
     return max(ok, key=ok.get)
 
 
-def report(results):
+def report(results, choose_default=True):
     models = list(results)
     families = list(dict.fromkeys(f for f, _ in results.values()))
     rows = [
@@ -242,6 +284,14 @@ def report(results):
                     + " | ".join(f"{m[f]:+.2f}" for f in families)
                     + f" | {np.mean(list(m.values())):+.2f} | {min(m.values()):+.2f} |"
                 )
+        if not choose_default:
+            m = family_means(results, DEFAULT_SCORE, families, truths)
+            best = choose(results, families, truths)
+            print(
+                f"{label}: code default {DEFAULT_SCORE} mean ρ {np.mean(list(m.values())):+.3f}, "
+                f"worst family {min(m.values()):+.3f}; best here (not a choice): {best}"
+            )
+            continue
         if len(families) < 2:
             continue
         print(f"\nLeave-one-family-out on {label} (chosen by best worst-family mean ρ)")
@@ -262,15 +312,17 @@ def report(results):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--cached", action="store_true", help=f"re-print {CACHE.name}")
+    parser.add_argument("--cached", action="store_true", help="re-print the last full run")
+    parser.add_argument("--held-out", action="store_true", help="the families no choice reads")
     args = parser.parse_args()
     torch.set_num_threads(1)
     start = time.perf_counter()
+    cache = HELD_OUT_CACHE if args.held_out else CACHE
     if args.cached:
-        results = json.loads(CACHE.read_text())
+        results = json.loads(cache.read_text())
     else:
-        results = run(args.smoke)
+        results = run(args.smoke, args.held_out)
         if not args.smoke:
-            CACHE.write_text(json.dumps(results, indent=1) + "\n")
-    report(results)
+            cache.write_text(json.dumps(results, indent=1) + "\n")
+    report(results, choose_default=not args.held_out)
     print(f"\n# total {time.perf_counter() - start:.0f} s")

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from attribution.layers import DEFAULT_SCORE
 from ntk import proxies
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,6 +170,17 @@ def test_layer_families_smoke_prints_both_truths_and_the_held_out_choice():
         assert "sensitivity" in rows
     held = _table(proc.stdout, "| held-out family |")
     assert set(held) == {"mlp", "resnet"}
+
+
+def test_layer_families_held_out_report_names_the_code_default_without_choosing():
+    """--held-out --cached re-prints the families no choice reads: the code default's figures,
+    no leave-one-family-out choice."""
+    proc = _script("layer_families.py", "--held-out", "--cached", cwd=BENCH)
+    assert proc.returncode == 0, proc.stderr
+    rows = _table(proc.stdout.split("score vs loss_increase")[1], "| score |")
+    assert "sensitivity" in rows and len(rows["sensitivity"]) == 8 + 2  # models, mean, worst
+    assert f"loss_increase: code default {DEFAULT_SCORE} mean ρ" in proc.stdout
+    assert "Leave-one-family-out" not in proc.stdout
 
 
 def test_score_script_averages_the_librarys_default_repeats():
