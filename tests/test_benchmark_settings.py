@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import settings
 
 
-@pytest.mark.parametrize("name", settings.NAMES)
+@pytest.mark.parametrize("name", settings.NAMES + settings.HELD_OUT_NAMES)
 def test_smoke_setting_has_model_data_and_truth(name, tmp_path):
     s = settings.load(name, smoke=True, cache_dir=tmp_path)
     n, m = settings.SMOKE["n_train"], settings.SMOKE["n_test"]

@@ -290,10 +290,27 @@ class SynthMLP(nn.Sequential):
         super().__init__(nn.Linear(inputs, width), _ACTS[act](), *body, nn.Linear(width, classes))
 
 
-def synth_mlp(n=30) -> Space:
+def synth_task():
+    """2,000 samples of `make_classification` (20 features, 10 informative, 5 classes, 3 %
+    flipped labels), standardised on the first 1,000."""
     from sklearn.datasets import make_classification
     from sklearn.preprocessing import StandardScaler
 
+    x, y = make_classification(
+        n_samples=2000,
+        n_features=20,
+        n_informative=10,
+        n_redundant=4,
+        n_classes=5,
+        class_sep=0.8,
+        flip_y=0.03,
+        random_state=0,
+    )
+    x = StandardScaler().fit(x[:1000]).transform(x)
+    return torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.long)
+
+
+def synth_mlp(n=30) -> Space:
     grid = list(
         itertools.product(
             (8, 16, 32, 64, 128),
@@ -307,18 +324,7 @@ def synth_mlp(n=30) -> Space:
     for width, depth, norm, act, residual in _pick(grid, n, 5):
         name = f"mlp-w{width}-d{depth}-{norm}-{act}{'-res' if residual else ''}"
         out[name] = partial(SynthMLP, width, depth, norm, act, residual)
-    x, y = make_classification(
-        n_samples=2000,
-        n_features=20,
-        n_informative=10,
-        n_redundant=4,
-        n_classes=5,
-        class_sep=0.8,
-        flip_y=0.03,
-        random_state=0,
-    )
-    x = StandardScaler().fit(x[:1000]).transform(x)
-    x, y = torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.long)
+    x, y = synth_task()
     budget = {"epochs": 8, "lr": 1e-3, "batch_size": 64, "weight_decay": 1e-4}
     return Space(out, x[:1000], y[:1000], x[1000:], y[1000:], budget)
 
