@@ -254,6 +254,67 @@ def test_an_output_onto_the_module_a_dotted_spec_names_is_refused(
     assert not (f / "imported").exists() and "mine" not in sys.modules
 
 
+OUTPUT_FN = """
+import pathlib
+
+def scores(z):
+    pathlib.Path(__file__).with_name("called").touch()  # shows that it was imported and run
+    return z
+"""
+
+
+@pytest.mark.parametrize(
+    "args, written",
+    [
+        ("layers --output-fn {fn} --output {out}", "--output"),
+        ("kernel --kind trace --output-fn {fn} --save {out}", "--save"),
+        ("attribute --output-fn {fn} --test train.npz --output {out}", "--output"),
+        ("featurize st --dim 8 --output-fn {fn} --output {out}", "--output"),
+        ("report --out r.html --test train.npz --output-fn {fn} --output {out}", "--output"),
+        ("nas --candidates factory.py:CANDIDATES --output-fn {fn} --output {out}", "--output"),
+    ],
+)
+@pytest.mark.parametrize(
+    "fn, out", [("fns.py:scores", "./fns.py"), ("mine.fns:scores", "mine/fns.py")]
+)
+def test_an_output_onto_the_file_of_output_fn_is_refused(
+    labelled, capsys, monkeypatch, args, written, fn, out
+):
+    """--output-fn file.py:fn (or package.module:fn) reads a Python file that was not among the
+    inputs of the collision check: --output or --save onto it exited 0 having overwritten the
+    user's source. Now refused naming both flags, before any work."""
+    f = labelled
+    (f / "fns.py").write_text(OUTPUT_FN)
+    (f / "mine").mkdir()
+    (f / "mine" / "__init__.py").write_text("")
+    (f / "mine" / "fns.py").write_text(OUTPUT_FN)
+    monkeypatch.chdir(f)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the CLI may add the working directory
+    before = {p: p.read_bytes() for p in f.rglob("*") if p.is_file()}
+    command, *rest = args.format(fn=fn, out=out).split()
+    model = [] if command == "nas" else ["--model", "factory.py:build", "--weights", "w.pt"]
+    err = usage_error(capsys, command, *model, *rest, "--data", "train.npz")
+    assert f"{written} {out} is the input of --output-fn" in err, err
+    assert {p: p.read_bytes() for p in f.rglob("*") if p.is_file()} == before
+    assert not (f / "built").exists() and not (f / "called").exists()
+    assert "mine" not in sys.modules
+
+
+def test_an_attribute_name_given_to_output_fn_is_not_taken_for_a_module(
+    labelled, capsys, monkeypatch
+):
+    """--output-fn real names an attribute of the model's output, not a module: a real.py in the
+    working directory is no input of the command, and --output may replace it."""
+    f = labelled
+    (f / "real.py").write_text("raise SystemExit('imported')\n")
+    monkeypatch.chdir(f)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    model = MODEL.format(f=f).split()
+    code, _, err = run(capsys, "layers", *model, "--output-fn", "real", "--output", "real.py")
+    assert code == 0, err
+    assert "imported" not in (f / "real.py").read_text()
+
+
 def test_an_output_inside_the_store_that_featurize_writes_is_refused(labelled, capsys):
     f = labelled
     args = ["featurize", str(f / "st"), *MODEL.format(f=f).split(), "--dim", "8"]

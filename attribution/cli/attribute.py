@@ -111,7 +111,7 @@ def attribute(
     check_paths(
         [("--output", out.path)],
         [
-            *model_files(model_spec, weights, data),
+            *model_files(model_spec, weights, data, output_fn=output_fn),
             ("--test", test_file),
             *(("--checkpoint", path) for path in checkpoint_files),
             ("--train-features", train_features),

@@ -384,20 +384,22 @@ def flag_names(**names: str):
 
 def spec_file(spec: str | None) -> str | None:
     """The source file that a path/file.py:attr or package.module:attr spec (--model,
-    --candidates) reads (`module_file`, found without importing), else None."""
-    if spec is None or ":" not in spec:  # not a spec: load_object says so
+    --candidates, --output-fn) reads (`module_file`, found without importing), else None."""
+    if spec is None or ":" not in spec:  # not a spec (load_object says so), or an attribute name
         return None
     target = spec.rsplit(":", 1)[0]
     return target if target.endswith(".py") else module_file(target)
 
 
-def model_files(model_spec, weights, data, option: str = "--data") -> list:
-    """(flag, path) of the files that --model (a .py file or a module's), --weights and --data
-    (or the flag `option` that gave the data) read, for `check_paths`."""
+def model_files(model_spec, weights, data, option: str = "--data", *, output_fn) -> list:
+    """(flag, path) of the files that --model (a .py file or a module's), --weights, --data (or
+    the flag `option` that gave the data) and --output-fn (a file.py:fn or package.module:fn
+    spec; an attribute name such as logits reads no file) read, for `check_paths`."""
     return [
         ("--model", spec_file(model_spec)),
         ("--weights", weights),
         (option, None if data == "digits" else data),
+        ("--output-fn", spec_file(output_fn)),
     ]
 
 
@@ -796,7 +798,7 @@ def _model_options(output: Callable, f):
             "--output-fn",
             default=None,
             help="map the model's output to [B, O]: an attribute name (e.g. logits for "
-            "HuggingFace models) or package.module:function",
+            "HuggingFace models), package.module:function or path/file.py:function",
         ),
         click.option(
             "--batch-size",

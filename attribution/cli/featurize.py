@@ -97,7 +97,7 @@ def featurize(
 
     check_paths(
         [("--output", out.path)],
-        model_files(model_spec, weights, data),
+        model_files(model_spec, weights, data, output_fn=output_fn),
         [("STORE", store), ("--kernel-tiles", kernel_tiles)],
     )
     foreign = projections.store.foreign_files(store) if os.path.isdir(store) else []

@@ -80,7 +80,7 @@ def kernel(
         raise UsageProblem("--save needs exactly one --kind")
     check_paths(
         [("--output", out.path), ("--save", save)],
-        model_files(model_spec, weights, data),
+        model_files(model_spec, weights, data, output_fn=output_fn),
         renamed=["--save"],
     )
     model, x, _ = resolve_model_and_data(

@@ -118,7 +118,10 @@ def layers(
 
     if depth is not None and group != "blocks":
         raise UsageProblem("--depth needs --group blocks")
-    check_paths([("--output", out.path), ("--plot", plot)], model_files(model_spec, weights, data))
+    check_paths(
+        [("--output", out.path), ("--plot", plot)],
+        model_files(model_spec, weights, data, output_fn=output_fn),
+    )
     _check_plot(plot)
     grouping: object | None = None if group == "layers" else (depth or "blocks")
     model, x, y = resolve_model_and_data(model_spec, weights, data, samples, device)

@@ -92,8 +92,8 @@ def demo_space() -> dict:
 @click.option(
     "--output-fn",
     default=None,
-    help="map each candidate's output to logits: an attribute name (logits) or "
-    "package.module:function",
+    help="map each candidate's output to logits: an attribute name (logits), "
+    "package.module:function or path/file.py:function",
 )
 @output_options(
     lambda params: columns(params["metrics"]),
@@ -108,7 +108,7 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
 
     check_paths(
         [("--output", out.path)],
-        [("--candidates", spec_file(spec)), *model_files(None, None, data)],
+        [("--candidates", spec_file(spec)), *model_files(None, None, data, output_fn=output_fn)],
     )
     candidates = demo_space() if spec is None else load_object(spec, "candidates")
     if not isinstance(candidates, dict):

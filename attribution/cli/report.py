@@ -162,7 +162,10 @@ def report(
     option = "data" if train_file is None else "train"
     check_paths(
         [("--out", html), ("--out (its .json)", json_path), ("--output", out.path)],
-        [*model_files(model_spec, weights, data, f"--{option}"), ("--test", test_file)],
+        [
+            *model_files(model_spec, weights, data, f"--{option}", output_fn=output_fn),
+            ("--test", test_file),
+        ],
         renamed=["--out", "--out (its .json)"],
     )
     model, x_train, y_train = resolve_model_and_data(
