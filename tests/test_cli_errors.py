@@ -1,6 +1,7 @@
 """Bad input to the CLI: exit 2 with one line that names the flag, before any computation; no
 traceback and no advice from numpy or torch."""
 
+import contextlib
 import os
 import re
 import sys
@@ -313,6 +314,54 @@ def test_an_attribute_name_given_to_output_fn_is_not_taken_for_a_module(
     code, _, err = run(capsys, "layers", *model, "--output-fn", "real", "--output", "real.py")
     assert code == 0, err
     assert "imported" not in (f / "real.py").read_text()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize(
+    "command, flag, name",
+    [
+        ("kernel --kind trace --format json", "--output", "out.json"),
+        ("kernel --kind trace", "--output", "out.txt"),  # the table, written in two parts
+        ("layers", "--plot", "layers.png"),
+    ],
+)
+def test_an_output_that_cannot_be_written_names_its_flag_and_path(
+    labelled, capsys, command, flag, name
+):
+    """A write that fails once the work is done (here a full disk: the output is a link to
+    /dev/full, which --output and --plot write in place) exited 1 with "OSError: [Errno 28] No
+    space left on device", naming neither the file nor the flag. Still exit 1: the command line
+    was fine (`check_paths` accepted the path), the machine refused the write."""
+    f = labelled
+    (f / name).symlink_to("/dev/full")
+    code, _, err = run(capsys, *command.split(), *MODEL.format(f=f).split(), flag, str(f / name))
+    assert code == 1, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.strip() == f"ntk: error: {flag} {f / name}: cannot write: No space left on device"
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_report_that_cannot_be_written_names_out(labelled, capsys, monkeypatch):
+    """The report's HTML, written by the library, failed with an OSError naming no file; the
+    library now names the file, and the CLI --out. The temporary file is /dev/full here (a full
+    disk)."""
+    from pathlib import Path
+
+    from attribution import _report
+
+    @contextlib.contextmanager
+    def full_disk(target, **_):
+        yield Path("/dev/full")
+
+    monkeypatch.setattr(_report, "atomic_path", full_disk)
+    f = labelled
+    np.savez(f / "t.npz", x=np.zeros((4, 4), np.float32))
+    args = ["report", *MODEL.format(f=f).split(), "--test", f"{f}/t.npz", "--out", f"{f}/r.html"]
+    code, _, err = run(capsys, *args, "--kernel-samples", "4", "--examples", "2")
+    assert code == 1, err
+    assert err.strip().splitlines()[-1] == (
+        f"ntk: error: --out {f}/r.html: cannot write: No space left on device"
+    ), err
 
 
 def test_an_output_inside_the_store_that_featurize_writes_is_refused(labelled, capsys):

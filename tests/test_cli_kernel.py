@@ -134,11 +134,15 @@ def test_every_format_carries_the_layer_shares_the_untrained_note_and_the_saved_
     assert "eNTK of 6 samples" in written and "per-layer trace shares" in written
 
 
-@pytest.mark.parametrize("fmt", ["json", "csv", "table"])
-def test_an_output_that_fails_part_way_leaves_the_earlier_file(tmp_path, fmt):
+@pytest.mark.parametrize(
+    "fmt, flag",
+    [("json", "--output"), ("csv", "--output"), ("table", "--output"), (None, "--save")],
+)
+def test_an_output_that_fails_part_way_leaves_the_earlier_file(tmp_path, fmt, flag):
     """--output was written in place: a write that failed part-way (here a full disk, made by a
     file size limit of 64 bytes) left the first 64 bytes of the result under the output's name
-    in place of the earlier file."""
+    in place of the earlier file. The error, "OSError: [Errno 27] File too large", named
+    neither the file nor the flag; it names both now (exit 1 still: the command line was fine)."""
     (tmp_path / "factory.py").write_text(FACTORY)
     np.savez(tmp_path / "data.npz", x=np.zeros((6, 4), np.float32))
     target = tmp_path / "k.out"
@@ -149,9 +153,13 @@ def test_an_output_that_fails_part_way_leaves_the_earlier_file(tmp_path, fmt):
         resource.setrlimit(resource.RLIMIT_FSIZE, (64, resource.RLIM_INFINITY))
 
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-    args = [*common, "--kind", "trace", "--format", fmt, "--output", str(target)]
+    written = ["--format", fmt, "--output"] if fmt else ["--format", "json", "--save"]
+    args = [*common, "--kind", "trace", *written, str(target)]
     out = run(*args, preexec_fn=full_disk, env=env)
-    assert out.returncode != 0 and "File too large" in out.stderr, out.stderr
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.splitlines()[-1] == (
+        f"ntk: error: {flag} {target}: cannot write: File too large"
+    ), out.stderr
     assert target.read_text() == "an earlier result\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data.npz", "factory.py", "k.out"]
-    assert run(*args).returncode == 0 and target.read_text() != "an earlier result\n"
+    assert run(*args).returncode == 0 and target.read_bytes() != b"an earlier result\n"

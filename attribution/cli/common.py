@@ -20,7 +20,7 @@ import shutil
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +42,30 @@ class ModelFailure(click.ClickException):
     """The model's own forward pass failed (not its inputs, flags or files): exit 1, one line."""
 
     exit_code = 1
+
+
+class OutputFailure(click.ClickException):
+    """An output that could not be written once the work was done (a full disk, a file past
+    the size limit, a permission lost since `check_paths` accepted it): neither bad input nor
+    the model's fault, exit 1 as any other failure of the run, one line naming the flag and
+    the path (the OSError of a write names neither)."""
+
+    exit_code = 1
+
+
+@contextlib.contextmanager
+def writing(flag: str, path) -> Iterator[None]:
+    """Around code that only writes the output `path` of `flag`: an OSError is `OutputFailure`
+    ("--output out.json: cannot write: File too large")."""
+    try:
+        yield
+    except OSError as exc:
+        raise OutputFailure(f"{flag} {path}: cannot write: {_reason(exc)}") from None
+
+
+def _reason(exc: OSError) -> str:
+    """Why a write failed, without the errno and the file name: "File too large"."""
+    return exc.strerror or _first_line(exc)
 
 
 FORMATS = ("table", "json", "csv")
@@ -626,15 +650,16 @@ def output_file(path, *, append: bool = False):
     leaves no file, or the earlier one as it was, rather than a partial file under that name.
     append: after what `path` holds (a second table of one command), copied into the temporary
     file first. An existing `path` that is not a regular file (/dev/null, a pipe), which the
-    rename would replace, is written in place."""
+    rename would replace, is written in place. A failure to write (OSError) names --output and
+    `path` (`writing`)."""
     target = Path(path)
     if target.exists() and not target.is_file():
-        with open(target, "a" if append else "w") as f:
+        with writing("--output", path), open(target, "a" if append else "w") as f:
             yield f
         return
     from ntk.core.files import atomic_path
 
-    with atomic_path(target) as tmp:
+    with writing("--output", path), atomic_path(target) as tmp:
         if append and target.exists():
             shutil.copyfile(target, tmp)
         with open(tmp, "a" if append else "w") as f:

@@ -20,6 +20,7 @@ from .common import (
     resolve_model_and_data,
     step,
     untrained_note,
+    writing,
 )
 
 # The full and diagonal kernels are [N·O, N·O] matrices to eigendecompose: O((N·O)³).
@@ -199,10 +200,10 @@ def why_singular(kind: str, n: int, size: int, rank: int) -> str:
 
 
 def _save_npy(array, path: str) -> None:
-    """Write atomically: a partial file never carries the final name."""
+    """Write atomically: a partial file never carries the final name; a failure names --save."""
     import numpy as np
 
     from ntk.core.files import atomic_path
 
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:  # np.save of a name would add .npy
-        np.save(f, array)
+    with writing("--save", path), atomic_path(path) as tmp, open(tmp, "wb") as f:
+        np.save(f, array)  # to an open file: np.save of a name would add .npy

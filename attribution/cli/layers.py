@@ -19,6 +19,7 @@ from .common import (
     model_options,
     resolve_model_and_data,
     untrained_note,
+    writing,
 )
 
 # The columns of `attribution.layer_importance`'s rows.
@@ -54,7 +55,8 @@ def _plot(rows: list[dict], score: str, path: str) -> None:
     )
     fig.suptitle(f"layer importance ({score})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    with writing("--plot", path):
+        fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
 @click.command()

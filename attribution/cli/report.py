@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from .choices import POSTERIOR_AUTO_MAX, SURROGATE_KINDS, SURROGATE_MACHINES
 from .common import (
     DEMO_SAMPLES,
     UNTRAINED,
+    OutputFailure,
     UsageProblem,
     check_paths,
     class_labels,
@@ -204,7 +206,7 @@ def report(
         device=device,
         output_fn=output_fn,
     )
-    with flag_names(image_shape="--image-shape"):
+    with flag_names(image_shape="--image-shape"), outputs_named(html, json_path):
         result = build_report(
             model,
             x_train,
@@ -280,6 +282,21 @@ def report(
         untrained=untrained,
         notes=notes,
     )
+
+
+@contextlib.contextmanager
+def outputs_named(html: str, json_path: str):
+    """The library's failure to write the report (an OSError naming the file, e.g. a full disk)
+    names --out as `common.writing` does; any other OSError is left as it is."""
+    try:
+        yield
+    except OSError as exc:
+        flags = {Path(html): "--out", Path(json_path): "--out (its .json)"}
+        flag = flags.get(Path(exc.filename)) if isinstance(exc.filename, str) else None
+        if flag is None:
+            raise
+        path = html if flag == "--out" else json_path
+        raise OutputFailure(f"{flag} {path}: cannot write: {exc.strerror or exc}") from None
 
 
 def _shape(text):
