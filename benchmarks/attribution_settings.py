@@ -85,7 +85,10 @@ def run_peers(model, checkpoints, x, y, xt, yt, python: str, methods: str | None
         cmd = [python, str(HERE / "peers" / "attr_peers.py"), str(inp), str(out)]
         if methods:
             cmd += ["--methods", methods]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        # the repository on the peers' path: a network of a benchmark's own class unpickles
+        paths = [str(HERE.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             print(f"peers failed:\n{proc.stderr[-3000:]}", flush=True)
         return torch.load(out, weights_only=False) if out.exists() else {}
