@@ -145,6 +145,23 @@ class Chunked(nn.Module):
         return self.out(torch.tanh(torch.cat([self.body(c) for c in x.split(self.size)])))
 
 
+class PackedGRU(nn.Module):
+    """Sequences of variable length (trailing zero rows are padding) packed through an nn.GRU:
+    torch.func cannot differentiate the packed RNN kernel even one sample at a time."""
+
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.GRU(3, 5, batch_first=True)
+        self.out = nn.Linear(5, 2)
+
+    def forward(self, x):
+        lengths = (x.abs().sum(-1) > 0).sum(1).clamp(min=1).cpu()
+        packed = nn.utils.rnn.pack_padded_sequence(
+            x, lengths, batch_first=True, enforce_sorted=False
+        )
+        return self.out(self.gru(packed)[1][-1])
+
+
 class Scalar(nn.Module):
     def __init__(self):
         super().__init__()

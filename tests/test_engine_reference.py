@@ -4,7 +4,16 @@ import copy
 
 import pytest
 import torch
-from models import CASES, CallCounter, Chunked, SequenceFirst, SharedPositions, TwoDtypes, make
+from models import (
+    CASES,
+    CallCounter,
+    Chunked,
+    PackedGRU,
+    SequenceFirst,
+    SharedPositions,
+    TwoDtypes,
+    make,
+)
 from reference import kernels, layer_params, lpntk, of_kind, rel_err
 
 import ntk
@@ -424,6 +433,27 @@ def test_auto_leaves_a_body_run_on_chunks_of_a_block_to_autodiff(size):
         ntk.empirical_ntk(net, x, kind="trace", method="structured", batch_size=64)
     value = ntk.empirical_ntk(net, x, kind="trace", method="structured", batch_size=size)
     assert rel_err(value, of_kind(ref[None], "trace")) <= 1e-10
+
+
+@pytest.mark.filterwarnings(
+    "ignore::UserWarning"
+)  # the fallbacks' warnings, torch's batching notes
+@pytest.mark.parametrize("method", ("auto", "jacobian", "structured"))
+def test_a_model_torch_func_cannot_differentiate_falls_back_to_autograd(method):
+    """A packed sequence through nn.GRU: jacrev fails even on one sample ("Cannot access data
+    pointer of Tensor that doesn't have storage"), so every method failed; derivatives by
+    torch.autograd alone give the reference kernel, with a warning naming the reason."""
+    torch.manual_seed(0)
+    net = PackedGRU().double().eval()
+    x = torch.randn(6, 4, 3, dtype=torch.float64)
+    x[0, 3:], x[1, 2:] = 0, 0  # two shorter sequences
+    ref = kernels(net, x)
+    with pytest.warns(UserWarning, match="torch.func cannot differentiate PackedGRU"):
+        value = ntk.empirical_ntk(net, x, kind="full", method=method)
+    assert rel_err(value, ref[None]) <= 1e-10
+    parts = ntk.empirical_ntk(net, x[:2], x, kind="trace", method=method, layers="all")
+    for layer, part in parts.items():
+        assert rel_err(part, of_kind(ref[layer][:2], "trace")) <= 1e-10, layer
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from models import Chunked, SharedPositions, TwoDtypes, make
+from models import Chunked, PackedGRU, SharedPositions, TwoDtypes, make
 from torch import nn
 
 import ntk
@@ -616,3 +616,18 @@ def test_a_body_run_on_chunks_of_a_batch_is_projected_by_autodiff(size):
     exact = ntk.empirical_ntk(net, x[:8], kind="trace", method="jacobian")
     close = projections.projected_ntk(net, x[:8], kind="trace", dim=20000, seed=0)
     assert (close - exact).abs().max() / exact.abs().max() < 0.05
+
+
+@pytest.mark.filterwarnings(
+    "ignore::UserWarning"
+)  # the fallbacks' warnings, torch's batching notes
+def test_a_model_torch_func_cannot_differentiate_is_projected_through_autograd():
+    """A packed sequence through nn.GRU (jacrev fails even on one sample): the projected kernel
+    estimates the exact one (it failed with "Cannot access data pointer…")."""
+    torch.manual_seed(0)
+    net = PackedGRU().double().eval()
+    x = torch.randn(6, 4, 3, dtype=torch.float64)
+    x[0, 3:], x[1, 2:] = 0, 0
+    exact = ntk.empirical_ntk(net, x, kind="trace", method="jacobian")
+    got = projections.projected_ntk(net, x, kind="trace", dim=20000, seed=0)
+    assert (got - exact).abs().max() / exact.abs().max() < 0.05

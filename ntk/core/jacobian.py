@@ -1,8 +1,10 @@
-"""Per-sample Jacobians by automatic differentiation: vmap(jacrev(functional_call)), or a loop
-over samples for models that cannot be vmapped (`persample`)."""
+"""Per-sample Jacobians by automatic differentiation: vmap(jacrev(functional_call)), a loop over
+samples for models that cannot be vmapped (`persample`), or, for models that torch.func cannot
+differentiate at all, one torch.autograd backward pass per sample and cotangent."""
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -11,7 +13,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import inputs
 from .model import ModelView
-from .persample import map_samples
+from .persample import PerSampleFallbackWarning, map_samples
 
 # Operations whose parameter derivatives torch.func gets wrong under nested vmap (samples ×
 # cotangents), silently (torch 2.13):
@@ -45,6 +47,9 @@ NESTED_VMAP_UNSAFE = frozenset(
 # (0 where the reverse mode is right), so ntk_vp (forward mode) refuses models calling it.
 _SCATTER_REDUCE = frozenset({torch.scatter_reduce, torch.Tensor.scatter_reduce})
 _PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Calls of a forward
+_AUTOGRAD_ONLY: weakref.WeakKeyDictionary = (
+    weakref.WeakKeyDictionary()
+)  # model -> torch.func's error
 
 
 class _Calls(TorchFunctionMode):
@@ -92,10 +97,38 @@ def jacobian_features(
     """u_cᵀ ∂f(x_b)/∂θ_n for each parameter name n, as [C, B, numel(θ_n)]; cot: [C, O] shared by
     the samples, or [C, B, O] per sample.
 
-    Only the parameters in `names` are differentiated; the others are held constant.
+    Only the parameters in `names` are differentiated; the others are held constant. A model
+    whose forward torch.func's transforms cannot run even one sample at a time (a packed
+    sequence through nn.GRU / nn.LSTM: "Cannot access data pointer of Tensor that doesn't have
+    storage") is differentiated by torch.autograd alone from then on, with a warning, if that
+    works on the block (the same values; B·C backward passes); otherwise the error is raised.
     """
     wrt = {n: view.params[n] for n in names}
     rest = {n: p for n, p in view.params.items() if n not in wrt}
+    if view.model in _AUTOGRAD_ONLY:
+        return _autograd_features(view, wrt, rest, x, cot)
+    try:
+        return _functorch_features(view, wrt, rest, x, cot)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:
+        try:
+            features = _autograd_features(view, wrt, rest, x, cot)
+        except Exception:
+            raise error from None  # not torch.func's limit: the model's own failure
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:120]
+        _AUTOGRAD_ONLY[view.model] = reason
+        warnings.warn(
+            f"torch.func cannot differentiate {type(view.model).__name__} ({reason}); computing "
+            "per-sample derivatives by torch.autograd, one backward pass per sample and output",
+            PerSampleFallbackWarning,
+            stacklevel=2,
+        )
+        return features
+
+
+def _functorch_features(view: ModelView, wrt: dict, rest: dict, x, cot: torch.Tensor) -> dict:
+    """`jacobian_features` by torch.func: jacrev of u·f, vmapped over samples where it can be."""
 
     def projected_output(params, x_single, u):
         out = view.forward_single({**rest, **params}, x_single)
@@ -114,3 +147,29 @@ def jacobian_features(
     else:
         jac = map_samples(view, lambda p, xb: jacrev(projected_output)(p, xb, cot), wrt, x)
     return {n: j.reshape(j.shape[0], c, -1).transpose(0, 1) for n, j in jac.items()}
+
+
+def _autograd_features(view: ModelView, wrt: dict, rest: dict, x, cot: torch.Tensor) -> dict:
+    """`jacobian_features` by torch.autograd alone: for each sample b, one forward pass and, for
+    each cotangent u_c, the backward pass of u_c·f(x_b) ([C, B, numel] per parameter; a
+    parameter the output does not depend on gets zeros)."""
+    leaves = {n: p.detach().requires_grad_(True) for n, p in wrt.items()}
+    c, count = cot.shape[0], inputs.count(x)
+    rows = {
+        n: torch.zeros(c, count, p.numel(), dtype=p.dtype, device=p.device) for n, p in wrt.items()
+    }
+    for b in range(count):
+        with torch.enable_grad():
+            out = view.forward_single({**rest, **leaves}, inputs.take(x, b))
+            for k in range(c):
+                u = cot[k, b] if cot.dim() == 3 else cot[k]
+                grads = torch.autograd.grad(
+                    u.to(out.dtype) @ out,
+                    list(leaves.values()),
+                    retain_graph=k < c - 1,
+                    allow_unused=True,
+                )
+                for n, g in zip(leaves, grads):
+                    if g is not None:
+                        rows[n][k, b] = g.reshape(-1)
+    return rows
