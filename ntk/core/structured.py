@@ -458,7 +458,7 @@ def _leading_sample_axis(view: ModelView, x, names: dict[str, nn.Module]) -> set
     if S were the samples), and, in a pass on up to _CONFIRM distinct samples, with each row equal
     to that sample's own pass (a model that sorts, flips or routes the batch around a layer feeds
     it other samples' rows), and called once in a pass on up to _CHUNKS samples (micro-batches:
-    larger chunks are found by `features`)."""
+    larger chunks are found by `settle`, or refused by `features`)."""
     captured: dict[str, list] = {}  # layer → (input, output) of each call leading with the rows
     rows = [_CONFIRM]  # samples in the current pass
 
