@@ -931,3 +931,9 @@ def test_nas_ranks_one_logit_binary_classifiers(files, capsys):
     assert code == 0, err
     assert "label_condition" in out
     assert any(line.split()[:2] == ["1", "a"] for line in out.splitlines())  # rank 1: a
+
+
+def test_a_malformed_output_fn_names_every_form_it_takes(capsys):
+    """The message listed two of the three forms --output-fn takes (not path/file.py:function)."""
+    err = usage_error(capsys, "layers", "--output-fn", "not valid")
+    assert "package.module:function or path/file.py:function, got 'not valid'" in err, err

@@ -256,8 +256,8 @@ def load_output_fn(spec: str | None) -> Callable | None:
         return OutputFn(fn, spec)
     if not spec.isidentifier():
         raise UsageProblem(
-            f"--output-fn must be an attribute name (e.g. logits) or package.module:function, "
-            f"got {spec!r}"
+            "--output-fn must be an attribute name (e.g. logits), package.module:function or "
+            f"path/file.py:function, got {spec!r}"
         )
     return OutputFn(operator.attrgetter(spec), spec)
 
