@@ -4,7 +4,9 @@ store tests; the library has no hook for this.
 As a script: ``python dying.py PATH DATA_SEED MODEL_SEED HOW COUNT`` featurises the tiny store of
 `featurize` into PATH and exits with status 3 when
   HOW = records: its COUNT-th new block has been recorded as complete;
-  HOW = forward: the model starts its COUNT-th forward pass (mid-block, rows half written);
+  HOW = forward: the model starts its COUNT-th forward pass while the store's lock is held
+    (mid-block, rows half written; the planning passes before the lock are not counted, so the
+    count does not move when the library plans with more or fewer passes);
   HOW = manifest: its COUNT-th manifest is written to its temporary file, not yet renamed.
 It exits 0 if the run finishes first, and 1 with the error's type and message on stderr when
 featurize refuses.
@@ -64,12 +66,13 @@ def die_after_records(count: int) -> None:
     projections._format.write_blocks = dying
 
 
-def die_at_forward(net: torch.nn.Module, count: int) -> None:
-    """Exit (status 3) when `net` starts its `count`-th forward pass."""
+def die_at_forward(net: torch.nn.Module, count: int, path) -> None:
+    """Exit (status 3) when `net` starts its `count`-th forward pass with the lock of the store
+    at `path` held."""
     calls = [0]
 
     def hook(module, args):
-        calls[0] += 1
+        calls[0] += os.path.exists(os.path.join(path, "lock"))
         if calls[0] >= count:
             os._exit(3)
 
@@ -99,7 +102,7 @@ def main(path, data_seed, model_seed, how, count):
     elif how == "manifest":
         die_in_manifest_write(int(count))
     else:
-        die_at_forward(net, int(count))
+        die_at_forward(net, int(count), path)
     try:
         featurize(path, int(data_seed), net=net)
     except ValueError as e:
