@@ -10,6 +10,15 @@ Settings (trained here with `ntk.demo.train`, fixed seeds): `digits_mlp` (MLP 64
 (MLP 30-32-2 on standardised features). Each has a train, a validation and a test split (every
 sample left after the other two).
 
+Two held-out settings, `HELD_OUT_SETTINGS`, added after every uncertainty default was chosen and
+never used to choose one (not in the default --settings; run them by naming them): `synth_mlp`,
+the generated tabular data of benchmarks/nas/spaces.py (`synth_task`: 2,000 samples, 20
+features, 5 classes, 3 % flipped labels; 1,000 train, 300 validation, 700 test) with the MLP
+20-64-64-5 with LayerNorm and GELU (`SynthMLP(64, 1, "ln", "gelu", False)`); `seq_conv`, the
+majority task of the same file (`majority_task(2000, 0)`: 16 one-hot tokens of 4, the label is
+the most frequent; 1,000 / 300 / 700) with a residual 1-D CNN with GroupNorm
+(`ConvNet1d(16, 2, 3, True, "gn", "relu", "mean")`).
+
 The prior precision is the library default (no held-out data: the shape of a posterior keeping
 many effective parameters, tempered to the size of one keeping few; chosen by
 benchmarks/posterior_prior.py), the Laplace evidence (marginal likelihood),
@@ -18,8 +27,15 @@ or the NLL of the validation split, which the network did not train on
 split.
 
 Out-of-distribution sets, made offline from the first OOD_SAMPLES test samples: digits — one
-fixed pixel permutation, inverted intensities 1 − x, the held-out class 9; breast_cancer — one
-fixed feature permutation, negated rows, standard-normal noise rows.
+fixed pixel permutation, inverted intensities 1 − x, the held-out class 9; breast_cancer and
+synth_mlp — one fixed feature permutation, negated rows, standard-normal noise rows; seq_conv —
+two-hot sequences (a second, different token switched on at every position: the input leaves
+the one-hot simplex but keeps its scale, and the majority is no longer defined), sequences with
+a dominant token (one token written over 12 of the 16 positions, so it fills at least 12: a
+valid one-hot sequence with an unambiguous label, yet a pattern the training split almost never
+holds, about 1 random sequence in 7,000) and standard-normal noise of the same shape. A
+permutation or negation of a one-hot sequence would not do: permuting positions keeps the label
+and the distribution, and negation is as far off as noise.
 
 With --splits K, each setting is run on K random splits (sample order, shifts and the network's
 initialisation and training seeded by 0 … K−1; split 0 is the single run): a 15-bin ECE on
@@ -67,9 +83,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 from measure import timed
 
 from attribution import NTKPosterior, calibration_metrics
+from benchmarks.nas.spaces import ConvNet1d, SynthMLP, majority_task, synth_task
 from ntk import demo
 
 SETTINGS = ("digits_mlp", "digits_cnn", "breast_cancer")
+HELD_OUT_SETTINGS = ("synth_mlp", "seq_conv")  # never used to choose a default (docstring)
 HELD_OUT_CLASS = 9  # digits: trained on 0–8, the 9s are one of the shifts
 # Each shifted set is made from the first OOD_SAMPLES test samples (the held-out 9s: at most that
 # many). The test split is every sample left after train and validation (digits 867,
@@ -132,7 +150,12 @@ def build(setting: str, split: int = 0) -> nn.Module:
         return nn.Sequential(nn.Linear(30, 32), nn.ReLU(), nn.Linear(32, 2))
     if setting == "wine":  # used by benchmarks/posterior_prior.py
         return nn.Sequential(nn.Linear(13, 32), nn.ReLU(), nn.Linear(32, 3))
-    raise ValueError(f"unknown setting {setting!r}; valid: {', '.join(SETTINGS)}")
+    if setting == "synth_mlp":  # a plain Sequential of the same layers: torch classes only
+        return nn.Sequential(*SynthMLP(64, 1, "ln", "gelu", False))
+    if setting == "seq_conv":
+        return ConvNet1d(16, 2, 3, True, "gn", "relu", "mean")
+    valid = ", ".join(SETTINGS + HELD_OUT_SETTINGS)
+    raise ValueError(f"unknown setting {setting!r}; valid: {valid}")
 
 
 def data(setting: str, smoke: bool = False, split: int = 0) -> dict[str, np.ndarray]:
@@ -145,6 +168,10 @@ def data(setting: str, smoke: bool = False, split: int = 0) -> dict[str, np.ndar
         held = x[y == HELD_OUT_CLASS]
         x, y = x[y != HELD_OUT_CLASS], y[y != HELD_OUT_CLASS]
         n_train, n_val = 600, 150
+    elif setting in HELD_OUT_SETTINGS:  # generated: the same samples, ordered by `split`
+        x, y = synth_task() if setting == "synth_mlp" else majority_task(2000, 0)
+        x, y = x.numpy(), y.numpy()
+        n_train, n_val = 1000, 300
     else:
         d = {"breast_cancer": load_breast_cancer, "wine": load_wine}[setting]()
         x, y = d.data.astype(np.float32), d.target.astype(np.int64)
@@ -162,7 +189,8 @@ def data(setting: str, smoke: bool = False, split: int = 0) -> dict[str, np.ndar
         x_test=x[rest:][: cap if smoke else None],  # every sample left (smoke: `cap`)
         y_test=y[rest:][: cap if smoke else None],
     )
-    if not setting.startswith("digits"):  # standardised by the training split's statistics
+    tabular = not setting.startswith("digits") and setting != "seq_conv"
+    if tabular:  # standardised by the training split's statistics
         mu, sd = out["x_train"].mean(0), out["x_train"].std(0) + 1e-6
         for split in ("x_train", "x_val", "x_test"):
             out[split] = (out[split] - mu) / sd
@@ -171,11 +199,29 @@ def data(setting: str, smoke: bool = False, split: int = 0) -> dict[str, np.ndar
         out["ood_permuted"] = test[:, rng.permutation(x.shape[1])]
         out["ood_inverted"] = 1.0 - test
         out["ood_held_out_class"] = held[:cap]
-    else:
+    elif tabular:
         out["ood_permuted"] = test[:, rng.permutation(x.shape[1])]
         out["ood_negated"] = -test
+    else:  # one-hot sequences [n, vocabulary, length]
+        out["ood_two_hot"], out["ood_dominant"] = one_hot_shifts(test, rng)
+    if not setting.startswith("digits"):
         out["ood_noise"] = rng.standard_normal(test.shape).astype(np.float32)
     return {k: v.astype(np.float32) if v.dtype.kind == "f" else v for k, v in out.items()}
+
+
+def one_hot_shifts(test: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Two shifted copies of one-hot sequences [n, vocabulary, length]: two-hot (a second,
+    different token on at every position) and dominant (one random token written over 12 random
+    positions)."""
+    n, vocabulary, length = test.shape
+    tokens = test.argmax(1)  # [n, length]
+    second = (tokens + rng.integers(1, vocabulary, tokens.shape)) % vocabulary
+    two_hot = test + np.eye(vocabulary, dtype=test.dtype)[second].transpose(0, 2, 1)
+    dominant = tokens.copy()
+    token = rng.integers(0, vocabulary, n)
+    for i in range(n):
+        dominant[i, rng.choice(length, 12, replace=False)] = token[i]
+    return two_hot, np.eye(vocabulary, dtype=test.dtype)[dominant].transpose(0, 2, 1)
 
 
 def make_case(setting: str, path: Path, smoke: bool, split: int = 0) -> dict:
@@ -361,8 +407,9 @@ def main() -> None:
     settings = args.settings.split(",")
     methods = args.methods.split(",")
     for name in settings:
-        if name not in SETTINGS:
-            parser.error(f"unknown setting {name!r}; valid: {', '.join(SETTINGS)}")
+        if name not in SETTINGS + HELD_OUT_SETTINGS:
+            valid = ", ".join(SETTINGS + HELD_OUT_SETTINGS)
+            parser.error(f"unknown setting {name!r}; valid: {valid}")
     for name in methods:
         if name not in OURS:
             parser.error(f"unknown method {name!r}; valid: {', '.join(OURS)}")

@@ -26,6 +26,9 @@ from laplace import Laplace
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the repository root: a case's model may be a class of the benchmarks (uncertainty.py's
+# seq_conv is benchmarks.nas.spaces.ConvNet1d), which unpickling imports
+sys.path.insert(1, str(Path(__file__).resolve().parents[2]))
 from measure import timed
 
 
