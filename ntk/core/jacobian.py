@@ -47,9 +47,8 @@ NESTED_VMAP_UNSAFE = frozenset(
 # (0 where the reverse mode is right), so ntk_vp (forward mode) refuses models calling it.
 _SCATTER_REDUCE = frozenset({torch.scatter_reduce, torch.Tensor.scatter_reduce})
 _PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Calls of a forward
-_AUTOGRAD_ONLY: weakref.WeakKeyDictionary = (
-    weakref.WeakKeyDictionary()
-)  # model -> torch.func's error
+# model -> the error of torch.func that made `jacobian_features` use torch.autograd alone
+_AUTOGRAD_ONLY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _Calls(TorchFunctionMode):
