@@ -60,12 +60,13 @@ def writing(flag: str, path) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        raise OutputFailure(f"{flag} {path}: cannot write: {_reason(exc)}") from None
+        raise cannot_write(flag, path, exc) from None
 
 
-def _reason(exc: OSError) -> str:
-    """Why a write failed, without the errno and the file name: "File too large"."""
-    return exc.strerror or _first_line(exc)
+def cannot_write(flag: str, path, exc: OSError) -> OutputFailure:
+    """The one-line failure of `flag`'s output `path` that `exc` could not write, saying why
+    without the errno and the file name: "--output out.json: cannot write: File too large"."""
+    return OutputFailure(f"{flag} {path}: cannot write: {exc.strerror or _first_line(exc)}")
 
 
 FORMATS = ("table", "json", "csv")

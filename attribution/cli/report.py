@@ -12,8 +12,8 @@ from .choices import POSTERIOR_AUTO_MAX, SURROGATE_KINDS, SURROGATE_MACHINES
 from .common import (
     DEMO_SAMPLES,
     UNTRAINED,
-    OutputFailure,
     UsageProblem,
+    cannot_write,
     check_paths,
     class_labels,
     emit,
@@ -291,12 +291,11 @@ def outputs_named(html: str, json_path: str):
     try:
         yield
     except OSError as exc:
-        flags = {Path(html): "--out", Path(json_path): "--out (its .json)"}
-        flag = flags.get(Path(exc.filename)) if isinstance(exc.filename, str) else None
-        if flag is None:
+        outputs = {Path(html): ("--out", html), Path(json_path): ("--out (its .json)", json_path)}
+        output = outputs.get(Path(exc.filename)) if isinstance(exc.filename, str) else None
+        if output is None:
             raise
-        path = html if flag == "--out" else json_path
-        raise OutputFailure(f"{flag} {path}: cannot write: {exc.strerror or exc}") from None
+        raise cannot_write(*output, exc) from None
 
 
 def _shape(text):
