@@ -71,6 +71,11 @@ def files(tmp_path):
     return tmp_path
 
 
+def _files(folder) -> dict:
+    """{path: bytes} of every file under `folder`: what a refused command must leave as it was."""
+    return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
 def usage_error(capsys, *args):
     code, _, err = run(capsys, *args)
     assert code == 2, err
@@ -215,13 +220,13 @@ def test_an_output_that_names_another_output_or_an_input_is_refused_before_any_w
     f = labelled
     np.savez(f / "t.npz", x=np.zeros((4, 4), np.float32))
     (f / "c.pt").write_bytes((f / "w.pt").read_bytes())
-    before = {p.name: p.read_bytes() for p in f.iterdir()}
+    before = _files(f)
     command, *rest = args.format(f=f).split()
     model = MODEL.format(f=f).split()[-2:] if command == "nas" else MODEL.format(f=f).split()
     err = usage_error(capsys, command, *model, *rest)
     assert all(re.search(rf"(^|\s){flag}\b", err) for flag in flags), err
     assert read is None or f"{f}/{read}" in err, err
-    assert {p.name: p.read_bytes() for p in f.iterdir()} == before  # nothing written
+    assert _files(f) == before  # nothing written
     assert not (f / "built").exists()  # refused before the model was even made
 
 
@@ -245,13 +250,13 @@ def test_an_output_onto_the_module_a_dotted_spec_names_is_refused(
     (f / "mine" / "models.py").write_text(FACTORY)
     monkeypatch.chdir(f)
     monkeypatch.setattr(sys, "path", list(sys.path))  # the CLI may add the working directory
-    before = {p: p.read_bytes() for p in f.rglob("*") if p.is_file()}
+    before = _files(f)
     out = "mine/./models.py"
     command, *rest = args.format(out=out).split()
     err = usage_error(capsys, command, *rest, "--data", "train.npz")
     written = "--save" if "--save" in rest else "--output"
     assert f"{written} {out} is the input of {flag}" in err, err
-    assert {p: p.read_bytes() for p in f.rglob("*") if p.is_file()} == before
+    assert _files(f) == before
     assert not (f / "imported").exists() and "mine" not in sys.modules
 
 
@@ -291,12 +296,12 @@ def test_an_output_onto_the_file_of_output_fn_is_refused(
     (f / "mine" / "fns.py").write_text(OUTPUT_FN)
     monkeypatch.chdir(f)
     monkeypatch.setattr(sys, "path", list(sys.path))  # the CLI may add the working directory
-    before = {p: p.read_bytes() for p in f.rglob("*") if p.is_file()}
+    before = _files(f)
     command, *rest = args.format(fn=fn, out=out).split()
     model = [] if command == "nas" else ["--model", "factory.py:build", "--weights", "w.pt"]
     err = usage_error(capsys, command, *model, *rest, "--data", "train.npz")
     assert f"{written} {out} is the input of --output-fn" in err, err
-    assert {p: p.read_bytes() for p in f.rglob("*") if p.is_file()} == before
+    assert _files(f) == before
     assert not (f / "built").exists() and not (f / "called").exists()
     assert "mine" not in sys.modules
 
