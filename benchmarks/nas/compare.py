@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from scipy.stats import kendalltau, spearmanr
 from space import space as digits_mlp_space
-from spaces import SPACES
+from spaces import ALL_SPACES, SPACES
 
 from ntk import demo, proxies
 
@@ -82,14 +82,15 @@ SPACE_NAMES = ("digits_mlp", *SPACES)
 
 
 def load(name):
-    """(candidates, x_train, y_train, mean accuracy per candidate, ceiling τ)."""
+    """(candidates, x_train, y_train, mean accuracy per candidate, ceiling τ) of a space (the
+    held-out ones too: holdout.py loads them; no rule here reads them)."""
     if name == "digits_mlp":
         truth = json.loads((HERE / "ground_truth.json").read_text())
         cands, data = digits_mlp_space(), demo.digits(n_train=truth["budget"]["n_train"])
         x, y = data.x_train, data.y_train
     else:
         truth = json.loads((HERE / f"truth_{name}.json").read_text())
-        s = SPACES[name]()
+        s = ALL_SPACES[name]()
         cands, x, y = s.candidates, s.x_train, s.y_train
     acc = np.array([truth["architectures"][n]["mean"] for n in cands])
     return cands, x, y, acc, truth["ceiling"]["kendall_tau"]

@@ -19,16 +19,13 @@ import numpy as np
 import torch
 from ground_truth import SEEDS
 from scipy.stats import kendalltau, spearmanr
-from spaces import HELD_OUT_SPACES, SPACES
+from spaces import ALL_SPACES
 
 from ntk import demo
 
 
 def truth_path(name: str) -> Path:
     return Path(__file__).with_name(f"truth_{name}.json")
-
-
-ALL_SPACES = {**SPACES, **HELD_OUT_SPACES}
 
 
 def ground_truth(name: str, seeds=SEEDS, n=None) -> dict:

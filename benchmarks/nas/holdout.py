@@ -25,9 +25,8 @@ import argparse
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
-from compare import PROXIES, SMALL, metrics, proxy_label, score_space
+from compare import PROXIES, SMALL, load, metrics, proxy_label, score_space
 from spaces import HELD_OUT_SPACES
 
 from ntk import proxies
@@ -44,14 +43,6 @@ RANK_DEFAULT = (
 )
 SINGLES = [label for label, options in PROXIES.items() if set(options) == {"metric", "batch_size"}]
 SMOKE = [proxy_label(m, SMALL) for m in ("naswot", "params")]
-
-
-def load(name: str):
-    """(candidates, x_train, y_train, mean accuracy per candidate, ceiling τ)."""
-    truth = json.loads((HERE / f"truth_{name}.json").read_text())
-    space = HELD_OUT_SPACES[name]()
-    acc = np.array([truth["architectures"][n]["mean"] for n in space.candidates])
-    return space.candidates, space.x_train, space.y_train, acc, truth["ceiling"]["kendall_tau"]
 
 
 def score_defaults(cands, x, y, repeats=None) -> dict:

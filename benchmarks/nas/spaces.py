@@ -330,3 +330,4 @@ def synth_mlp(n=30) -> Space:
 
 
 HELD_OUT_SPACES = {"seq_conv": seq_conv, "synth_mlp": synth_mlp}
+ALL_SPACES = {**SPACES, **HELD_OUT_SPACES}  # for the truths and loading; no rule reads the held out
