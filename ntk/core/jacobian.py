@@ -13,7 +13,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import inputs
 from .model import ModelView
-from .persample import PerSampleFallbackWarning, map_samples
+from .persample import PerSampleFallbackWarning, failure_reason, map_samples
 
 # Operations whose parameter derivatives torch.func gets wrong under nested vmap (samples ×
 # cotangents), silently (torch 2.13):
@@ -115,7 +115,7 @@ def jacobian_features(
             features = _autograd_features(view, wrt, rest, x, cot)
         except Exception:
             raise error from None  # not torch.func's limit: the model's own failure
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:120]
+        reason = failure_reason(error)
         _AUTOGRAD_ONLY[view.model] = reason
         warnings.warn(
             f"torch.func cannot differentiate {type(view.model).__name__} ({reason}); computing "

@@ -42,8 +42,7 @@ def map_samples(view: ModelView, fn: Callable, params, x, *per_sample) -> object
         except torch.OutOfMemoryError:
             raise
         except Exception as error:  # any failure under vmap: the loop shows a real error again
-            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            reason = reason if len(reason) <= 120 else reason[:119] + "…"
+            reason = failure_reason(error)
             _NOT_VMAPPABLE[view.model] = reason
             warnings.warn(
                 f"{type(view.model).__name__} cannot be vmapped over samples ({reason}); "
@@ -57,6 +56,13 @@ def map_samples(view: ModelView, fn: Callable, params, x, *per_sample) -> object
             for b in range(inputs.count(x))
         ]
     return _stack(rows)
+
+
+def failure_reason(error: Exception) -> str:
+    """The first line of `error`'s message (its type where it has none), at most 120
+    characters: the reason a fallback warning gives."""
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return reason if len(reason) <= 120 else reason[:119] + "…"
 
 
 @contextmanager
