@@ -44,6 +44,7 @@ from ntk.empirical import check_outputs
 STRATEGIES = ("kfac", "ekfac")
 MAX_DENSE = 8192  # most parameters of a block without Kronecker structure (kept dense)
 PROBE = 4  # training samples whose outputs are checked to be neither random nor batch-dependent
+_LARGEST_BATCH = 4096  # samples of the largest automatic batch of the passes over the training set
 
 
 class UnfactorableModelError(ValueError):
@@ -206,7 +207,7 @@ class KroneckerCurvature:
             b = self.batch_size
         else:
             budget = min(1 << 30, available_bytes(self.view.device) // 8)
-            b = max(1, min(n, 4096, budget // max(per_sample, 1)))
+            b = max(1, min(n, _LARGEST_BATCH, budget // max(per_sample, 1)))
         for s in range(0, n, b):
             yield slice(s, min(s + b, n))
 
@@ -253,7 +254,10 @@ class KroneckerCurvature:
         # would make every per-sample term below depend on the draw or on the batch
         check_outputs(self.view, [inputs.take(x, slice(0, PROBE))], ["x_train"])
         cot = roots.permute(2, 0, 1).to(self.view.device, self._dtype)  # [C, N, O]
-        self.plan = structured.plan(self.view, x, "full", roots.shape[1], 1, factor_all=True)
+        largest = min(n, self.batch_size or _LARGEST_BATCH)  # `_batches`' largest
+        self.plan = structured.plan(
+            self.view, x, "full", roots.shape[1], 1, largest, factor_all=True, name="x_train"
+        )
         self.num_train, self.num_outputs = n, roots.shape[1]
         self.blocks = {}
         batches = list(self._batches(x, self._per_sample_bytes(cot.shape[0])))

@@ -99,7 +99,7 @@ def auto(args) -> None:
         model, x = model.to(DEVICE), x.to(DEVICE)
         for kind in ("full", "trace"):
             t = interleaved_times(model, x, kind, args.repeats)
-            plan = structured.plan(ModelView(model), x, kind, 10, len(x))
+            plan = structured.plan(ModelView(model), x, kind, 10, len(x), len(x))
             autodiff = structured.prefers_autodiff(plan, kind, 10, len(x), DEVICE)
             picked = "jacobian" if autodiff else "structured"
             explicit, compute, copied = structured.cost_terms(plan, kind, 10, len(x))

@@ -204,11 +204,11 @@ class _Computation:
 
         planned_tile = self.tile_size or min(max(n1, n2), 256)  # the cost model's tile size
         method = self.method
-        plan = structured.plan(view, x1, kind, c, planned_tile, only=only)
+        # the largest tile, for auto's and structured's factors (the autodiff methods read none)
+        largest = self.tile_size or min(max(n1, n2), AUTO_BLOCK_LIMIT)
+        factors = method in ("auto", "structured")
+        plan = structured.plan(view, x1, kind, c, planned_tile, largest if factors else 1, only)
         if method == "auto":
-            # modules run on micro-batches of blocks up to the largest tile: left to autodiff
-            largest = self.tile_size or min(max(n1, n2), AUTO_BLOCK_LIMIT)
-            structured.settle(view, plan, x1, largest)
             autodiff = not plan.covered or (
                 persample.vmappable(view.model)
                 and structured.prefers_autodiff(plan, kind, c, planned_tile, view.device)

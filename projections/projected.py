@@ -108,13 +108,14 @@ class Featurizer:
                 self.kind,
                 self.kind.count(o),
                 1,
+                # modules run on micro-batches of batches up to this large are left to autodiff
+                # now, not by the first batch that shows them: every batch is projected alike
+                # (larger chunks in larger batches are refused naming the module)
+                _LARGEST,
                 only=self._only,
                 factor_all=True,
+                name=name,
             )
-            # modules run on micro-batches of batches up to this large are left to autodiff now,
-            # not by the first batch that shows them: every batch is projected alike (larger
-            # chunks in larger batches are refused naming the module)
-            structured.settle(self.view, self._plan, x, _LARGEST, name)
             vocab = {
                 l: m.num_embeddings
                 for l, m in self._plan.modules.items()

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from models import DictOutput, TwoDtypes
+from models import Chunked, DictOutput, TwoDtypes
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
@@ -116,6 +116,24 @@ def test_exact_gauss_newton_where_the_factorisation_is_exact(mlp, strategy):
     auto = influence(model, x, y, xt, yt, method=strategy)
     explicit = influence(model, x, y, xt, yt, method=strategy, damping=3 * mean_eigenvalue)
     torch.testing.assert_close(auto, explicit, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("strategy", ["kfac", "ekfac"])
+def test_a_body_run_on_chunks_of_the_training_batch_is_left_dense(strategy):
+    """A body run on chunks of 32 samples of a batch of 80 was refused ("reads module 'body.0'
+    once per forward pass with all 80 samples"); the plan's pass on the largest batch leaves it
+    to per-example gradients (dense blocks), as for chunks of 4 that a pass on 16 samples shows."""
+    torch.manual_seed(0)
+    net = Chunked(32).double().eval()
+    seen = Chunked(4).double().eval()
+    seen.load_state_dict(net.state_dict())
+    gen = torch.Generator().manual_seed(1)
+    x, xt = torch.randn(80, 3, dtype=torch.float64, generator=gen).split([72, 8])
+    y, yt = torch.randint(0, 2, (80,), generator=gen).split([72, 8])
+    got = influence(net, x, y, xt, yt, method=strategy, damping=DAMPING)
+    want = influence(seen, x, y, xt, yt, method=strategy, damping=DAMPING)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-14)
+    assert KroneckerCurvature(net, strategy=strategy).fit(x, net(x).detach()).plan.fallback
 
 
 def _cnn():

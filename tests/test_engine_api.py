@@ -463,7 +463,7 @@ def test_auto_follows_the_cost_model(monkeypatch):
         torch.nn.Linear(8 * 16 * 16, 3),
     ).eval()
     x = torch.randn(4, 3, 16, 16)
-    plan = structured.plan(ModelView(cnn), x, "full", 3, 4)
+    plan = structured.plan(ModelView(cnn), x, "full", 3, 4, 4)
     assert {"0", "2"} <= set(plan.positions) and not {"0", "2"} & plan.factored
     auto = ntk.empirical_ntk(cnn, x, method="auto")
     assert chosen
@@ -476,7 +476,7 @@ def test_auto_follows_the_cost_model(monkeypatch):
     assert not chosen
     # the factored contraction's saving outweighs the copies: structured stays
     assert not structured.prefers_autodiff(
-        structured.plan(ModelView(MLP().eval()), torch.randn(4, 5), "full", 2, 4), "full", 2, 4
+        structured.plan(ModelView(MLP().eval()), torch.randn(4, 5), "full", 2, 4, 4), "full", 2, 4
     )
 
 

@@ -308,7 +308,7 @@ def test_forward_hooks_that_change_a_factored_layers_output():
     model[0].register_forward_hook(lambda module, args, out: 2.5 * out + 0.1)
     model[1].register_forward_hook(lambda module, args, out: out.flip(-1))
     x = torch.randn(4, 5, dtype=torch.float64)
-    assert set(structured.plan(ModelView(model), x, "full", 3, 4).covered) == {"0", "1", "3"}
+    assert set(structured.plan(ModelView(model), x, "full", 3, 4, 4).covered) == {"0", "1", "3"}
     ref = kernels(model, x)
     parts = ntk.empirical_ntk(model, x, kind="full", method="structured", layers="all")
     for layer, value in parts.items():
@@ -390,8 +390,8 @@ class _MicroBatched(torch.nn.Module):
 @pytest.mark.parametrize("method", ("structured", "auto"))
 def test_a_layer_run_on_micro_batches_is_left_to_autodiff(method):
     """A module called once per chunk of the batch kept only the last chunk's inputs (a layer's
-    kernel 87 % off, the last sample's row broadcast to all): the plan sees the chunks (a pass on
-    up to structured._CHUNKS samples) and leaves the module to autodiff."""
+    kernel 87 % off, the last sample's row broadcast to all): the plan's pass on as many samples
+    as the largest tile sees the chunks and leaves the module to autodiff."""
     torch.manual_seed(0)
     net = _MicroBatched().double().eval()
     x = torch.randn(7, 3, dtype=torch.float64)
@@ -400,39 +400,41 @@ def test_a_layer_run_on_micro_batches_is_left_to_autodiff(method):
     assert all(rel_err(value[layer], ref[layer]) <= 1e-10 for layer in value)
 
 
-def test_a_layer_run_on_chunks_the_plan_did_not_see_is_refused_naming_it():
-    """Planned on 3 samples (one chunk), computed on blocks of 20 (five): an error naming the
-    module instead of the last chunk's rows."""
-    torch.manual_seed(0)
-    net = _MicroBatched().double().eval()
-    x = torch.randn(20, 3, dtype=torch.float64)
-    with pytest.raises(Exception, match="module 'c' once per forward pass with all 20 samples"):
-        ntk.empirical_ntk(net, x[:3], x, kind="trace", method="structured", layers=["c"])
-
-
-@pytest.mark.parametrize("size", (32, 17))
-def test_auto_leaves_a_body_run_on_chunks_of_a_block_to_autodiff(size):
-    """A body run on chunks of 32 (or 17) samples, which the plan's pass on 16 samples cannot
-    show, in blocks of 64: `auto` failed ("reads module 'body.0' once per forward pass with
-    all 64 samples"); it now leaves the body to autodiff before any block (a pass on as many
-    samples as the tile, x1's 3 repeated in the cross kernel). `structured` still refuses it
-    naming the module and the batch size that works, which does."""
+@pytest.mark.parametrize("method", ("structured", "auto"))
+@pytest.mark.parametrize("size", (32, 17, 4))
+def test_a_body_run_on_chunks_of_a_block_is_left_to_autodiff(size, method):
+    """A body run on chunks of 32 (or 17) samples in blocks of 64, which a pass on 16 samples
+    cannot show: `auto` failed ("reads module 'body.0' once per forward pass with all 64
+    samples"), and so did `structured` on chunks of 4 planned on x1's 3 samples. The plan's pass
+    on as many samples as the largest tile (x1's, repeated) leaves the body to autodiff."""
     torch.manual_seed(0)
     net = Chunked(size).double().eval()
     x = torch.randn(80, 3, dtype=torch.float64)
     ref = kernels(net, x)
     for kind in ("full", "trace"):
-        value = ntk.empirical_ntk(net, x, kind=kind, method="auto", batch_size=64)
+        value = ntk.empirical_ntk(net, x, kind=kind, method=method, batch_size=64)
         assert rel_err(value, of_kind(ref[None], kind)) <= 1e-10, kind
-    parts = ntk.empirical_ntk(net, x[:3], x, kind="trace", batch_size=64, layers="all")
+    parts = ntk.empirical_ntk(
+        net, x[:3], x, kind="trace", method=method, batch_size=64, layers="all"
+    )
     assert list(parts) == ["body.0", "body.2", "out"]
     for layer, value in parts.items():
         assert rel_err(value, of_kind(ref[layer][:3], "trace")) <= 1e-10, layer
-    hint = f"module 'body.0' once per forward pass with all 64 .* batches of at most {size} "
+
+
+def test_chunks_beyond_what_the_plan_could_run_are_refused_naming_the_batch_size(monkeypatch):
+    """Where the plan's pass cannot hold the largest tile (here a cap of 16 samples' outputs),
+    a body run on chunks of 32 in blocks of 64 is refused naming the module and the batch size
+    that works, which does."""
+    monkeypatch.setattr(structured, "_SETTLE_BYTES", 1)
+    torch.manual_seed(0)
+    net = Chunked(32).double().eval()
+    x = torch.randn(80, 3, dtype=torch.float64)
+    hint = "module 'body.0' once per forward pass with all 64 .* batches of at most 32 "
     with pytest.raises(RuntimeError, match=hint):
         ntk.empirical_ntk(net, x, kind="trace", method="structured", batch_size=64)
-    value = ntk.empirical_ntk(net, x, kind="trace", method="structured", batch_size=size)
-    assert rel_err(value, of_kind(ref[None], "trace")) <= 1e-10
+    value = ntk.empirical_ntk(net, x, kind="trace", method="structured", batch_size=32)
+    assert rel_err(value, of_kind(kernels(net, x)[None], "trace")) <= 1e-10
 
 
 @pytest.mark.filterwarnings(
@@ -504,7 +506,7 @@ def test_structured_plan_covers_known_layers_and_falls_back_for_the_rest():
 
     def planned(name):
         model, x1, _ = make(name)
-        return plan(ModelView(model), inputs.take(x1, slice(0, 1)), "full", 3, 64)
+        return plan(ModelView(model), inputs.take(x1, slice(0, 1)), "full", 3, 64, 64)
 
     p = planned("transformer")
     assert set(p.covered) == {"embed", "q", "k", "v", "norm", "head"}

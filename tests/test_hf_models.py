@@ -111,7 +111,7 @@ def test_gpt2_conv1d_is_factored(gpt2):
     """transformers' Conv1D layers take the structured path, and at these shapes the factored
     contraction (the kernel check above then covers it)."""
     x = _tokens(3, 3)
-    plan = structured.plan(ModelView(gpt2, output_fn=logits), x, "full", O, 3)
+    plan = structured.plan(ModelView(gpt2, output_fn=logits), x, "full", O, 3, 3)
     conv1d = [n for n, m in gpt2.named_modules() if type(m).__name__ == "Conv1D"]
     assert conv1d and set(conv1d) <= set(plan.covered)
     assert set(conv1d) & plan.factored
@@ -139,7 +139,7 @@ def test_batch_shared_embeddings_are_expanded_only_when_that_is_safe():
     torch.manual_seed(0)
     model = _SharedLookups().double()
     x = torch.randint(0, 7, (5, 3))
-    plan = structured.plan(ModelView(model), x, "full", 2, 5)
+    plan = structured.plan(ModelView(model), x, "full", 2, 5, 5)
     assert plan.shared == {"pos"} and plan.fallback == ["rows.weight"]
     k = ntk.empirical_ntk(model, x, kind="full", layers="all", method="structured")
     expected = reference.kernels(model, x)

@@ -323,7 +323,7 @@ class Plan:
         return cls({}, {}, set(), names, {}, other.activations)
 
     def leave_to_autodiff(self, layers) -> None:
-        """Differentiate the parameters these layers cover by autodiff (modules `settle` found
+        """Differentiate the parameters these layers cover by autodiff (modules `_settle` found
         running on micro-batches)."""
         for layer in layers:
             self.fallback += self.covered.pop(layer)
@@ -335,8 +335,8 @@ class Plan:
 
 _PROBE = 2  # samples in the planning pass: a module must see this batch axis to be factored
 _CONFIRM = 3  # samples in a second pass that tells the sample axis from an axis of _PROBE entries
-_CHUNKS = 16  # samples in a pass that finds modules run once per chunk of a batch of this many
-_SETTLE_BYTES = 1 << 30  # module outputs `settle`'s pass may hold, if more than _CHUNKS samples'
+_CHUNKS = 16  # samples `_settle`'s pass takes (up to `largest`) whatever its memory cap
+_SETTLE_BYTES = 1 << 30  # module outputs `_settle`'s pass may hold, if more than _CHUNKS samples'
 
 
 def plan(
@@ -345,11 +345,14 @@ def plan(
     kind: str | Kind,
     num_cotangents: int,
     tile_size: int,
+    largest: int,
     only: list[str] | None = None,
     factor_all: bool = False,
+    name: str | None = None,
 ) -> Plan:
-    """Decide, from a forward pass on two copies of the first sample of `x` (and one on three,
-    `_leading_sample_axis`), how each parameter is differentiated.
+    """Decide, from a forward pass on two copies of the first sample of `x` (and others on
+    three, `_leading_sample_axis`, and on up to `largest`, `_settle`), how each parameter is
+    differentiated.
 
     Only the parameters in `only` (default: all) are planned. A known module is factored only if
     it was called exactly once, its input and output carry the sample axis first (or, for an
@@ -358,6 +361,11 @@ def plan(
     positions uses the factored contraction when it is cheaper than
     forming per-sample gradients (see `_prefer_factors`), or always with `factor_all=True`
     (random projections of the factors, which never need the kernel contraction).
+
+    largest: the most samples a block read through this plan holds. A module that a pass on that
+    many samples (x's, repeated) runs on micro-batches is left to autodiff, as any module called
+    more than once, so no block changes the plan (`_settle`; name: the argument its failures
+    name). 1 for a plan whose factors no block reads (the autodiff methods).
     """
     module_of = dict(view.model.named_modules())
     names = {name: module_of[name] for name in view.layers}
@@ -390,9 +398,9 @@ def plan(
 
     handles = []
     try:
-        for name, module in view.model.named_modules():
-            handles.append(module.register_forward_pre_hook(pre_hook(name)))
-            handles.append(module.register_forward_hook(post_hook(name), prepend=True))
+        for layer, module in view.model.named_modules():
+            handles.append(module.register_forward_pre_hook(pre_hook(layer)))
+            handles.append(module.register_forward_hook(post_hook(layer), prepend=True))
         with torch.no_grad(), probe:
             reference = view.forward(params, x_probe)
     finally:
@@ -432,9 +440,11 @@ def plan(
             positions[layer] = s
             if factor_all or _prefer_factors(module, s, kind, num_cotangents, tile_size):
                 factored.add(layer)
-    return Plan(
+    result = Plan(
         modules, covered, factored, fallback, positions, activations[0], shared & set(modules)
     )
+    _settle(view, result, x, largest, name)
+    return result
 
 
 def _leads_with(args, out, b: int) -> bool:
@@ -457,8 +467,7 @@ def _leading_sample_axis(view: ModelView, x, names: dict[str, nn.Module]) -> set
     [S, B, F] with S = 2, the default layout of nn.TransformerEncoderLayer, would be factored as
     if S were the samples), and, in a pass on up to _CONFIRM distinct samples, with each row equal
     to that sample's own pass (a model that sorts, flips or routes the batch around a layer feeds
-    it other samples' rows), and called once in a pass on up to _CHUNKS samples (micro-batches:
-    larger chunks are found by `settle`, or refused by `features`)."""
+    it other samples' rows). Modules run on micro-batches are found by `_settle`."""
     captured: dict[str, list] = {}  # layer → (input, output) of each call leading with the rows
     rows = [_CONFIRM]  # samples in the current pass
 
@@ -493,9 +502,6 @@ def _leading_sample_axis(view: ModelView, x, names: dict[str, nn.Module]) -> set
                         and all(_same(t[b], one[0]) for t, one in zip(pair, captured[n][0]))
                     }
                 confirmed &= set(batched)
-            if inputs.count(x) > len(distinct):  # a module run on chunks of the batch
-                run(list(range(min(_CHUNKS, inputs.count(x)))))
-                confirmed = {n for n in confirmed if len(captured.get(n, ())) == 1}
         except (RuntimeError, ValueError, IndexError, TypeError):
             confirmed = set()  # a sample the model fails on: the blocks' own passes name it
     finally:
@@ -652,7 +658,8 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor, name: str | Non
     name: check the block's forward pass as the argument `name` (a failing model raises
     `ModelInputError` naming it; one finite output row per sample, `check_output_rows`).
     A module of the plan that the pass runs more than once or on fewer than the block's samples
-    (micro-batches that `settle` did not see, or was not asked to) is refused naming it."""
+    (micro-batches in a block larger than the plan's `largest` or than its pass could hold, see
+    `_settle`) is refused naming it."""
     b = inputs.count(x)
     terms: list = []
     if not plan_.empty:
@@ -744,13 +751,13 @@ def _read(view: ModelView, plan_: Plan, x, name: str | None, record: bool = True
     return out, layer_inputs, perturbations, chunked
 
 
-def settle(view: ModelView, plan_: Plan, x, largest: int, name: str | None = None) -> None:
+def _settle(view: ModelView, plan_: Plan, x, largest: int, name: str | None) -> None:
     """Leave to autodiff (`Plan.leave_to_autodiff`) the modules that a forward pass on up to
-    `largest` samples (x's, repeated; checked as the argument `name`) runs on micro-batches,
-    before any block is computed, so that blocks of up to that many samples never change the
-    plan. The pass holds about _SETTLE_BYTES of module outputs at most, and takes _CHUNKS samples
-    at least (as `plan`'s)."""
-    if plan_.empty:
+    `largest` samples (x's, repeated; checked as the argument `name`) runs again or on fewer
+    rows (micro-batches), before any block is computed, so that blocks of up to that many samples
+    never change the plan. The pass holds about _SETTLE_BYTES of module outputs at most, and takes
+    min(largest, _CHUNKS) samples at least; `features` refuses chunks in larger blocks."""
+    if plan_.empty or largest < 2:  # a block of one sample cannot be split
         return
     itemsize = next(iter(view.params.values())).element_size()
     rows = max(_CHUNKS, _SETTLE_BYTES // max(1, plan_.activations * itemsize))
