@@ -2,13 +2,13 @@
 
 import json
 import os
-import resource
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
+from disks import file_size_limit
 
 import ntk
 
@@ -149,13 +149,10 @@ def test_an_output_that_fails_part_way_leaves_the_earlier_file(tmp_path, fmt, fl
     target.write_text("an earlier result\n")
     common = ["--model", str(tmp_path / "factory.py:build"), "--data", str(tmp_path / "data.npz")]
 
-    def full_disk():  # Python ignores SIGXFSZ: a write past the limit fails with EFBIG
-        resource.setrlimit(resource.RLIMIT_FSIZE, (64, resource.RLIM_INFINITY))
-
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     written = ["--format", fmt, "--output"] if fmt else ["--format", "json", "--save"]
     args = [*common, "--kind", "trace", *written, str(target)]
-    out = run(*args, preexec_fn=full_disk, env=env)
+    out = run(*args, preexec_fn=file_size_limit(64), env=env)
     assert out.returncode == 1, out.stderr
     assert out.stderr.splitlines()[-1] == (
         f"ntk: error: {flag} {target}: cannot write: File too large"
