@@ -4,6 +4,7 @@ weights, the built-in demo, and the usage errors (exit 2, one line, no traceback
 import csv
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -11,19 +12,21 @@ import matplotlib.image
 import numpy as np
 import pytest
 import torch
+from disks import file_size_limit
 from matplotlib.figure import Figure
 
 from attribution import layer_importance
 from attribution.cli import main
 
 
-def run(*args, cwd=None):
+def run(*args, cwd=None, **kwargs):
     return subprocess.run(
         [sys.executable, "-m", "attribution.cli", "layers", *args],
         capture_output=True,
         text=True,
         cwd=cwd,
         timeout=300,
+        **kwargs,
     )
 
 
@@ -247,3 +250,29 @@ def test_a_plot_in_a_format_matplotlib_cannot_write_is_refused_naming_plot(tmp_p
     assert stop.value.code == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"ntk: error: --plot: {tmp_path / name}") and "png, ps, raw" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data.npz", "factory.py"]
+
+
+@pytest.mark.parametrize(
+    "name, magic", [("p.png", b"\x89PNG\r\n\x1a\n"), ("p.svg", b"<?xml"), ("p.pdf", b"%PDF-")]
+)
+def test_a_plot_that_fails_part_way_leaves_the_earlier_file(tmp_path, capsys, name, magic):
+    """--plot was saved in place: a write that failed part-way (here a full disk, made by a file
+    size limit of 1 KiB) left the first KiB of the image under its name instead of the earlier
+    file. It is written to a temporary file renamed once complete, in the format of its name's
+    suffix (the temporary's name ends in .part)."""
+    _, _, common = setup(tmp_path)
+    target = tmp_path / name
+    target.write_bytes(b"an earlier plot\n")
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    out = run(*common, "--plot", str(target), preexec_fn=file_size_limit(1024), env=env)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.splitlines()[-1] == (
+        f"ntk: error: --plot {target}: cannot write: File too large"
+    ), out.stderr
+    assert target.read_bytes() == b"an earlier plot\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.npz", "factory.py", name]
+    with pytest.raises(SystemExit) as stop:
+        main(["layers", *common, "--plot", str(target)])
+    assert stop.value.code == 0, capsys.readouterr().err
+    assert target.read_bytes().startswith(magic) and target.stat().st_size > 1024
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.npz", "factory.py", name]

@@ -646,25 +646,34 @@ def emit(
 
 @contextlib.contextmanager
 def output_file(path, *, append: bool = False):
-    """--output open for writing text, written to a temporary file renamed onto `path` once
-    complete, so that a failure part-way (a full disk, an interrupt, an error while rendering)
-    leaves no file, or the earlier one as it was, rather than a partial file under that name.
-    append: after what `path` holds (a second table of one command), copied into the temporary
-    file first. An existing `path` that is not a regular file (/dev/null, a pipe), which the
-    rename would replace, is written in place. A failure to write (OSError) names --output and
-    `path` (`writing`)."""
+    """--output open for writing text, written through `output_path` (a temporary file renamed
+    onto `path` once complete; in place where `path` is a device). append: after what `path`
+    holds (a second table of one command), copied into the temporary file first."""
+    target = Path(path)
+    with output_path("--output", path) as where:
+        if append and where != target and target.exists():
+            shutil.copyfile(target, where)
+        with open(where, "a" if append else "w") as f:
+            yield f
+
+
+@contextlib.contextmanager
+def output_path(flag: str, path) -> Iterator[Path]:
+    """The path to write `flag`'s output file `path` to: a temporary file renamed onto `path`
+    once complete (`atomic_path`), so that a failure part-way (a full disk, an interrupt, an
+    error while rendering) leaves no file, or the earlier one as it was, rather than a partial
+    file under that name; `path` itself where it exists and is not a regular file (/dev/null, a
+    pipe), which the rename would replace. A failure to write (OSError) names `flag` and `path`
+    (`writing`)."""
     target = Path(path)
     if target.exists() and not target.is_file():
-        with writing("--output", path), open(target, "a" if append else "w") as f:
-            yield f
+        with writing(flag, path):
+            yield target
         return
     from ntk.core.files import atomic_path
 
-    with writing("--output", path), atomic_path(target) as tmp:
-        if append and target.exists():
-            shutil.copyfile(target, tmp)
-        with open(tmp, "a" if append else "w") as f:
-            yield f
+    with writing(flag, path), atomic_path(target) as tmp:
+        yield tmp
 
 
 def _print_table(console, rows, shown, title, headers, notes) -> None:

@@ -17,9 +17,9 @@ from .common import (
     load_output_fn,
     model_files,
     model_options,
+    output_path,
     resolve_model_and_data,
     untrained_note,
-    writing,
 )
 
 # The columns of `attribution.layer_importance`'s rows.
@@ -43,7 +43,9 @@ def _check_plot(path: str | None) -> None:
 def _plot(rows: list[dict], score: str, path: str) -> None:
     """Horizontal bar chart of `score`, most important at the top (rows where it is undefined
     are left out); a matplotlib `Figure`, no pyplot state. The title is centred on the figure,
-    not over the axes that long layer names narrow, and the image grows to hold long names."""
+    not over the axes that long layer names narrow, and the image grows to hold long names.
+    Written through `output_path` (a temporary file renamed onto `path`), in the format that
+    `path`'s suffix names (`_check_plot`): the temporary's own name ends in .part."""
     from .._figures import bar_chart
     from ..layers import layer_label
 
@@ -55,8 +57,14 @@ def _plot(rows: list[dict], score: str, path: str) -> None:
     )
     fig.suptitle(f"layer importance ({score})")
     fig.tight_layout()
-    with writing("--plot", path):
-        fig.savefig(path, dpi=120, bbox_inches="tight")
+    with output_path("--plot", path) as where:
+        try:
+            fig.savefig(where, format=Path(path).suffix[1:].lower(), dpi=120, bbox_inches="tight")
+        except Exception as exc:  # matplotlib's PDF writer, closing its stream after a write
+            failed = exc.__context__  # failed (a full disk), raises an AttributeError instead
+            if isinstance(failed, OSError) and not isinstance(exc, OSError):
+                raise failed from None
+            raise
 
 
 @click.command()
