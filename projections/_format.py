@@ -38,7 +38,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ntk.core import inputs, kinds
-from ntk.core.files import atomic_path
+from ntk.core.files import atomic_path, writes_to
 from ntk.core.kinds import KINDS
 from ntk.core.tiles import require_finite_cast
 
@@ -193,9 +193,11 @@ def _is_sha256(value) -> bool:
 
 
 def write_manifest(root: Path, manifest: dict) -> None:
-    """Replace the manifest atomically (through a temporary file of this process)."""
+    """Replace the manifest atomically (through a temporary file of this process); a failed
+    write names it (`writes_to`)."""
     temporary = f"{MANIFEST}.{os.getpid()}.tmp"
     with (
+        writes_to(root / MANIFEST),
         atomic_path(root / MANIFEST, temporary=temporary, durable=True) as tmp,
         open(tmp, "w") as f,
     ):
@@ -250,8 +252,12 @@ def complete(manifest: dict) -> bool:
 
 
 def create_array(root: Path, manifest: dict) -> None:
-    """Preallocate features.npy (through a temporary file, so it is never half created)."""
-    with atomic_path(root / ARRAY, temporary=f"{ARRAY}.{os.getpid()}.tmp") as tmp:
+    """Preallocate features.npy (through a temporary file, so it is never half created); a
+    failed write names it (`writes_to`)."""
+    with (
+        writes_to(root / ARRAY),
+        atomic_path(root / ARRAY, temporary=f"{ARRAY}.{os.getpid()}.tmp") as tmp,
+    ):
         np.lib.format.open_memmap(
             tmp, mode="w+", dtype=manifest["store_dtype"], shape=tuple(manifest["shape"])
         ).flush()
@@ -383,7 +389,8 @@ def write_blocks(
                         f"store_dtype={manifest['store_dtype']!r}; use a wider store_dtype",
                     )
                     array[start + s : start + s + part.shape[0]] = values
-                array.flush()
+                with writes_to(root / ARRAY):
+                    array.flush()
                 rows = array[start : start + size]
                 pending.append((i, {"features": rows_digest(rows), "inputs": digest}))
             if i >= checked_up_to:
@@ -433,8 +440,9 @@ def writer_lock(root: Path):
                 "it, before featurizing into it (one writer at a time)"
             ) from None
         me = json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode()
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, me, 0)
+        with writes_to(root / LOCK):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, me, 0)
         _remove_temporaries(root)
         try:
             yield

@@ -23,6 +23,19 @@ def _new_temporary(target: Path) -> Path:
     raise FileExistsError(f"no free temporary name for {target}")
 
 
+@contextmanager
+def writes_to(path) -> Iterator[None]:
+    """Around writes to the file `path`: an OSError that names no file (a write's own, on a full
+    disk or past the file size limit) is raised again naming `path`, so that the caller can tell
+    which output failed ("[Errno 28] No space left on device: 'store/manifest.json'")."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None and exc.errno is not None:
+            exc.filename = str(path)
+        raise
+
+
 def check_replaceable(target, name: str | None = None) -> None:
     """Refuse an existing `target` that is not a regular file (a device such as /dev/null, a
     pipe): `atomic_path`'s rename would replace it. `name`: the argument or flag that gave it."""
