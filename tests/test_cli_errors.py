@@ -4,12 +4,16 @@ traceback and no advice from numpy or torch."""
 import contextlib
 import os
 import re
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
+from disks import file_size_limit
 
+import ntk.distributed
+import projections
 from attribution.cli import main
 
 FACTORY = """
@@ -367,6 +371,56 @@ def test_a_report_that_cannot_be_written_names_out(labelled, capsys, monkeypatch
     assert err.strip().splitlines()[-1] == (
         f"ntk: error: --out {f}/r.html: cannot write: No space left on device"
     ), err
+
+
+def run_limited(size, *args):
+    """`ntk *args` in a subprocess whose files cannot grow past `size` bytes (a full disk)."""
+    return subprocess.run(
+        [sys.executable, "-m", "attribution.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=file_size_limit(size),
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )
+
+
+def test_a_feature_store_that_cannot_be_written_names_store_and_stays_incomplete(labelled, capsys):
+    """A failed write of the store (here the manifest that would complete it, past a file size
+    limit) exited 1 with "OSError: [Errno 27] File too large", naming neither STORE nor its
+    path. The store is left as before that write, incomplete, and the same line completes it."""
+    f = labelled
+    line = ["featurize", *MODEL.format(f=f).split(), "--dim", "1", "--block", "1"]
+    assert run(capsys, *line, str(f / "whole"))[0] == 0
+    last = (f / "whole" / "manifest.json").stat().st_size  # the largest file the store writes
+    out = run_limited(last - 1, *line, str(f / "st"))
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip() == f"ntk: error: STORE {f}/st: cannot write: File too large"
+    info = projections.store_info(f / "st")
+    assert len(info["blocks"]) == info["num_blocks"] - 1
+    with pytest.raises(projections.StoreError, match="incomplete"):
+        projections.open_store(f / "st")
+    assert run(capsys, *line, str(f / "st"))[0] == 0
+    assert np.array_equal(projections.open_store(f / "st"), projections.open_store(f / "whole"))
+
+
+def test_kernel_tiles_that_cannot_be_written_name_the_flag(labelled, capsys):
+    """A failed write of a kernel tile (past a file size limit) exited 1 with "OSError: [Errno
+    27] File too large", naming neither --kernel-tiles nor its path. No kernel looks complete
+    there, and the same line writes it."""
+    f = labelled
+    line = ["featurize", str(f / "st"), *MODEL.format(f=f).split(), "--dim", "8"]
+    assert run(capsys, *line)[0] == 0  # the store: complete, the line below only reads it
+    line += ["--kernel-tiles", str(f / "tiles")]
+    out = run_limited(64, *line)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip() == (
+        f"ntk: error: --kernel-tiles {f}/tiles: cannot write: File too large"
+    )
+    with pytest.raises(ValueError, match="no complete kernel"):
+        ntk.distributed.load_tiles(f / "tiles")
+    assert run(capsys, *line)[0] == 0
+    assert ntk.distributed.load_tiles(f / "tiles").shape == (10, 10)
 
 
 def test_an_output_inside_the_store_that_featurize_writes_is_refused(labelled, capsys):

@@ -63,6 +63,23 @@ def writing(flag: str, path) -> Iterator[None]:
         raise cannot_write(flag, path, exc) from None
 
 
+@contextlib.contextmanager
+def writing_into(flag: str, folder) -> Iterator[None]:
+    """Around library code that writes the directory `folder` of `flag` among other work (a
+    feature store, kernel tiles): an OSError naming a path in it (the library names the file of
+    a failed write, `ntk.core.files.writes_to`) is `OutputFailure` ("STORE st: cannot write: No
+    space left on device"); any other OSError (the model's, a read's) is left as it is."""
+    try:
+        yield
+    except OSError as exc:
+        if not isinstance(exc.filename, (str, bytes, os.PathLike)):
+            raise
+        root, file = Path(folder).resolve(), Path(os.fsdecode(exc.filename)).resolve()
+        if file != root and root not in file.parents:
+            raise
+        raise cannot_write(flag, folder, exc) from None
+
+
 def cannot_write(flag: str, path, exc: OSError) -> OutputFailure:
     """The one-line failure of `flag`'s output `path` that `exc` could not write, saying why
     without the errno and the file name: "--output out.json: cannot write: File too large"."""

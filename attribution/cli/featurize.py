@@ -22,6 +22,7 @@ from .common import (
     resolve_model_and_data,
     step,
     untrained_note,
+    writing_into,
 )
 
 COLUMNS = ("store", "samples", "shape", "blocks", "ranks", "seconds", "kernel_tiles")
@@ -118,24 +119,25 @@ def featurize(
     )
     untrained = untrained_note(model_spec, weights)
     start = time.perf_counter()
-    phi = projections.featurize(
-        model,
-        x,
-        store,
-        dim=dim,
-        kind=kind,
-        projector=projector,
-        seed=seed,
-        block=block,
-        batch_size=batch_size,
-        device=device,
-        store_dtype=store_dtype,
-        output_fn=load_output_fn(output_fn),
-        progress=interactive() and rank == 0,
-    )
+    with writing_into("STORE", store):  # only the store's writes: their OSErrors name its files
+        phi = projections.featurize(
+            model,
+            x,
+            store,
+            dim=dim,
+            kind=kind,
+            projector=projector,
+            seed=seed,
+            block=block,
+            batch_size=batch_size,
+            device=device,
+            store_dtype=store_dtype,
+            output_fn=load_output_fn(output_fn),
+            progress=interactive() and rank == 0,
+        )
     seconds = time.perf_counter() - start
     if kernel_tiles is not None:
-        with step("projected kernel tiles"):
+        with step("projected kernel tiles"), writing_into("--kernel-tiles", kernel_tiles):
             projections.distributed.kernel(store, path=kernel_tiles, rewrite=True, tile=block)
     if joined:
         dist.destroy_process_group()
