@@ -252,8 +252,10 @@ def complete(manifest: dict) -> bool:
 
 
 def create_array(root: Path, manifest: dict) -> None:
-    """Preallocate features.npy (through a temporary file, so it is never half created); a
-    failed write names it (`writes_to`)."""
+    """Preallocate features.npy (through a temporary file, so it is never half created), its
+    disk space reserved (`posix_fallocate`): a disk too small fails here, "No space left on
+    device", rather than with SIGBUS when a block is written through the memory map into a sparse
+    file. A failed write names it (`writes_to`)."""
     with (
         writes_to(root / ARRAY),
         atomic_path(root / ARRAY, temporary=f"{ARRAY}.{os.getpid()}.tmp") as tmp,
@@ -261,6 +263,12 @@ def create_array(root: Path, manifest: dict) -> None:
         np.lib.format.open_memmap(
             tmp, mode="w+", dtype=manifest["store_dtype"], shape=tuple(manifest["shape"])
         ).flush()
+        if hasattr(os, "posix_fallocate"):  # not on macOS, whose files are then sparse
+            fd = os.open(tmp, os.O_RDWR)
+            try:
+                os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
 
 
 def open_array(root: Path, manifest: dict, mode: str = "r") -> np.ndarray:

@@ -66,6 +66,19 @@ def test_store_holds_the_features_and_its_kernel(tmp_path, projector):
     assert sorted(info["blocks"]) == ["0", "1", "2", "3", "4"]
 
 
+@pytest.mark.skipif(not hasattr(os, "posix_fallocate"), reason="no posix_fallocate (macOS)")
+def test_the_feature_array_reserves_its_disk_space_when_created(tmp_path):
+    """features.npy was a sparse file: a disk filling up while blocks were written through the
+    memory map killed the process with SIGBUS and no message. Its blocks are allocated when it
+    is created, so a disk too small fails there, with "No space left on device"."""
+    from projections import _format
+
+    _format.create_array(tmp_path, {"store_dtype": "float32", "shape": [1000, 256]})
+    held = os.stat(tmp_path / _format.ARRAY)
+    assert held.st_blocks * 512 >= held.st_size >= 1000 * 256 * 4
+    assert not [p.name for p in tmp_path.iterdir() if p.name != _format.ARRAY]
+
+
 def test_data_sources_give_the_same_bytes(tmp_path):
     model, x = model_and_data()
     ref = store(tmp_path / "tensor", model, x)
