@@ -41,15 +41,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import grad
 
 import ntk
 import projections
 from ntk.core import inputs
 from ntk.core.checks import check_integer
+from ntk.core.jacobian import jacobian_features
 from ntk.core.kinds import cross_entropy, loss_labels
 from ntk.core.model import ModelView, check_eval_mode, check_output_rows, copy_module
-from ntk.core.persample import map_samples
 from ntk.core.seeding import seeded
 from ntk.spectrum import as_matrix
 
@@ -192,20 +191,21 @@ def _check_targets(view: ModelView, x, y: torch.Tensor) -> torch.Tensor:
 def _gradient_stats(
     view: ModelView, x, y: torch.Tensor, groups: dict[str, list[str]], chunk: int
 ) -> dict[str, tuple[float, float]]:
-    """Per group: (‖mean-loss gradient‖, mean squared per-sample gradient norm)."""
-
-    def loss_one(params, xi, yi):
-        out = view.forward(params, inputs.unsqueeze(xi))
-        return sample_losses(out, yi.unsqueeze(0))[0]
-
+    """Per group: (‖mean-loss gradient‖, mean squared per-sample gradient norm). Sample b's loss
+    gradient is J_bᵀ ∂ℓ_b/∂f_b, `jacobian_features` with that cotangent (which falls back to
+    torch.autograd for a model torch.func cannot run)."""
     n = inputs.count(x)
     total = {name: torch.zeros_like(p) for name, p in view.params.items()}
     squares = {name: 0.0 for name in view.params}
     for start in range(0, n, chunk):
         rows = slice(start, start + chunk)
-        g = map_samples(view, grad(loss_one), view.params, inputs.take(x, rows), y[rows])
+        block = inputs.take(x, rows)
+        with torch.enable_grad():
+            out = view.forward(view.params, block).detach().requires_grad_(True)
+            (signal,) = torch.autograd.grad(sample_losses(out, y[rows]).sum(), out)
+        g = jacobian_features(view, block, signal[None], list(view.params))  # [1, B, numel]
         for name, gi in g.items():
-            total[name] += gi.sum(0)
+            total[name] += gi[0].sum(0).reshape(total[name].shape)
             squares[name] += float((gi.double() ** 2).sum())
     stats = {}
     for row, layers in groups.items():

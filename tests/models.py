@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -143,6 +144,27 @@ class Chunked(nn.Module):
 
     def forward(self, x):
         return self.out(torch.tanh(torch.cat([self.body(c) for c in x.split(self.size)])))
+
+
+class Checkpointed(nn.Module):
+    """A LayerNorm + Linear segment under activation checkpointing (torch.utils.checkpoint,
+    use_reentrant=False: recomputed in the backward pass), or run plainly (checkpointed=False),
+    the same function."""
+
+    def __init__(self, checkpointed: bool = True):
+        super().__init__()
+        self.checkpointed = checkpointed
+        self.pre = nn.Linear(4, 6)
+        self.body = nn.Sequential(nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 6))
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.pre(x))
+        if self.checkpointed:
+            h = torch.utils.checkpoint.checkpoint(self.body, h, use_reentrant=False)
+        else:
+            h = self.body(h)
+        return self.out(torch.tanh(h))
 
 
 class PackedGRU(nn.Module):

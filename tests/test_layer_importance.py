@@ -4,7 +4,7 @@ models whose answer is known by construction."""
 import numpy as np
 import pytest
 import torch
-from models import TwoLogits
+from models import Checkpointed, TwoLogits
 from torch import nn
 from torch.nn.utils import prune
 
@@ -376,3 +376,22 @@ def test_redraw_leaves_the_global_random_state_as_it_was(fake_cuda):
     assert torch.equal(torch.get_rng_state(), cpu)
     assert fake_cuda["state"] == "the caller's"
     torch.testing.assert_close(redraw(model, "0", seed=5), first)  # the seed decides the draw
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # the fallback to torch.autograd
+def test_a_model_under_activation_checkpointing_gets_every_score():
+    """The label scores' per-sample gradients ran under torch.func, which refuses
+    torch.utils.checkpoint's saved-tensor hooks ("torch.func.{grad, vjp, jacrev, hessian} don't
+    yet support saved tensor hooks"): layer_importance failed. Every score equals the plain
+    twin's."""
+    torch.manual_seed(0)
+    net = Checkpointed().double().eval()
+    twin = Checkpointed(checkpointed=False).double().eval()
+    twin.load_state_dict(net.state_dict())
+    x = torch.randn(24, 4, dtype=torch.float64)
+    y = torch.randint(0, 3, (24,))
+    got, want = layer_importance(net, x, y), layer_importance(twin, x, y)
+    assert [r["layer"] for r in got] == [r["layer"] for r in want]
+    for a, b in zip(got, want):
+        for score in ("sensitivity", "share", "alignment", "grad_norm", "fisher"):
+            assert a[score] == pytest.approx(b[score], rel=1e-9, abs=1e-15), (a["layer"], score)

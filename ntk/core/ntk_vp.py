@@ -46,7 +46,8 @@ def tile(
     one_at_a_time = nested_vmap_unsafe(view, x1)
     for i in range(n1):
         xi = inputs.take(x1, slice(i, i + 1))
-        _, pullback = vjp(lambda p, xi=xi: view.forward(p, xi)[0], params)
+        with _naming_transform_limits():
+            _, pullback = vjp(lambda p, xi=xi: view.forward(p, xi)[0], params)
         cotangents = u1 if u1.dim() == 2 else u1[:, i]
         if one_at_a_time:
             each = [pullback(u)[0] for u in cotangents]
@@ -77,6 +78,23 @@ def _naming_missing_forward_mode():
         raise NotImplementedError(
             "method='ntk_vp' needs forward-mode derivatives of every operation of the model, "
             f"and one has none ({first}); use method='jacobian' or 'structured'"
+        ) from error
+
+
+@contextmanager
+def _naming_transform_limits():
+    """A model that torch.func's transforms cannot run (activation checkpointing's saved-tensor
+    hooks, an autograd.Function without setup_context) refused with the fix: the `jacobian`
+    method falls back to torch.autograd for such models."""
+    try:
+        yield
+    except RuntimeError as error:
+        first = (str(error).strip().splitlines() or [""])[0]
+        if "torch.func" not in first and "functorch" not in first:
+            raise
+        raise NotImplementedError(
+            f"method='ntk_vp' runs the model under torch.func's transforms, which cannot run it "
+            f"({first}); use method='jacobian' or 'structured'"
         ) from error
 
 

@@ -20,6 +20,7 @@ Besides torch's Linear, Conv1d/2d, Embedding and normalisation layers, transform
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import sys
@@ -301,6 +302,7 @@ class Plan:
     positions: dict[str, int]  # layer name -> number of weight-sharing positions S
     activations: int  # elements of all module outputs for one sample
     shared: set[str] = field(default_factory=set)  # embeddings looked up once for the batch
+    recomputes: bool = False  # saves tensors through hooks (activation checkpointing)
 
     @property
     def empty(self) -> bool:
@@ -441,10 +443,34 @@ def plan(
             if factor_all or _prefer_factors(module, s, kind, num_cotangents, tile_size):
                 factored.add(layer)
     result = Plan(
-        modules, covered, factored, fallback, positions, activations[0], shared & set(modules)
+        modules,
+        covered,
+        factored,
+        fallback,
+        positions,
+        activations[0],
+        shared & set(modules),
+        bool(modules) and _saves_through_hooks(view, x_probe),
     )
     _settle(view, result, x, largest, name)
     return result
+
+
+_HOOKS_SEEN = "ntk: the model saves tensors for its backward pass through hooks"
+
+
+def _saves_through_hooks(view: ModelView, x) -> bool:
+    """Whether the model's forward pass with gradients registers saved-tensor hooks, as
+    activation checkpointing (torch.utils.checkpoint, use_reentrant=False) does to recompute its
+    segments in the backward pass (`_reading`)."""
+    try:
+        with torch.enable_grad(), torch.autograd.graph.disable_saved_tensors_hooks(_HOOKS_SEEN):
+            view.forward(view.params, x)
+    except RuntimeError as exc:
+        return str(exc) == _HOOKS_SEEN
+    except Exception:  # the model's own failure: the blocks' passes name it
+        return False
+    return False
 
 
 def _leads_with(args, out, b: int) -> bool:
@@ -663,31 +689,31 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor, name: str | Non
     b = inputs.count(x)
     terms: list = []
     if not plan_.empty:
-        with torch.enable_grad():
-            out, layer_inputs, perturbations, chunked = _read(view, plan_, x, name)
-        if chunked:
-            layer, rows = next(iter(chunked.items()))
-            smaller = f"batches of at most {rows} samples (batch_size), or " if rows < b else ""
-            raise RuntimeError(
-                f"the structured eNTK reads module {layer!r} once per forward pass with all "
-                f"{b} samples, but it ran again or on {rows} of them (micro-batches?): use "
-                f"{smaller}method='jacobian' where the function takes one"
-            )
-        if name is not None:
-            check_output_rows(out, b, name)
-        b, o = out.shape
-        grad_out = (cot[:, None, :] if cot.dim() == 2 else cot).expand(cot.shape[0], b, o)
-        grad_out = grad_out.contiguous()
-        layers = list(perturbations)
-        targets = [perturbations[n] for n in layers]
-        if not out.requires_grad:  # no factored layer reaches the outputs (a torch.no_grad())
-            signals = [None] * len(targets)
-        elif grad_out.shape[0] == 1:  # one cotangent: a plain backward pass, no vmap over it
-            signals = torch.autograd.grad(out, targets, grad_out[0], allow_unused=True)
-            signals = [None if s is None else s.unsqueeze(0) for s in signals]
-        else:
-            signals = _batched_signals(out, targets, grad_out)
-            out = out.detach()  # frees the graph, which it retained for its per-cotangent passes
+        with torch.enable_grad(), _reading(view, plan_, x, name) as read:
+            out, layer_inputs, perturbations, chunked = read
+            if chunked:
+                layer, rows = next(iter(chunked.items()))
+                smaller = f"batches of at most {rows} samples (batch_size), or " if rows < b else ""
+                raise RuntimeError(
+                    f"the structured eNTK reads module {layer!r} once per forward pass with all "
+                    f"{b} samples, but it ran again or on {rows} of them (micro-batches?): use "
+                    f"{smaller}method='jacobian' where the function takes one"
+                )
+            if name is not None:
+                check_output_rows(out, b, name)
+            b, o = out.shape
+            grad_out = (cot[:, None, :] if cot.dim() == 2 else cot).expand(cot.shape[0], b, o)
+            grad_out = grad_out.contiguous()
+            layers = list(perturbations)
+            targets = [perturbations[n] for n in layers]
+            if not out.requires_grad:  # no factored layer reaches the outputs (a torch.no_grad())
+                signals = [None] * len(targets)
+            elif grad_out.shape[0] == 1:  # one cotangent: a plain backward pass, no vmap over it
+                signals = torch.autograd.grad(out, targets, grad_out[0], allow_unused=True)
+                signals = [None if s is None else s.unsqueeze(0) for s in signals]
+            else:
+                signals = _batched_signals(out, targets, grad_out)
+                out = out.detach()  # frees the graph, retained for its per-cotangent passes
         for layer, d in zip(layers, signals):
             if d is None:
                 d = torch.zeros(
@@ -703,19 +729,30 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor, name: str | Non
     return terms
 
 
-def _read(view: ModelView, plan_: Plan, x, name: str | None, record: bool = True):
-    """One forward pass on the block `x` through the plan's modules: (outputs, each module's
-    inputs as its terms read them, the zero perturbation added to each module's output, and
-    {module: rows of its call} for modules run again or on fewer than the block's samples).
-    record=False: only find those modules."""
+@contextlib.contextmanager
+def _reading(view: ModelView, plan_: Plan, x, name: str | None, record: bool = True):
+    """One forward pass on the block `x` through the plan's modules: yields (outputs, each
+    module's inputs as its terms read them, the zero perturbation added to each module's output,
+    and {module: rows of its call} for modules run again or on fewer than the block's samples).
+    record=False: only find those modules. Until the block's backward passes are done (the
+    context's end), a module run again is given its perturbation again: activation
+    checkpointing (torch.utils.checkpoint) recomputes its segment in the backward pass, and the
+    recomputed tensors must be those the forward pass saved."""
     layer_inputs: dict[str, torch.Tensor | None] = {}
     perturbations: dict[str, torch.Tensor] = {}
     chunked: dict[str, int] = {}
     b = inputs.count(x)
+    replaying = False  # after the forward pass: calls are recomputations
 
     def hook(layer):
         def read(module, args, out):
             x_in = args[0].detach()
+            if replaying:
+                if layer not in perturbations:
+                    return None
+                if layer in plan_.shared:
+                    out = _expand_shared(out, x_in, b)[0]
+                return out + perturbations[layer]
             if layer in chunked:
                 return None
             if layer in layer_inputs or (layer not in plan_.shared and x_in.shape[0] != b):
@@ -745,10 +782,28 @@ def _read(view: ModelView, plan_: Plan, x, name: str | None, record: bool = True
     handles = [m.register_forward_hook(hook(n), prepend=True) for n, m in plan_.modules.items()]
     try:
         out = _checked(view, x, name)
+        replaying = True
+        with _own_parameters_frozen(view.model) if plan_.recomputes else contextlib.nullcontext():
+            yield out, layer_inputs, perturbations, chunked
     finally:
         for h in handles:
             h.remove()
-    return out, layer_inputs, perturbations, chunked
+
+
+@contextlib.contextmanager
+def _own_parameters_frozen(model: nn.Module):
+    """The model's own parameters marked as needing no gradient, as the view's detached copies
+    that the forward pass used: a segment that activation checkpointing recomputes in the
+    backward pass runs on the model's own parameters (the functional call has returned), and
+    must save the tensors that the forward pass saved. Restored on exit."""
+    own = [p for p in model.parameters() if p.requires_grad]
+    try:
+        for p in own:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p in own:
+            p.requires_grad_(True)
 
 
 def _settle(view: ModelView, plan_: Plan, x, largest: int, name: str | None) -> None:
@@ -762,8 +817,8 @@ def _settle(view: ModelView, plan_: Plan, x, largest: int, name: str | None) -> 
     itemsize = next(iter(view.params.values())).element_size()
     rows = max(_CHUNKS, _SETTLE_BYTES // max(1, plan_.activations * itemsize))
     index = torch.arange(min(largest, rows)) % inputs.count(x)
-    with torch.no_grad():
-        plan_.leave_to_autodiff(_read(view, plan_, inputs.take(x, index), name, record=False)[3])
+    with torch.no_grad(), _reading(view, plan_, inputs.take(x, index), name, False) as read:
+        plan_.leave_to_autodiff(read[3])
 
 
 def _batched_signals(out: torch.Tensor, targets: list, grad_out: torch.Tensor) -> list:
