@@ -2,6 +2,7 @@
 traceback and no advice from numpy or torch."""
 
 import contextlib
+import json
 import os
 import re
 import subprocess
@@ -657,8 +658,42 @@ def test_the_output_fn_remedy_names_the_flag(files, capsys):
     model = ["--model", f"{files}/pair.py:Pair", "--data", f"{files}/train.npz"]
     code, _, err = run(capsys, "kernel", *model)
     assert code == 2 and "Traceback" not in err
-    assert "pass --output-fn (an attribute name such as logits, or file.py:fn)" in err
+    assert "pass --output-fn (a field name such as logits, or file.py:fn)" in err
     assert "output_fn " not in err
+
+
+def test_an_output_fn_name_reads_a_key_of_a_dict_output(files, capsys):
+    """--output-fn logits on a model returning a plain dict failed ("AttributeError: 'dict'
+    object has no attribute 'logits'"): a field name is a key of a dict output too, and a
+    missing key is named with the keys there are."""
+    (files / "keyed.py").write_text(
+        "from torch import nn\n"
+        "class Keyed(nn.Linear):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(4, 3)\n"
+        "    def forward(self, x):\n"
+        "        return {'logits': super().forward(x), 'hidden': x}\n"
+    )
+    (files / "plain.py").write_text(
+        "from torch import nn\ndef build():\n    return nn.Linear(4, 3)\n"
+    )
+    keyed = ["--model", f"{files}/keyed.py:Keyed", "--data", f"{files}/train.npz"]
+    plain = ["--model", f"{files}/plain.py:build", "--data", f"{files}/train.npz"]
+    options = ["--kind", "trace", "--format", "json"]
+    code, got, err = run(capsys, "kernel", *keyed, *options, "--output-fn", "logits")
+    assert code == 0, err
+    code, want, err = run(capsys, "kernel", *plain, *options)
+    assert code == 0, err
+    got, want = json.loads(got), json.loads(want)
+    # a linear model's eNTK does not depend on its weights
+    assert [r["trace"] for r in got["layers"]] == [r["trace"] for r in want["layers"]]
+    for a, b in zip(got["rows"], want["rows"], strict=True):
+        assert {k: v for k, v in a.items() if k != "seconds"} == pytest.approx(
+            {k: v for k, v in b.items() if k != "seconds"}
+        )
+    code, _, err = run(capsys, "kernel", *keyed, "--output-fn", "logit")
+    assert code == 2 and "Traceback" not in err
+    assert "KeyError: \"no key 'logit' (its keys: 'logits', 'hidden')\"" in err
 
 
 def test_an_output_fn_that_fails_on_the_output_is_bad_input(files, capsys):

@@ -13,7 +13,6 @@ import importlib.util
 import io
 import json
 import math
-import operator
 import os
 import re
 import shutil
@@ -263,8 +262,9 @@ def load_weights(model: nn.Module, weights: str, option: str = "--weights") -> N
 
 
 def load_output_fn(spec: str | None) -> Callable | None:
-    """--output-fn: None, the name of an attribute of the model's output (`logits` for
-    HuggingFace models), or package.module:function / path/file.py:function."""
+    """--output-fn: None, the name of a field of the model's output (an attribute, or a key of
+    a dict output: `logits` for HuggingFace models), or package.module:function /
+    path/file.py:function."""
     if spec is None:
         return None
     if ":" in spec:
@@ -274,10 +274,21 @@ def load_output_fn(spec: str | None) -> Callable | None:
         return OutputFn(fn, spec)
     if not spec.isidentifier():
         raise UsageProblem(
-            "--output-fn must be an attribute name (e.g. logits), package.module:function or "
+            "--output-fn must be a field name (e.g. logits), package.module:function or "
             f"path/file.py:function, got {spec!r}"
         )
-    return OutputFn(operator.attrgetter(spec), spec)
+    return OutputFn(functools.partial(_field, name=spec), spec)
+
+
+def _field(out, name: str):
+    """The field `name` of a model's output: a key of a dict output, else an attribute
+    (HuggingFace's ModelOutput is both)."""
+    if isinstance(out, Mapping):
+        if name in out:
+            return out[name]
+        if not hasattr(out, name):
+            raise KeyError(f"no key {name!r} (its keys: {', '.join(map(repr, out))})")
+    return getattr(out, name)
 
 
 class OutputFn:
@@ -849,8 +860,9 @@ def _model_options(output: Callable, f):
         click.option(
             "--output-fn",
             default=None,
-            help="map the model's output to [B, O]: an attribute name (e.g. logits for "
-            "HuggingFace models), package.module:function or path/file.py:function",
+            help="map the model's output to [B, O]: a field name (an attribute or a dict key, "
+            "e.g. logits for HuggingFace models), package.module:function or "
+            "path/file.py:function",
         ),
         click.option(
             "--batch-size",

@@ -34,7 +34,7 @@ cli.add_command(report)
 # The library's remedies name its Python argument output_fn (for a one-logit binary classifier,
 # ntk.core.kinds.ONE_LOGIT; for an output that is not a [B, O] tensor, "pass output_fn ..."); on
 # the command line they are the --output-fn flag.
-_FLAG = "--output-fn (an attribute name such as logits, or file.py:fn)"
+_FLAG = "--output-fn (a field name such as logits, or file.py:fn)"
 _OUTPUT_FN_WORDS = (
     ("output_fn=lambda z: ", "--output-fn file.py:fn with fn(z) = "),
     ("pass output_fn ", f"pass {_FLAG} "),

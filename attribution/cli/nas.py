@@ -92,7 +92,8 @@ def demo_space() -> dict:
 @click.option(
     "--output-fn",
     default=None,
-    help="map each candidate's output to logits: an attribute name (logits), "
+    help="map each candidate's output to logits: a field name (logits: an attribute or a "
+    "dict key), "
     "package.module:function or path/file.py:function",
 )
 @output_options(
