@@ -445,6 +445,23 @@ def test_activation_checkpointing_is_differentiated_exactly(method):
         ntk.empirical_ntk(net, x, method="ntk_vp")
 
 
+def test_a_model_neither_torch_func_nor_autograd_can_differentiate_names_both_failures():
+    """Reentrant checkpointing fails under torch.func ("autograd.Function … must override the
+    setup_context staticmethod") and under torch.autograd.grad (torch's own advice: pass
+    use_reentrant=False); only the first was shown."""
+
+    class Reentrant(Checkpointed):
+        def forward(self, x):
+            h = torch.tanh(self.pre(x))
+            h = torch.utils.checkpoint.checkpoint(self.body, h, use_reentrant=True)
+            return self.out(torch.tanh(h))
+
+    with pytest.raises(RuntimeError, match="setup_context") as failure:
+        ntk.empirical_ntk(Reentrant().eval(), torch.randn(5, 4), method="jacobian")
+    (note,) = failure.value.__notes__
+    assert note.startswith("torch.autograd failed on it too: When use_reentrant=True")
+
+
 def test_chunks_beyond_what_the_plan_could_run_are_refused_naming_the_batch_size(monkeypatch):
     """Where the plan's pass cannot hold the largest tile (here a cap of 16 samples' outputs),
     a body run on chunks of 32 in blocks of 64 is refused naming the module and the batch size

@@ -100,7 +100,8 @@ def jacobian_features(
     whose forward torch.func's transforms cannot run even one sample at a time (a packed
     sequence through nn.GRU / nn.LSTM: "Cannot access data pointer of Tensor that doesn't have
     storage") is differentiated by torch.autograd alone from then on, with a warning, if that
-    works on the block (the same values; B·C backward passes); otherwise the error is raised.
+    works on the block (the same values; B·C backward passes); otherwise torch.func's error is
+    raised, with a note of autograd's.
     """
     wrt = {n: view.params[n] for n in names}
     rest = {n: p for n, p in view.params.items() if n not in wrt}
@@ -113,8 +114,9 @@ def jacobian_features(
     except Exception as error:
         try:
             features = _autograd_features(view, wrt, rest, x, cot)
-        except Exception:
-            raise error from None  # not torch.func's limit: the model's own failure
+        except Exception as fallback:  # not torch.func's limit alone: the model's own failure
+            error.add_note(f"torch.autograd failed on it too: {failure_reason(fallback)}")
+            raise error from None
         reason = failure_reason(error)
         _AUTOGRAD_ONLY[view.model] = reason
         warnings.warn(
