@@ -209,8 +209,11 @@ class _Computation:
         factors = method in ("auto", "structured")
         plan = structured.plan(view, x1, kind, c, planned_tile, largest if factors else 1, only)
         if method == "auto":
+            # a model torch.func cannot vmap, or run at all (saved-tensor hooks: activation
+            # checkpointing), is differentiated by autodiff one sample at a time: structured
             autodiff = not plan.covered or (
                 persample.vmappable(view.model)
+                and not plan.recomputes
                 and structured.prefers_autodiff(plan, kind, c, planned_tile, view.device)
             )
             method = "jacobian" if autodiff else "structured"

@@ -5,6 +5,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+import torch.utils.checkpoint
 from models import MLP, make
 from reference import kernels, of_kind
 from torch import nn
@@ -515,6 +516,48 @@ def test_auto_keeps_structured_for_models_that_cannot_be_vmapped(monkeypatch):
         second = ntk.empirical_ntk(model, x)
     assert not chosen
     torch.testing.assert_close(first, second)
+
+
+class _CheckpointedCNN(nn.Module):
+    """The CNN the cost model sends to autodiff (above), its convolutions under activation
+    checkpointing."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1)
+        )
+        self.head = nn.Linear(8 * 16 * 16, 3)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=False)
+        return self.head(h.flatten(1))
+
+
+def test_auto_keeps_structured_for_models_under_activation_checkpointing(monkeypatch):
+    """torch.func cannot run a model under activation checkpointing (saved-tensor hooks), so
+    autodiff would be torch.autograd one sample and output at a time: `auto` keeps the structured
+    path where the cost model would pick autodiff, and warns of no fallback."""
+    import warnings
+
+    import ntk.core.structured as structured
+
+    model, x = _CheckpointedCNN().eval(), torch.randn(4, 3, 16, 16)
+    plan = structured.plan(ModelView(model), x, "full", 3, 4, 4)
+    assert plan.recomputes and structured.prefers_autodiff(plan, "full", 3, 4, torch.device("cpu"))
+    chosen = []
+    original = structured.Plan.autodiff.__func__
+    monkeypatch.setattr(
+        structured.Plan,
+        "autodiff",
+        classmethod(lambda cls, other: chosen.append(True) or original(cls, other)),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        auto = ntk.empirical_ntk(model, x)
+    assert not chosen
+    with pytest.warns(UserWarning, match="torch.func cannot differentiate"):
+        torch.testing.assert_close(auto, ntk.empirical_ntk(model, x, method="jacobian"))
 
 
 class Prototypes(nn.Module):
