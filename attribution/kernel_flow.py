@@ -37,6 +37,8 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional as F
 
+from ntk.core.checks import check_amount
+
 from .outputs import margin_gradient
 
 # `influence(training_logits="auto")` stops the flow when it has fitted this share of the kernel's
@@ -106,10 +108,9 @@ def flow_logits(
         )
     if cross is not None and (cross.dim() != 2 or cross.shape[1] != n):
         raise ValueError(f"cross must be [M, N] with N = {n}, got {tuple(cross.shape)}")
-    if not 0 < fitted_fraction < 1:
-        raise ValueError(f"fitted_fraction must lie in (0, 1), got {fitted_fraction}")
-    if loss_floor is not None and not loss_floor >= 0:
-        raise ValueError(f"loss_floor must be ≥ 0, got {loss_floor}")
+    check_amount(fitted_fraction, "fitted_fraction", below=1)
+    if loss_floor is not None:
+        check_amount(loss_floor, "loss_floor", zero=True)
     y = y.long()
     targets = F.one_hot(y, num_outputs).double()
     evals, evecs = torch.linalg.eigh(kernel.double() / n)

@@ -54,7 +54,6 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import numbers
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -67,6 +66,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .core import inputs, kinds
+from .core.checks import check_amount, check_integer
 from .core.model import (
     check_output_fn,
     copy_module,
@@ -460,22 +460,12 @@ def _check_options(metric, kind, batch_size, repeats, warmup_steps, warmup_lr, s
             f"metric {metric!r} needs an [N, N] kernel; kind {kind!r} gives one of shape "
             f"[{', '.join('NNOO'[: len(shape)])}] (use 'sum_logits', 'trace' or 'lpntk')"
         )
-    for name, value, low in (
-        ("batch_size", batch_size, 2),
-        ("repeats", repeats, 1),
-        ("warmup_steps", warmup_steps, 0),
-    ):
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name} must be an integer ≥ {low}, got {value!r}")
-    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
-    if warmup_steps and not (
-        isinstance(warmup_lr, numbers.Real)
-        and not isinstance(warmup_lr, bool)
-        and math.isfinite(warmup_lr)
-        and warmup_lr > 0
-    ):
-        raise ValueError(f"warmup_lr must be a positive number, got {warmup_lr!r}")
+    check_integer(batch_size, "batch_size", least=2)
+    check_integer(repeats, "repeats")
+    check_integer(warmup_steps, "warmup_steps", least=0)
+    check_integer(seed, "seed", least=None)
+    if warmup_steps:
+        check_amount(warmup_lr, "warmup_lr")
 
 
 def _check_data(x, y, metric, warmup_steps, kind):

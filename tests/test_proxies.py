@@ -341,7 +341,7 @@ def test_clear_errors(data):
         ({"batch_size": 1}, ValueError, "batch_size must be an integer ≥ 2, got 1"),
         ({"kind": "sum_logit"}, ValueError, "unknown kind 'sum_logit'"),
         ({"metric": "lga", "kind": "full"}, ValueError, r"metric 'lga' needs an \[N, N\] kernel"),
-        ({"repeats": 0}, ValueError, "repeats must be an integer ≥ 1"),
+        ({"repeats": 0}, ValueError, "repeats must be a positive integer, got 0"),
         ({"seed": 0.5}, ValueError, "seed must be an integer, got 0.5"),
         ({"warmup_steps": 1, "warmup_lr": -1.0}, ValueError, "warmup_lr must be a positive"),
         ({"batchsize": 8}, TypeError, r"rank\(\) got unknown options batchsize"),
