@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .core import kinds
-from .core.files import atomic_path, writes_to
+from .core.files import atomic_path, directory_path, writes_to
 from .core.tiles import Grid
 from .empirical import Kernel, _Computation
 
@@ -200,11 +200,7 @@ def run_grid(
 def load_tiles(path: str | os.PathLike, *, out=None) -> Kernel:
     """Assemble the kernel that `empirical_ntk(..., path=path)` wrote: a tensor, or a dict per
     layer; `out` (e.g. `numpy.lib.format.open_memmap`) receives a total kernel instead."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-    root = Path(path)
-    if root.exists() and not root.is_dir():
-        raise ValueError(f"path {root} is a file, not a directory of kernel tiles")
+    root = directory_path(path, "kernel tiles")
     try:
         index = json.loads((root / _INDEX).read_text())
     except FileNotFoundError:

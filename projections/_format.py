@@ -38,7 +38,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ntk.core import inputs, kinds
-from ntk.core.files import atomic_path, writes_to
+from ntk.core.files import atomic_path, directory_path, writes_to
 from ntk.core.kinds import KINDS
 from ntk.core.tiles import require_finite_cast
 
@@ -98,14 +98,7 @@ def new_manifest(settings: dict, batch: int) -> dict:
 
 def store_root(path) -> Path:
     """The directory of a feature store named by `path`; refuse what is not a path, or a file."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(
-            f"path must be a str or os.PathLike naming a feature store, got {type(path).__name__}"
-        )
-    root = Path(path)
-    if root.exists() and not root.is_dir():
-        raise ValueError(f"path {root} is a file; a feature store is a directory")
-    return root
+    return directory_path(path, "a feature store")
 
 
 def read_manifest(root: Path) -> dict:

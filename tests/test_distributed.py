@@ -179,7 +179,7 @@ def test_kernel_tiles_that_are_missing_damaged_or_misshapen_are_named(tmp_path):
     model, x = model_and_data()
     ntk.distributed.empirical_ntk(model, x[:8], kind="trace", batch_size=4, path=tmp_path / "t")
     (tmp_path / "file").write_text("x")
-    with pytest.raises(ValueError, match="file, not a directory of kernel tiles"):
+    with pytest.raises(ValueError, match="file, not the directory of kernel tiles"):
         ntk.distributed.load_tiles(tmp_path / "file")
     tile = tmp_path / "t" / "tiles" / "0_1.npz"
     cases = [

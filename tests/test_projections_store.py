@@ -169,7 +169,7 @@ def test_a_path_that_is_a_file_or_no_path_is_refused_naming_path(tmp_path):
     a TypeError from pathlib."""
     model, x = model_and_data()
     (tmp_path / "file").write_text("x")
-    message = f"path {tmp_path / 'file'} is a file; a feature store is a directory"
+    message = f"path {tmp_path / 'file'} is a file, not the directory of a feature store"
     for call in (
         lambda: store(tmp_path / "file", model, x),
         lambda: projections.open_store(tmp_path / "file"),

@@ -36,6 +36,20 @@ def writes_to(path) -> Iterator[None]:
         raise
 
 
+def directory_path(path, holds: str) -> Path:
+    """`path` as the Path of a directory that `holds` something (a feature store, kernel tiles),
+    which may not exist yet: anything but a str or os.PathLike is a TypeError, an existing file a
+    ValueError, each naming what the directory holds."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"path must be a str or os.PathLike naming {holds}, got {type(path).__name__}"
+        )
+    root = Path(path)
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"path {root} is a file, not the directory of {holds}")
+    return root
+
+
 def check_replaceable(target, name: str | None = None) -> None:
     """Refuse an existing `target` that is not a regular file (a device such as /dev/null, a
     pipe): `atomic_path`'s rename would replace it. `name`: the argument or flag that gave it."""
