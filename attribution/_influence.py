@@ -49,6 +49,7 @@ from . import _kernels, curvature
 from ._trak import trak
 from .damping import (
     DOF_FRACTION,
+    ZeroCurvature,
     cholesky_solve,
     damped_cholesky,
     kernel_system,
@@ -276,7 +277,13 @@ def _one_model(
             device=device,
             output_fn=output_fn,
             dtype=dtype,
-        ).fit(x_train, y_train)
+        )
+        try:
+            surrogate.fit(x_train, y_train)
+        except ZeroCurvature:
+            raise ZeroCurvature(
+                "method='surrogate' sets its own damping: use method='gauss_newton' with damping="
+            ) from None
         return torch.einsum(
             "mio,mo->mi", torch.as_tensor(surrogate.influence(x_test, output="all")), u
         )
@@ -299,6 +306,8 @@ def _one_model(
             dtype=dtype,
         ).fit(x_train, g_train)
         lam = KRONECKER_DAMPING * curv.trace / (n * o) if damping == "auto" else float(damping)
+        if not lam > 0:  # "auto" on a zero curvature (an explicit damping is > 0)
+            raise ZeroCurvature("pass damping= explicitly")
         return curv.influence(x_test, u, x_train, r, lam)
     if not fits:
         if flow is not None and flow.explicit:

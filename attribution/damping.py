@@ -51,15 +51,24 @@ def effective_parameters(eigenvalues: torch.Tensor, damping: float) -> float:
     return float((e / (e + damping)).sum())
 
 
-def damping_for(eigenvalues: torch.Tensor, target: float) -> float:
-    """The λ > 0 with γ(λ) = target (at most half the numerical rank of the spectrum)."""
+class ZeroCurvature(ValueError):
+    """The Gauss–Newton curvature is zero (every training output saturated): no rule keeps a
+    share of its directions; `remedy` says what to give instead."""
+
+    def __init__(self, remedy: str):
+        super().__init__(
+            "the Gauss–Newton curvature is zero (every training output is saturated), so no "
+            f"damping keeps a share of its directions; {remedy}"
+        )
+
+
+def damping_for(eigenvalues: torch.Tensor, target: float, option: str = "damping") -> float:
+    """The λ > 0 with γ(λ) = target (at most half the numerical rank of the spectrum); a zero
+    spectrum is `ZeroCurvature`, naming `option`, the caller's name for λ."""
     e = eigenvalues.detach().double().flatten().clamp_min(0).cpu()
     top = float(e.max()) if e.numel() else 0.0
     if not top > 0:
-        raise ValueError(
-            "the Gauss–Newton curvature is zero (every training output is saturated); pass "
-            "damping= (influence) or prior_precision= (NTKPosterior) explicitly"
-        )
+        raise ZeroCurvature(f"pass {option}= explicitly")
     rank = int((e > top * 1e-12).sum())
     target = min(target, 0.5 * rank)
 
@@ -80,11 +89,15 @@ def spectrum_keeping(
 
 
 def damping_keeping(
-    a: torch.Tensor, rank: int, target: float, product: Product | None = None
+    a: torch.Tensor,
+    rank: int,
+    target: float,
+    product: Product | None = None,
+    option: str = "damping",
 ) -> float:
     """The λ with γ(λ) = target for the symmetric PSD system `a` of the given rank, from its
-    `spectrum_keeping`."""
-    return damping_for(spectrum_keeping(a, rank, target, product), target)
+    `spectrum_keeping` (option: the caller's name for λ, in errors)."""
+    return damping_for(spectrum_keeping(a, rank, target, product), target, option)
 
 
 def scalar_kernel_system(k: torch.Tensor, root: torch.Tensor) -> tuple[torch.Tensor, Product]:
@@ -166,7 +179,7 @@ def damped_cholesky(
     name for λ, in errors."""
     rank = n * max(o - 1, 1)
     if damping == "auto":
-        lam = damping_keeping(a, rank, fraction * rank, product)
+        lam = damping_keeping(a, rank, fraction * rank, product, option)
     else:
         lam = float(damping)
     return damped_factor(a, lam, option=option), lam

@@ -115,6 +115,16 @@ def psd_root(a: torch.Tensor) -> torch.Tensor:
     return evecs @ torch.diag_embed(evals.clamp_min(0).sqrt()) @ evecs.transpose(-1, -2)
 
 
+def psd_inverse_root(a: torch.Tensor) -> torch.Tensor:
+    """The pseudo-inverse (A^½)⁺ [..., O, O] of the symmetric square root of positive
+    semi-definite matrices: 0 along the directions without curvature, the eigenvalues within
+    rounding of 0 (≤ O·ε times the largest of their matrix)."""
+    evals, evecs = torch.linalg.eigh(a)
+    floor = evals.amax(-1, keepdim=True) * a.shape[-1] * torch.finfo(evals.dtype).eps
+    inverse = torch.where(evals > floor, evals, torch.inf).rsqrt()  # 1/√∞ = 0
+    return evecs @ torch.diag_embed(inverse) @ evecs.transpose(-1, -2)
+
+
 def models(model: nn.Module, checkpoints: Sequence | None) -> list[nn.Module]:
     """The models to average over: `model`, or copies of it holding each checkpoint's weights."""
     check_module(model)

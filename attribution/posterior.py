@@ -432,11 +432,11 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         mean_i tr(C Σ_δ(x_i) C) / mean_i ‖C f(x_i)‖² over (at most VARIANCE_SAMPLES of) the
         training inputs is T·v(δ) = min(v(δ_size), TRAINING_VARIANCE_RATIO)."""
         e = self._spectrum(a, max(SHAPE_EFFECTIVE_PARAMETERS, EFFECTIVE_PARAMETERS))
-        delta = damping.damping_for(e, SHAPE_EFFECTIVE_PARAMETERS)
+        delta = damping.damping_for(e, SHAPE_EFFECTIVE_PARAMETERS, "prior_precision")
         variance_ratio = self._variance_ratio(a)
         if variance_ratio is None:  # logits with no spread on the training inputs
             return delta, 1.0
-        size = variance_ratio(damping.damping_for(e, EFFECTIVE_PARAMETERS))
+        size = variance_ratio(damping.damping_for(e, EFFECTIVE_PARAMETERS, "prior_precision"))
         return delta, min(size, TRAINING_VARIANCE_RATIO) / variance_ratio(delta)
 
     def _variance_ratio(self, a: torch.Tensor | None):

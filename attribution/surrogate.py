@@ -94,7 +94,14 @@ from ntk.core.model import check_module
 
 from . import _kernels
 from .damping import cholesky_solve, damped_cholesky, scalar_kernel_system
-from .outputs import labels, logits, logits_like_training, psd_root, softmax_curvature
+from .outputs import (
+    labels,
+    logits,
+    logits_like_training,
+    psd_inverse_root,
+    psd_root,
+    softmax_curvature,
+)
 
 MACHINES = ("ridge", "svm", "logistic", "representer", "gauss_newton")
 ARGMAX_MACHINES = ("ridge", "representer", "gauss_newton")  # predict = argmax of the decision
@@ -465,24 +472,26 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
 
     def _fit_gauss_newton(self, k: np.ndarray, g: torch.Tensor, y: np.ndarray | None) -> None:
         """The Gauss–Newton machine (module docstring): S_i = Λ_i^½ at the network's logits g,
-        working responses t_i = g_i + e_{y_i}/p_{i,y_i} (labels y; y=None: t_i = g_i),
-        (SKS + λI) β = S t by Cholesky, A_i = S_i β_i. Keeps S, β and the Cholesky factor for
+        working responses t_i = g_i + w_i with Λ_i w_i = e_{y_i} − p_i (labels y; y=None:
+        t_i = g_i), (SKS + λI) β = S t by Cholesky, A_i = S_i β_i. S_i w_i = S_i⁺(e_{y_i} − p_i)
+        for every such w_i (e_{y_i}/p_{i,y_i} among them), which stays finite where p_{i,y_i}
+        underflows to 0 (a saturated output, S_i = 0). Keeps S, β and the Cholesky factor for
         `influence`."""
         g = g.double()
         n, o = g.shape
-        step = torch.zeros_like(g)
+        curvature = softmax_curvature(g)
+        root = psd_root(curvature)
+        target = torch.einsum("iop,ip->io", root, g)
         if y is not None:
-            rows, y = torch.arange(n), torch.as_tensor(y)
-            step[rows, y] = 1 / g.softmax(1)[rows, y]
-        root = psd_root(softmax_curvature(g))
+            residual = torch.eye(o, dtype=g.dtype)[torch.as_tensor(y)] - g.softmax(1)
+            target += torch.einsum("iop,ip->io", psd_inverse_root(curvature), residual)
         system, product = scalar_kernel_system(torch.as_tensor(k), root)
         damping = "auto" if self.alpha is None else float(self.alpha)
         fraction = self.effective_parameters or GAUSS_NEWTON_DOF_FRACTION
         factor, self.alpha_ = damped_cholesky(
             system, damping, n, o, fraction, product=product, option="alpha"
         )
-        target = torch.einsum("iop,ip->io", root, g + step).reshape(-1, 1)
-        beta = cholesky_solve(target, factor).reshape(n, o)
+        beta = cholesky_solve(target.reshape(-1, 1), factor).reshape(n, o)
         self.root_, self.beta_, self.factor_ = root.numpy(), beta.numpy(), factor.numpy()
         self.dual_ = torch.einsum("iop,ip->io", root, beta).numpy()
         self.intercept_, self.classes_, self.machine_ = np.zeros(o), np.arange(o), None

@@ -518,6 +518,34 @@ def test_auto_damping_keeps_the_chosen_effective_number_of_parameters():
         auto_damping(torch.zeros(5), 10, 2)
 
 
+def test_a_saturated_network_names_the_damping_to_pass(setup):
+    """Every training output saturated: ekfac / kfac failed with "damping must be a positive
+    finite number, got 0.0", a damping never passed; the surrogate was told to pass damping=,
+    which it refuses. Each names the remedy that works, and it does."""
+    from attribution import KernelSurrogate, NTKPosterior
+    from attribution.damping import ZeroCurvature
+
+    model, x, y, xt, yt = setup
+    saturated = copy.deepcopy(model)
+    with torch.no_grad():
+        saturated[2].weight.mul_(1e5)
+        saturated[2].bias.mul_(1e5)
+    assert (saturated(x).softmax(1).max(1).values == 1).all()
+    for method in ("ekfac", "kfac"):
+        with pytest.raises(ZeroCurvature, match="pass damping= explicitly$"):
+            influence(saturated, x, y, xt, yt, method=method)
+        assert influence(saturated, x, y, xt, yt, method=method, damping=0.1).isfinite().all()
+    with pytest.raises(ZeroCurvature, match="use method='gauss_newton' with damping=$"):
+        influence(saturated, x, y, xt, yt, method="surrogate")
+    assert influence(saturated, x, y, xt, yt, method="gauss_newton", damping=0.1).isfinite().all()
+    with pytest.raises(ZeroCurvature, match="pass alpha= explicitly$"):
+        KernelSurrogate(saturated, machine="gauss_newton").fit(x, y)
+    fitted = KernelSurrogate(saturated, machine="gauss_newton", alpha=0.1).fit(x, y)
+    assert np.isfinite(fitted.influence(xt)).all()
+    with pytest.raises(ZeroCurvature, match="pass prior_precision= explicitly$"):
+        NTKPosterior(saturated).fit(x, y)
+
+
 def test_randomized_spectrum_gives_the_exact_damping(monkeypatch):
     """Above EXACT_SPECTRUM rows the rule sees a randomized top of the spectrum plus the trace's
     remainder; on a power-law spectrum its λ is within 2 % of the exact one."""
