@@ -370,8 +370,11 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
     # -- fitting ---------------------------------------------------------------------------------
     def fit(self, x_train, y=None) -> KernelSurrogate:
         """Fit the machine to the network's outputs (y=None: its logits for ridge, its predicted
-        labels for svm and logistic) or to class labels y."""
+        labels for svm and logistic) or to class labels y. An earlier fit is forgotten first,
+        so a fit that fails leaves the estimator unfitted, not half of each."""
         self._check_params()
+        for fitted in [name for name in vars(self) if name.endswith("_")]:
+            delattr(self, fitted)
         x_train = self._inputs(x_train, reset=True)
         if y is not None and not isinstance(y, torch.Tensor):
             y = np.asarray(y)
@@ -520,7 +523,8 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             )
         elif self.machine == "svm":
             estimator, grid = (
-                SVC(kernel="precomputed", decision_function_shape="ovo"),
+                # a seed of its own: libsvm's otherwise comes from numpy's global generator
+                SVC(kernel="precomputed", decision_function_shape="ovo", random_state=self.seed),
                 {"C": 1 / GRID},
             )
             cv = self.cv
@@ -800,6 +804,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         `label_share` [N_test], the share of the top-k proponents whose label (y_train, default
         the network's predicted labels) is the predicted class; with their medians / means.
         A single-output model has no classes: its output's cancellation and median only."""
+        check_is_fitted(self, "dual_")
         if self.num_outputs_ == 1 and y_train is not None:
             raise ValueError(
                 f"y_train needs a classifier; the model has a single output ({ONE_LOGIT})"

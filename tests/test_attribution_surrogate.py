@@ -42,9 +42,37 @@ def test_estimator_params_and_clone(trained):
 
 def test_unfitted_raises_not_fitted(trained):
     s = KernelSurrogate(trained[0])
-    for call in (s.decision_function, s.predict, s.attribute, s.faithfulness):
+    for call in (s.decision_function, s.predict, s.attribute, s.faithfulness, s.coherence):
         with pytest.raises(NotFittedError):
             call(trained[3])
+
+
+def test_a_refit_forgets_the_earlier_fit(trained):
+    """A refit that failed part-way (one class for the svm) left the new training inputs with
+    the earlier coefficients, and predictions moved by 5 without an error; a refit with another
+    machine kept the earlier machine's arrays (an (N·O)² Cholesky factor among them)."""
+    model, x, y, xt, _ = trained
+    s = KernelSurrogate(model, kind="trace", machine="svm").fit(x[:60], y[:60])
+    with pytest.raises(ValueError, match="two or more classes"):
+        s.fit(x[60:120], np.zeros(60, dtype=np.int64))
+    with pytest.raises(NotFittedError):
+        s.decision_function(xt)
+    s.set_params(machine="gauss_newton").fit(x[:30])
+    fitted = {name for name in vars(s) if name.endswith("_")}
+    s.set_params(machine="ridge").fit(x[:30])
+    fresh = KernelSurrogate(model, kind="trace", machine="ridge").fit(x[:30])
+    assert [n for n in vars(s) if n.endswith("_")] == [n for n in vars(fresh) if n.endswith("_")]
+    assert {"beta_", "factor_"} <= fitted and not {"beta_", "factor_"} & set(vars(s))
+    np.testing.assert_array_equal(s.decision_function(xt), fresh.decision_function(xt))
+
+
+def test_an_svm_leaves_numpy_global_random_state_alone(trained):
+    """libsvm drew its seed from numpy's global generator (SVC's random_state=None)."""
+    model, x, y, _, _ = trained
+    _, key, position, *_ = np.random.get_state()
+    KernelSurrogate(model, kind="trace", machine="svm").fit(x[:60], y[:60])
+    _, key_after, position_after, *_ = np.random.get_state()
+    assert np.array_equal(key_after, key) and position_after == position
 
 
 @pytest.mark.parametrize(
