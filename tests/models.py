@@ -79,6 +79,22 @@ class SharedPositions(nn.Module):
         return self.head(torch.tanh(h).mean(1))
 
 
+class PositionsIntoAttention(nn.Module):
+    """Positions looked up once (1-D ids) and given a batch axis of one ([None]) before
+    nn.MultiheadAttention, which asserts that its query has at most three axes."""
+
+    def __init__(self, vocab=7, dim=4, seq=3):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        self.attention = nn.MultiheadAttention(dim, 2, batch_first=True)
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, ids):
+        h = self.tokens(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))[None]
+        return self.head(self.attention(h, h, h, need_weights=False)[0].mean(1))
+
+
 class SequenceFirst(nn.Module):
     """Linear layers on a sequence-first [S, B, F] tensor (nn.TransformerEncoderLayer's default
     layout): their first axis is not the sample axis."""
