@@ -528,7 +528,7 @@ def _leading_sample_axis(view: ModelView, x, names: dict[str, nn.Module]) -> set
                         and all(_same(t[b], one[0]) for t, one in zip(pair, captured[n][0]))
                     }
                 confirmed &= set(batched)
-        except (RuntimeError, ValueError, IndexError, TypeError):
+        except Exception:
             confirmed = set()  # a sample the model fails on: the blocks' own passes name it
     finally:
         for h in handles:
