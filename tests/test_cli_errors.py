@@ -592,6 +592,37 @@ def test_weights_that_do_not_fit_name_the_tensor_and_shapes(files, capsys):
     assert "(and 2 more)" in err  # 0.bias and 2.weight
 
 
+def test_weights_saved_from_a_wrapper_or_in_a_training_checkpoint_are_read(files, capsys):
+    """A state_dict saved from DataParallel / DDP ('module.' on every key) or torch.compile
+    ('_orig_mod.') was refused as "tensor '0.weight' is missing from the file (and 3 more)",
+    and a tutorial's checkpoint {'model_state_dict': ..., 'epoch': ...} as "does not hold a
+    state_dict of tensors"; each is read as the plain state_dict, the prefix said once."""
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    state = net.state_dict()
+    torch.save(state, files / "plain.pt")
+    torch.save({f"module.{k}": v for k, v in state.items()}, files / "dp.pt")
+    torch.save({f"_orig_mod.{k}": v for k, v in state.items()}, files / "compiled.pt")
+    torch.save({"model_state_dict": state, "epoch": 3}, files / "checkpoint.pt")
+    torch.save({"net": state, "epoch": 3}, files / "unknown.pt")
+    model = ["--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
+    options = ["--kind", "trace", "--format", "json"]
+    code, want, err = run(capsys, "kernel", *model, *options, "--weights", f"{files}/plain.pt")
+    assert code == 0, err
+    want = {k: v for k, v in json.loads(want)["rows"][0].items() if k != "seconds"}
+    for name, said in (
+        ("dp", "module.… (saved from DataParallel"),
+        ("compiled", "_orig_mod.…"),
+        ("checkpoint", None),
+    ):
+        code, got, err = run(capsys, "kernel", *model, *options, "--weights", f"{files}/{name}.pt")
+        assert code == 0, err
+        assert {k: v for k, v in json.loads(got)["rows"][0].items() if k != "seconds"} == want
+        assert (said in err) if said else "names its tensors" not in err, err
+    err = usage_error(capsys, "kernel", *model, "--weights", f"{files}/unknown.pt")
+    assert "unknown.pt does not hold a state_dict of tensors: a dict of 'net', 'epoch'" in err
+    assert "no entry 'state_dict' / 'model_state_dict' / 'model' holding one" in err
+
+
 def test_kernel_of_two_samples(files, capsys):
     code, out, err = run(
         capsys,

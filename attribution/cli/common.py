@@ -237,11 +237,18 @@ def load_weights(model: nn.Module, weights: str, option: str = "--weights") -> N
         raise UsageProblem(
             f"{option}: cannot read {weights}: {_load_failure(exc, weights=True)}"
         ) from None
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise UsageProblem(f"{option}: {weights} does not hold a state_dict of tensors")
+    state = _state_dict_in(state, option, weights)
     own = model.state_dict()
+    for prefix, origin in _SAVED_PREFIXES:  # the wrapper's own prefix on every key
+        if state and not own.keys() & state.keys() and all(k.startswith(prefix) for k in state):
+            stripped = {k.removeprefix(prefix): v for k, v in state.items()}
+            if stripped.keys() == own.keys():
+                warn_later(
+                    f"{option}: {weights} names its tensors {prefix}… ({origin}): read as "
+                    "the model's own"
+                )
+                state = stripped
+                break
     problems = [
         f"tensor {k!r} is {list(state[k].shape)} in the file but {list(v.shape)} in the model"
         for k, v in own.items()
@@ -259,6 +266,39 @@ def load_weights(model: nn.Module, weights: str, option: str = "--weights") -> N
         raise UsageProblem(
             f"{option}: {weights} does not fit the model: {details[-1] if details else exc}"
         ) from None
+
+
+# key prefixes of state_dicts saved from a wrapper of the model, and the wrapper
+_SAVED_PREFIXES = (
+    ("module.", "saved from DataParallel or DistributedDataParallel"),
+    ("_orig_mod.", "saved from torch.compile's wrapper"),
+)
+# the entries of a training checkpoint that hold the model's weights (tutorials, Lightning)
+_CHECKPOINT_ENTRIES = ("state_dict", "model_state_dict", "model")
+
+
+def _state_dict_in(saved, option: str, weights: str) -> dict:
+    """The state_dict (name → tensor) in a loaded file: the file itself, or the entry of a
+    training checkpoint ({"model_state_dict": ..., "epoch": ...}) that holds one."""
+    import torch
+
+    def tensors(value) -> bool:
+        return isinstance(value, dict) and all(isinstance(v, torch.Tensor) for v in value.values())
+
+    if tensors(saved):
+        return saved
+    if isinstance(saved, dict):
+        for entry in _CHECKPOINT_ENTRIES:
+            if tensors(saved.get(entry)):
+                return saved[entry]
+        keys = ", ".join(repr(k) for k in list(saved)[:6]) + (", …" if len(saved) > 6 else "")
+        raise UsageProblem(
+            f"{option}: {weights} does not hold a state_dict of tensors: a dict of {keys}, and "
+            f"no entry {' / '.join(map(repr, _CHECKPOINT_ENTRIES))} holding one"
+        )
+    raise UsageProblem(
+        f"{option}: {weights} does not hold a state_dict of tensors (a {type(saved).__name__})"
+    )
 
 
 def load_output_fn(spec: str | None) -> Callable | None:
