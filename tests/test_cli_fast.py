@@ -12,6 +12,7 @@ import projections
 from attribution import _influence, _report, layers
 from attribution.cli import choices
 from ntk import proxies
+from ntk.core import persample
 
 COMMANDS = ["attribute", "featurize", "kernel", "layers", "nas", "report"]
 
@@ -47,6 +48,7 @@ def test_choices_are_the_librarys():
     assert choices.RANKING_BATCH_SIZE == proxies.RANKING_BATCH_SIZE
     assert choices.RANKING_REPEATS == proxies.RANKING_REPEATS
     assert choices.PROJECTORS == projections.PROJECTORS
+    assert choices.BATCHING_NOTE == persample.BATCHING_NOTE
     assert choices.DEFAULT_PROJECTOR == projections.DEFAULT_PROJECTOR
     assert choices.SURROGATE_KINDS == attribution.surrogate.KINDS
     assert choices.SURROGATE_MACHINES == attribution.surrogate.MACHINES

@@ -49,3 +49,4 @@ SURROGATE_MACHINES = (  # attribution.surrogate.MACHINES
     "gauss_newton",
 )
 POSTERIOR_AUTO_MAX = 4096  # attribution._report.POSTERIOR_AUTO_MAX
+BATCHING_NOTE = "There is a performance drop"  # ntk.core.persample.BATCHING_NOTE

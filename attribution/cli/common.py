@@ -1057,7 +1057,9 @@ def resolve_test_data(
     from ntk.core import inputs
 
     total = inputs.count(x_test)
-    if test_file is not None and test_samples is not None and total > test_samples:
+    source = click.get_current_context().get_parameter_source("test_samples")
+    chosen = source not in (None, click.core.ParameterSource.DEFAULT)  # given: nothing to say
+    if test_file is not None and test_samples is not None and total > test_samples and not chosen:
         warn_later(
             f"using the first {test_samples} of the {total} samples of --test "
             "(--test-samples N to change)"

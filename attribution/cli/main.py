@@ -10,6 +10,7 @@ import warnings
 import click
 
 from .attribute import attribute
+from .choices import BATCHING_NOTE
 from .common import warn
 from .featurize import featurize
 from .kernel import kernel
@@ -62,6 +63,7 @@ def main(argv=None) -> None:
     """Console entry point: one-line messages instead of tracebacks (NTK_DEBUG=1 shows them)."""
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning
+        warnings.filterwarnings("ignore", message=BATCHING_NOTE)  # torch's, on its vmap's speed
         _run(argv)
 
 

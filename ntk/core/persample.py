@@ -20,6 +20,8 @@ from torch.func import vmap
 from . import inputs
 from .model import ModelView
 
+BATCHING_NOTE = "There is a performance drop"  # how torch's notes on a missing vmap rule begin
+
 
 class PerSampleFallbackWarning(UserWarning):
     """The model could not be vmapped over samples; samples are processed one at a time."""
@@ -70,7 +72,7 @@ def quiet_batching_notes() -> Iterator[None]:
     """Silence torch's notes that an op has no vmap batching rule (it is only slower: e.g. the
     backward of fused CPU attention under batched gradients)."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="There is a performance drop")
+        warnings.filterwarnings("ignore", message=BATCHING_NOTE)
         yield
 
 
