@@ -36,6 +36,7 @@ embeddings (large weights, sparse gradients) and overrates LayerNorms (weights â
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -184,6 +185,13 @@ def _check_targets(view: ModelView, x, y: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"y holds {y[0].numel()} real value(s) per sample; real-valued targets need "
             f"{outputs} (one per model output)"
+        )
+    elif outputs > 1 and bool(((y == 0) | (y == 1)).all() and (y.flatten(1).sum(1) == 1).all()):
+        warnings.warn(
+            "y is one-hot (floats, a single 1 per sample): read as real-valued targets, the "
+            "label scores use the squared error; pass the class indices (y.argmax(1)) for "
+            "class labels and cross-entropy",
+            stacklevel=3,
         )
     return y
 

@@ -1,6 +1,8 @@
 """attribution.layer_importance and its validation harness, against independent computations and
 models whose answer is known by construction."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -320,6 +322,23 @@ def test_whole_number_float_labels_are_class_labels_as_elsewhere():
     )
     with pytest.raises(ValueError, match="real-valued targets need 3"):
         layer_importance(model, x, y + 0.5, score="fisher")
+
+
+def test_one_hot_float_labels_are_read_as_targets_with_a_warning():
+    """One-hot float labels [N, O] were silently read as regression targets (the label scores
+    then use the squared error: a head's grad_norm 4.3 instead of 0.74); they still are, as
+    floats are everywhere, with a warning saying how to pass class labels."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).eval()
+    x, y = torch.randn(12, 6), torch.arange(12) % 3
+    one_hot = nn.functional.one_hot(y, 3).float()
+    with pytest.warns(UserWarning, match=r"y is one-hot .* pass the class indices \(y.argmax"):
+        rows = layer_importance(model, x, one_hot, score="fisher")
+    assert all(r["fisher"] is not None for r in rows)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer_importance(model, x, y, score="fisher")
+        layer_importance(model, x, one_hot * 0.9, score="fisher")  # real targets
 
 
 def test_non_finite_targets_are_refused():
