@@ -24,8 +24,10 @@ and cheap baselines to compare them with:
 - ``fisher``          (1/N) Σ_i ‖∇_l ℓ_i‖², the trace of the layer's empirical Fisher; needs labels;
 - ``block_influence`` 1 − cos(input, output) of a block, per sample (inputs and outputs flattened),
                       averaged (Men et al. 2024, "ShortGPT"; they average per token); defined for
-                      grouped rows (``group`` given) whose module's output has its input's shape,
-                      i.e. residual blocks.
+                      grouped rows (``group`` given) whose module's output has its input's shape:
+                      meant for residual blocks, it is also given to any other such row (a
+                      LayerNorm, a square Linear), where it reads how much the module changes its
+                      input, not what removing it would do.
 
 The default score ``sensitivity`` is the one ``benchmarks/layer_importance.py`` and, across
 four model families, ``benchmarks/layer_families.py`` show to predict best the loss increase
@@ -291,8 +293,8 @@ def layer_importance(
     ``sensitivity``, ``share``, ``trace``, ``alignment``, ``top_eigenvalue``, ``param_norm``,
     ``grad_norm``,
     ``fisher``, ``block_influence`` (None where undefined: label scores without `y`, block
-    influence outside residual blocks), and ``rank`` (1 = highest `score`; None, and listed
-    last, where `score` is undefined).
+    influence without `group` or where a row's output has another shape than its input), and
+    ``rank`` (1 = highest `score`; None, and listed last, where `score` is undefined).
     `pandas.DataFrame(rows)` makes a table of it. The layerwise kernels are
     ``ntk.empirical_ntk(model, x, kind=kind, layers="all")`` (kind="lpntk": labels=y) summed
     within each group, or with
