@@ -424,38 +424,36 @@ def test_spectral_helpers_refuse_complex_and_non_numeric_kernels():
     assert ntk.descent_residual(torch.eye(4) + 0.1, torch.tensor([0, 1, 0, 1]), 2**62 - 1) == 0
 
 
-def test_auto_picks_structured_when_layers_are_known(monkeypatch):
-    calls = []
+@pytest.fixture
+def autodiff_picks(monkeypatch) -> list:
+    """One entry each time a kernel goes to autodiff (structured.Plan.autodiff is called)."""
     import ntk.core.structured as structured
 
+    calls = []
     original = structured.Plan.autodiff.__func__
+    monkeypatch.setattr(
+        structured.Plan,
+        "autodiff",
+        classmethod(lambda cls, other: calls.append(True) or original(cls, other)),
+    )
+    return calls
 
-    def spy(cls, other):
-        calls.append(True)
-        return original(cls, other)
 
-    monkeypatch.setattr(structured.Plan, "autodiff", classmethod(spy))
+def test_auto_picks_structured_when_layers_are_known(autodiff_picks):
     model = MLP().eval()
     ntk.empirical_ntk(model, torch.randn(4, 5), method="auto")
-    assert not calls
+    assert not autodiff_picks
     ntk.empirical_ntk(model, torch.randn(4, 5), method="jacobian")
-    assert calls
+    assert autodiff_picks
 
 
-def test_auto_follows_the_cost_model(monkeypatch):
+def test_auto_follows_the_cost_model(autodiff_picks):
     """A CNN whose convolutions all form explicit per-sample gradients goes to autodiff (the
     structured path would only add copies); an MLP, whose linear layers are factored, does not;
     the kernel is the same either way."""
     import ntk.core.structured as structured
 
-    chosen = []
-    original = structured.Plan.autodiff.__func__
-
-    def spy(cls, other):
-        chosen.append(True)
-        return original(cls, other)
-
-    monkeypatch.setattr(structured.Plan, "autodiff", classmethod(spy))
+    chosen = autodiff_picks
     cnn = torch.nn.Sequential(
         torch.nn.Conv2d(3, 8, 3, padding=1),
         torch.nn.ReLU(),
@@ -493,20 +491,13 @@ class _Branching(nn.Module):
         return y if bool((x > -100).all()) else -y
 
 
-def test_auto_keeps_structured_for_models_that_cannot_be_vmapped(monkeypatch):
+def test_auto_keeps_structured_for_models_that_cannot_be_vmapped(autodiff_picks):
     import warnings
 
     import ntk.core.persample as persample
-    import ntk.core.structured as structured
 
     model, x = _Branching().eval(), torch.randn(2, 3, 6, 6)
-    chosen = []
-    original = structured.Plan.autodiff.__func__
-    monkeypatch.setattr(
-        structured.Plan,
-        "autodiff",
-        classmethod(lambda cls, other: chosen.append(True) or original(cls, other)),
-    )
+    chosen = autodiff_picks
     with pytest.warns(persample.PerSampleFallbackWarning):
         first = ntk.empirical_ntk(model, x)
     assert chosen  # the cost model's pick, until vmap is found to fail
@@ -534,7 +525,7 @@ class _CheckpointedCNN(nn.Module):
         return self.head(h.flatten(1))
 
 
-def test_auto_keeps_structured_for_models_under_activation_checkpointing(monkeypatch):
+def test_auto_keeps_structured_for_models_under_activation_checkpointing(autodiff_picks):
     """torch.func cannot run a model under activation checkpointing (saved-tensor hooks), so
     autodiff would be torch.autograd one sample and output at a time: `auto` keeps the structured
     path where the cost model would pick autodiff, and warns of no fallback."""
@@ -545,17 +536,10 @@ def test_auto_keeps_structured_for_models_under_activation_checkpointing(monkeyp
     model, x = _CheckpointedCNN().eval(), torch.randn(4, 3, 16, 16)
     plan = structured.plan(ModelView(model), x, "full", 3, 4, 4)
     assert plan.recomputes and structured.prefers_autodiff(plan, "full", 3, 4, torch.device("cpu"))
-    chosen = []
-    original = structured.Plan.autodiff.__func__
-    monkeypatch.setattr(
-        structured.Plan,
-        "autodiff",
-        classmethod(lambda cls, other: chosen.append(True) or original(cls, other)),
-    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         auto = ntk.empirical_ntk(model, x)
-    assert not chosen
+    assert not autodiff_picks
     with pytest.warns(UserWarning, match="torch.func cannot differentiate"):
         torch.testing.assert_close(auto, ntk.empirical_ntk(model, x, method="jacobian"))
 
