@@ -201,6 +201,8 @@ def load_tiles(path: str | os.PathLike, *, out=None) -> Kernel:
     """Assemble the kernel that `empirical_ntk(..., path=path)` wrote: a tensor, or a dict per
     layer; `out` (e.g. `numpy.lib.format.open_memmap`) receives a total kernel instead."""
     root = directory_path(path, "kernel tiles")
+    if not root.exists():
+        raise ValueError(f"path {root} does not exist (no kernel tiles there)")
     try:
         index = json.loads((root / _INDEX).read_text())
     except FileNotFoundError:

@@ -217,9 +217,10 @@ def matching(root: Path, settings: dict, batch_size) -> dict:
             f"{manifest['model'][:12]}…, this model {settings['model'][:12]}…); use another path"
         )
     if batch_size is not None and batch_size != manifest["batch"]:
+        state = "was written" if complete(manifest) else "is being written"
         raise StoreError(
-            f"the store at {root} is being written with batch_size={manifest['batch']}; resume "
-            "with the same batch_size (or None)"
+            f"the store at {root} {state} with batch_size={manifest['batch']}; featurize into "
+            "it with the same batch_size (or None)"
         )
     verify_features(open_array(root, manifest), manifest, root)
     return manifest
@@ -383,7 +384,8 @@ def write_blocks(
                 start = i * block
                 for s in range(0, size, manifest["batch"]):
                     part = fz.block(inputs.take(x, slice(s, s + manifest["batch"])))
-                    values = part.detach().cpu().numpy().astype(manifest["store_dtype"])
+                    with np.errstate(over="ignore"):  # an overflow is refused just below
+                        values = part.detach().cpu().numpy().astype(manifest["store_dtype"])
                     require_finite_cast(  # `block` checked them before the cast
                         values,
                         f"the features of block {i} ({_samples(i, manifest)})",

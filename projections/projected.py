@@ -321,15 +321,17 @@ def kernel(phi1, phi2=None, *, kind: str, out=None, tile: int = 4096, progress: 
     `open_store`), computed in tiles of `tile` × `tile` samples so that only two tiles of
     features are in memory at once (phi2=None: the tiles on and above the diagonal, mirrored).
     `out`: an optional preallocated array (e.g. `numpy.lib.format.open_memmap`) that receives
-    the kernel; otherwise a numpy array is returned. The features are checked finite, tile by
-    tile, before anything is written."""
+    the kernel; otherwise a numpy array is returned, of the features' dtype or float32 if that is
+    narrower (float16 stores). The features are checked finite, tile by tile, before anything is
+    written."""
     grid = kernel_grid(phi1, phi2, kind=kind, tile=tile)
     dtype = str(grid.dtype).removeprefix("torch.")
     results = grid.allocate(np.empty(grid.shape, dtype=dtype) if out is None else out)
     for name, phi in [("phi1", phi1)] + ([] if phi2 is None else [("phi2", phi2)]):
         for start in range(0, phi.shape[0], grid.tile_size):
             rows = slice(start, min(start + grid.tile_size, phi.shape[0]))
-            require_finite(torch.as_tensor(np.asarray(phi[rows])), f"{name}[{start}:{rows.stop}]")
+            # a copy: a store's memory map is read-only, which torch warns about
+            require_finite(torch.from_numpy(np.array(phi[rows])), f"{name}[{start}:{rows.stop}]")
     grid.fill(results, grid.compute(progress=progress), out)
     return results[None]
 
@@ -353,8 +355,9 @@ def kernel_grid(phi1, phi2=None, *, kind: str, tile: int = 4096) -> Grid:
     n1, n2 = phi1.shape[0], phi2.shape[0]
     o = phi1.shape[1] if want == 3 else 1
 
-    # features of two dtypes (a float32 store against float64 features) meet in the wider one
-    dtype = np.result_type(np.asarray(phi1[:1]).dtype, np.asarray(phi2[:1]).dtype)
+    # features of two dtypes (a float32 store against float64 features) meet in the wider one,
+    # float32 at least: a float16 store's kernel overflowed past 65504 (and lost 3e-4 of itself)
+    dtype = np.result_type(np.asarray(phi1[:1]).dtype, np.asarray(phi2[:1]).dtype, np.float32)
 
     def read(phi):
         return lambda rows: torch.from_numpy(np.array(phi[rows], dtype=dtype))

@@ -68,12 +68,17 @@ def featurize(
     root = _format.store_root(path)
     block = check_integer(block, "block")
     batch_size = check_integer(batch_size, "batch_size", optional=True)
+    if isinstance(store_dtype, torch.dtype):  # torch.float16 names the same dtype as numpy's
+        store_dtype = str(store_dtype).removeprefix("torch.")
     try:
         name = np.dtype(store_dtype).name
-    except TypeError:  # e.g. a torch.dtype, which numpy cannot interpret
+    except TypeError:
         name = None
     if name not in _format.STORE_DTYPES:
-        raise ValueError(f"store_dtype must be float16, float32 or float64, got {store_dtype!r}")
+        raise ValueError(
+            "store_dtype must be float16, float32 or float64 (numpy's, torch's or their names), "
+            f"got {store_dtype!r}"
+        )
     store_dtype = name
     distributed = _sharded(distributed)
     fz = Featurizer(

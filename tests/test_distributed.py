@@ -181,6 +181,9 @@ def test_kernel_tiles_that_are_missing_damaged_or_misshapen_are_named(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="file, not the directory of kernel tiles"):
         ntk.distributed.load_tiles(tmp_path / "file")
+    # a path that does not exist was asked whether its job had been interrupted
+    with pytest.raises(ValueError, match="missing does not exist"):
+        ntk.distributed.load_tiles(tmp_path / "missing")
     tile = tmp_path / "t" / "tiles" / "0_1.npz"
     cases = [
         (lambda: tile.unlink(), "is missing"),

@@ -158,6 +158,13 @@ def test_mismatched_settings_and_models_are_refused(tmp_path):
     other, _ = model_and_data(seed=1)
     with pytest.raises(projections.StoreError, match="different model"):
         store(path, other, x)
+    # a complete store "is being written" was said to a rerun with another batch_size
+    with pytest.raises(
+        projections.StoreError, match="was written with batch_size=.*featurize into"
+    ):
+        projections.featurize(
+            model, x, path, dim=DIM, kind="trace", block=BLOCK, seed=1, batch_size=BLOCK - 1
+        )
     with torch.no_grad():
         model.fc1.bias[0] += 1e-3  # a trained step later
     with pytest.raises(projections.StoreError, match="different model"):
@@ -259,13 +266,32 @@ def test_featurize_takes_a_kind_object(tmp_path):
     )
 
 
-def test_featurize_names_store_dtype_it_cannot_read(tmp_path):
+def test_featurize_takes_torchs_dtypes_and_names_store_dtype_it_cannot_store(tmp_path):
     """store_dtype=torch.float32 failed inside numpy ("Cannot interpret 'torch.float32' as a
-    data type"); it is refused naming store_dtype."""
+    data type"), then was refused with "must be float16, float32 or float64, got torch.float16";
+    torch's dtypes name numpy's, and a dtype no store holds is refused naming store_dtype."""
+    model, x = MLP(), torch.randn(4, 5)
+    ours = projections.featurize(model, x, tmp_path / "a", dim=4, store_dtype=torch.float16)
+    theirs = projections.featurize(model, x, tmp_path / "b", dim=4, store_dtype="float16")
+    assert ours.dtype == np.float16
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
     with pytest.raises(ValueError, match="store_dtype must be float16, float32 or float64"):
-        projections.featurize(
-            MLP(), torch.randn(4, 5), tmp_path / "s", dim=4, store_dtype=torch.float32
-        )
+        projections.featurize(MLP(), x, tmp_path / "c", dim=4, store_dtype=torch.bfloat16)
+
+
+def test_the_kernel_of_a_float16_store_is_float32(tmp_path):
+    """The kernel of a float16 store was computed in float16: past 65504 it overflowed and was
+    refused as "not finite … the model's gradients on those samples", and below it came back
+    with 3e-4 of relative error."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 20) * 80
+    phi = projections.featurize(
+        torch.nn.Linear(20, 3), x, tmp_path / "s", dim=512, kind="sum_logits", store_dtype="float16"
+    )
+    k = projections.kernel(phi, kind="sum_logits")
+    wide = projections.kernel(np.asarray(phi, dtype=np.float64), kind="sum_logits")
+    assert k.dtype == np.float32 and np.abs(wide).max() > 65504
+    np.testing.assert_allclose(k, wide, rtol=1e-6)
 
 
 def test_featurize_casts_numpy_float64_data_to_the_models_dtype(tmp_path):

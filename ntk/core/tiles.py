@@ -185,7 +185,8 @@ def _write(target, rows: slice, cols: slice, value: torch.Tensor) -> None:
     """Put a tile (finite: `compute` checked it) into the target's rows and columns, in its
     dtype; a narrower dtype that the cast overflows is refused."""
     if isinstance(target, np.ndarray):
-        cast = value.detach().cpu().numpy().astype(target.dtype, copy=False)
+        with np.errstate(over="ignore"):  # an overflow is refused just below
+            cast = value.detach().cpu().numpy().astype(target.dtype, copy=False)
     else:
         cast = value.to(device=target.device, dtype=target.dtype)
     if cast.dtype.itemsize < value.dtype.itemsize:
