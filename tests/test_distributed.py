@@ -181,9 +181,6 @@ def test_kernel_tiles_that_are_missing_damaged_or_misshapen_are_named(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="file, not the directory of kernel tiles"):
         ntk.distributed.load_tiles(tmp_path / "file")
-    # a path that does not exist was asked whether its job had been interrupted
-    with pytest.raises(ValueError, match="missing does not exist"):
-        ntk.distributed.load_tiles(tmp_path / "missing")
     tile = tmp_path / "t" / "tiles" / "0_1.npz"
     cases = [
         (lambda: tile.unlink(), "is missing"),
@@ -218,7 +215,8 @@ def test_single_process_fallback_and_errors(tmp_path):
         ntk.distributed.empirical_ntk(
             model, x, kind="trace", path=tmp_path / "u", out=torch.empty(23, 23)
         )
-    with pytest.raises(ValueError, match="no complete kernel"):
+    # the refused call left nothing; the path was asked whether its job had been interrupted
+    with pytest.raises(ValueError, match="u does not exist"):
         ntk.distributed.load_tiles(tmp_path / "u")
     with pytest.raises(ValueError, match="unknown method"):
         ntk.distributed.empirical_ntk(model, x, method="bogus")
