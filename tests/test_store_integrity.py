@@ -423,6 +423,30 @@ def test_atomic_path_renames_a_complete_file_and_removes_a_failed_one(tmp_path, 
     assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]  # no file under the final name
 
 
+def test_atomic_path_writes_through_a_symlink_and_keeps_the_permissions(tmp_path):
+    """The rename replaced a symlink (an --output or a store's file linked elsewhere) by a
+    regular file, leaving the file it named as it was, and gave a replaced file the permissions
+    of a new one (a 0o600 result became world-readable)."""
+    from ntk.core.files import atomic_path
+
+    (tmp_path / "real").mkdir()
+    real = tmp_path / "real" / "out.txt"
+    real.write_text("old")
+    real.chmod(0o600)
+    link = tmp_path / "link.txt"
+    link.symlink_to(real)
+    with atomic_path(link) as tmp:
+        tmp.write_text("new")
+    assert link.is_symlink() and real.read_text() == "new"
+    assert real.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["link.txt", "out.txt", "real"]
+    dangling = tmp_path / "dangling.txt"
+    dangling.symlink_to(tmp_path / "real" / "made.txt")
+    with atomic_path(dangling) as tmp:
+        tmp.write_text("made")
+    assert dangling.is_symlink() and (tmp_path / "real" / "made.txt").read_text() == "made"
+
+
 def test_atomic_path_refuses_to_replace_a_device(tmp_path):
     """The rename replaced a device such as /dev/null (as root) with a regular file."""
     from ntk.core.files import atomic_path

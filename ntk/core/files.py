@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -70,8 +71,12 @@ def atomic_path(target, *, temporary: str | None = None, durable: bool = False) 
     `temporary`: the temporary's file name (the caller creates the file), for writers whose
     leftovers are recognised by name; by default a fresh ``.<name>.<random>.part`` (created
     empty, with the permissions of a normal new file). An existing `target` that is not a
-    regular file (a device such as /dev/null, a pipe) is refused: the rename would replace it."""
+    regular file (a device such as /dev/null, a pipe) is refused: the rename would replace it.
+    As writing in place would, a symlink is written through (the file it names is replaced, the
+    link kept) and an existing file keeps its permission bits."""
     target = Path(target)
+    if target.is_symlink():
+        target = Path(os.path.realpath(target))
     check_replaceable(target)
     tmp = _new_temporary(target) if temporary is None else target.parent / temporary
     try:
@@ -82,6 +87,8 @@ def atomic_path(target, *, temporary: str | None = None, durable: bool = False) 
                 os.fsync(fd)
             finally:
                 os.close(fd)
+        if target.exists():
+            os.chmod(tmp, stat.S_IMODE(target.stat().st_mode))
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
