@@ -50,6 +50,7 @@ def first(out):
     return out[0]
 
 pairs = {"a": Pair, "b": Pair}
+twins = {"w6a": lambda: net(6), "w3": lambda: net(3), "w6b": lambda: net(6)}
 """
 
 
@@ -77,9 +78,12 @@ def test_no_arguments_ranks_the_demo_space():
     result = run("--format", "json", "--repeats", "1")
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)["rows"]
-    assert len(rows) == 6 and [r["rank"] for r in rows] == list(range(1, 7))
     scores = [r["mean_rank"] for r in rows]  # the default: a vote of two proxies
-    assert scores == sorted(scores, reverse=True)
+    assert len(rows) == 6 and scores == sorted(scores, reverse=True)
+    ranks = [r["rank"] for r in rows]  # ties (equal mean ranks) share the first one's
+    assert ranks[0] == 1 and all(
+        ranks[i] == (ranks[i - 1] if scores[i] == scores[i - 1] else i + 1) for i in range(1, 6)
+    )
     assert all(m in rows[0] for m in proxies.DEFAULT_RANKING)
 
 
@@ -100,6 +104,18 @@ def test_candidates_file_data_and_formats(tmp_path):
     rows = list(csv.DictReader(io.StringIO(result.stdout)))
     assert [r["candidate"] for r in rows] == ["w12", "w6", "w3"]
     assert float(rows[0]["params"]) == 4 * 12 + 12 + 12 * 3 + 3
+
+
+def test_tied_candidates_share_their_rank(tmp_path):
+    """Two architectures with the same score were ranked 1 and 2 (by the order of the file)."""
+    write_inputs(tmp_path)
+    result = run(
+        "--candidates", "cands.py:twins", "--data", "data.npz", "--metric", "params",
+        "--format", "json", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)["rows"]
+    assert [(r["rank"], r["candidate"]) for r in rows] == [(1, "w6a"), (1, "w6b"), (3, "w3")]
 
 
 def test_condition_number_rows_match_the_library(tmp_path, monkeypatch, capsys):

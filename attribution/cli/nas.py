@@ -151,7 +151,7 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     rows = [
         {"rank": position, "candidate": name, **_columns(s), "seconds": round(s.seconds, 4)}
-        for position, (name, s) in enumerate(ranked, 1)
+        for position, (name, s) in zip(_tied_positions([s.value for _, s in ranked]), ranked)
     ]
     used_batch = min(batch_size, inputs.count(x))  # every sample when there are fewer
     first = ranked[0][1]
@@ -194,6 +194,16 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
 
 # The metrics whose rows also give κ itself (column kappa).
 KAPPA_METRICS = ("condition_number", "label_condition")
+
+
+def _tied_positions(values: list[float]) -> list[int]:
+    """Positions 1, 2, … of values sorted best first, equal values sharing the first one's
+    (competition ranking: 1, 2, 2, 4)."""
+    positions: list[int] = []
+    for i, value in enumerate(values):
+        tied = i > 0 and value == values[i - 1]
+        positions.append(positions[-1] if tied else i + 1)
+    return positions
 
 
 def columns(metrics) -> tuple[str, ...]:
