@@ -292,9 +292,10 @@ def layer_importance(
     Returns one dict per row: ``layer``, ``type`` (module class), ``params`` (count), the scores
     ``sensitivity``, ``share``, ``trace``, ``alignment``, ``top_eigenvalue``, ``param_norm``,
     ``grad_norm``,
-    ``fisher``, ``block_influence`` (None where undefined: label scores without `y`, block
-    influence without `group` or where a row's output has another shape than its input), and
-    ``rank`` (1 = highest `score`; None, and listed last, where `score` is undefined).
+    ``fisher``, ``block_influence`` (None where undefined: label scores without `y`,
+    ``alignment`` of a row whose kernel is zero (it does not reach the outputs), block influence
+    without `group` or where a row's output has another shape than its input), and ``rank``
+    (1 = highest `score`; None, and listed last, where `score` is undefined).
     `pandas.DataFrame(rows)` makes a table of it. The layerwise kernels are
     ``ntk.empirical_ntk(model, x, kind=kind, layers="all")`` (kind="lpntk": labels=y) summed
     within each group, or with
@@ -367,7 +368,7 @@ def layer_importance(
                 "share": traces[row] / total if total > 0 else 0.0,
                 "trace": traces[row],
                 "alignment": None
-                if y is None
+                if y is None or not traces[row] > 0  # no kernel (the layer cannot move f)
                 else ntk.kernel_alignment(_labels_kernel(k), y.cpu(), centering="mean"),
                 "top_eigenvalue": float(ntk.eigenvalues(k)[0]),
                 "param_norm": sum(float((view.params[p].double() ** 2).sum()) for p in names)

@@ -100,6 +100,10 @@ def test_a_layer_with_zero_weights_downstream_has_zero_share_and_ranks_last():
     assert abs(sum(r["share"] for r in rows) - 1) < 1e-6
     assert by["b"]["grad_norm"] == 0 and by["b"]["fisher"] == 0
     assert by["b"]["params"] == 15 and by["a"]["type"] == "Linear"
+    # its alignment was 0.0, ranked above layers aligned negatively: undefined, ranked last
+    aligned = layer_importance(model, x, y, score="alignment")
+    assert aligned[-1]["layer"] == "b" and aligned[-1]["alignment"] is None
+    assert aligned[-1]["rank"] is None and all(r["alignment"] is not None for r in aligned[:-1])
     # the validation harness agrees: re-drawing or fine-tuning b changes nothing
     damage = reinit_damage(model, x, y)
     assert damage["b"]["loss_increase"] == 0 and damage["a"]["loss_increase"] != 0
