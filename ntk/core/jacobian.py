@@ -4,7 +4,6 @@ differentiate at all, one torch.autograd backward pass per sample and cotangent.
 
 from __future__ import annotations
 
-import warnings
 import weakref
 
 import torch
@@ -13,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import inputs
 from .model import ModelView
-from .persample import PerSampleFallbackWarning, failure_reason, map_samples
+from .persample import failure_reason, fall_back, map_samples
 
 # Operations whose parameter derivatives torch.func gets wrong under nested vmap (samples ×
 # cotangents), silently (torch 2.13):
@@ -117,13 +116,12 @@ def jacobian_features(
         except Exception as fallback:  # not torch.func's limit alone: the model's own failure
             error.add_note(f"torch.autograd failed on it too: {failure_reason(fallback)}")
             raise error from None
-        reason = failure_reason(error)
-        _AUTOGRAD_ONLY[view.model] = reason
-        warnings.warn(
-            f"torch.func cannot differentiate {type(view.model).__name__} ({reason}); computing "
-            "per-sample derivatives by torch.autograd, one backward pass per sample and output",
-            PerSampleFallbackWarning,
-            stacklevel=2,
+        fall_back(
+            _AUTOGRAD_ONLY,
+            view.model,
+            error,
+            "torch.func cannot differentiate {model} ({reason}); computing per-sample "
+            "derivatives by torch.autograd, one backward pass per sample and output",
         )
         return features
 

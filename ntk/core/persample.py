@@ -44,13 +44,12 @@ def map_samples(view: ModelView, fn: Callable, params, x, *per_sample) -> object
         except torch.OutOfMemoryError:
             raise
         except Exception as error:  # any failure under vmap: the loop shows a real error again
-            reason = failure_reason(error)
-            _NOT_VMAPPABLE[view.model] = reason
-            warnings.warn(
-                f"{type(view.model).__name__} cannot be vmapped over samples ({reason}); "
-                "computing per-sample derivatives one sample at a time",
-                PerSampleFallbackWarning,
-                stacklevel=2,
+            fall_back(
+                _NOT_VMAPPABLE,
+                view.model,
+                error,
+                "{model} cannot be vmapped over samples ({reason}); computing per-sample "
+                "derivatives one sample at a time",
             )
     with quiet_batching_notes():  # vmap over cotangents inside fn
         rows = [
@@ -58,6 +57,20 @@ def map_samples(view: ModelView, fn: Callable, params, x, *per_sample) -> object
             for b in range(inputs.count(x))
         ]
     return _stack(rows)
+
+
+def fall_back(registry: weakref.WeakKeyDictionary, model, error: Exception, says: str) -> None:
+    """Record in `registry` that `model` takes a fallback from now on, with `error`'s reason
+    (`failure_reason`), and say so once: a PerSampleFallbackWarning from `says` with {model}
+    (its class name) and {reason} filled in, attributed to the caller of the function that
+    fell back."""
+    reason = failure_reason(error)
+    registry[model] = reason
+    warnings.warn(
+        says.format(model=type(model).__name__, reason=reason),
+        PerSampleFallbackWarning,
+        stacklevel=3,
+    )
 
 
 def failure_reason(error: Exception) -> str:
