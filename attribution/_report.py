@@ -345,11 +345,8 @@ def report(
     plain = _plain(result)
     text = json.dumps(plain, indent=1, allow_nan=False) + "\n"
     for target, content in ((path, html), (json_path, text)):
-        try:
-            with atomic_path(target) as tmp:
-                tmp.write_bytes(content.encode("utf-8"))
-        except OSError as exc:  # a failed write (a full disk) names no file: name the output
-            raise OSError(exc.errno, exc.strerror or str(exc), str(target)) from exc
+        with atomic_path(target) as tmp:  # a failed write names `target`
+            tmp.write_bytes(content.encode("utf-8"))
     return plain
 
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .core import kinds
-from .core.files import atomic_path, directory_path, writes_to
+from .core.files import atomic_path, directory_path
 from .core.tiles import Grid
 from .empirical import Kernel, _Computation
 
@@ -276,7 +276,7 @@ def check_empty(root: Path, rewrite: bool = False) -> None:
 
 def _write_tiles(grid: Grid, mine: list, root: Path, summary: dict, progress: bool) -> None:
     """Every rank writes its tiles (atomically: a partial file never has the final name; a
-    failed write names the file, `writes_to`); rank 0 writes the index once every tile is
+    failed write names the file, `atomic_path`); rank 0 writes the index once every tile is
     present, and first deletes the tile files of an earlier kernel that this grid does not write
     (another tile size or symmetry)."""
     rank, _ = rank_and_world()
@@ -291,7 +291,7 @@ def _write_tiles(grid: Grid, mine: list, root: Path, summary: dict, progress: bo
     barrier()
     for i, j, values in grid.compute(mine, progress=progress):
         tile = folder / f"{i}_{j}.npz"
-        with writes_to(tile), atomic_path(tile, temporary=f"{i}_{j}.part.npz") as part:
+        with atomic_path(tile, temporary=f"{i}_{j}.part.npz") as part:
             arrays = {f"c{c}": values[k].detach().cpu().numpy() for c, k in enumerate(grid.keys)}
             np.savez(part, **arrays)
     barrier()
@@ -302,9 +302,6 @@ def _write_tiles(grid: Grid, mine: list, root: Path, summary: dict, progress: bo
                 f"{len(missing)} tiles missing under {folder} (e.g. {missing[0]}); "
                 "do all ranks share this filesystem?"
             )
-        with (
-            writes_to(root / _INDEX),
-            atomic_path(root / _INDEX, temporary=_INDEX + ".part") as tmp,
-        ):
+        with atomic_path(root / _INDEX, temporary=_INDEX + ".part") as tmp:
             tmp.write_text(json.dumps({"format": TILES_FORMAT, **summary}, indent=1))
     barrier()

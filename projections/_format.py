@@ -187,10 +187,9 @@ def _is_sha256(value) -> bool:
 
 def write_manifest(root: Path, manifest: dict) -> None:
     """Replace the manifest atomically (through a temporary file of this process); a failed
-    write names it (`writes_to`)."""
+    write names it (`atomic_path`)."""
     temporary = f"{MANIFEST}.{os.getpid()}.tmp"
     with (
-        writes_to(root / MANIFEST),
         atomic_path(root / MANIFEST, temporary=temporary, durable=True) as tmp,
         open(tmp, "w") as f,
     ):
@@ -249,11 +248,8 @@ def create_array(root: Path, manifest: dict) -> None:
     """Preallocate features.npy (through a temporary file, so it is never half created), its
     disk space reserved (`posix_fallocate`): a disk too small fails here, "No space left on
     device", rather than with SIGBUS when a block is written through the memory map into a sparse
-    file. A failed write names it (`writes_to`)."""
-    with (
-        writes_to(root / ARRAY),
-        atomic_path(root / ARRAY, temporary=f"{ARRAY}.{os.getpid()}.tmp") as tmp,
-    ):
+    file. A failed write names it (`atomic_path`)."""
+    with atomic_path(root / ARRAY, temporary=f"{ARRAY}.{os.getpid()}.tmp") as tmp:
         np.lib.format.open_memmap(
             tmp, mode="w+", dtype=manifest["store_dtype"], shape=tuple(manifest["shape"])
         ).flush()

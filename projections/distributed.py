@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ntk.core.files import atomic_path, writes_to
+from ntk.core.files import atomic_path
 from ntk.distributed import agree, barrier, check_empty, rank_and_world, run_grid, shard
 
 from . import _format
@@ -61,7 +61,6 @@ def featurize_shard(fz: Featurizer, blocks, root: Path, settings: dict, batch_si
         def record(i: int, digests: dict) -> None:
             entry = root / _format.JOURNAL / f"{i}.sha256"
             with (
-                writes_to(entry),
                 atomic_path(entry, temporary=f"{i}.sha256.part", durable=True) as tmp,
                 open(tmp, "w") as f,
             ):

@@ -1,7 +1,6 @@
 """Bad input to the CLI: exit 2 with one line that names the flag, before any computation; no
 traceback and no advice from numpy or torch."""
 
-import contextlib
 import json
 import os
 import re
@@ -353,17 +352,16 @@ def test_an_output_that_cannot_be_written_names_its_flag_and_path(
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_a_report_that_cannot_be_written_names_out(labelled, capsys, monkeypatch):
     """The report's HTML, written by the library, failed with an OSError naming no file; the
-    library now names the file, and the CLI --out. The temporary file is /dev/full here (a full
-    disk)."""
-    from pathlib import Path
+    library now names the file, and the CLI --out. The temporary file is a link to /dev/full here
+    (a full disk)."""
+    from ntk.core import files
 
-    from attribution import _report
+    def full_disk(target):
+        link = target.parent / f".{target.name}.full"
+        link.symlink_to("/dev/full")
+        return link
 
-    @contextlib.contextmanager
-    def full_disk(target, **_):
-        yield Path("/dev/full")
-
-    monkeypatch.setattr(_report, "atomic_path", full_disk)
+    monkeypatch.setattr(files, "_new_temporary", full_disk)
     f = labelled
     np.savez(f / "t.npz", x=np.zeros((4, 4), np.float32))
     args = ["report", *MODEL.format(f=f).split(), "--test", f"{f}/t.npz", "--out", f"{f}/r.html"]

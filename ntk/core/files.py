@@ -25,14 +25,15 @@ def _new_temporary(target: Path) -> Path:
 
 
 @contextmanager
-def writes_to(path) -> Iterator[None]:
-    """Around writes to the file `path`: an OSError that names no file (a write's own, on a full
-    disk or past the file size limit) is raised again naming `path`, so that the caller can tell
-    which output failed ("[Errno 28] No space left on device: 'store/manifest.json'")."""
+def writes_to(path, temporary=None) -> Iterator[None]:
+    """Around writes to the file `path` (through `temporary`, if given): an OSError that names no
+    file (a write's own, on a full disk or past the file size limit) or the temporary is raised
+    again naming `path`, so that the caller can tell which output failed ("[Errno 28] No space
+    left on device: 'store/manifest.json'")."""
     try:
         yield
     except OSError as exc:
-        if exc.filename is None and exc.errno is not None:
+        if exc.errno is not None and exc.filename in (None, str(temporary)):
             exc.filename = str(path)
         raise
 
@@ -73,23 +74,25 @@ def atomic_path(target, *, temporary: str | None = None, durable: bool = False) 
     empty, with the permissions of a normal new file). An existing `target` that is not a
     regular file (a device such as /dev/null, a pipe) is refused: the rename would replace it.
     As writing in place would, a symlink is written through (the file it names is replaced, the
-    link kept) and an existing file keeps its permission bits."""
+    link kept) and an existing file keeps its permission bits. A failed write names `target`
+    (`writes_to`)."""
     target = Path(target)
     if target.is_symlink():
         target = Path(os.path.realpath(target))
     check_replaceable(target)
     tmp = _new_temporary(target) if temporary is None else target.parent / temporary
     try:
-        yield tmp
-        if durable:
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        if target.exists():
-            os.chmod(tmp, stat.S_IMODE(target.stat().st_mode))
-        os.replace(tmp, target)
+        with writes_to(target, tmp):
+            yield tmp
+            if durable:
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            if target.exists():
+                os.chmod(tmp, stat.S_IMODE(target.stat().st_mode))
+            os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
