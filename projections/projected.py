@@ -288,7 +288,9 @@ def projected_ntk(
     """Φ(x1) Φ(x2)ᵀ contracted as `kind`: an unbiased estimate of
     `ntk.empirical_ntk(model, x1, x2, kind=kind, labels=labels, labels2=labels2, layers=layers,
     per_layer=per_layer)`, with the same shape ([N1, N2, O, O], [N1, N2, O] or [N1, N2]; a dict
-    per layer when split). batch_size: samples featurised at a time."""
+    per layer when split). The per-layer kernels of one seed do not sum to the total projected
+    kernel (Φ_l Φ_lᵀ drops the cross-layer terms J_l R_l R_mᵀ J_mᵀ, zero only in expectation);
+    each is unbiased for its own layer. batch_size: samples featurised at a time."""
     fz = Featurizer(
         model,
         dim=dim,
