@@ -23,6 +23,7 @@ current run: a store never mixes the features of two data sets.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -76,7 +77,8 @@ _FIELDS = {  # the manifest's fields and their JSON types, besides "blocks"
 
 
 class StoreError(ValueError):
-    """The store does not match the request, is incomplete, damaged or being written."""
+    """The store does not match the request, is incomplete, damaged, being written or may not
+    be opened (its permission)."""
 
 
 # -- the manifest --------------------------------------------------------------------------------
@@ -262,11 +264,16 @@ def create_array(root: Path, manifest: dict) -> None:
 
 
 def open_array(root: Path, manifest: dict, mode: str = "r") -> np.ndarray:
-    """features.npy as a memory map, refused unless its header agrees with the manifest."""
+    """features.npy as a memory map, refused unless its header agrees with the manifest. A file
+    that may not be opened in `mode` (its permission, a read-only mount) is said to be so, not
+    damaged."""
     file = root / ARRAY
     try:
         array = np.load(file, mmap_mode=mode, allow_pickle=False)
     except (OSError, ValueError) as e:
+        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            purpose = "reading" if mode == "r" else "writing"
+            raise StoreError(f"cannot open {file} for {purpose}: {e.strerror}") from None
         raise StoreError(f"cannot read {file} (truncated or damaged?): {e}") from None
     if list(array.shape) != manifest["shape"] or array.dtype.name != manifest["store_dtype"]:
         raise StoreError(

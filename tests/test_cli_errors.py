@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from disks import file_size_limit
+from disks import file_size_limit, skip_as_root
 
 import ntk.distributed
 import projections
@@ -401,6 +401,25 @@ def test_a_feature_store_that_cannot_be_written_names_store_and_stays_incomplete
         projections.open_store(f / "st")
     assert run(capsys, *line, str(f / "st"))[0] == 0
     assert np.array_equal(projections.open_store(f / "st"), projections.open_store(f / "whole"))
+
+
+@skip_as_root
+def test_a_feature_store_whose_array_is_read_only_is_not_called_damaged(labelled, capsys):
+    """Resuming a store whose features.npy lost its write permission exited 2 with "cannot read
+    …/features.npy (truncated or damaged?): [Errno 13] Permission denied". Still exit 2, as for
+    an output refused by `check_paths`: no features were computed."""
+    f = labelled
+    line = ["featurize", *MODEL.format(f=f).split(), "--dim", "1", "--block", "1"]
+    assert run(capsys, *line, str(f / "whole"))[0] == 0
+    last = (f / "whole" / "manifest.json").stat().st_size
+    assert run_limited(last - 1, *line, str(f / "st")).returncode == 1  # an incomplete store
+    (f / "st" / "features.npy").chmod(0o444)
+    err = usage_error(capsys, *line, str(f / "st"))
+    assert err.strip() == (
+        f"ntk: error: cannot open {f}/st/features.npy for writing: Permission denied"
+    )
+    (f / "st" / "features.npy").chmod(0o644)
+    assert run(capsys, *line, str(f / "st"))[0] == 0
 
 
 def test_kernel_tiles_that_cannot_be_written_name_the_flag(labelled, capsys):

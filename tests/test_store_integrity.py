@@ -16,6 +16,7 @@ import dying
 import numpy as np
 import pytest
 import torch
+from disks import skip_as_root
 from dying import BLOCK, N
 from test_projections_store import run_dying
 
@@ -178,7 +179,7 @@ def test_featurize_on_a_complete_store_opens_nothing_for_writing(tmp_path, no_wr
         dying.featurize(tmp_path / "other")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+@skip_as_root
 def test_complete_store_in_a_read_only_directory_is_read(tmp_path):
     path = tmp_path / "s"
     want = np.array(dying.featurize(path))
@@ -189,6 +190,23 @@ def test_complete_store_in_a_read_only_directory_is_read(tmp_path):
         assert np.array_equal(dying.featurize(path), want)
     finally:
         path.chmod(0o755)
+
+
+@skip_as_root
+@pytest.mark.parametrize("mode, purpose", [(0o444, "writing"), (0o200, "reading")])
+def test_an_array_that_may_not_be_opened_is_refused_as_such_not_as_damaged(tmp_path, mode, purpose):
+    """Resuming a store whose features.npy lost its write (or read) permission was refused as
+    "cannot read …/features.npy (truncated or damaged?): [Errno 13] Permission denied"."""
+    path = tmp_path / "s"
+    run = run_dying(path, 7, 0, "records", 2)  # blocks 0-1 complete
+    assert run.returncode == 3, run.stderr
+    array = path / "features.npy"
+    array.chmod(mode)
+    with pytest.raises(projections.StoreError) as refused:
+        dying.featurize(path)
+    assert str(refused.value) == f"cannot open {array} for {purpose}: Permission denied"
+    array.chmod(0o644)
+    assert np.array_equal(dying.featurize(path), dying.featurize(tmp_path / "whole"))
 
 
 HOLD = """
