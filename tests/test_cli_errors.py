@@ -491,24 +491,75 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_work(
     assert not (f / "built").exists()
 
 
-def test_a_device_is_an_output_written_in_place(files, capsys, monkeypatch):
-    """--output /dev/null is judged by its own permission, not by a trial file in /dev, where
-    only root may create one (as for every user but root here)."""
+@pytest.fixture
+def unwritable(monkeypatch):
+    """A function making the directories it is given refuse the trial file of `check_paths`, as
+    directories a user may not write (root, here, writes anywhere)."""
     import tempfile
 
-    trial = tempfile.TemporaryFile
+    trial, denied = tempfile.TemporaryFile, set()
 
     def as_a_user(*args, dir=None, **kwargs):
-        if str(dir) == "/dev":
+        if str(dir) in denied:
             raise PermissionError(13, "Permission denied")
         return trial(*args, dir=dir, **kwargs)
 
     monkeypatch.setattr(tempfile, "TemporaryFile", as_a_user)
+    return lambda *folders: denied.update(map(str, folders))
+
+
+def test_a_device_is_an_output_written_in_place(files, capsys, unwritable):
+    """--output /dev/null is judged by its own permission, not by a trial file in /dev, where
+    only root may create one (as for every user but root here)."""
+    unwritable("/dev")
     model = ["--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
     err = usage_error(capsys, "kernel", *model, "--kind", "trace", "--save", "/dev/k.npy")
     assert "--save: cannot write /dev/k.npy: directory /dev is not writable" in err
     code, out, err = run(capsys, "layers", *model, "--output", "/dev/null")
     assert code == 0 and out == "", err
+
+
+LINKED = pytest.mark.parametrize(
+    "command, flag",
+    [("kernel --kind trace --save", "--save"), ("layers --format json --output", "--output")],
+)
+
+
+@pytest.fixture
+def linked(files, unwritable):
+    """A directory `locked` that is not writable, one `open` that is, and the arguments of the
+    model; an output that is a link is written through it (`atomic_path`), into the directory
+    of the file it names, where `check_paths` must try its trial file: it tried the link's own."""
+    (files / "locked").mkdir()
+    (files / "open").mkdir()
+    unwritable(files / "locked")
+    return ["--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
+
+
+@LINKED
+def test_an_output_linked_into_a_directory_that_is_not_writable_is_refused(
+    files, capsys, linked, command, flag
+):
+    """It was accepted, to fail once the work was done."""
+    into = files / "open" / "into"
+    into.symlink_to(files / "locked" / "result")
+    err = usage_error(capsys, *command.split(), str(into), *linked)
+    assert err.strip() == (
+        f"ntk: error: {flag}: cannot write {into}: directory {files}/locked is not writable"
+    )
+    assert not (files / "built").exists() and not (files / "locked" / "result").exists()
+
+
+@LINKED
+def test_an_output_linked_out_of_a_directory_that_is_not_writable_is_written(
+    files, capsys, linked, command, flag
+):
+    """It was refused: "cannot write …: directory …/locked is not writable"."""
+    out_of = files / "locked" / "out_of"
+    out_of.symlink_to(files / "open" / "result")
+    code, _, err = run(capsys, *command.split(), str(out_of), *linked)
+    assert code == 0, err
+    assert out_of.is_symlink() and (files / "open" / "result").stat().st_size > 0
 
 
 @pytest.mark.parametrize(

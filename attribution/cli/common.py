@@ -545,7 +545,7 @@ def _check_writable(flag: str, path: str, directory: bool) -> None:
     """`check_paths` for one output: a file or directory that can be created or replaced. An
     existing directory (a store resumed) or device (/dev/null) is judged by its permissions, any
     other path by a trial file in its directory (root is permitted everything, but /proc or a
-    read-only mount take no files)."""
+    read-only mount take no files), that of the file a symlink names (written through it)."""
     target = Path(path)
     if directory and target.exists() and not target.is_dir():
         raise UsageProblem(f"{flag}: {path} is a file, not a directory")
@@ -555,7 +555,7 @@ def _check_writable(flag: str, path: str, directory: bool) -> None:
         if not os.access(target, os.W_OK | (os.X_OK if directory else 0)):
             raise UsageProblem(f"{flag}: {path} is not writable")
         return
-    folder = target.parent
+    folder = Path(os.path.realpath(target) if target.is_symlink() else target).parent
     if folder.exists() and not folder.is_dir():
         raise UsageProblem(f"{flag}: cannot write {path}: {folder} is not a directory")
     if not folder.is_dir():
