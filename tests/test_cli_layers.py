@@ -2,6 +2,7 @@
 weights, the built-in demo, and the usage errors (exit 2, one line, no traceback)."""
 
 import csv
+import gzip
 import io
 import json
 import os
@@ -276,3 +277,22 @@ def test_a_plot_that_fails_part_way_leaves_the_earlier_file(tmp_path, capsys, na
     assert stop.value.code == 0, capsys.readouterr().err
     assert target.read_bytes().startswith(magic) and target.stat().st_size > 1024
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data.npz", "factory.py", name]
+
+
+@pytest.mark.parametrize("name", ["p.ps", "p.eps", "p.svgz", "p.pdf", "p.svg"])
+def test_a_plot_does_not_hold_the_name_of_its_temporary_file(tmp_path, capsys, name):
+    """The plot, written to a temporary file renamed onto its name, held the temporary's name
+    (".p.ps.1a2b3c4d.part"): as the %%Title of PS and EPS (now left out: matplotlib takes it
+    only from a path) and in the gzip header of svgz (now naming the plot); PDF and SVG never
+    held it."""
+    _, _, common = setup(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        main(["layers", *common, "--plot", str(tmp_path / name)])
+    assert stop.value.code == 0, capsys.readouterr().err
+    written = (tmp_path / name).read_bytes()
+    held = [written]
+    if name.endswith(".svgz"):
+        held.append(gzip.decompress(written))
+        assert written[3] & 0x08 and written[10:].split(b"\0")[0] == name.encode()  # FNAME
+    for data in held:
+        assert b".part" not in data and f".{name}.".encode() not in data

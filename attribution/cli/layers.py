@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 from pathlib import Path
 
 import click
@@ -45,7 +46,9 @@ def _plot(rows: list[dict], score: str, path: str) -> None:
     are left out); a matplotlib `Figure`, no pyplot state. The title is centred on the figure,
     not over the axes that long layer names narrow, and the image grows to hold long names.
     Written through `output_path` (a temporary file renamed onto `path`), in the format that
-    `path`'s suffix names (`_check_plot`): the temporary's own name ends in .part."""
+    `path`'s suffix names (`_check_plot`), as an open file, so that no format records the
+    temporary's name (ending in .part): PS and EPS have no %%Title, which matplotlib takes only
+    from a path, and svgz is compressed here, its gzip header naming `path`."""
     from .._figures import bar_chart
     from ..layers import layer_label
 
@@ -57,14 +60,23 @@ def _plot(rows: list[dict], score: str, path: str) -> None:
     )
     fig.suptitle(f"layer importance ({score})")
     fig.tight_layout()
-    with output_path("--plot", path) as where:
-        try:
-            fig.savefig(where, format=Path(path).suffix[1:].lower(), dpi=120, bbox_inches="tight")
-        except Exception as exc:  # matplotlib's PDF writer, closing its stream after a write
-            failed = exc.__context__  # failed (a full disk), raises an AttributeError instead
-            if isinstance(failed, OSError) and not isinstance(exc, OSError):
-                raise failed from None
-            raise
+    fmt = Path(path).suffix[1:].lower()
+    with output_path("--plot", path) as where, open(where, "wb") as file:
+        if fmt == "svgz":
+            with gzip.GzipFile(Path(path).name, "wb", fileobj=file) as svgz:
+                _save(fig, svgz, "svg")
+        else:
+            _save(fig, file, fmt)
+
+
+def _save(fig, file, fmt: str) -> None:
+    try:
+        fig.savefig(file, format=fmt, dpi=120, bbox_inches="tight")
+    except Exception as exc:  # matplotlib's PDF writer, closing its stream after a write
+        failed = exc.__context__  # failed (a full disk), raises an AttributeError instead
+        if isinstance(failed, OSError) and not isinstance(exc, OSError):
+            raise failed from None
+        raise
 
 
 @click.command()
