@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from scipy.stats import spearmanr
-from sklearn.metrics import brier_score_loss, log_loss, roc_auc_score
+from sklearn.metrics import brier_score_loss, roc_auc_score
 from torch import nn
 from torch.func import stack_module_state
 
@@ -70,7 +70,13 @@ def _numbers(x, name: str) -> np.ndarray:
 
 
 def _as_mask(subsets, n: int) -> torch.Tensor:
-    mask = torch.as_tensor(_array(subsets))
+    try:
+        mask = torch.as_tensor(_array(subsets))
+    except (TypeError, ValueError):  # ragged index lists, objects
+        raise ValueError(
+            f"subsets must be a 0/1 (or bool) mask [num_subsets, {n}], one row per subset "
+            "(index lists are not read)"
+        ) from None
     if mask.dim() != 2 or mask.shape[1] != n:
         raise ValueError(
             f"subsets must be a mask [num_subsets, {n}], got shape {tuple(mask.shape)}"
@@ -380,10 +386,10 @@ def _probabilities(probs, labels) -> tuple[np.ndarray, np.ndarray]:
     """probs as float64 rows [N ≥ 1, C] of class probabilities (finite, non-negative) and labels
     as class indices [N] in 0..C−1, refused naming the argument otherwise."""
     p, y = _numbers(probs, "probs").astype(np.float64), _array(labels)
-    if p.ndim != 2 or y.shape != (p.shape[0],):
+    if p.ndim != 2 or p.shape[1] < 2 or y.shape != (p.shape[0],):
         raise ValueError(
-            f"probs must be [N, C] (a column per class; two classes: [1 − p, p]) and labels [N], "
-            f"one per row of probs, got shapes {p.shape} and {y.shape}"
+            f"probs must be [N, C] (a column per class, at least two; two classes: [1 − p, p]) "
+            f"and labels [N], one per row of probs, got shapes {p.shape} and {y.shape}"
         )
     if len(p) == 0:
         raise ValueError("probs holds no samples: calibration needs at least one")
@@ -425,9 +431,11 @@ def expected_calibration_error(probs, labels, n_bins: int = 15) -> float:
 
 
 def calibration_metrics(probs, labels, n_bins: int = 15) -> dict[str, float]:
-    """Accuracy, negative log-likelihood, ECE (`n_bins` bins) and Brier score (scikit-learn's:
-    mean squared distance to the one-hot label) of class probabilities [N, C] (rows renormalised
-    in float64) against labels [N]."""
+    """Accuracy, negative log-likelihood −mean_i log p_i,y_i, ECE (`n_bins` bins) and Brier score
+    (scikit-learn's: mean squared distance to the one-hot label) of class probabilities [N, C]
+    (rows renormalised in float64) against labels [N]. A label's probability of exactly 0 counts
+    as the smallest positive float64 (708 nats; scikit-learn's log_loss clips at 2.2e-16, so
+    every confident mistake counted 36 nats at most)."""
     p, y = _probabilities(probs, labels)
     total = p.sum(1, keepdims=True)
     if not (total > 0).all():
@@ -436,7 +444,9 @@ def calibration_metrics(probs, labels, n_bins: int = 15) -> dict[str, float]:
     classes = list(range(p.shape[-1]))
     return {
         "accuracy": float((p.argmax(-1) == y).mean()),
-        "nll": float(log_loss(y, p, labels=classes)),
+        "nll": float(
+            -np.log(np.maximum(p[np.arange(len(y)), y], np.finfo(np.float64).tiny)).mean()
+        ),
         "ece": expected_calibration_error(p, y, n_bins),
         "brier": float(brier_score_loss(y, p, labels=classes)),
     }

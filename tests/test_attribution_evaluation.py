@@ -210,6 +210,32 @@ def test_calibration_checks_labels_and_probability_rows():
     assert calibration_metrics(probs, [0.0, 1.0, 0.0]) == calibration_metrics(probs, [0, 1, 0])
 
 
+def test_nll_counts_confident_mistakes_in_full():
+    """scikit-learn's log_loss clips probabilities at 2.2e-16, so a mistake made with logit gaps
+    of 46 and 80 counted 36.04 nats each; a probability of exactly 0 counts as float64's
+    smallest positive number."""
+    logits = torch.tensor([[0.0, 46.0], [0.0, 80.0]], dtype=torch.float64)
+    labels = torch.tensor([0, 0])
+    nll = calibration_metrics(logits.softmax(1), labels)["nll"]
+    assert nll == pytest.approx(float(torch.nn.functional.cross_entropy(logits, labels)))
+    assert calibration_metrics([[1.0, 0.0]], [1])["nll"] == pytest.approx(
+        -np.log(np.finfo(np.float64).tiny)
+    )
+
+
+def test_one_probability_column_and_index_lists_are_named():
+    """One column of probabilities was read as one class: its labels were 'outside 0..0' with
+    advice about a model's output_fn, or all zeros reached scikit-learn ('needs to contain at
+    least two labels'); ragged index lists as subsets failed in numpy ('inhomogeneous shape')."""
+    for labels in ([1, 0, 1], [0, 0, 0]):
+        with pytest.raises(ValueError, match=r"probs must be \[N, C\] \(a column per class, at"):
+            calibration_metrics([[0.9], [0.2], [0.7]], labels)
+    with pytest.raises(
+        ValueError, match=r"subsets must be a 0/1 \(or bool\) mask \[num_subsets, 6\]"
+    ):
+        lds(np.zeros((2, 6)), [[0, 1, 2], [3, 4], [1, 5, 2, 0]], np.zeros((3, 2)))
+
+
 def test_reliability_needs_rows_summing_to_one():
     """Unnormalised scores were binned as confidences (2.0 clipped into the top bin), an ECE of
     nothing; calibration_metrics renormalises its rows and is unaffected."""
