@@ -585,7 +585,9 @@ def _warm_up(
 def _calibrate_norms(net: nn.Module, x) -> nn.Module:
     """BatchNorm layers that never saw data get the batch statistics of `x` (a forward pass with
     those layers in training mode and cumulative averaging, every other module in eval mode as
-    when scored), so that eval mode normalises the batch as training mode would. Never seeing
+    when scored; the running variance, which torch keeps unbiased, scaled by (n − 1)/n to the
+    biased one of n values per channel that training mode divides by), so that eval mode
+    normalises the batch as training mode would. Never seeing
     data means no batch counted and the initial statistics (mean 0, variance 1): a layer whose
     statistics were loaded from a checkpoint that does not count batches keeps them. Dropout
     stays off, whatever mode the candidate came in: a module built in training mode (every
@@ -601,14 +603,27 @@ def _calibrate_norms(net: nn.Module, x) -> nn.Module:
     ]
     if fresh:
         momenta = [m.momentum for m in fresh]
+        counts: dict[nn.Module, int] = {}  # values per channel in the batch
+
+        def count(m: nn.Module, args: tuple) -> None:
+            counts.setdefault(m, args[0].numel() // args[0].shape[1])
+
+        hooks = [m.register_forward_pre_hook(count) for m in fresh]
         net.eval()
         for m in fresh:
             m.momentum = None
             m.train()
-        with torch.no_grad():
-            _forward(net, x)
+        try:
+            with torch.no_grad():
+                _forward(net, x)
+        finally:
+            for hook in hooks:
+                hook.remove()
         for m, momentum in zip(fresh, momenta):
             m.momentum = momentum
+            n = counts.get(m, 0)
+            if n > 1:
+                m.running_var.mul_((n - 1) / n)
     return net
 
 

@@ -229,6 +229,24 @@ def test_fresh_batchnorm_uses_the_batch_statistics(data):
     assert run(model, x, y, "naswot") == pytest.approx(expected, rel=1e-6)
 
 
+def test_fresh_batchnorm_normalises_by_the_batch_variance_as_training_mode(data):
+    """The calibrated running variance was torch's unbiased one, while training mode divides by
+    the biased one: on a batch of 12 the normalised activations were √(11/12) = 0.957 of the
+    training-mode ones. Scored like a model holding the batch's biased statistics."""
+    x, y = data
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, O))
+    loaded = copy.deepcopy(model)
+    with torch.no_grad():
+        h = model[0](x)
+        loaded[1].running_mean.copy_(h.mean(0))
+        loaded[1].running_var.copy_(h.var(0, unbiased=False))
+    loaded[1].num_batches_tracked.fill_(1)
+    for metric in ("grad_norm", "jacob_cov"):
+        got, expected = run(model, x, y, metric), run(loaded.eval(), x, y, metric)
+        assert got == pytest.approx(expected, rel=1e-5), metric
+
+
 def test_batchnorm_statistics_loaded_without_a_batch_count_are_kept(data):
     """Statistics loaded from a checkpoint that does not count batches (num_batches_tracked
     stays 0: torch's loading of old checkpoints, weights converted from other frameworks) were
