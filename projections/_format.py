@@ -333,6 +333,15 @@ def foreign_files(path: str | os.PathLike) -> list[str]:
     return sorted(p.name for p in root.iterdir() if not _WRITTEN.fullmatch(p.name))
 
 
+def is_complete(path: str | os.PathLike) -> bool:
+    """Whether `path` holds a complete store (a readable manifest listing every block): one that
+    `featurize` only reads, so it may sit in a read-only directory."""
+    try:
+        return complete(read_manifest(store_root(path)))
+    except (StoreError, OSError):
+        return False
+
+
 def store_info(path: str | os.PathLike) -> dict:
     """The manifest of the store at `path` (settings, shape, complete blocks), checked."""
     return read_manifest(store_root(path))

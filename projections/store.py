@@ -24,12 +24,12 @@ from ntk.core.checks import check_integer
 from ntk.distributed import rank_and_world
 
 from . import _format
-from ._format import StoreError, foreign_files, open_store, store_info
+from ._format import StoreError, foreign_files, is_complete, open_store, store_info
 from ._projectors import DEFAULT_PROJECTOR
 from .distributed import featurize_shard
 from .projected import Featurizer
 
-__all__ = ["StoreError", "featurize", "foreign_files", "open_store", "store_info"]
+__all__ = ["StoreError", "featurize", "foreign_files", "is_complete", "open_store", "store_info"]
 
 
 def featurize(

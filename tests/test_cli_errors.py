@@ -864,6 +864,27 @@ def test_featurize_refuses_a_directory_of_other_files_but_resumes_a_partial_stor
     assert projections.open_store(files / "partial").shape == (10, 3, 8)
 
 
+def test_a_complete_store_in_a_directory_that_is_not_writable_is_read(files, capsys, monkeypatch):
+    """featurize only reads a complete store (the library's promise: it may sit in a read-only
+    directory), but the command refused one up front ("STORE: … is not writable"). A store still
+    to be written there is refused as before. Root writes anywhere, so os.access says what it
+    would say to a user."""
+    import os
+
+    args = ["featurize", "--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
+    args += ["--dim", "8"]
+    assert run(capsys, *args, str(files / "done"))[0] == 0
+    (files / "new").mkdir()
+    access, locked = os.access, {str(files / "done"), str(files / "new")}
+    monkeypatch.setattr(os, "access", lambda p, mode: access(p, mode) and str(p) not in locked)
+    before = _files(files / "done")
+    code, out, err = run(capsys, *args, str(files / "done"))
+    assert code == 0 and "10 samples" in out, err
+    assert _files(files / "done") == before
+    err = usage_error(capsys, *args, str(files / "new"))
+    assert f"STORE: {files}/new is not writable" in err
+
+
 def test_kernel_tiles_into_an_existing_folder_are_refused_before_any_work(files, capsys):
     (files / "tiles").mkdir()
     (files / "tiles" / "notes.txt").write_text("keep me")

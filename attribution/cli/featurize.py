@@ -96,10 +96,13 @@ def featurize(
     import projections.store
     from ntk.distributed import check_empty, rank_and_world
 
+    # a complete store is only read: it may sit in a read-only directory
+    store_is_read = projections.store.is_complete(store)
     check_paths(
         [("--output", out.path)],
-        model_files(model_spec, weights, data, output_fn=output_fn),
-        [("STORE", store), ("--kernel-tiles", kernel_tiles)],
+        model_files(model_spec, weights, data, output_fn=output_fn)
+        + [("STORE", store if store_is_read else None)],
+        [("STORE", None if store_is_read else store), ("--kernel-tiles", kernel_tiles)],
     )
     foreign = projections.store.foreign_files(store) if os.path.isdir(store) else []
     if foreign:
