@@ -15,6 +15,7 @@ Without an initialised process group everything runs in this process (world size
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -50,24 +51,50 @@ def shard(n: int, rank: int, world: int) -> range:
     return range(n * rank // world, n * (rank + 1) // world)
 
 
+class RankFailed(Exception):
+    """Another rank of the process group failed (`agree`): `rank`, and its exception's type name
+    (`kind`) and message, as in "rank 1 failed: OSError: [Errno 28] No space left on device:
+    'K/tiles/0_1.npz'". Raised as that exception's category too (ValueError, OSError...:
+    `_CATEGORIES`), so that an `except` catches the failure on every rank alike."""
+
+    def __init__(self, rank: int, kind: str, message: str):
+        super().__init__(f"rank {rank} failed: {kind}: {message}")
+        self.rank, self.kind, self.message = rank, kind, message
+
+
+_CATEGORIES = (OSError, MemoryError, TypeError, ValueError, RuntimeError)
+
+
+@functools.cache
+def _rank_failed(category: type[Exception]) -> type[RankFailed]:
+    """`RankFailed` that is also a `category` (one of `_CATEGORIES`, or Exception)."""
+    return type(RankFailed.__name__, (RankFailed, category), {"__module__": __name__})
+
+
 def agree(
     summary: dict, error: BaseException | None = None, *, minimum: Sequence[str] = ()
 ) -> dict:
     """All-gather what each rank is about to do; raise on every rank if any rank failed to set
-    up (`error`) or if the ranks' summaries differ, except in the keys of `minimum`, where the
-    smallest value wins (e.g. a block size chosen from each rank's free memory)."""
+    up (`error`: raised on its rank, `RankFailed` on the others) or if the ranks' summaries
+    differ, except in the keys of `minimum`, where the smallest value wins (e.g. a block size
+    chosen from each rank's free memory)."""
     rank, world = rank_and_world()
     if world == 1:
         if error is not None:
             raise error
         return summary
     everyone: list = [None] * world
-    dist.all_gather_object(everyone, repr(error) if error is not None else summary)
+    failure = None
+    if error is not None:
+        category = next((c for c in _CATEGORIES if isinstance(error, c)), Exception)
+        failure = (category, type(error).__name__, str(error))
+    dist.all_gather_object(everyone, summary if error is None else failure)
     if error is not None:
         raise error
-    failed = [(r, e) for r, e in enumerate(everyone) if isinstance(e, str)]
+    failed = [(r, e) for r, e in enumerate(everyone) if isinstance(e, tuple)]
     if failed:
-        raise RuntimeError(f"rank {failed[0][0]} failed: {failed[0][1]}")
+        r, (category, kind, message) = failed[0]
+        raise _rank_failed(category)(r, kind, message)
     agreed = dict(summary, **{k: min(s[k] for s in everyone) for k in minimum})
     for r, s in enumerate(everyone):
         diff = [k for k in summary if k not in minimum and s[k] != summary[k]]

@@ -1,11 +1,15 @@
 """Run under torchrun by tests/test_distributed.py: distributed kernels and sharded featurisation
 of a tiny model, written under OUT for the test to compare with one process.
 
-usage: distributed_worker.py OUT kill|all
+usage: distributed_worker.py OUT kill|all|cli
   kill: `ntk featurize OUT/resumed` of OUT/x.npz, rank 1 dies (os._exit) after its first block
   all:  kernels (gathered and as tiles), featurise OUT/fresh, resume OUT/resumed, store kernels
+  cli:  `ntk featurize` runs that fail on rank 1 only; each rank writes what it printed on stderr
+        and its exit status to OUT/cli.RANK.json
 """
 
+import contextlib
+import io
 import json
 import os
 import sys
@@ -14,12 +18,14 @@ import torch
 import torch.distributed as dist
 from dying import die_after_records
 from models import MLP
+from torch.utils.data import DataLoader, TensorDataset
 
 import ntk.distributed
 import projections
 import projections._format
 import projections.distributed
 from attribution.cli.main import cli
+from attribution.cli.main import main as main_cli
 
 N, DIM, BLOCK, TILE = 23, 16, 5, 4
 
@@ -63,21 +69,41 @@ def cli_args(store, data):
 def featurize(path, log=None):
     """Featurise into `path`; `log`: also write the blocks this rank computes to that file."""
     model, x = model_and_data()
+    write_blocks = projections._format.write_blocks
+
+    def spy(fz, blocks, root, manifest, todo, *rest):
+        with open(log, "w") as f:
+            json.dump(list(todo), f)
+        return write_blocks(fz, blocks, root, manifest, todo, *rest)
+
     if log is not None:
-        write_blocks = projections._format.write_blocks
-
-        def spy(fz, blocks, root, manifest, todo, *rest):
-            with open(log, "w") as f:
-                json.dump(list(todo), f)
-            return write_blocks(fz, blocks, root, manifest, todo, *rest)
-
         projections._format.write_blocks = spy
-    return projections.featurize(
-        model, x, path, dim=DIM, kind="trace", block=BLOCK, seed=1, batch_size=2, progress=False
-    )
+    try:
+        return projections.featurize(
+            model, x, path, dim=DIM, kind="trace", block=BLOCK, seed=1, batch_size=2, progress=False
+        )
+    finally:
+        projections._format.write_blocks = write_blocks  # later featurisations are not logged
+
+
+def run_cli(args) -> dict:
+    """`ntk ARGS` as the console entry point runs it: its exit status and stderr."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            main_cli(args)
+        except SystemExit as e:
+            return {"code": e.code, "err": err.getvalue()}
 
 
 def main(out, mode):
+    if mode == "cli":  # OUT/store: featurised by one process with seed 1
+        args = cli_args(os.path.join(out, "store"), os.path.join(out, "x.npz"))
+        said = {"seed": run_cli([*args, "--seed", "2"])}  # refused by rank 0, which checks it
+        with open(os.path.join(out, f"cli.{os.environ['RANK']}.json"), "w") as f:
+            json.dump(said, f)
+        dist.destroy_process_group()  # joined by the first run; the failed ones leave it
+        return
     if mode == "kill":
         if os.environ["RANK"] == "1":
             die_after_records(1)
@@ -103,6 +129,8 @@ def main(out, mode):
     projections.distributed.kernel(
         store, os.path.join(out, "resumed"), tile=TILE, path=os.path.join(out, "store_kernel")
     )
+    nan = x.clone()
+    nan[-1] = float("nan")  # in the last block, which only rank 1 reads from a DataLoader
     errors = {}  # each rank's error when the ranks disagree or one fails
     for case, call in [
         ("samples", lambda: ntk.distributed.empirical_ntk(model, x[: 10 + rank], kind="trace")),
@@ -124,11 +152,23 @@ def main(out, mode):
                 model, x, kind="trace", path=os.path.join(out, "fresh")
             ),
         ),
+        (
+            "nan",
+            lambda: projections.featurize(
+                model,
+                DataLoader(TensorDataset(nan), batch_size=BLOCK),
+                os.path.join(out, "nan"),
+                dim=DIM,
+                block=BLOCK,
+                progress=False,
+            ),
+        ),
     ]:
         try:
             call()
-        except (ValueError, RuntimeError) as e:
-            errors[case] = f"{type(e).__name__}: {e}"
+        except Exception as e:  # its message and the built-in classes it is an instance of
+            builtin = [c.__name__ for c in type(e).__mro__ if c.__module__ == "builtins"]
+            errors[case] = [f"{type(e).__name__}: {e}", builtin]
     with open(os.path.join(out, f"errors.{rank}.json"), "w") as f:
         json.dump(errors, f)
     if rank == 0:

@@ -161,16 +161,39 @@ def test_store_kernels_equal_one_process(runs):
 
 
 def test_ranks_that_disagree_or_fail_raise_on_every_rank(runs):
+    """A rank's failure was a RuntimeError on the others, its error a repr ("rank 0 failed:
+    ValueError('path …')"); it is RankFailed there, as a ValueError too, naming the rank."""
     out = runs[0]
     errors = [json.loads((out / f"errors.{r}.json").read_text()) for r in range(2)]
-    assert "rank 1 disagrees with rank 0 on n1" in errors[0]["samples"]
-    assert "rank 0 disagrees with rank 1 on n1" in errors[1]["samples"]
-    assert "disagrees" in errors[0]["seed"] and "settings" in errors[1]["seed"]
-    assert (
-        errors[0]["path"].startswith("ValueError: path")
-        and "not an empty directory" in errors[0]["path"]
+    messages = [{case: e[0] for case, e in errors[r].items()} for r in range(2)]
+    assert "rank 1 disagrees with rank 0 on n1" in messages[0]["samples"]
+    assert "rank 0 disagrees with rank 1 on n1" in messages[1]["samples"]
+    assert "disagrees" in messages[0]["seed"] and "settings" in messages[1]["seed"]
+    path = messages[0]["path"].removeprefix("ValueError: ")
+    assert path.startswith("path") and "not an empty directory" in path
+    assert messages[1]["path"] == f"RankFailed: rank 0 failed: ValueError: {path}"
+    nan = "data contains non-finite values (NaN or inf)"  # read by rank 1 only
+    assert messages[1]["nan"] == f"ValueError: {nan}"
+    assert messages[0]["nan"] == f"RankFailed: rank 1 failed: ValueError: {nan}"
+    for case in ("path", "nan"):
+        assert all("ValueError" in errors[r][case][1] for r in range(2)), case
+
+
+def test_cli_names_the_rank_that_failed_on_every_rank_with_its_exit_status(tmp_path):
+    """`ntk featurize` under torchrun, one rank failing: the others printed "RuntimeError: rank 0
+    failed: StoreError('…')" and exited 1 where that rank exited 2."""
+    np.savez(tmp_path / "x.npz", x=model_and_data()[1].numpy())
+    featurize(tmp_path / "store")
+    run = torchrun(tmp_path, "cli")
+    assert run.returncode == 0, run.stderr[-3000:]
+    said = [json.loads((tmp_path / f"cli.{r}.json").read_text()) for r in range(2)]
+    said = [{case: (r["code"], r["err"].splitlines()[-1]) for case, r in s.items()} for s in said]
+    settings = (
+        f"the store at {tmp_path / 'store'} was written with other settings (seed: store has "
+        "1, requested 2); use another path"
     )
-    assert errors[1]["path"].startswith("RuntimeError: rank 0 failed")
+    assert said[0]["seed"] == (2, f"ntk: error: {settings}")
+    assert said[1]["seed"] == (2, f"ntk: error: rank 0 failed: StoreError: {settings}")
 
 
 def test_kernel_tiles_that_are_missing_damaged_or_misshapen_are_named(tmp_path):

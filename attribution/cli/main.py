@@ -54,6 +54,15 @@ def _first_line(exc: BaseException) -> str:
     return _message(str(exc).splitlines()[0]) if str(exc) else ""
 
 
+def _named(exc: Exception) -> str:
+    """ "Type: first line" of `exc`; only the first line of another rank's failure, which names
+    the rank and its error's type (`ntk.distributed.RankFailed`)."""
+    distributed = sys.modules.get("ntk.distributed")  # imported wherever one is raised
+    if distributed is not None and isinstance(exc, distributed.RankFailed):
+        return _first_line(exc)
+    return f"{type(exc).__name__}: {_first_line(exc)}"
+
+
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """A warning as one line on stderr, without the source file and line."""
     warn(str(message))
@@ -90,9 +99,6 @@ def _run(argv) -> None:
     except Exception as exc:
         if os.environ.get("NTK_DEBUG"):
             raise
-        click.echo(
-            f"ntk: error: {type(exc).__name__}: {_first_line(exc)}",
-            err=True,
-        )
+        click.echo(f"ntk: error: {_named(exc)}", err=True)
         sys.exit(1)
     sys.exit(0)
