@@ -20,7 +20,8 @@ import json
 import os
 import re
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -104,6 +105,19 @@ def agree(
                 "rank must pass the same model, inputs and settings"
             )
     return agreed
+
+
+@contextmanager
+def together(*failures: type[Exception]) -> Iterator[None]:
+    """Around work that may fail on one rank only: an exception of `failures` is raised on
+    every rank (`agree`) once all have done their part, rather than on its rank alone while the
+    others wait for it in their next collective."""
+    error = None
+    try:
+        yield
+    except failures as e:
+        error = e
+    agree({}, error)
 
 
 def barrier() -> None:
@@ -303,9 +317,9 @@ def check_empty(root: Path, rewrite: bool = False) -> None:
 
 def _write_tiles(grid: Grid, mine: list, root: Path, summary: dict, progress: bool) -> None:
     """Every rank writes its tiles (atomically: a partial file never has the final name; a
-    failed write names the file, `atomic_path`); rank 0 writes the index once every tile is
-    present, and first deletes the tile files of an earlier kernel that this grid does not write
-    (another tile size or symmetry)."""
+    failed write names the file, `atomic_path`, and stops every rank, `together`); rank 0 writes
+    the index once every tile is present, and first deletes the tile files of an earlier kernel
+    that this grid does not write (another tile size or symmetry)."""
     rank, _ = rank_and_world()
     folder = root / _TILES
     if rank == 0:  # earlier tiles being rewritten no longer look complete
@@ -316,12 +330,14 @@ def _write_tiles(grid: Grid, mine: list, root: Path, summary: dict, progress: bo
             if _TILE_FILE.fullmatch(file.name) and file.name not in written:
                 file.unlink()
     barrier()
-    for i, j, values in grid.compute(mine, progress=progress):
-        tile = folder / f"{i}_{j}.npz"
-        with atomic_path(tile, temporary=f"{i}_{j}.part.npz") as part:
-            arrays = {f"c{c}": values[k].detach().cpu().numpy() for c, k in enumerate(grid.keys)}
-            np.savez(part, **arrays)
-    barrier()
+    with together(OSError):
+        for i, j, values in grid.compute(mine, progress=progress):
+            tile = folder / f"{i}_{j}.npz"
+            with atomic_path(tile, temporary=f"{i}_{j}.part.npz") as part:
+                arrays = {
+                    f"c{c}": values[k].detach().cpu().numpy() for c, k in enumerate(grid.keys)
+                }
+                np.savez(part, **arrays)
     if rank == 0:
         missing = [t for t in grid.tiles() if not (folder / f"{t[0]}_{t[1]}.npz").exists()]
         if missing:

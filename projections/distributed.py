@@ -30,7 +30,15 @@ from pathlib import Path
 import torch
 
 from ntk.core.files import atomic_path
-from ntk.distributed import agree, barrier, check_empty, rank_and_world, run_grid, shard
+from ntk.distributed import (
+    agree,
+    barrier,
+    check_empty,
+    rank_and_world,
+    run_grid,
+    shard,
+    together,
+)
 
 from . import _format
 from .projected import Featurizer, kernel_grid
@@ -66,12 +74,8 @@ def featurize_shard(fz: Featurizer, blocks, root: Path, settings: dict, batch_si
             ):
                 json.dump(digests, f)
 
-        error = None
-        try:
+        with together(ValueError, TypeError, OSError):
             _format.write_blocks(fz, blocks, root, manifest, mine, record, show and rank == 0)
-        except (ValueError, TypeError, OSError) as e:
-            error = e
-        agree({}, error)
         if rank == 0 and not read_only:
             _merge_journal(root, manifest)
             missing = manifest["num_blocks"] - len(manifest["blocks"])

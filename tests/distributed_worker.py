@@ -86,6 +86,16 @@ def featurize(path, log=None):
         projections._format.write_blocks = write_blocks  # later featurisations are not logged
 
 
+def full_disk(path):
+    """`path`, a directory for kernel tiles on a "full disk": each tile's temporary file is a
+    link to /dev/full (the tiles of up to 6 x 6 blocks)."""
+    os.makedirs(os.path.join(path, "tiles"))
+    for i in range(6):
+        for j in range(6):
+            os.symlink("/dev/full", os.path.join(path, "tiles", f"{i}_{j}.part.npz"))
+    return path
+
+
 def run_cli(args) -> dict:
     """`ntk ARGS` as the console entry point runs it: its exit status and stderr."""
     err = io.StringIO()
@@ -97,15 +107,18 @@ def run_cli(args) -> dict:
 
 
 def main(out, mode):
+    rank = int(os.environ["RANK"])
     if mode == "cli":  # OUT/store: featurised by one process with seed 1
         args = cli_args(os.path.join(out, "store"), os.path.join(out, "x.npz"))
         said = {"seed": run_cli([*args, "--seed", "2"])}  # refused by rank 0, which checks it
-        with open(os.path.join(out, f"cli.{os.environ['RANK']}.json"), "w") as f:
+        tiles = os.path.join(out, "k") if rank == 0 else full_disk(os.path.join(out, "full"))
+        said["tiles"] = run_cli([*args, "--kernel-tiles", tiles])  # rank 1's disk is full
+        with open(os.path.join(out, f"cli.{rank}.json"), "w") as f:
             json.dump(said, f)
         dist.destroy_process_group()  # joined by the first run; the failed ones leave it
         return
     if mode == "kill":
-        if os.environ["RANK"] == "1":
+        if rank == 1:
             die_after_records(1)
         cli.main(
             cli_args(os.path.join(out, "resumed"), os.path.join(out, "x.npz")),
@@ -113,7 +126,6 @@ def main(out, mode):
         )
         return
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     model, x = model_and_data()
     full = ntk.distributed.empirical_ntk(model, x, kind="full", batch_size=TILE)
     layers = ntk.distributed.empirical_ntk(
@@ -161,6 +173,16 @@ def main(out, mode):
                 dim=DIM,
                 block=BLOCK,
                 progress=False,
+            ),
+        ),
+        (
+            "tiles",  # rank 1's disk is full (its path is another, as if not shared)
+            lambda: ntk.distributed.empirical_ntk(
+                model,
+                x,
+                kind="trace",
+                batch_size=TILE,
+                path=full_disk(os.path.join(out, "full")) if rank else os.path.join(out, "tiles"),
             ),
         ),
     ]:

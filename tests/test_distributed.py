@@ -162,7 +162,8 @@ def test_store_kernels_equal_one_process(runs):
 
 def test_ranks_that_disagree_or_fail_raise_on_every_rank(runs):
     """A rank's failure was a RuntimeError on the others, its error a repr ("rank 0 failed:
-    ValueError('path …')"); it is RankFailed there, as a ValueError too, naming the rank."""
+    ValueError('path …')"), or, writing tiles, Gloo's "Connection closed by peer"; it is
+    RankFailed there, of the error's category, naming the rank and the error."""
     out = runs[0]
     errors = [json.loads((out / f"errors.{r}.json").read_text()) for r in range(2)]
     messages = [{case: e[0] for case, e in errors[r].items()} for r in range(2)]
@@ -177,11 +178,16 @@ def test_ranks_that_disagree_or_fail_raise_on_every_rank(runs):
     assert messages[0]["nan"] == f"RankFailed: rank 1 failed: ValueError: {nan}"
     for case in ("path", "nan"):
         assert all("ValueError" in errors[r][case][1] for r in range(2)), case
+    full = f"[Errno 28] No space left on device: '{out / 'full' / 'tiles' / '1_5.npz'}'"
+    assert messages[1]["tiles"] == f"OSError: {full}"  # the first of rank 1's tiles
+    assert messages[0]["tiles"] == f"RankFailed: rank 1 failed: OSError: {full}"
+    assert all("OSError" in errors[r]["tiles"][1] for r in range(2))
 
 
 def test_cli_names_the_rank_that_failed_on_every_rank_with_its_exit_status(tmp_path):
     """`ntk featurize` under torchrun, one rank failing: the others printed "RuntimeError: rank 0
-    failed: StoreError('…')" and exited 1 where that rank exited 2."""
+    failed: StoreError('…')" and exited 1 where that rank exited 2, or, when its --kernel-tiles
+    could not be written, Gloo's "Connection closed by peer"."""
     np.savez(tmp_path / "x.npz", x=model_and_data()[1].numpy())
     featurize(tmp_path / "store")
     run = torchrun(tmp_path, "cli")
@@ -194,6 +200,16 @@ def test_cli_names_the_rank_that_failed_on_every_rank_with_its_exit_status(tmp_p
     )
     assert said[0]["seed"] == (2, f"ntk: error: {settings}")
     assert said[1]["seed"] == (2, f"ntk: error: rank 0 failed: StoreError: {settings}")
+    full = tmp_path / "full"  # rank 1's --kernel-tiles, on a full disk
+    assert said[1]["tiles"] == (
+        1,
+        f"ntk: error: --kernel-tiles {full}: cannot write: No space left on device",
+    )
+    assert said[0]["tiles"] == (
+        1,
+        "ntk: error: rank 1 failed: OSError: [Errno 28] No space left on device: "
+        f"'{full / 'tiles' / '1_3.npz'}'",
+    )
 
 
 def test_kernel_tiles_that_are_missing_damaged_or_misshapen_are_named(tmp_path):
