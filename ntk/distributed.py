@@ -318,8 +318,8 @@ def check_empty(root: Path, rewrite: bool = False) -> None:
 def _write_tiles(grid: Grid, mine: list, root: Path, summary: dict, progress: bool) -> None:
     """Every rank writes its tiles (atomically: a partial file never has the final name; a
     failed write names the file, `atomic_path`, and stops every rank, `together`); rank 0 writes
-    the index once every tile is present, and first deletes the tile files of an earlier kernel
-    that this grid does not write (another tile size or symmetry)."""
+    the index once every tile is present (or stops every rank), and first deletes the tile files
+    of an earlier kernel that this grid does not write (another tile size or symmetry)."""
     rank, _ = rank_and_world()
     folder = root / _TILES
     if rank == 0:  # earlier tiles being rewritten no longer look complete
@@ -338,13 +338,13 @@ def _write_tiles(grid: Grid, mine: list, root: Path, summary: dict, progress: bo
                     f"c{c}": values[k].detach().cpu().numpy() for c, k in enumerate(grid.keys)
                 }
                 np.savez(part, **arrays)
-    if rank == 0:
-        missing = [t for t in grid.tiles() if not (folder / f"{t[0]}_{t[1]}.npz").exists()]
-        if missing:
-            raise RuntimeError(
-                f"{len(missing)} tiles missing under {folder} (e.g. {missing[0]}); "
-                "do all ranks share this filesystem?"
-            )
-        with atomic_path(root / _INDEX, temporary=_INDEX + ".part") as tmp:
-            tmp.write_text(json.dumps({"format": TILES_FORMAT, **summary}, indent=1))
-    barrier()
+    with together(RuntimeError, OSError):
+        if rank == 0:
+            missing = [t for t in grid.tiles() if not (folder / f"{t[0]}_{t[1]}.npz").exists()]
+            if missing:
+                raise RuntimeError(
+                    f"{len(missing)} tiles missing under {folder} (e.g. {missing[0]}); "
+                    "do all ranks share this filesystem?"
+                )
+            with atomic_path(root / _INDEX, temporary=_INDEX + ".part") as tmp:
+                tmp.write_text(json.dumps({"format": TILES_FORMAT, **summary}, indent=1))

@@ -86,11 +86,12 @@ def featurize(path, log=None):
         projections._format.write_blocks = write_blocks  # later featurisations are not logged
 
 
-def full_disk(path):
-    """`path`, a directory for kernel tiles on a "full disk": each tile's temporary file is a
-    link to /dev/full (the tiles of up to 6 x 6 blocks)."""
+def own_tiles(path, full=False):
+    """`path`, a directory for kernel tiles that only this rank sees (its tiles folder made, as
+    rank 0 makes the shared one); full: on a full disk, each tile's temporary file a link to
+    /dev/full (the tiles of up to 6 x 6 blocks)."""
     os.makedirs(os.path.join(path, "tiles"))
-    for i in range(6):
+    for i in range(6 if full else 0):
         for j in range(6):
             os.symlink("/dev/full", os.path.join(path, "tiles", f"{i}_{j}.part.npz"))
     return path
@@ -111,7 +112,7 @@ def main(out, mode):
     if mode == "cli":  # OUT/store: featurised by one process with seed 1
         args = cli_args(os.path.join(out, "store"), os.path.join(out, "x.npz"))
         said = {"seed": run_cli([*args, "--seed", "2"])}  # refused by rank 0, which checks it
-        tiles = os.path.join(out, "k") if rank == 0 else full_disk(os.path.join(out, "full"))
+        tiles = own_tiles(os.path.join(out, "full"), full=True) if rank else os.path.join(out, "k")
         said["tiles"] = run_cli([*args, "--kernel-tiles", tiles])  # rank 1's disk is full
         with open(os.path.join(out, f"cli.{rank}.json"), "w") as f:
             json.dump(said, f)
@@ -182,7 +183,19 @@ def main(out, mode):
                 x,
                 kind="trace",
                 batch_size=TILE,
-                path=full_disk(os.path.join(out, "full")) if rank else os.path.join(out, "tiles"),
+                path=own_tiles(os.path.join(out, "full"), True)
+                if rank
+                else os.path.join(out, "tiles"),
+            ),
+        ),
+        (
+            "unshared",  # rank 1 writes its tiles where rank 0 does not see them
+            lambda: ntk.distributed.empirical_ntk(
+                model,
+                x,
+                kind="trace",
+                batch_size=TILE,
+                path=own_tiles(os.path.join(out, "own")) if rank else os.path.join(out, "unshared"),
             ),
         ),
     ]:

@@ -182,6 +182,12 @@ def test_ranks_that_disagree_or_fail_raise_on_every_rank(runs):
     assert messages[1]["tiles"] == f"OSError: {full}"  # the first of rank 1's tiles
     assert messages[0]["tiles"] == f"RankFailed: rank 1 failed: OSError: {full}"
     assert all("OSError" in errors[r]["tiles"][1] for r in range(2))
+    unshared = (
+        f"11 tiles missing under {out / 'unshared' / 'tiles'} (e.g. (1, 5)); do all ranks share "
+        "this filesystem?"
+    )  # rank 0 checks that every tile is present
+    assert messages[0]["unshared"] == f"RuntimeError: {unshared}"
+    assert messages[1]["unshared"] == f"RankFailed: rank 0 failed: RuntimeError: {unshared}"
 
 
 def test_cli_names_the_rank_that_failed_on_every_rank_with_its_exit_status(tmp_path):
