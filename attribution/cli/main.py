@@ -55,8 +55,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _named(exc: Exception) -> str:
-    """ "Type: first line" of `exc`; only the first line of another rank's failure, which names
-    the rank and its error's type (`ntk.distributed.RankFailed`)."""
+    """`exc` as "Type: first line"; another rank's failure (`ntk.distributed.RankFailed`) as
+    its first line, which names the rank and its error's type."""
     distributed = sys.modules.get("ntk.distributed")  # imported wherever one is raised
     if distributed is not None and isinstance(exc, distributed.RankFailed):
         return _first_line(exc)
