@@ -4,8 +4,8 @@ of a tiny model, written under OUT for the test to compare with one process.
 usage: distributed_worker.py OUT kill|all|cli
   kill: `ntk featurize OUT/resumed` of OUT/x.npz, rank 1 dies (os._exit) after its first block
   all:  kernels (gathered and as tiles), featurise OUT/fresh, resume OUT/resumed, store kernels
-  cli:  `ntk featurize` runs that fail on rank 1 only; each rank writes what it printed on stderr
-        and its exit status to OUT/cli.RANK.json
+  cli:  `ntk featurize` runs that fail on one rank only (OUT/store: featurised by one process
+        beforehand); each rank writes its exit status and stderr to OUT/cli.RANK.json
 """
 
 import contextlib
@@ -109,14 +109,14 @@ def run_cli(args) -> dict:
 
 def main(out, mode):
     rank = int(os.environ["RANK"])
-    if mode == "cli":  # OUT/store: featurised by one process with seed 1
+    if mode == "cli":
         args = cli_args(os.path.join(out, "store"), os.path.join(out, "x.npz"))
         said = {"seed": run_cli([*args, "--seed", "2"])}  # refused by rank 0, which checks it
         tiles = own_tiles(os.path.join(out, "full"), full=True) if rank else os.path.join(out, "k")
         said["tiles"] = run_cli([*args, "--kernel-tiles", tiles])  # rank 1's disk is full
         with open(os.path.join(out, f"cli.{rank}.json"), "w") as f:
             json.dump(said, f)
-        dist.destroy_process_group()  # joined by the first run; the failed ones leave it
+        dist.destroy_process_group()  # the failed runs leave the group they joined
         return
     if mode == "kill":
         if rank == 1:
