@@ -587,11 +587,11 @@ def _calibrate_norms(net: nn.Module, x) -> nn.Module:
     those layers in training mode and cumulative averaging, every other module in eval mode as
     when scored; the running variance, which torch keeps unbiased, scaled by (n − 1)/n to the
     biased one of n values per channel that training mode divides by), so that eval mode
-    normalises the batch as training mode would. Never seeing
-    data means no batch counted and the initial statistics (mean 0, variance 1): a layer whose
-    statistics were loaded from a checkpoint that does not count batches keeps them. Dropout
-    stays off, whatever mode the candidate came in: a module built in training mode (every
-    factory's) and the same module in eval mode are one function with one score."""
+    normalises the batch as training mode would. Never seeing data means no batch counted and
+    the initial statistics (mean 0, variance 1): a layer whose statistics were loaded from a
+    checkpoint that does not count batches keeps them. Dropout stays off, whatever mode the
+    candidate came in: a module built in training mode (every factory's) and the same module in
+    eval mode are one function with one score."""
     fresh = [
         m
         for m in net.modules()
