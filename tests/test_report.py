@@ -15,10 +15,11 @@ from models import MLP, WideScale
 from torch import nn
 
 import ntk
-from attribution import NTKPosterior, expected_calibration_error
+from attribution import NTKPosterior, expected_calibration_error, mislabel_auc
 from attribution._report import _calibration, choose_examples, effective_rank, report
 from attribution.cli import main
 from attribution.curvature import MAX_DENSE
+from attribution.damping import DOF_FRACTION
 from attribution.surrogate import KernelSurrogate
 from ntk import demo
 
@@ -118,13 +119,58 @@ def test_numbers_match_independent_computations(setup, built):
     assert result["attribution"]["cancellation"] == pytest.approx(
         float(np.median((chosen.abs().sum(1) / chosen.sum(1).abs()).numpy())), rel=1e-6
     )
-    for i in (0, 17, 199):
-        own = torch.as_tensor(surrogate.attribute(x_train[i : i + 1]), dtype=torch.float64)[
-            0, i, y_train[i]
-        ]
+    machine = KernelSurrogate(
+        model, kind=surrogate.kind, machine="gauss_newton", effective_parameters=DOF_FRACTION
+    ).fit(x_train, y_train)
+    for i in (0, 17, 199):  # the machine's drop for i's own label, i removed as a set
+        drop = machine.influence(x_train[i : i + 1], [i], output="all")[0, y_train[i]]
         assert result["attribution"]["self_influence"][i] == pytest.approx(
-            float(own), rel=1e-6, abs=1e-9
+            float(drop), rel=1e-6, abs=1e-9
         )
+
+
+def test_cards_of_few_training_examples_list_each_on_its_side_only(tmp_path):
+    """With 8 training examples and top=5 a card's proponents included examples whose
+    contribution is negative, the same examples were opponents too, and they counted in the label
+    share and the counterfactual."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(14, 5, generator=g)
+    y = (x @ torch.randn(5, 3, generator=g)).argmax(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).eval()
+    result = report(
+        model, x[:8], y[:8], x[8:], y[8:], path=tmp_path / "r.html", top=5, posterior=False
+    )
+    for card in result["attribution"]["examples"]:
+        up, down = card["proponents"], card["opponents"]
+        assert all(p["contribution"] > 0 for p in up) and all(p["contribution"] < 0 for p in down)
+        assert not {p["index"] for p in up} & {p["index"] for p in down}
+        assert card["sanity"]["removed"] == len(up)
+    assert any(len(card["proponents"]) < 5 for card in result["attribution"]["examples"])
+
+
+def test_self_influence_ranks_flipped_labels_first(tmp_path):
+    """The report's "likely mislabelled" list was each training point's own contribution to its
+    label's output, which ranks a flipped label last (mislabel AUC 0.16 here); the Gauss–Newton
+    machine's drop when the point alone is removed ranks it first."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(120, 5, generator=g)
+    y = (x @ torch.randn(5, 3, generator=g)).argmax(1)
+    flipped = torch.randperm(120, generator=g)[:12]
+    y[flipped] = (y[flipped] + 1 + torch.randint(0, 2, (12,), generator=g)) % 3
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.03)
+    for _ in range(100):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    result = report(
+        model.eval(), x, y, x[:10], path=tmp_path / "r.html", examples=1, posterior=False
+    )
+    mask = torch.zeros(120, dtype=torch.bool)
+    mask[flipped] = True
+    assert mislabel_auc(result["attribution"]["self_influence"], mask) > 0.85
 
 
 def test_calibration_section_matches_a_direct_posterior(setup, built):
