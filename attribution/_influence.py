@@ -121,18 +121,20 @@ def influence(
 ) -> torch.Tensor:
     """Scores [N_test, N_train]: influence of each training example on each test margin.
 
-    method: "auto" (= "gauss_newton" with the trace kernel, the best LDS in
-    `python benchmarks/attribution_digits.py --sections lds`), "trak", "surrogate", "grad_dot",
-    "ekfac" or "kfac" (module docstring). kind: the kernel, "trace" (default; "full" for
-    grad_dot), "full" or "sum_logits". dim: None for exact kernels, or the dimension of a random
-    projection (`projections`; with kind="full" the Gauss–Newton system is then solved in the
-    k-dimensional projected parameter space, so N is limited only by the features' memory); when
-    exact kernels would not fit in memory (sized by the free memory of the device the kernels are
-    computed on), the kernel methods, "auto" included, use the full kernel projected to
-    `default_dim(model)` (linear in N; within 0.05 LDS of the exact path on the digits
-    benchmark, where "ekfac", the Kronecker-factored curvature of `attribution.curvature`, is
-    0.17 below it but faster, on CNNs several times: MAX_DIM's comment). The projected path
-    streams the training features batch by batch (memory k² + N·k, never [N, O, k]);
+    method: "auto" (= "gauss_newton" with the trace kernel, the best LDS in `python
+    benchmarks/attribution_digits.py --sections lds`), "trak", "surrogate", "grad_dot", "ekfac"
+    or "kfac" (module docstring). kind: the kernel, "trace" (default; "full" for grad_dot),
+    "full" or "sum_logits". dim: None for exact kernels (method="trak": TRAK's projection to
+    2048 dimensions, as published; `attribution.trak(dim=None)` for the exact gradients), or the
+    dimension of a random projection (`projections`; with kind="full" the Gauss–Newton system is
+    then solved in the k-dimensional projected parameter space, so N is limited only by the
+    features' memory); when exact kernels would not fit in memory (sized by the free memory of
+    the device the kernels are computed on), the kernel methods, "auto" included, use the full
+    kernel projected to `default_dim(model)` (linear in N; within 0.05 LDS of the exact path on
+    the digits benchmark, where "ekfac", the Kronecker-factored curvature of
+    `attribution.curvature`, is 0.17 below it but faster, on CNNs several times: MAX_DIM's
+    comment). The projected path streams the training features batch by batch (memory k² + N·k,
+    never [N, O, k]);
     train_features: the path of a feature store of x_train
     written by `projections.featurize(model, x_train, path, dim=k, kind="full")`, read instead of
     featurising x_train again (gauss_newton / grad_dot; its dim, seed and projector are used for
@@ -185,7 +187,9 @@ def influence(
     flow = _flow_fraction(training_logits, method, parameter_space)
     if method == "trak":
         if kind not in (None, "full"):
-            raise ValueError("method='trak' uses the margin's exact gradients; kind does not apply")
+            raise ValueError(
+                "method='trak' uses the gradients of the margin (one output): kind does not apply"
+            )
         return trak(
             model,
             x_train,
