@@ -68,6 +68,26 @@ def test_leave_one_out_reports_the_held_out_tau_of_a_choice_made_without_it(nas_
     assert taus["params"]["c"] < 1.0 == pytest.approx(taus["naswot"]["c"])
 
 
+def test_rescore_batchnorm_recomputes_only_the_architectures_holding_one(nas_modules):
+    compare, _ = nas_modules
+    from torch import nn
+
+    cands = {
+        "plain": lambda: nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)),
+        "bn": lambda: nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)),
+        "plain too": lambda: nn.Linear(2, 2),
+    }
+    scores, calls = {"a": [1.0, 2.0, 3.0], "b": [4.0, 5.0, 6.0]}, []
+
+    def rescore(c, x, y, labels):
+        calls.append((list(c), x, y, labels))
+        return {label: [10.0 * len(label)] * len(c) for label in labels}
+
+    assert compare.rescore_batchnorm(scores, cands, "x", "y", rescore) == ["bn"]
+    assert calls == [(["bn"], "x", "y", ["a", "b"])]
+    assert scores == {"a": [1.0, 10.0, 3.0], "b": [4.0, 10.0, 6.0]}
+
+
 @pytest.mark.slow  # 25–35 s on the loaded 2-core machine
 def test_ground_truth_of_each_new_space_trains_every_seed(nas_modules):
     _, gt = nas_modules

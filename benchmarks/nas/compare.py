@@ -4,7 +4,9 @@ by leave-one-space-out.
 Spaces: `digits_mlp` (space.py, ground_truth.json) and the three of spaces.py (truth_<space>.json,
 made by ground_truth_spaces.py). Each proxy scores every architecture on `--repeats` random
 batches of 64 or 256 training samples and fresh initialisations; the scores are cached in
-scores_<space>.json (missing proxies are scored and added; `--rescore` recomputes all).
+scores_<space>.json (missing proxies are scored and added; `--rescore` recomputes all;
+`--rescore-batchnorm` the entries of the architectures holding a BatchNorm, whose scores a change
+to the calibration of fresh BatchNorm statistics moves).
 Per space it prints Kendall τ, Spearman ρ and the top-10 % overlap (how many of the
 k = max(3, n/10) best architectures by accuracy are among the proxy's k best).
 
@@ -17,7 +19,7 @@ Metrics in OUTSIDE_POOL are scored and reported but not candidates (repeats.py j
 The default is the candidate chosen on all spaces. Every proxy here averages `--repeats` (2);
 how many repeats the defaults average is chosen by repeats.py, from four repeats of each.
 
-    python benchmarks/nas/compare.py [--rescore] [--repeats 2]        # cached: seconds
+    python benchmarks/nas/compare.py [--rescore | --rescore-batchnorm] [--repeats 2]  # cached: s
     python benchmarks/nas/compare.py --smoke                           # tiny, for the tests
 """
 
@@ -27,6 +29,7 @@ import argparse
 import itertools
 import json
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +37,7 @@ import torch
 from scipy.stats import kendalltau, spearmanr
 from space import space as digits_mlp_space
 from spaces import ALL_SPACES, SPACES
+from torch import nn
 
 from ntk import demo, proxies
 
@@ -110,6 +114,24 @@ def score_space(cands, x, y, labels, repeats):
     return out
 
 
+def has_batchnorm(factory) -> bool:
+    """Whether the architecture `factory` builds holds a BatchNorm layer."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in factory().modules())
+
+
+def rescore_batchnorm(scores, cands, x, y, rescore) -> list:
+    """Recompute in place the entries of `scores` ({label: [value per candidate]}) of the
+    candidates holding a BatchNorm, with rescore(candidates, x, y, labels) → {label: [value per
+    candidate]} (the recipe that made the cache); returns those candidates' names."""
+    names = [n for n, factory in cands.items() if has_batchnorm(factory)]
+    if names:
+        index = {n: i for i, n in enumerate(cands)}
+        for label, values in rescore({n: cands[n] for n in names}, x, y, list(scores)).items():
+            for n, value in zip(names, values, strict=True):
+                scores[label][index[n]] = value
+    return names
+
+
 def metrics(values, acc):
     """(Kendall τ, Spearman ρ, top-k overlap, k); NaN scores rank last."""
     v = np.nan_to_num(np.asarray(values, dtype=float), nan=-np.inf, posinf=1e300, neginf=-1e300)
@@ -172,6 +194,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--rescore", action="store_true")
+    parser.add_argument(
+        "--rescore-batchnorm",
+        action="store_true",
+        help="recompute the cached entries of the architectures holding a BatchNorm",
+    )
     parser.add_argument("--smoke", action="store_true", help="6 architectures, 3 proxies, no cache")
     parser.add_argument("--spaces", default=",".join(SPACE_NAMES), help="comma-separated")
     args = parser.parse_args()
@@ -188,10 +215,20 @@ def main() -> None:
         else:
             cached = {} if args.rescore or not cache.exists() else json.loads(cache.read_text())
             scores[name] = cached.get("scores", {})
+            rescored = []
+            if args.rescore_batchnorm and scores[name]:
+                if cached["architectures"] != list(cands):
+                    raise SystemExit(f"{cache.name} holds other architectures; use --rescore")
+                scores[name] = {p: v for p, v in scores[name].items() if p in PROXIES}
+                rescored = rescore_batchnorm(
+                    scores[name], cands, x, y, partial(score_space, repeats=cached["repeats"])
+                )
+                print(f"{name}: rescored {len(rescored)} architectures holding a BatchNorm")
             missing = [p for p in PROXIES if p not in scores[name]]
             if missing:
                 print(f"scoring {name}: {len(cands)} architectures", flush=True)
                 scores[name].update(score_space(cands, x, y, missing, args.repeats))
+            if missing or rescored:
                 kept = {p: v for p, v in scores[name].items() if p in PROXIES}
                 cache.write_text(
                     json.dumps(

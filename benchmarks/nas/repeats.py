@@ -12,9 +12,10 @@ r = 1 … REPEATS; the leave-one-space-out choice of r for each (compare.py's ru
 worst-space τ on the other spaces, ties by the mean); and the same rule over (candidate, r)
 jointly, to see whether the metric chosen at compare.py's 2 repeats still wins; and that joint
 rule's held-out τ from the pool without and with compare.JUDGED's metrics, which keeps them
-out of the pool (compare.OUTSIDE_POOL) when they lower the held-out worst.
+out of the pool (compare.OUTSIDE_POOL) when they lower the held-out worst. `--rescore-batchnorm`
+recomputes the cached values of the architectures holding a BatchNorm.
 
-    python benchmarks/nas/repeats.py [--cached] [--spaces digits_mlp,...,nb201]
+    python benchmarks/nas/repeats.py [--cached] [--rescore-batchnorm] [--spaces digits_mlp,...]
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from compare import (
     leave_one_out,
     load,
     proxy_label,
+    rescore_batchnorm,
 )
 from nb201 import NB201Net, digits32, ops_of
 
@@ -46,6 +48,7 @@ from ntk import proxies
 REPEATS = 4
 SPACES = (*SPACE_NAMES, "nb201")
 METRICS = [m for m in proxies.METRICS if m not in proxies.FLOAT_INPUT_METRICS]
+LABELS = {proxy_label(m, b): (m, b) for b in (SMALL, LARGE) for m in METRICS}  # label → recipe
 
 
 def load_space(name: str):
@@ -80,13 +83,31 @@ def score_repeats(cands, x, y, metric: str, batch: int) -> list:
     return values
 
 
-def scored(name: str, cached_only: bool) -> tuple[dict, np.ndarray]:
-    """{label: [[value per repeat] per architecture]} for every candidate, and the accuracies."""
+def rescore(cands, x, y, labels) -> dict:
+    """{label: [[value per repeat] per candidate]} of the labels of LABELS among `labels`."""
+    return {
+        label: score_repeats(cands, x, y, *LABELS[label]) for label in labels if label in LABELS
+    }
+
+
+def scored(name: str, cached_only: bool, batchnorm=False) -> tuple[dict, np.ndarray]:
+    """{label: [[value per repeat] per architecture]} for every candidate, and the accuracies
+    (batchnorm: first recompute the cached values of the architectures holding a BatchNorm)."""
     cands, x, y, acc = load_space(name)
     path = HERE / f"repeats_{name}.json"
     cache = json.loads(path.read_text()) if path.exists() else {}
     if cache.get("architectures") != list(cands) or cache.get("repeats") != REPEATS:
         cache = {"repeats": REPEATS, "architectures": list(cands), "scores": {}}
+    if batchnorm and cache["scores"]:
+        start = time.perf_counter()
+        names = rescore_batchnorm(cache["scores"], cands, x, y, rescore)
+        if names:
+            path.write_text(json.dumps(cache) + "\n")
+        print(
+            f"  {name}: rescored {len(names)} architectures holding a BatchNorm in "
+            f"{time.perf_counter() - start:.0f} s",
+            flush=True,
+        )
     for batch in (SMALL, LARGE):
         for metric in METRICS:
             label = proxy_label(metric, batch)
@@ -108,11 +129,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spaces", default=",".join(SPACES), help="comma-separated")
     parser.add_argument("--cached", action="store_true", help="report the caches, score nothing")
+    parser.add_argument(
+        "--rescore-batchnorm",
+        action="store_true",
+        help="recompute the cached values of the architectures holding a BatchNorm",
+    )
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     data, accs = {}, {}
     for name in args.spaces.split(","):
-        data[name], accs[name] = scored(name, args.cached)
+        data[name], accs[name] = scored(name, args.cached, args.rescore_batchnorm)
     spaces = list(data)
     # τ of every candidate (single metrics and votes) per number of repeats and space, by the
     # metrics left out of the pool: as coded (OUTSIDE_POOL), without compare.JUDGED's metrics and
