@@ -201,6 +201,14 @@ def test_lpntk_uses_smoke_run_prints_aucs_and_pruning_curves():
     assert all(len(cells) == 5 for cells in curves.values())
 
 
+def test_self_influence_smoke_run_prints_both_scores_aucs():
+    out = _run_benchmark("self_influence.py")
+    rows = [line.split() for line in out.splitlines()[1:3]]
+    assert [r[0] for r in rows] == ["generated", "wine"]
+    assert all(0 <= float(v) <= 1 for r in rows for v in r[-2:])
+    assert "removal: mislabel AUC min" in out
+
+
 def test_damping_benchmark_smoke_run_checks_the_library_default():
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "damping.py"
     proc = subprocess.run(
