@@ -133,7 +133,9 @@ def kernel_alignment(kernel, y, *, centering: str = "kernel") -> float:
 
     centering="kernel": K̃ = HKH with H = I − 11ᵀ/n (centred alignment, Cortes et al. 2012);
     centering="mean": K̃ = K − mean(K), the Pearson correlation of the entries used by
-    Label-Gradient Alignment (Mok et al., CVPR 2022). Integer labels give L_ij = ±1. The kernel
+    Label-Gradient Alignment (Mok et al., CVPR 2022). Integer labels give L_ij = ±1; floating
+    labels, integral or not (class labels read as floats included), are real targets, y yᵀ
+    (`label_matrix`), so pass class labels as integers. The kernel
     is K(x, x) of the labelled samples: one that is not symmetric to rounding (a cross kernel
     K(x1, x2)) is refused, as by `eigenvalues`; so are labels or targets that are not finite.
     A constant kernel or constant labels (one class) have nothing to align: 0.
