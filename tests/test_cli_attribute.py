@@ -86,6 +86,29 @@ def test_attribute_lists_the_largest_and_smallest_influence(tmp_path):
     assert bad.returncode == 2 and "labels" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_proponents_raise_the_margin_and_opponents_lower_it(tmp_path, monkeypatch, capsys):
+    """The --top largest scores were listed as proponents whatever their sign (and the smallest
+    as opponents): a test prediction that every training example lowers had five "proponents"."""
+    import pytest
+
+    import attribution._influence
+    from attribution.cli import main
+
+    write_files(tmp_path, seed=0, n=30)
+    scores = torch.linspace(-3.0, -0.1, 30).repeat(2, 1)  # test 0: every example lowers it
+    scores[1, :4] = torch.tensor([2.0, 1.0, 0.5, 0.2])
+    monkeypatch.setattr(attribution._influence, "influence", lambda *a, **k: scores.clone())
+    with pytest.raises(SystemExit) as stop:
+        main([*"attribute --top 5 --format json".split(), *files(tmp_path)])
+    assert stop.value.code == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    for t, expected in ((0, []), (1, [0, 1, 2, 3])):
+        pro = [r for r in rows if r["test"] == t and r["role"] == "proponent"]
+        assert [r["train"] for r in pro] == expected
+    assert all(r["score"] < 0 for r in rows if r["role"] == "opponent")
+    assert len([r for r in rows if r["test"] == 0 and r["role"] == "opponent"]) == 5
+
+
 def test_attribute_averages_over_checkpoint_files(tmp_path):
     x, y, xt = write_files(tmp_path, seed=1, n=24)
     nets = []
