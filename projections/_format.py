@@ -335,10 +335,11 @@ def foreign_files(path: str | os.PathLike) -> list[str]:
 
 def is_complete(path: str | os.PathLike) -> bool:
     """Whether `path` holds a complete store (a readable manifest listing every block): one that
-    `featurize` only reads, so it may sit in a read-only directory."""
+    `featurize` only reads, so it may sit in a read-only directory; False for anything else
+    (a file, a directory without a manifest, one that cannot be read), which `featurize` names."""
     try:
         return complete(read_manifest(store_root(path)))
-    except (StoreError, OSError):
+    except (TypeError, ValueError, OSError):  # StoreError is a ValueError
         return False
 
 

@@ -883,6 +883,9 @@ def test_a_complete_store_in_a_directory_that_is_not_writable_is_read(files, cap
     assert _files(files / "done") == before
     err = usage_error(capsys, *args, str(files / "new"))
     assert f"STORE: {files}/new is not writable" in err
+    (files / "afile").write_text("x")  # not a store: the flag's own message
+    err = usage_error(capsys, *args, str(files / "afile"))
+    assert f"STORE: {files}/afile is a file, not a directory" in err
 
 
 def test_kernel_tiles_into_an_existing_folder_are_refused_before_any_work(files, capsys):
