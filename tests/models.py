@@ -269,6 +269,16 @@ class WideScale(nn.Module):
         return x * self.weight[: self.d]
 
 
+def fitted(model: nn.Module, x, y, steps: int, lr: float = 0.05) -> nn.Module:
+    """`model` after `steps` full-batch Adam steps on the cross-entropy of (x, y), in place."""
+    optimiser = torch.optim.Adam(model.parameters(), lr=lr)
+    for _ in range(steps):
+        optimiser.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimiser.step()
+    return model
+
+
 def make(name: str, dtype=torch.float64, seed: int = 0):
     """(model in eval mode, x1, x2) for a named case."""
     torch.manual_seed(seed)

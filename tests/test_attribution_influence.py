@@ -8,6 +8,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from models import fitted
 from reference import gauss_newton_influence
 from torch.func import functional_call, jacrev, vmap
 
@@ -75,13 +76,7 @@ def test_gauss_newton_matches_parameter_space(setup):
 
 def _fit(model, x, y, steps):
     """A copy of `model` after `steps` Adam steps on the cross-entropy of (x, y)."""
-    model = copy.deepcopy(model)
-    optimiser = torch.optim.Adam(model.parameters(), lr=0.05)
-    for _ in range(steps):
-        optimiser.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        optimiser.step()
-    return model
+    return fitted(copy.deepcopy(model), x, y, steps)
 
 
 def _flow_reference(model, x, y, xt, yt, share, loss_floor=None):

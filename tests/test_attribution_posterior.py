@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import scipy.optimize
 import torch
-from models import DictOutput, TwoLogits
+from models import DictOutput, TwoLogits, fitted
 from sklearn.base import clone, is_classifier, is_regressor
 from sklearn.exceptions import NotFittedError
 from torch import nn
@@ -541,12 +541,7 @@ def test_the_auto_prior_of_a_rank_deficient_system_does_not_depend_on_the_dtype(
     x = torch.randn(40, 5, generator=g)
     y = (x @ torch.randn(5, 3, generator=g)).argmax(1)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
-    opt = torch.optim.Adam(model.parameters(), lr=0.05)
-    for _ in range(200):
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+    model = fitted(nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)), x, y, 200)
     wide = copy.deepcopy(model).double()
     post = NTKPosterior(model).fit(x, y)
     exact = NTKPosterior(wide).fit(x.double(), y)

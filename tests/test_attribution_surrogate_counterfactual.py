@@ -8,6 +8,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from models import fitted
 from sklearn.kernel_ridge import KernelRidge
 from sklearn.model_selection import GridSearchCV, cross_val_score
 from sklearn.utils.estimator_checks import check_estimator
@@ -76,12 +77,7 @@ def trained():
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
     x = torch.randn(60, 4, dtype=torch.float64)
     y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
-    opt = torch.optim.Adam(model.parameters(), lr=0.05)
-    for _ in range(200):
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    return model, x, y
+    return fitted(model, x, y, 200), x, y
 
 
 def _readable(model, x, alpha, decomposition) -> bool:

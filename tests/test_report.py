@@ -11,7 +11,7 @@ import browser
 import numpy as np
 import pytest
 import torch
-from models import MLP, WideScale
+from models import MLP, WideScale, fitted
 from torch import nn
 
 import ntk
@@ -159,12 +159,7 @@ def test_self_influence_ranks_flipped_labels_first(tmp_path):
     flipped = torch.randperm(120, generator=g)[:12]
     y[flipped] = (y[flipped] + 1 + torch.randint(0, 2, (12,), generator=g)) % 3
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
-    opt = torch.optim.Adam(model.parameters(), lr=0.03)
-    for _ in range(100):
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+    model = fitted(nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3)), x, y, 100, 0.03)
     result = report(
         model.eval(), x, y, x[:10], path=tmp_path / "r.html", examples=1, posterior=False
     )
