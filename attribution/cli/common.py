@@ -555,7 +555,9 @@ def _check_writable(flag: str, path: str, directory: bool) -> None:
         if not os.access(target, os.W_OK | (os.X_OK if directory else 0)):
             raise UsageProblem(f"{flag}: {path} is not writable")
         return
-    folder = Path(os.path.realpath(target) if target.is_symlink() else target).parent
+    from ntk.core.files import written_path
+
+    folder = written_path(target).parent
     if folder.exists() and not folder.is_dir():
         raise UsageProblem(f"{flag}: cannot write {path}: {folder} is not a directory")
     if not folder.is_dir():

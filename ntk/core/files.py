@@ -63,6 +63,13 @@ def check_replaceable(target, name: str | None = None) -> None:
         )
 
 
+def written_path(target) -> Path:
+    """The file that a write to `target` replaces: the file a symlink names (written through it,
+    the link kept), else `target` itself."""
+    target = Path(target)
+    return Path(os.path.realpath(target)) if target.is_symlink() else target
+
+
 @contextmanager
 def atomic_path(target, *, temporary: str | None = None, durable: bool = False) -> Iterator[Path]:
     """Yield a temporary path in `target`'s folder to write; on normal exit (fsync'ed first if
@@ -76,9 +83,7 @@ def atomic_path(target, *, temporary: str | None = None, durable: bool = False) 
     As writing in place would, a symlink is written through (the file it names is replaced, the
     link kept) and an existing file keeps its permission bits. A failed write names `target`
     (`writes_to`)."""
-    target = Path(target)
-    if target.is_symlink():
-        target = Path(os.path.realpath(target))
+    target = written_path(target)
     check_replaceable(target)
     tmp = _new_temporary(target) if temporary is None else target.parent / temporary
     try:
