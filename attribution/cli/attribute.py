@@ -163,8 +163,9 @@ def attribute(
     rows = []
     for t in range(n_test):
         order = torch.argsort(scores[t], descending=True)
-        proponents = order[:top][scores[t, order[:top]] > 0]  # of fewer, only those of its sign
-        opponents = order.flip(0)[:top][scores[t, order.flip(0)[:top]] < 0]
+        highest, lowest = order[:top], order.flip(0)[:top]
+        proponents = highest[scores[t, highest] > 0]  # of fewer, only those of its sign
+        opponents = lowest[scores[t, lowest] < 0]
         for role, picks in (("proponent", proponents), ("opponent", opponents)):
             for rank, i in enumerate(picks.tolist(), start=1):
                 rows.append(
