@@ -300,7 +300,7 @@ def report(
         total_influence = c_test.abs().sum(0).numpy()
         cancellation = float(np.median((c_test.abs().sum(1) / c_test.sum(1).abs()).numpy()))
     with clock("self-influence"):
-        self_influence = _self_influence(machine, x_train, own)
+        self_influence = _self_influence(machine, own)
     with clock("calibration"):
         y_fit = None if y_train is None else y_train[:n_kernel]
         calibration = _calibration(
@@ -422,21 +422,17 @@ def _predicted_class_contributions(surrogate, x, classes: torch.Tensor) -> torch
     return c[torch.arange(c.shape[0]), :, classes]
 
 
-def _self_influence(machine, x_train, own: torch.Tensor, block: int = 256) -> np.ndarray | None:
+def _self_influence(machine, own: torch.Tensor) -> np.ndarray | None:
     """d(x_i) − d_{−i}(x_i) for the label of i: how much the counterfactual `machine`'s output
     for a training point's own label drops when that point alone is removed (exact refit,
-    `KernelSurrogate.influence`). A point that only it supports (mislabelled, atypical) drops
-    most; its own contribution c_i(x_i), shown before, ranked flipped labels last (mislabel AUC
-    0.00–0.35 on 16 networks with 10 % flipped labels, 0.77–0.99 for this). None without one."""
+    `KernelSurrogate.self_influence`). A point that only it supports (mislabelled, atypical)
+    drops most; its own contribution c_i(x_i), shown before, ranked flipped labels last
+    (mislabel AUC 0.00–0.35 on 16 networks with 10 % flipped labels, 0.77–0.99 for this). None
+    without one."""
     if machine is None:
         return None
-    n = own.shape[0]
-    parts = []
-    for start in range(0, n, block):
-        idx = np.arange(start, min(start + block, n))
-        drop = machine.influence(inputs.take(x_train, torch.as_tensor(idx)), output="all")
-        parts.append(drop[np.arange(len(idx)), idx, own[idx].numpy()])
-    return np.concatenate(parts)
+    drop = machine.self_influence(output="all")  # the machine may be fitted to other columns
+    return drop[np.arange(len(drop)), own.numpy()]
 
 
 def _neighbours(surrogate, x_one, cls: int, top: int, own: torch.Tensor) -> dict:

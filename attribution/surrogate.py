@@ -410,6 +410,10 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             targets = labels(y, n, o).numpy()
             if self.machine == "ridge":
                 targets = np.eye(o)[targets]
+        # each training point's own column, for `self_influence`: its label, else the prediction
+        self.own_columns_ = np.zeros(n, int) if o == 1 else g.argmax(1).numpy()
+        if y is not None and o > 1:
+            self.own_columns_ = labels(y, n, o).numpy()
         k = _kernels.compute(self.model, x_train, **self._opts())
         if self.normalize:
             self.diag_ = k.diagonal().clone()
@@ -419,8 +423,9 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             raise ValueError("the training kernel has a non-positive diagonal")
         self.x_train_, self.num_outputs_ = inputs.clone(x_train), o
         k = self._as_matrix(k)
+        if self.removable_:
+            self.kernel_ = k  # the uncentred training kernel, for `influence`'s refits
         if self.center_:
-            self.kernel_ = k  # the uncentred training kernel, for `influence`
             self.row_means_ = k.mean(0)
             k = k - self.row_means_[None] - self.row_means_[:, None] + self.row_means_.mean()
         if self.machine == "representer":
@@ -741,6 +746,24 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         rows = np.arange(len(k))
         return drop[rows, :, columns] if remove is None else drop[rows, columns]
 
+    def self_influence(self, output=None) -> np.ndarray:
+        """Counterfactual on the training points themselves: d(x_i) − d_{−i}(x_i), how much
+        `decision_function` at training example i drops when i alone is removed and the machine
+        refitted (`influence` with x_test the training inputs, its diagonal), [N_train], from the
+        fitted training kernel (no kernel is recomputed). A point that only it supports — a
+        flipped label, an atypical example — drops most. output: None, each point's own column
+        (its label y when fitted to labels, else the network's predicted class; `own_columns_`),
+        a column, or "all" ([N_train, C])."""
+        check_is_fitted(self, "dual_")
+        if not self.removable_:
+            raise ValueError(
+                "self_influence needs machine='ridge' with center=True (the default) or "
+                "machine='gauss_newton'"
+            )
+        drop = self._removal(self.kernel_, None, own=True)
+        columns = self.own_columns_ if output is None else self._columns(self.kernel_, output)
+        return drop if columns is None else drop[np.arange(len(drop)), columns]
+
     def _columns(self, k: np.ndarray, output) -> np.ndarray | None:
         """The column of d per test row for `influence`'s output (None for "all")."""
         if isinstance(output, str) and output == "all":
@@ -755,10 +778,12 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             )
         return np.full(len(k), int(output))
 
-    def _removal(self, k: np.ndarray, remove) -> np.ndarray:
-        """d(x) − d_{−S}(x) for the uncentred test kernel rows k [M, N]: [M, N, C] or [M, C]."""
+    def _removal(self, k: np.ndarray, remove, own: bool = False) -> np.ndarray:
+        """d(x) − d_{−S}(x) for the uncentred test kernel rows k [M, N]: [M, N, C] or [M, C];
+        own (k the training kernel, remove=None): each training point's own removal only,
+        [N, C], the diagonal of [N, N, C] without forming it."""
         if self.machine == "gauss_newton":
-            return self._gauss_newton_removal(k, remove)
+            return self._gauss_newton_removal(k, remove, own)
         n = self.dual_.shape[0]
         if remove is None and n == 1:  # the bordered system needs a training point
             raise ValueError(
@@ -772,15 +797,20 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
                 ]
             )
         )
-        w = np.hstack([k, np.ones((len(k), 1))]) @ h  # [M, N + 1]
+        bordered = np.hstack([k, np.ones((len(k), 1))])
+        if own:
+            w = np.einsum("ij,ji->i", bordered, h[:, :n])  # w_ii
+            return w[:, None] * self.dual_ / h.diagonal()[:n, None]
+        w = bordered @ h  # [M, N + 1]
         if remove is None:
             return w[:, :n, None] * (self.dual_ / h.diagonal()[:n, None])[None]
         gone = _removal_indices(remove, n)
         return w[:, gone] @ np.linalg.solve(h[np.ix_(gone, gone)], self.dual_[gone])
 
-    def _gauss_newton_removal(self, k: np.ndarray, remove) -> np.ndarray:
+    def _gauss_newton_removal(self, k: np.ndarray, remove, own: bool = False) -> np.ndarray:
         """d(x) − d_{−S}(x) of the Gauss–Newton machine (module docstring) for test kernel rows
-        k [M, N]: every single point [M, N, O] (remove=None), or one set S [M, O]."""
+        k [M, N]: every single point [M, N, O] (remove=None; own: each training point's own
+        removal, [N, O]), or one set S [M, O]."""
         factor, root = torch.as_tensor(self.factor_), torch.as_tensor(self.root_)
         beta, k = torch.as_tensor(self.beta_), torch.as_tensor(k)
         n, o = beta.shape
@@ -789,6 +819,8 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             blocks = h.reshape(n, o, n, o)[torch.arange(n), :, torch.arange(n), :]  # H_ii
             gamma = torch.linalg.solve(blocks, beta.unsqueeze(-1)).squeeze(-1)  # H_ii⁻¹ β_i
             v = torch.einsum("jpiq,iq->jpi", h.reshape(n, o, n, o), gamma)  # H_{:,I_i} γ_i
+            if own:
+                return torch.einsum("ij,jcp,jpi->ic", k, root, v).numpy()
             return torch.einsum("mj,jcp,jpi->mic", k, root, v).numpy()
         gone = torch.as_tensor(_removal_indices(remove, n))
         rows = (gone[:, None] * o + torch.arange(o)).reshape(-1)

@@ -441,6 +441,39 @@ def test_gauss_newton_removal_equals_refitting_without_the_points(small):
         KernelSurrogate(model, machine="gauss_newton", alpha="cv").fit(x, y)
 
 
+@pytest.mark.parametrize("machine", ["ridge", "gauss_newton"])
+def test_self_influence_is_each_training_points_own_refit(small, machine):
+    """self_influence: d(x_i) − d_{−i}(x_i) from the fitted kernel, against refitting without
+    i (the ridge by scikit-learn, the Gauss–Newton machine by its own solve) and the diagonal of
+    `influence` on the training inputs."""
+    model, x, _ = small
+    y = (torch.arange(len(x)) * 7) % 3
+    if machine == "ridge":
+        s = KernelSurrogate(model, alpha=0.01).fit(x)
+    else:
+        s = KernelSurrogate(model, machine="gauss_newton", alpha=0.05).fit(x, y)
+    own = s.self_influence(output="all")
+    assert own.shape == (len(x), 3)
+    d = s.decision_function(x)
+    for i in (0, 7, 24):
+        keep = np.delete(np.arange(len(x)), i)
+        if machine == "ridge":
+            without = _refit(s, model, x, x[i : i + 1], keep)
+        else:
+            without = _gauss_newton_refit(s, model, x, x[i : i + 1], y.numpy(), keep)
+        np.testing.assert_allclose(own[i], d[i] - without[0], atol=1e-8)
+    rows = np.arange(len(x))
+    np.testing.assert_allclose(own, s.influence(x, output="all")[rows, rows], atol=1e-10)
+    # by default each point's own column: its label, or the network's prediction (fitted to it)
+    columns = y.numpy() if machine == "gauss_newton" else model(x).argmax(1).numpy()
+    np.testing.assert_allclose(s.self_influence(), own[rows, columns], atol=1e-12)
+    np.testing.assert_allclose(s.self_influence(output=2), own[:, 2], atol=1e-12)
+    with pytest.raises(ValueError, match=r"output must be 'all', None or a column in 0\.\.2"):
+        s.self_influence(output=3)
+    with pytest.raises(ValueError, match="self_influence needs"):
+        KernelSurrogate(model, center=False, alpha=0.1).fit(x).self_influence()
+
+
 def test_gauss_newton_machine_that_does_not_fit_is_refused(small, monkeypatch):
     model, x, _ = small
     monkeypatch.setattr("attribution.surrogate.available_bytes", lambda device: 10_000)
