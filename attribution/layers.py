@@ -230,10 +230,9 @@ def _block_influence(
 ) -> dict[str, float | None]:
     """1 − cos(flattened input, flattened output) per sample, averaged, for every row module
     whose (first) input and output are tensors of the same shape; None for the others.
-    Hooks go on a copy, so the user's model is untouched."""
+    Hooks go on a copy, thrown away after, so the user's model is untouched."""
     twin = copy_module(model)
     sums: dict[str, list[float]] = {row: [0.0, 0] for row in groups}
-    handles = []
     for row in groups:
 
         def hook(module, args, output, row=row):
@@ -250,13 +249,11 @@ def _block_influence(
                 sums[row][0] += float((1 - cos).sum())
                 sums[row][1] += cos.numel()
 
-        handles.append(twin.get_submodule(row).register_forward_hook(hook))
+        twin.get_submodule(row).register_forward_hook(hook)
     with torch.no_grad():
         for start in range(0, inputs.count(x), chunk):
             args, kwargs = inputs.as_call(inputs.take(x, slice(start, start + chunk)))
             twin(*args, **kwargs)
-    for handle in handles:
-        handle.remove()
     return {row: (s / c if c else None) for row, (s, c) in sums.items()}
 
 

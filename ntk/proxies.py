@@ -51,6 +51,7 @@ copy whose BatchNorm layers have never seen data takes their statistics from the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -608,17 +609,15 @@ def _calibrate_norms(net: nn.Module, x) -> nn.Module:
         def count(m: nn.Module, args: tuple) -> None:
             counts.setdefault(m, args[0].numel() // args[0].shape[1])
 
-        hooks = [m.register_forward_pre_hook(count) for m in fresh]
         net.eval()
         for m in fresh:
             m.momentum = None
             m.train()
-        try:
+        with contextlib.ExitStack() as hooks:  # a RemovableHandle removes its hook on exit
+            for m in fresh:
+                hooks.enter_context(m.register_forward_pre_hook(count))
             with torch.no_grad():
                 _forward(net, x)
-        finally:
-            for hook in hooks:
-                hook.remove()
         for m, momentum in zip(fresh, momenta):
             m.momentum = momentum
             n = counts.get(m, 0)
@@ -850,13 +849,11 @@ def _activation_inputs(net, x, activations, record=None) -> list:
 
         return observe
 
-    hooks = [m.register_forward_hook(hook(name)) for name, m in activations]
-    try:
+    with contextlib.ExitStack() as hooks:
+        for name, m in activations:
+            hooks.enter_context(m.register_forward_hook(hook(name)))
         with torch.no_grad():
             _forward(net, x)
-    finally:
-        for h in hooks:
-            h.remove()
     return seen
 
 

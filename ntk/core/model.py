@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import TypeVar
 
 import torch
@@ -181,20 +181,16 @@ def _hooked(model: nn.Module, name: str, trace: _Trace | None):
 
         return hook
 
-    handles = []
-    for label, m in model.named_modules():
-        label = label or type(m).__name__
-        if trace is not None:
-            owns = any(p.requires_grad for p in m.parameters(recurse=False))
-            handles.append(m.register_forward_pre_hook(trace.enter(label)))
-            handles.append(m.register_forward_hook(trace.leave(owns)))
-        if isinstance(m, nn.Embedding):
-            handles.append(m.register_forward_pre_hook(check_ids(label, m)))
-    try:
+    with ExitStack() as hooks:  # a RemovableHandle removes its hook on exit
+        for label, m in model.named_modules():
+            label = label or type(m).__name__
+            if trace is not None:
+                owns = any(p.requires_grad for p in m.parameters(recurse=False))
+                hooks.enter_context(m.register_forward_pre_hook(trace.enter(label)))
+                hooks.enter_context(m.register_forward_hook(trace.leave(owns)))
+            if isinstance(m, nn.Embedding):
+                hooks.enter_context(m.register_forward_pre_hook(check_ids(label, m)))
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def check_output_rows(y: torch.Tensor, n: int, name: str) -> None:

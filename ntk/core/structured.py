@@ -398,16 +398,12 @@ def plan(
 
         return hook
 
-    handles = []
-    try:
+    with contextlib.ExitStack() as hooks:  # a RemovableHandle removes its hook on exit
         for layer, module in view.model.named_modules():
-            handles.append(module.register_forward_pre_hook(pre_hook(layer)))
-            handles.append(module.register_forward_hook(post_hook(layer), prepend=True))
+            hooks.enter_context(module.register_forward_pre_hook(pre_hook(layer)))
+            hooks.enter_context(module.register_forward_hook(post_hook(layer), prepend=True))
         with torch.no_grad(), probe:
             reference = view.forward(params, x_probe)
-    finally:
-        for h in handles:
-            h.remove()
     candidates = {n for n in shared if probe.calls.get(n, 0) == 1}
     shared = {n for n in candidates if _expansion_keeps_output(view, x_probe, {n}, reference)}
     if len(shared) > 1 and not _expansion_keeps_output(view, x_probe, shared, reference):
@@ -510,8 +506,9 @@ def _leading_sample_axis(view: ModelView, x, names: dict[str, nn.Module]) -> set
         with torch.no_grad():
             view.forward(view.params, inputs.take(x, torch.tensor(idx, dtype=torch.long)))
 
-    handles = [module.register_forward_hook(hook(n), prepend=True) for n, module in names.items()]
-    try:
+    with contextlib.ExitStack() as hooks:
+        for n, module in names.items():
+            hooks.enter_context(module.register_forward_hook(hook(n), prepend=True))
         run([0] * _CONFIRM)
         confirmed = set(captured)
         distinct = list(range(min(_CONFIRM, inputs.count(x))))
@@ -530,9 +527,6 @@ def _leading_sample_axis(view: ModelView, x, names: dict[str, nn.Module]) -> set
                 confirmed &= set(batched)
         except Exception:
             confirmed = set()  # a sample the model fails on: the blocks' own passes name it
-    finally:
-        for h in handles:
-            h.remove()
     return confirmed
 
 
@@ -573,15 +567,14 @@ def _expansion_keeps_output(view: ModelView, x_probe, layers: set[str], referenc
     def expand(module, args, out):
         return _expand_shared(out, args[0], _PROBE)[0]
 
-    handles = [module_of[n].register_forward_hook(expand, prepend=True) for n in layers]
-    try:
-        with torch.no_grad():
-            out = view.forward(view.params, x_probe)
-    except Exception:  # any failure (nn.MultiheadAttention asserts its query's rank): not safe
-        return False
-    finally:
-        for h in handles:
-            h.remove()
+    with contextlib.ExitStack() as hooks:
+        for n in layers:
+            hooks.enter_context(module_of[n].register_forward_hook(expand, prepend=True))
+        try:
+            with torch.no_grad():
+                out = view.forward(view.params, x_probe)
+        except Exception:  # any failure (nn.MultiheadAttention asserts its query's rank): not safe
+            return False
     return out.shape == reference.shape and bool(torch.allclose(out, reference))
 
 
@@ -779,15 +772,13 @@ def _reading(view: ModelView, plan_: Plan, x, name: str | None, record: bool = T
         return read
 
     # before the model's own forward hooks, which may change the output (autograd follows)
-    handles = [m.register_forward_hook(hook(n), prepend=True) for n, m in plan_.modules.items()]
-    try:
+    with contextlib.ExitStack() as hooks:
+        for n, m in plan_.modules.items():
+            hooks.enter_context(m.register_forward_hook(hook(n), prepend=True))
         out = _checked(view, x, name)
         replaying = True
         with _own_parameters_frozen(view.model) if plan_.recomputes else contextlib.nullcontext():
             yield out, layer_inputs, perturbations, chunked
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @contextlib.contextmanager
