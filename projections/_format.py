@@ -57,6 +57,8 @@ _WRITTEN = re.compile(
     rf"{re.escape(MANIFEST)}|{re.escape(ARRAY)}|{LOCK}|{JOURNAL}|{_TEMPORARY.pattern}"
 )
 STORE_DTYPES = ("float16", "float32", "float64")
+# an open refused by a file's permission or a read-only mount: not a damaged store
+_NOT_PERMITTED = (errno.EACCES, errno.EPERM, errno.EROFS)
 _FIELDS = {  # the manifest's fields and their JSON types, besides "blocks"
     "format": str,
     "model": str,
@@ -271,7 +273,7 @@ def open_array(root: Path, manifest: dict, mode: str = "r") -> np.ndarray:
     try:
         array = np.load(file, mmap_mode=mode, allow_pickle=False)
     except (OSError, ValueError) as e:
-        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        if isinstance(e, OSError) and e.errno in _NOT_PERMITTED:
             purpose = "reading" if mode == "r" else "writing"
             raise StoreError(f"cannot open {file} for {purpose}: {e.strerror}") from None
         raise StoreError(f"cannot read {file} (truncated or damaged?): {e}") from None
@@ -444,8 +446,17 @@ def _remove_temporaries(root: Path) -> None:
 @contextmanager
 def writer_lock(root: Path):
     """Hold the store's lock while writing; refuse (naming the holder) while another process
-    holds it. The lock dies with its process, so a killed writer never blocks the next one."""
-    fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    holds it. The lock dies with its process, so a killed writer never blocks the next one.
+    A lock file that may not be opened for writing (its permission, a read-only mount, a
+    directory in its place) is refused as such before anything is written, as `open_array`
+    refuses the array ("cannot open …/lock for writing: Permission denied")."""
+    file = root / LOCK
+    try:
+        fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        if e.errno in (*_NOT_PERMITTED, errno.EISDIR):
+            raise StoreError(f"cannot open {file} for writing: {e.strerror}") from None
+        raise
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

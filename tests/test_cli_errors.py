@@ -1,6 +1,7 @@
 """Bad input to the CLI: exit 2 with one line that names the flag, before any computation; no
 traceback and no advice from numpy or torch."""
 
+import errno
 import json
 import os
 import re
@@ -420,6 +421,42 @@ def test_a_feature_store_whose_array_is_read_only_is_not_called_damaged(labelled
     )
     (f / "st" / "features.npy").chmod(0o644)
     assert run(capsys, *line, str(f / "st"))[0] == 0
+
+
+@pytest.mark.parametrize(
+    "refused",
+    ["directory", "os.open", pytest.param("chmod", marks=skip_as_root)],
+)
+def test_a_feature_store_whose_lock_may_not_be_opened_is_refused_naming_it(
+    labelled, capsys, monkeypatch, refused
+):
+    """A store whose writer's lock file may not be opened for writing (a directory in its
+    place; its write permission taken away, which binds every user but root: here os.open
+    refuses it as it would them, or chmod where it binds) exited 1, once the model was loaded,
+    with "STORE …: cannot write: Is a directory" (Permission denied), as a failed write of the
+    output. Exit 2 naming the lock, as for a read-only features.npy; nothing is written."""
+    f = labelled
+    store, lock = f / "st", f / "st" / "lock"
+    line = ["featurize", *MODEL.format(f=f).split(), "--dim", "1", "--block", "1", str(store)]
+    store.mkdir()
+    if refused == "directory":
+        lock.mkdir()
+    else:
+        lock.touch()
+        lock.chmod(0o444)
+    if refused == "os.open":
+        real_open = os.open
+
+        def as_a_user(path, flags, *args, **kwargs):
+            if os.fspath(path) == str(lock) and flags & (os.O_WRONLY | os.O_RDWR):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+            return real_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", as_a_user)
+    err = usage_error(capsys, *line)
+    why = "Is a directory" if refused == "directory" else "Permission denied"
+    assert err.strip() == f"ntk: error: cannot open {lock} for writing: {why}"
+    assert sorted(p.name for p in store.iterdir()) == ["lock"]
 
 
 def test_kernel_tiles_that_cannot_be_written_name_the_flag(labelled, capsys):
