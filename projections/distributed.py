@@ -54,7 +54,7 @@ def featurize_shard(fz: Featurizer, blocks, root: Path, settings: dict, batch_si
                 if (root / _format.MANIFEST).exists():
                     read_only = _format.complete(_format.matching(root, settings, batch_size))
                 if not read_only:
-                    root.mkdir(parents=True, exist_ok=True)
+                    _format.make_root(root)
                     lock.enter_context(_format.writer_lock(root))
                     manifest = _format.load_or_create(root, settings, batch_size, fz)
                     _merge_journal(root, manifest)

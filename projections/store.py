@@ -122,7 +122,7 @@ def featurize(
         if _format.complete(manifest):  # only read: check the data against the manifest
             _format.write_blocks(fz, blocks, root, manifest, [], None, False)
             return open_store(root, verify=False)
-    root.mkdir(parents=True, exist_ok=True)
+    _format.make_root(root)
     with _format.writer_lock(root):
         manifest = _format.load_or_create(root, settings, batch_size, fz)
         todo = [i for i in range(manifest["num_blocks"]) if str(i) not in manifest["blocks"]]

@@ -901,6 +901,30 @@ def test_featurize_refuses_a_directory_of_other_files_but_resumes_a_partial_stor
     assert projections.open_store(files / "partial").shape == (10, 3, 8)
 
 
+def test_a_store_that_is_a_dangling_symlink_is_made_where_it_points(files, capsys):
+    """A STORE that is a symlink to a folder not yet made exited 1 once the model was loaded,
+    "STORE …: cannot write: File exists" (the link's own mkdir). A missing STORE is made when
+    its parent directory exists and refused up front when not; a link is written through, so
+    the same holds for the folder it names: made there (the link kept), or refused naming that
+    folder's missing parent."""
+    args = ["featurize", "--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
+    args += ["--dim", "8"]
+    link = files / "link"
+    link.symlink_to(files / "target")
+    code, out, err = run(capsys, *args, str(link))
+    assert code == 0, err
+    assert link.is_symlink() and os.readlink(link) == str(files / "target")
+    assert projections.open_store(files / "target").shape == (10, 3, 8)
+    assert run(capsys, *args, str(link))[0] == 0  # the link now names a complete store
+    far = files / "far"
+    far.symlink_to(files / "missing" / "target")
+    err = usage_error(capsys, *args, str(far))
+    assert err.strip() == (
+        f"ntk: error: STORE: directory {files}/missing does not exist (for {far})"
+    )
+    assert not (files / "missing").exists()
+
+
 def test_a_complete_store_in_a_directory_that_is_not_writable_is_read(files, capsys, monkeypatch):
     """featurize only reads a complete store (the library's promise: it may sit in a read-only
     directory), but the command refused one up front ("STORE: … is not writable"). A store still
