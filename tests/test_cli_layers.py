@@ -254,6 +254,51 @@ def test_a_plot_in_a_format_matplotlib_cannot_write_is_refused_naming_plot(tmp_p
 
 
 @pytest.mark.parametrize(
+    "name, usetex, program",
+    [("p.pgf", False, "xelatex"), ("p.png", True, "latex"), ("p.eps", True, "latex")],
+)
+def test_a_plot_whose_writer_runs_a_program_not_installed_is_refused_before_any_work(
+    tmp_path, capsys, monkeypatch, name, usetex, program
+):
+    """pgf, whose writer measures text with rcParams['pgf.texsystem'] (xelatex), and any format
+    with rcParams['text.usetex'] (latex) were accepted, to fail once the work was done (exit 1)
+    with "--plot p.pgf: cannot write: No such file or directory" or "RuntimeError: Failed to
+    process string with tex because latex could not be found". Here no such program is on
+    PATH."""
+    _, _, common = setup(tmp_path)
+    (tmp_path / "bin").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    monkeypatch.setitem(matplotlib.rcParams, "text.usetex", usetex)
+    monkeypatch.setitem(matplotlib.rcParams, "pgf.texsystem", "xelatex")
+    with pytest.raises(SystemExit) as stop:
+        main(["layers", *common, "--plot", str(tmp_path / name)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"ntk: error: --plot: cannot write {tmp_path / name}: "), err
+    assert err.strip().endswith(f" {program}, which is not on PATH"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bin", "data.npz", "factory.py"]
+
+
+def test_formats_that_matplotlib_writes_itself_need_no_program(tmp_path, monkeypatch):
+    """Without text.usetex every format but pgf is written by matplotlib alone (PS, EPS and SVG
+    included): accepted with an empty PATH; pgf once its TeX engine is on PATH."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    from attribution.cli.layers import _check_plot
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setitem(matplotlib.rcParams, "text.usetex", False)
+    for fmt in FigureCanvasBase.get_supported_filetypes():
+        if fmt != "pgf":
+            _check_plot(f"p.{fmt}")
+    engine = tmp_path / "lualatex"
+    engine.write_text("#!/bin/sh\n")
+    engine.chmod(0o755)
+    monkeypatch.setitem(matplotlib.rcParams, "pgf.texsystem", "lualatex")
+    _check_plot("p.pgf")
+
+
+@pytest.mark.parametrize(
     "name, magic", [("p.png", b"\x89PNG\r\n\x1a\n"), ("p.svg", b"<?xml"), ("p.pdf", b"%PDF-")]
 )
 def test_a_plot_that_fails_part_way_leaves_the_earlier_file(tmp_path, capsys, name, magic):

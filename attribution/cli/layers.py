@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import shutil
 from pathlib import Path
 
 import click
@@ -28,17 +29,51 @@ COLUMNS = ("layer", "type", "params", *LAYER_SCORES, "trace", "rank")
 
 
 def _check_plot(path: str | None) -> None:
-    """--plot: a name ending in a format matplotlib writes (it would add .png to one without)."""
+    """--plot: a name ending in a format matplotlib writes (it would add .png to one without),
+    whose writer has the programs it runs on this machine (`_programs`): a missing one failed
+    only once the work was done."""
     if path is None:
         return
     from matplotlib.backend_bases import FigureCanvasBase
 
     formats = FigureCanvasBase.get_supported_filetypes()
-    if Path(path).suffix[1:].lower() not in formats:
+    fmt = Path(path).suffix[1:].lower()
+    if fmt not in formats:
         raise UsageProblem(
             f"--plot: {path} must end in the suffix of a format matplotlib writes: "
             f"{', '.join(sorted(formats))}"
         )
+    for program, why in _programs(fmt):
+        if shutil.which(program) is None:
+            raise UsageProblem(f"--plot: cannot write {path}: {why}, which is not on PATH")
+
+
+def _programs(fmt: str) -> list[tuple[str, str]]:
+    """The programs that matplotlib runs to write a figure in `fmt` with its settings (the
+    user's matplotlibrc included), each with why, ending in its name: the pgf writer measures
+    text with a TeX engine, and text.usetex has the other writers typeset text with latex (PS
+    then runs dvips; Agg's formats dvipng, unless text.latex.engine reads the DVI itself). None
+    otherwise: matplotlib draws and writes every other format itself (a missing Ghostscript,
+    for ps.usedistiller, only skips the distilling, with a warning)."""
+    import matplotlib as mpl
+    from matplotlib.backend_bases import get_registered_canvas_class
+
+    writer = get_registered_canvas_class(fmt).__module__.rsplit(".", 1)[-1]
+    if writer == "backend_pgf":
+        tex = mpl.rcParams["pgf.texsystem"]
+        return [(tex, f"matplotlib writes pgf with rcParams['pgf.texsystem'], {tex}")]
+    if not mpl.rcParams["text.usetex"]:
+        return []
+    why = "with rcParams['text.usetex'] matplotlib typesets text with"
+    needed = [("latex", f"{why} latex")]
+    if writer == "backend_ps":
+        needed.append(("dvips", f"{why} latex and dvips"))
+    elif writer == "backend_agg" and mpl.rcParams.get("text.latex.engine") in (
+        None,  # before matplotlib 3.11, always
+        "latex+dvipng",
+    ):
+        needed.append(("dvipng", f"{why} latex and dvipng"))
+    return needed
 
 
 def _plot(rows: list[dict], score: str, path: str) -> None:
