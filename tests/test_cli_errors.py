@@ -925,6 +925,21 @@ def test_a_store_that_is_a_dangling_symlink_is_made_where_it_points(files, capsy
     assert not (files / "missing").exists()
 
 
+def test_an_error_of_one_rank_under_torchrun_names_the_rank(files, capsys, monkeypatch):
+    """A rank's own error did not name its rank, where the others' say "rank N failed: …";
+    torchrun's WORLD_SIZE and RANK say which it is before any process group is joined. A single
+    process (WORLD_SIZE 1 or unset) prints the line as it was."""
+    args = ["kernel", "--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
+    args += ["--kind", "trace", "--save", str(files)]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    err = usage_error(capsys, *args)
+    assert err.strip() == f"ntk: error: rank 1: --save: {files} is a directory, not a file"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    err = usage_error(capsys, *args)
+    assert err.strip() == f"ntk: error: --save: {files} is a directory, not a file"
+
+
 def test_a_complete_store_in_a_directory_that_is_not_writable_is_read(files, capsys, monkeypatch):
     """featurize only reads a complete store (the library's promise: it may sit in a read-only
     directory), but the command refused one up front ("STORE: … is not writable"). A store still

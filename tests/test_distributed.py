@@ -193,7 +193,8 @@ def test_ranks_that_disagree_or_fail_raise_on_every_rank(runs):
 def test_cli_names_the_rank_that_failed_on_every_rank_with_its_exit_status(tmp_path):
     """`ntk featurize` under torchrun, one rank failing: the others printed "RuntimeError: rank 0
     failed: StoreError('…')" and exited 1 where that rank exited 2, or, when its --kernel-tiles
-    could not be written, Gloo's "Connection closed by peer"."""
+    could not be written, Gloo's "Connection closed by peer". The failing rank's own line did
+    not name its rank; it starts "rank N: "."""
     np.savez(tmp_path / "x.npz", x=model_and_data()[1].numpy())
     featurize(tmp_path / "store")
     run = torchrun(tmp_path, "cli")
@@ -204,12 +205,12 @@ def test_cli_names_the_rank_that_failed_on_every_rank_with_its_exit_status(tmp_p
         f"the store at {tmp_path / 'store'} was written with other settings (seed: store has "
         "1, requested 2); use another path"
     )
-    assert said[0]["seed"] == (2, f"ntk: error: {settings}")
+    assert said[0]["seed"] == (2, f"ntk: error: rank 0: {settings}")
     assert said[1]["seed"] == (2, f"ntk: error: rank 0 failed: StoreError: {settings}")
     full = tmp_path / "full"  # rank 1's --kernel-tiles, on a full disk
     assert said[1]["tiles"] == (
         1,
-        f"ntk: error: --kernel-tiles {full}: cannot write: No space left on device",
+        f"ntk: error: rank 1: --kernel-tiles {full}: cannot write: No space left on device",
     )
     assert said[0]["tiles"] == (
         1,

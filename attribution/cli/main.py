@@ -1,5 +1,6 @@
 """The `ntk` command group and its error handling (exit 2: usage errors; 1: anything else, a
-model whose own forward pass fails included, `common.ModelFailure`)."""
+model whose own forward pass fails included, `common.ModelFailure`); on a rank of a distributed
+run (torchrun) the error names the rank."""
 
 from __future__ import annotations
 
@@ -63,6 +64,24 @@ def _named(exc: Exception) -> str:
     return f"{type(exc).__name__}: {_first_line(exc)}"
 
 
+def _rank(exc: BaseException) -> str:
+    """The prefix "rank N: " of this rank's own error `exc` in a distributed run (world size > 1:
+    an initialised process group's, else torchrun's WORLD_SIZE and RANK), as the other ranks'
+    lines name it ("rank N failed: …", a `RankFailed`, which gets none); "" in one process."""
+    distributed = sys.modules.get("ntk.distributed")
+    if distributed is not None and isinstance(exc, distributed.RankFailed):
+        return ""
+    dist = sys.modules.get("torch.distributed")  # not imported to print a usage error
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        try:
+            rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        except ValueError:
+            return ""
+    return f"rank {rank}: " if world > 1 else ""
+
+
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """A warning as one line on stderr, without the source file and line."""
     warn(str(message))
@@ -85,20 +104,20 @@ def _run(argv) -> None:
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.UsageError as exc:
-        click.echo(f"ntk: error: {_message(exc.format_message())}", err=True)
+        click.echo(f"ntk: error: {_rank(exc)}{_message(exc.format_message())}", err=True)
         sys.exit(2)
     except click.ClickException as exc:
-        click.echo(f"ntk: error: {_message(exc.format_message())}", err=True)
+        click.echo(f"ntk: error: {_rank(exc)}{_message(exc.format_message())}", err=True)
         sys.exit(exc.exit_code)
     except (ValueError, TypeError) as exc:
         if os.environ.get("NTK_DEBUG"):
             raise
         # Bad input that the library refused before doing any work: a usage problem.
-        click.echo(f"ntk: error: {_first_line(exc) or type(exc).__name__}", err=True)
+        click.echo(f"ntk: error: {_rank(exc)}{_first_line(exc) or type(exc).__name__}", err=True)
         sys.exit(2)
     except Exception as exc:
         if os.environ.get("NTK_DEBUG"):
             raise
-        click.echo(f"ntk: error: {_named(exc)}", err=True)
+        click.echo(f"ntk: error: {_rank(exc)}{_named(exc)}", err=True)
         sys.exit(1)
     sys.exit(0)
