@@ -11,8 +11,10 @@ initialised group of several processes) keeps the single-process store format:
    (`ntk.distributed.shard`); each rank writes its blocks' rows into the shared `features.npy`
    and, once a block's rows are flushed, records its SHA-256 in `journal/<block>.sha256`
    (atomically) instead of in the manifest, which only rank 0 writes;
-3. after a barrier rank 0 checks every journal entry against the bytes it reads back, adds the
-   blocks to the manifest in block order and removes the journal, then the ranks return.
+3. once every rank is done rank 0 checks every journal entry against the bytes it reads back,
+   adds the blocks to the manifest in block order and removes the journal, then the ranks
+   return; a failure of this step (blocks missing, a manifest that cannot be written) is raised
+   on every rank (`ntk.distributed.together`), as is a failure of any rank's share in step 2.
 
 The features and the manifest are byte-identical to a single-process run with the same settings
 and `batch_size`. A rerun after a rank died (with any number of ranks) keeps the blocks that
@@ -32,7 +34,6 @@ import torch
 from ntk.core.files import atomic_path
 from ntk.distributed import (
     agree,
-    barrier,
     check_empty,
     rank_and_world,
     run_grid,
@@ -76,16 +77,16 @@ def featurize_shard(fz: Featurizer, blocks, root: Path, settings: dict, batch_si
 
         with together(ValueError, TypeError, OSError):
             _format.write_blocks(fz, blocks, root, manifest, mine, record, show and rank == 0)
-        if rank == 0 and not read_only:
-            _merge_journal(root, manifest)
-            missing = manifest["num_blocks"] - len(manifest["blocks"])
-            if missing:
-                raise _format.StoreError(
-                    f"{missing} blocks of the store at {root} are missing or do not hold the "
-                    "bytes their rank wrote (do all ranks share this filesystem, with coherent "
-                    "writes?); run again to recompute them"
-                )
-        barrier()
+        with together(ValueError, TypeError, OSError):  # rank 0's failure stops every rank
+            if rank == 0 and not read_only:
+                _merge_journal(root, manifest)
+                missing = manifest["num_blocks"] - len(manifest["blocks"])
+                if missing:
+                    raise _format.StoreError(
+                        f"{missing} blocks of the store at {root} are missing or do not hold the "
+                        "bytes their rank wrote (do all ranks share this filesystem, with "
+                        "coherent writes?); run again to recompute them"
+                    )
     return _format.open_store(root, verify=False)
 
 

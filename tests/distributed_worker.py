@@ -86,6 +86,24 @@ def featurize(path, log=None):
         projections._format.write_blocks = write_blocks  # later featurisations are not logged
 
 
+def unseen_journal(path):
+    """`featurize(path)` where rank 0, completing the store, does not see the journal entries of
+    rank 1's blocks (2-4), as if rank 1 had written them on a filesystem of its own."""
+    merge = projections.distributed._merge_journal
+
+    def blind(root, manifest):
+        for entry in (root / projections._format.JOURNAL).glob("*.sha256"):
+            if int(entry.name.split(".")[0]) >= 2:
+                entry.unlink()
+        return merge(root, manifest)
+
+    projections.distributed._merge_journal = blind
+    try:
+        return featurize(path)
+    finally:
+        projections.distributed._merge_journal = merge
+
+
 def own_tiles(path, full=False):
     """`path`, a directory for kernel tiles that only this rank sees (its tiles folder made, as
     rank 0 makes the shared one); full: on a full disk, each tile's temporary file a link to
@@ -198,6 +216,7 @@ def main(out, mode):
                 path=own_tiles(os.path.join(out, "own")) if rank else os.path.join(out, "unshared"),
             ),
         ),
+        ("unseen", lambda: unseen_journal(os.path.join(out, "unseen"))),  # rank 0 completes it
     ]:
         try:
             call()

@@ -162,8 +162,8 @@ def test_store_kernels_equal_one_process(runs):
 
 def test_ranks_that_disagree_or_fail_raise_on_every_rank(runs):
     """A rank's failure was a RuntimeError on the others, its error a repr ("rank 0 failed:
-    ValueError('path …')"), or, writing tiles, Gloo's "Connection closed by peer"; it is
-    RankFailed there, of the error's category, naming the rank and the error."""
+    ValueError('path …')"), or, writing tiles or completing a store, Gloo's "Connection closed
+    by peer"; it is RankFailed there, of the error's category, naming the rank and the error."""
     out = runs[0]
     errors = [json.loads((out / f"errors.{r}.json").read_text()) for r in range(2)]
     messages = [{case: e[0] for case, e in errors[r].items()} for r in range(2)]
@@ -188,6 +188,14 @@ def test_ranks_that_disagree_or_fail_raise_on_every_rank(runs):
     )  # rank 0 checks that every tile is present
     assert messages[0]["unshared"] == f"RuntimeError: {unshared}"
     assert messages[1]["unshared"] == f"RankFailed: rank 0 failed: RuntimeError: {unshared}"
+    unseen = (
+        f"3 blocks of the store at {out / 'unseen'} are missing or do not hold the bytes their "
+        "rank wrote (do all ranks share this filesystem, with coherent writes?); run again to "
+        "recompute them"
+    )  # rank 0, completing the store, finds rank 1's blocks missing
+    assert messages[0]["unseen"] == f"StoreError: {unseen}"
+    assert messages[1]["unseen"] == f"RankFailed: rank 0 failed: StoreError: {unseen}"
+    assert all("ValueError" in errors[r]["unseen"][1] for r in range(2))
 
 
 def test_cli_names_the_rank_that_failed_on_every_rank_with_its_exit_status(tmp_path):
