@@ -983,6 +983,21 @@ def test_kernel_tiles_into_an_existing_folder_are_refused_before_any_work(files,
     assert not (files / "store").exists() and not (files / "built").exists()
 
 
+def test_kernel_tiles_at_a_dangling_symlink_are_written_where_it_points(files, capsys):
+    """--kernel-tiles LINK, a symlink to a folder not made yet, exited 1 once the store was
+    written ("--kernel-tiles LINK: cannot write: File exists", mkdir of the link itself)."""
+    import ntk.distributed
+
+    line = ["featurize", "--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
+    link = files / "tiles"
+    link.symlink_to(files / "target")
+    line += ["--dim", "8", str(files / "store"), "--kernel-tiles", str(link)]
+    code, _, err = run(capsys, *line)
+    assert code == 0, err
+    assert link.is_symlink() and (files / "target" / "index.json").exists()
+    assert ntk.distributed.load_tiles(link).shape == (10, 10)
+
+
 def test_a_device_the_machine_lacks_is_a_usage_error_before_any_work(capsys):
     err = usage_error(capsys, "layers", "--device", "foo")
     assert "'foo' is not a torch device" in err, err
