@@ -63,7 +63,8 @@ def featurize_shard(fz: Featurizer, blocks, root: Path, settings: dict, batch_si
         except (ValueError, TypeError, OSError) as e:
             error = e
         agree({"settings": settings, "batch_size": batch_size}, error)
-        manifest = _format.read_manifest(root)
+        with together(ValueError, TypeError, OSError):  # a rank that sees no manifest stops all
+            manifest = _format.read_manifest(root)
         todo = [i for i in range(manifest["num_blocks"]) if str(i) not in manifest["blocks"]]
         mine = [todo[t] for t in shard(len(todo), rank, world)]
 

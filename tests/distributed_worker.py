@@ -104,6 +104,23 @@ def unseen_journal(path):
         projections.distributed._merge_journal = merge
 
 
+def manifest_unseen(path):
+    """`featurize(path)` where rank 1 does not see the manifest rank 0 made, as if the store were
+    on a filesystem of rank 0's own."""
+    read = projections._format.read_manifest
+
+    def blind(root):
+        if dist.get_rank() == 1:
+            return read(root / "elsewhere")
+        return read(root)
+
+    projections._format.read_manifest = blind
+    try:
+        return featurize(path)
+    finally:
+        projections._format.read_manifest = read
+
+
 def own_tiles(path, full=False):
     """`path`, a directory for kernel tiles that only this rank sees (its tiles folder made, as
     rank 0 makes the shared one); full: on a full disk, each tile's temporary file a link to
@@ -217,6 +234,7 @@ def main(out, mode):
             ),
         ),
         ("unseen", lambda: unseen_journal(os.path.join(out, "unseen"))),  # rank 0 completes it
+        ("no manifest", lambda: manifest_unseen(os.path.join(out, "no manifest"))),
     ]:
         try:
             call()
