@@ -407,13 +407,13 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             else:
                 targets = g.numpy()
         else:
-            targets = labels(y, n, o).numpy()
-            if self.machine == "ridge":
-                targets = np.eye(o)[targets]
+            label_ids = labels(y, n, o).numpy()
+            targets = np.eye(o)[label_ids] if self.machine == "ridge" else label_ids
         # each training point's own column, for `self_influence`: its label, else the prediction
-        self.own_columns_ = np.zeros(n, int) if o == 1 else g.argmax(1).numpy()
-        if y is not None and o > 1:
-            self.own_columns_ = labels(y, n, o).numpy()
+        if o == 1:
+            self.own_columns_ = np.zeros(n, int)
+        else:
+            self.own_columns_ = g.argmax(1).numpy() if y is None else label_ids
         k = _kernels.compute(self.model, x_train, **self._opts())
         if self.normalize:
             self.diag_ = k.diagonal().clone()
