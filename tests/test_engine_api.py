@@ -784,6 +784,28 @@ def test_ntk_vp_names_an_operation_without_forward_mode():
     ntk.empirical_ntk(model, x, method="jacobian")  # the suggested method works
 
 
+def test_ntk_vp_names_a_forward_mode_derivative_that_fails_in_torch():
+    """torch's forward-mode derivative of group_norm fails on a channels_last input ("view size
+    is not compatible with input tensor's size and stride"), where the forward pass runs: that
+    RuntimeError came out bare; it is refused naming the method and the fix."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 2)
+    ).eval()
+    x = torch.randn(3, 3, 6, 6).to(memory_format=torch.channels_last)
+    h = torch.randn(2, 4, 3, 3).to(memory_format=torch.channels_last)
+    try:
+        torch.func.jvp(lambda t: nn.functional.group_norm(t, 2), (h,), (h,))
+    except RuntimeError:
+        pass
+    else:
+        pytest.skip("this torch's forward-mode group_norm takes channels_last inputs")
+    with pytest.raises(NotImplementedError, match="needs forward-mode.*one fails in torch"):
+        ntk.empirical_ntk(model, x, method="ntk_vp")
+    reference = ntk.empirical_ntk(model, x.contiguous(), method="jacobian")
+    torch.testing.assert_close(ntk.empirical_ntk(model, x, method="structured"), reference)
+
+
 def test_a_checked_forward_pass_hooks_every_module_only_once_it_has_failed():
     """A checked pass that succeeds hooks the embeddings alone (their ids are checked before the
     model indexes with them); one that fails runs again with hooks on every module to name the

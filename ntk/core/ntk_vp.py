@@ -70,14 +70,20 @@ def tile(
 @contextmanager
 def _naming_missing_forward_mode():
     """An operation of the model without forward-mode derivatives (torch raises
-    NotImplementedError: e.g. oneDNN LSTM, weight_norm, EmbeddingBag) refused with the fix."""
+    NotImplementedError: e.g. oneDNN LSTM, weight_norm, EmbeddingBag), or whose forward-mode
+    derivative fails where its forward pass ran (RuntimeError: group_norm on a channels_last
+    input, "view size is not compatible with input tensor's size and stride"), refused with the
+    fix."""
     try:
         yield
-    except NotImplementedError as error:
+    except torch.OutOfMemoryError:
+        raise
+    except (NotImplementedError, RuntimeError) as error:
         first = (str(error).strip().splitlines() or [""])[0]
+        which = "has none" if isinstance(error, NotImplementedError) else "fails in torch"
         raise NotImplementedError(
             "method='ntk_vp' needs forward-mode derivatives of every operation of the model, "
-            f"and one has none ({first}); use method='jacobian' or 'structured'"
+            f"and one {which} ({first}); use method='jacobian' or 'structured'"
         ) from error
 
 
