@@ -515,6 +515,17 @@ def test_a_model_torch_func_cannot_differentiate_falls_back_to_autograd(method):
         assert rel_err(part, of_kind(ref[layer][:2], "trace")) <= 1e-10, layer
 
 
+def test_ntk_vp_names_a_model_torch_func_cannot_run():
+    """method='ntk_vp' (no autograd fallback) on the packed GRU: torch's bare RuntimeError
+    ("Cannot access data pointer …") came out; it is refused naming the method and the fix."""
+    net = PackedGRU().eval()
+    with pytest.raises(
+        NotImplementedError,
+        match="ntk_vp' runs the model under torch.func.*data pointer.*use method='jacobian'",
+    ):
+        ntk.empirical_ntk(net, torch.randn(3, 4, 3), method="ntk_vp")
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_a_layer_run_under_no_grad_has_a_zero_kernel(method):
     """A layer the forward runs under torch.no_grad() does not move the outputs: its kernel is

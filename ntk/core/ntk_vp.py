@@ -46,7 +46,7 @@ def tile(
     one_at_a_time = nested_vmap_unsafe(view, x1)
     for i in range(n1):
         xi = inputs.take(x1, slice(i, i + 1))
-        with _naming_transform_limits():
+        with _naming_transform_limits(view, xi):
             _, pullback = vjp(lambda p, xi=xi: view.forward(p, xi)[0], params)
         cotangents = u1 if u1.dim() == 2 else u1[:, i]
         if one_at_a_time:
@@ -88,20 +88,35 @@ def _naming_missing_forward_mode():
 
 
 @contextmanager
-def _naming_transform_limits():
-    """A model that torch.func's transforms cannot run (activation checkpointing's saved-tensor
-    hooks, an autograd.Function without setup_context) refused with the fix: the `jacobian`
-    method falls back to torch.autograd for such models."""
+def _naming_transform_limits(view: ModelView, x):
+    """A model that torch.func's transforms cannot run on the sample x where its plain forward
+    pass runs (activation checkpointing's saved-tensor hooks, an autograd.Function without
+    setup_context, a packed sequence through nn.GRU: "Cannot access data pointer of Tensor that
+    doesn't have storage") refused with the fix: the `jacobian` method falls back to
+    torch.autograd for such models."""
     try:
         yield
+    except torch.OutOfMemoryError:
+        raise
     except RuntimeError as error:
         first = (str(error).strip().splitlines() or [""])[0]
-        if "torch.func" not in first and "functorch" not in first:
+        named = "torch.func" in first or "functorch" in first
+        if not named and not _runs_plainly(view, x):  # the model's own failure
             raise
         raise NotImplementedError(
             f"method='ntk_vp' runs the model under torch.func's transforms, which cannot run it "
             f"({first}); use method='jacobian' or 'structured'"
         ) from error
+
+
+def _runs_plainly(view: ModelView, x) -> bool:
+    """Whether the model's forward pass runs on x without torch.func's transforms."""
+    try:
+        with torch.no_grad():
+            view.forward(view.params, x)
+    except Exception:
+        return False
+    return True
 
 
 @contextmanager
