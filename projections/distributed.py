@@ -78,12 +78,14 @@ def featurize_shard(fz: Featurizer, blocks, root: Path, settings: dict, batch_si
 
         with together(ValueError, TypeError, OSError):
             _format.write_blocks(fz, blocks, root, manifest, mine, record, show and rank == 0)
-        with together(ValueError, TypeError, OSError):  # rank 0's failure stops every rank
+        # rank 0's failure stops every rank; blocks missing after the ranks' writes are a failed
+        # run (exit 1, as kernel tiles missing are), not bad input
+        with together(ValueError, TypeError, OSError, RuntimeError):
             if rank == 0 and not read_only:
                 _merge_journal(root, manifest)
                 missing = manifest["num_blocks"] - len(manifest["blocks"])
                 if missing:
-                    raise _format.StoreError(
+                    raise RuntimeError(
                         f"{missing} blocks of the store at {root} are missing or do not hold the "
                         "bytes their rank wrote (do all ranks share this filesystem, with "
                         "coherent writes?); run again to recompute them"

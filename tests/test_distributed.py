@@ -193,9 +193,9 @@ def test_ranks_that_disagree_or_fail_raise_on_every_rank(runs):
         "rank wrote (do all ranks share this filesystem, with coherent writes?); run again to "
         "recompute them"
     )  # rank 0, completing the store, finds rank 1's blocks missing
-    assert messages[0]["unseen"] == f"StoreError: {unseen}"
-    assert messages[1]["unseen"] == f"RankFailed: rank 0 failed: StoreError: {unseen}"
-    assert all("ValueError" in errors[r]["unseen"][1] for r in range(2))
+    assert messages[0]["unseen"] == f"RuntimeError: {unseen}"  # a failed run, not bad input
+    assert messages[1]["unseen"] == f"RankFailed: rank 0 failed: RuntimeError: {unseen}"
+    assert all("RuntimeError" in errors[r]["unseen"][1] for r in range(2))
     no_manifest = f"{out / 'no manifest' / 'elsewhere'} is not a feature store (no manifest.json)"
     assert messages[1]["no manifest"] == f"StoreError: {no_manifest}"  # rank 1 reads none
     assert messages[0]["no manifest"] == f"RankFailed: rank 1 failed: StoreError: {no_manifest}"
