@@ -129,8 +129,8 @@ RANKING_BATCH_SIZE = 64
 # 0.620 / 0.616; the joint rule on all five picks it with 3 repeats (0.64 / 0.65 / 0.70 / 0.62 /
 # 0.62); held out 0.64 / 0.65 / 0.70 / 0.62 / 0.62, each ≥ 0.60. `rank`'s vote at 1 / 2 / 3 / 4
 # repeats: worst 0.555 / 0.657 / 0.606 / 0.564; the joint rule on all five picks it with 2
-# repeats; held out 0.73 / 0.82 / 0.73 / 0.54 / 0.55 (the attention and NAS-Bench-201 folds pick
-# other votes).
+# repeats; held out 0.734 / 0.820 / 0.729 / 0.544 / 0.555 (the attention and NAS-Bench-201 folds
+# pick other votes).
 DEFAULT_REPEATS = 3
 RANKING_REPEATS = 2
 # `descent`'s number of steps T, picked in an exploration on four NAS spaces (digits MLPs / CNNs,
