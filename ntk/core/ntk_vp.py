@@ -61,24 +61,26 @@ def tile(
             def push(t, primals=primals, rest=rest):
                 return jvp(lambda q: view.forward({**rest, **q}, x2), (primals,), (t,))[1]
 
-            with _forward_mode_attention(), _naming_missing_forward_mode():
+            with _forward_mode_attention(), _naming_missing_forward_mode(view, x2):
                 r = vmap(push)({n: tangents[n] for n in names})  # [C, B2, O]: J(x_j) J(x_i)ᵀ u_c
             rows[key].append(kind.reduce(r, u2))
     return {key: torch.stack(r) for key, r in rows.items()}
 
 
 @contextmanager
-def _naming_missing_forward_mode():
+def _naming_missing_forward_mode(view: ModelView, x):
     """An operation of the model without forward-mode derivatives (torch raises
     NotImplementedError: e.g. oneDNN LSTM, weight_norm, EmbeddingBag), or whose forward-mode
-    derivative fails where its forward pass ran (RuntimeError: group_norm on a channels_last
-    input, "view size is not compatible with input tensor's size and stride"), refused with the
-    fix."""
+    derivative fails on the block x where its plain forward pass runs (RuntimeError: group_norm
+    on a channels_last input, "view size is not compatible with input tensor's size and
+    stride"), refused with the fix."""
     try:
         yield
     except torch.OutOfMemoryError:
         raise
     except (NotImplementedError, RuntimeError) as error:
+        if not isinstance(error, NotImplementedError) and not _runs_plainly(view, x):
+            raise  # the model's own failure
         first = (str(error).strip().splitlines() or [""])[0]
         which = "has none" if isinstance(error, NotImplementedError) else "fails in torch"
         raise NotImplementedError(
