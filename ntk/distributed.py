@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .core import kinds
-from .core.files import atomic_path, directory_path, written_path
+from .core.files import atomic_path, directory_path, make_directory
 from .core.tiles import Grid
 from .empirical import Kernel, _Computation
 
@@ -324,8 +324,7 @@ def _write_tiles(grid: Grid, mine: list, root: Path, summary: dict, progress: bo
     folder = root / _TILES
     if rank == 0:  # earlier tiles being rewritten no longer look complete
         (root / _INDEX).unlink(missing_ok=True)
-        # through a symlink to a folder not made yet, as every output: mkdir refuses the link
-        (written_path(root) / _TILES).mkdir(parents=True, exist_ok=True)
+        make_directory(folder)
         written = {f"{i}_{j}.npz" for i, j in grid.tiles()}
         for file in folder.iterdir():
             if _TILE_FILE.fullmatch(file.name) and file.name not in written:

@@ -39,7 +39,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ntk.core import inputs, kinds
-from ntk.core.files import atomic_path, directory_path, writes_to, written_path
+from ntk.core.files import atomic_path, directory_path, writes_to
 from ntk.core.kinds import KINDS
 from ntk.core.tiles import require_finite_cast
 
@@ -103,14 +103,6 @@ def new_manifest(settings: dict, batch: int) -> dict:
 def store_root(path) -> Path:
     """The directory of a feature store named by `path`; refuse what is not a path, or a file."""
     return directory_path(path, "a feature store")
-
-
-def make_root(root: Path) -> None:
-    """Create the directory of a store to be written, its parents too, unless it exists; a
-    symlink to a folder that does not exist yet is written through as any output is
-    (`written_path`): the folder it names is made and the link kept (Path.mkdir refused the
-    link itself, "File exists")."""
-    written_path(root).mkdir(parents=True, exist_ok=True)
 
 
 def read_manifest(root: Path) -> dict:

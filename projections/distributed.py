@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from ntk.core.files import atomic_path
+from ntk.core.files import atomic_path, make_directory
 from ntk.distributed import (
     agree,
     check_empty,
@@ -55,7 +55,7 @@ def featurize_shard(fz: Featurizer, blocks, root: Path, settings: dict, batch_si
                 if (root / _format.MANIFEST).exists():
                     read_only = _format.complete(_format.matching(root, settings, batch_size))
                 if not read_only:
-                    _format.make_root(root)
+                    make_directory(root)
                     lock.enter_context(_format.writer_lock(root))
                     manifest = _format.load_or_create(root, settings, batch_size, fz)
                     _merge_journal(root, manifest)

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 
 from ntk.core import inputs, kinds
 from ntk.core.checks import check_integer
+from ntk.core.files import make_directory
 from ntk.distributed import rank_and_world
 
 from . import _format
@@ -122,7 +123,7 @@ def featurize(
         if _format.complete(manifest):  # only read: check the data against the manifest
             _format.write_blocks(fz, blocks, root, manifest, [], None, False)
             return open_store(root, verify=False)
-    _format.make_root(root)
+    make_directory(root)
     with _format.writer_lock(root):
         manifest = _format.load_or_create(root, settings, batch_size, fz)
         todo = [i for i in range(manifest["num_blocks"]) if str(i) not in manifest["blocks"]]

@@ -70,6 +70,13 @@ def written_path(target) -> Path:
     return Path(os.path.realpath(target)) if target.is_symlink() else target
 
 
+def make_directory(path) -> None:
+    """mkdir -p `path`, also where it or a folder above it is a symlink to a folder not made
+    yet: the folder the links name is made and the links kept, as every write goes through a
+    link (`written_path`); Path.mkdir refuses a dangling link itself ("File exists")."""
+    Path(os.path.realpath(path)).mkdir(parents=True, exist_ok=True)
+
+
 @contextmanager
 def atomic_path(target, *, temporary: str | None = None, durable: bool = False) -> Iterator[Path]:
     """Yield a temporary path in `target`'s folder to write; on normal exit (fsync'ed first if
