@@ -44,6 +44,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 import ntk
 import projections
@@ -118,8 +119,18 @@ def layer_groups(model: nn.Module, group: Group = None) -> dict[str, list[str]]:
 def redraw(model: nn.Module, layer: str, seed: int) -> dict[str, torch.Tensor]:
     """Fresh values {parameter name: tensor} for the trainable parameters that module `layer` owns,
     drawn by its initialiser (`reset_parameters()`) on a copy with seed `seed`; zeros where the
-    module has no initialiser. Nothing else (and not the model) changes."""
+    module has no initialiser. A parametrized module (weight_norm, spectral_norm) is drawn as a
+    plain one and its parametrizations' parameters are set from the fresh tensor by their right
+    inverse, as assigning `module.weight = w` sets them (zeros where there is none). Nothing else
+    (and not the model) changes."""
     twin = copy_module(model.get_submodule(layer))
+    lists = dict(twin.parametrizations) if parametrize.is_parametrized(twin) else {}
+    if lists:  # removing a parametrization edits the module's class, which a copy shares
+        cls = type(twin)
+        namespace = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
+        twin.__class__ = type(cls.__name__, cls.__bases__, namespace)
+    for tensor in lists:
+        parametrize.remove_parametrizations(twin, tensor, leave_parametrized=True)
     init = getattr(twin, "reset_parameters", None) or getattr(twin, "_reset_parameters", None)
     with seeded(seed, twin), torch.no_grad():  # the twin's devices: the caller's streams stay
         if init is not None:
@@ -127,8 +138,22 @@ def redraw(model: nn.Module, layer: str, seed: int) -> dict[str, torch.Tensor]:
         else:
             for p in twin.parameters(recurse=False):
                 p.zero_()
+        for tensor, parametrization in lists.items():
+            try:
+                parametrization.right_inverse(getattr(twin, tensor))
+            except (NotImplementedError, RuntimeError):  # no right inverse
+                for p in parametrization.parameters(recurse=False):
+                    p.zero_()
     prefix = f"{layer}." if layer else ""
-    return {prefix + name: p.detach() for name, p in twin.named_parameters(recurse=False)}
+    fresh = {
+        prefix + name: p.detach()
+        for name, p in twin.named_parameters(recurse=False)
+        if name not in lists
+    }
+    for tensor, parametrization in lists.items():
+        for name, p in parametrization.named_parameters(recurse=False):
+            fresh[f"{prefix}parametrizations.{tensor}.{name}"] = p.detach()
+    return fresh
 
 
 def _displacement(model: nn.Module, view: ModelView, layer: str) -> float:

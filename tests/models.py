@@ -313,3 +313,18 @@ def make(name: str, dtype=torch.float64, seed: int = 0):
 
 
 CASES = ("mlp", "cnn", "transformer", "positions", "tied", "frozen", "scalar", "dict")
+
+
+class Parametrized(nn.Module):
+    """Linear layers under torch.nn.utils.parametrizations (weight_norm, spectral_norm), whose
+    weights are computed from parameters registered under `<layer>.parametrizations.weight`."""
+
+    def __init__(self):
+        super().__init__()
+        parametrizations = nn.utils.parametrizations
+        self.l1 = parametrizations.weight_norm(nn.Linear(5, 6))
+        self.l2 = parametrizations.spectral_norm(nn.Linear(6, 6))
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.l2(torch.tanh(self.l1(x)))))

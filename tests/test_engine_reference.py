@@ -10,6 +10,7 @@ from models import (
     Checkpointed,
     Chunked,
     PackedGRU,
+    Parametrized,
     PositionsIntoAttention,
     SequenceFirst,
     SharedPositions,
@@ -689,3 +690,24 @@ def test_global_forward_hooks_leave_layers_to_autodiff():
         handle.remove()
     for layer, value in parts.items():
         assert rel_err(value, ref[layer]) <= 1e-10, layer
+
+
+@pytest.mark.parametrize("method", ["jacobian", "structured", "auto"])  # ntk_vp: weight_norm
+def test_a_parametrized_layer_counts_its_parametrizations_parameters(method):  # has no jvp
+    """weight_norm's g and v live under `l1.parametrizations.weight`; they are layer l1's, not a
+    layer of their own (layer importance listed a "ParametrizationList" beside l1's bias)."""
+    torch.manual_seed(0)
+    model = Parametrized().double().eval()
+    x = torch.randn(5, 5, dtype=torch.float64)
+    ref = kernels(model, x)
+    parts = ntk.empirical_ntk(model, x, layers="all", method=method)
+    assert list(parts) == ["l1", "l2", "out"]
+    for layer in parts:
+        expected = (
+            ref[layer] + ref[f"{layer}.parametrizations.weight"] if layer != "out" else ref[layer]
+        )
+        assert rel_err(parts[layer], expected) <= 1e-10, layer
+    with pytest.raises(
+        ValueError, match="'l1.parametrizations.weight' is a parametrization of 'l1'"
+    ):
+        ntk.empirical_ntk(model, x, layers=["l1.parametrizations.weight"], method=method)

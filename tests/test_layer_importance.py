@@ -6,7 +6,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from models import Checkpointed, TwoLogits
+from models import Checkpointed, Parametrized, TwoLogits
 from torch import nn
 from torch.nn.utils import prune
 
@@ -418,3 +418,31 @@ def test_a_model_under_activation_checkpointing_gets_every_score():
     for a, b in zip(got, want):
         for score in ("sensitivity", "share", "alignment", "grad_norm", "fisher"):
             assert a[score] == pytest.approx(b[score], rel=1e-9, abs=1e-15), (a["layer"], score)
+
+
+def test_a_parametrized_layer_is_one_row_redrawn_through_its_parametrization():
+    """A weight_norm / spectral_norm layer is one row with all its parameters; its redraw is the
+    plain layer's initialiser mapped to the parametrization's parameters by its right inverse
+    (before: its bias one row, a "ParametrizationList" another, redrawn as zeros)."""
+    from attribution.layers import redraw
+
+    torch.manual_seed(0)
+    model = Parametrized().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = torch.randn(12, 5), torch.arange(12) % 3
+    rows = layer_importance(model, x, y)
+    assert sorted((r["layer"], r["params"]) for r in rows) == [("l1", 42), ("l2", 42), ("out", 21)]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    model(x)  # removing the twin's parametrization left the model's class as it was
+    fresh = redraw(model, "l1", seed=3)
+    plain = redraw(nn.ModuleDict({"l1": nn.Linear(5, 6)}), "l1", seed=3)
+    g, v = (
+        fresh["l1.parametrizations.weight.original0"],
+        fresh["l1.parametrizations.weight.original1"],
+    )
+    torch.testing.assert_close(g * v / v.norm(dim=1, keepdim=True), plain["l1.weight"])
+    torch.testing.assert_close(fresh["l1.bias"], plain["l1.bias"])
+    spectral = redraw(model, "l2", seed=3)["l2.parametrizations.weight.original"]
+    assert torch.equal(
+        spectral, redraw(nn.ModuleDict({"l2": nn.Linear(6, 6)}), "l2", 3)["l2.weight"]
+    )

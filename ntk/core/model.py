@@ -441,12 +441,23 @@ def _switched_off(options: list[tuple[nn.Module, str, object]]):
             setattr(m, option, value)
 
 
+def parametrized_module(name: str, module: nn.Module) -> str:
+    """The layer that the parameters module `name` owns count for: itself, unless it is the
+    `parametrizations.<tensor>` list that `torch.nn.utils.parametrize` registers under the
+    module it parametrizes ("fc.parametrizations.weight" → "fc"; "" for the root)."""
+    if isinstance(module, parametrize.ParametrizationList):
+        return name.rsplit(".", 2)[0] if name.count(".") >= 2 else ""
+    return name
+
+
 class ModelView:
     """Trainable parameters (grouped into layers) and a pure forward function of a module.
 
     A *layer* is a module that directly owns trainable parameters; layers are keyed by their
     `named_modules()` name ("" for the root) and listed in `named_modules()` order. A parameter
-    registered under several modules (tied weights) belongs to the first of them.
+    registered under several modules (tied weights) belongs to the first of them. The
+    parameters of a parametrization (`torch.nn.utils.parametrize`, e.g. weight_norm's
+    `fc.parametrizations.weight.original0`) belong to the module it parametrizes (`fc`).
     """
 
     def __init__(
@@ -498,9 +509,10 @@ class ModelView:
                 seen.add(id(p))
                 full = f"{mod_name}.{p_name}" if mod_name else p_name
                 if p.requires_grad:
+                    layer = parametrized_module(mod_name, module)
                     self.params[full] = convert(p)
-                    self.layers.setdefault(mod_name, []).append(full)
-                    self.owner[full] = mod_name
+                    self.layers.setdefault(layer, []).append(full)
+                    self.owner[full] = layer
                 else:
                     self.constants[full] = convert(p)
         if not self.params:
@@ -558,6 +570,12 @@ class ModelView:
                 for p in modules[name].parameters(recurse=False)
                 if p.requires_grad and id(p) in first
             }
+            if isinstance(modules[name], parametrize.ParametrizationList):
+                reasons.append(
+                    f"{name!r} is a parametrization of {parametrized_module(name, modules[name])!r}"
+                    ", whose layer counts its parameters"
+                )
+                continue
             reasons.append(
                 f"{name!r} shares its trainable parameters with {sorted(owners)} (tied weights: "
                 "their kernel is counted there)"
