@@ -695,11 +695,15 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
     def proponents(self, x_test, k: int = 5, output=None) -> tuple[np.ndarray, np.ndarray]:
         """The k training examples that most increase each test example's decision for the class
         `output` (one of `classes_`; default: the predicted class): (indices [N_test, k],
-        contributions [N_test, k])."""
+        contributions [N_test, k]), largest contribution first. Always k columns, as Captum's
+        top-k: where fewer than k contributions are positive the last columns hold ≤ 0 ones,
+        which are no proponents (keep `contributions > 0`)."""
         return self._ranked(x_test, k, output, 1.0)
 
     def opponents(self, x_test, k: int = 5, output=None) -> tuple[np.ndarray, np.ndarray]:
-        """The k training examples that most decrease it (most negative contributions first)."""
+        """The k training examples that most decrease it (most negative contributions first;
+        where fewer than k are negative, the last columns hold ≥ 0 ones: keep
+        `contributions < 0`)."""
         return self._ranked(x_test, k, output, -1.0)
 
     def _ranked(self, x_test, k, output, sign):
