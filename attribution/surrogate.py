@@ -39,7 +39,10 @@ cancels): the smallest α of ALPHA_STEPS (on the kernel scaled to unit mean diag
 decomposition of the training samples' predicted class, each sample's own term left out, reads as
 an explanation (median cancellation ≤ READABLE_CANCELLATION, top-5 proponents carrying the
 predicted label ≥ READABLE_SHARE of the time); faithfulness falls and readability rises with α,
-so this is the most faithful readable machine (`_readable_alpha`). Fitted to labels, LABEL_ALPHA.
+so this is the most faithful readable machine (`_readable_alpha`). Where no step is readable (an
+untrained network, whose predictions follow no kernel neighbourhood), a warning says so and α is
+the smallest step without cancellation whose label share is within a standard error of the best
+(it was the largest step, which loses the network). Fitted to labels, LABEL_ALPHA.
 benchmarks/surrogate_settings.py compares the variants.
 
 `machine="gauss_newton"`: the Gauss–Newton (IRLS) model of kernel logistic regression at the
@@ -595,9 +598,12 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         smoother weights of the training samples are the rows of Σ_e e/(e + α) u_e u_eᵀ:
         cancellation falls as α grows (the small-eigenvalue directions that cancel fade) while
         faithfulness falls too, so the first readable α is the most faithful one. The
-        eigendecomposition `eigen` (values, vectors) of the centred kernel k serves every step;
-        the largest step when none is readable. targets: those of the fit [N, C]; proponents:
-        the network's predicted labels (None for a single output)."""
+        eigendecomposition `eigen` (values, vectors) of the centred kernel k serves every step.
+        Where no step is readable, a warning says so and the rule keeps what it can meet: the
+        smallest step whose contributions do not cancel and whose label share is within one
+        standard error (over the samples read) of the highest such share, else the largest step.
+        targets: those of the fit [N, C]; proponents: the network's predicted labels (None for a
+        single output)."""
         n = k.shape[0]
         if n == 1:  # no other sample to read: the machine predicts the target at any α
             return float(ALPHA_STEPS[0])
@@ -613,6 +619,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             basis_rows = vectors[rows] * eigenvalues
         else:
             levelled = self._levelled(self.kernel_[rows])
+        shares = {}  # uncancelled steps: (mean share, its standard error)
         for alpha in ALPHA_STEPS:
             dual = vectors @ (projected / (eigenvalues + alpha)[:, None])
             column = (k[rows] @ dual + targets.mean(0)).argmax(1)
@@ -634,6 +641,26 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             share = label_share(c, proponents, column, min(5, n))
             if share.mean() >= READABLE_SHARE:
                 return float(alpha)
+            shares[alpha] = (share.mean(), share.std() / np.sqrt(share.size))
+        if shares:
+            top, error = max(shares.values())
+            best = min(a for a, (v, _) in shares.items() if v >= top - error)
+            warnings.warn(
+                f"no alpha of ALPHA_STEPS makes the decomposition readable: the top-5 proponents "
+                f"of the training samples carry their predicted label at a rate of at most "
+                f"{top:.2f} (< {READABLE_SHARE}); alpha_={best:.3g} is the smallest alpha whose "
+                "contributions do not cancel and whose rate is within a standard error of that. "
+                "Read its proponents with care (some name other classes); `coherence(x)` "
+                "measures it",
+                stacklevel=3,
+            )
+            return float(best)
+        warnings.warn(
+            f"no alpha of ALPHA_STEPS makes the decomposition readable: the contributions cancel "
+            f"(median Σ|c|/|Σc| > {READABLE_CANCELLATION:g}) at every alpha; alpha_ is the "
+            "largest. Read its proponents with care; `coherence(x)` measures it",
+            stacklevel=3,
+        )
         return float(ALPHA_STEPS[-1])
 
     # -- prediction and attribution -------------------------------------------------------------

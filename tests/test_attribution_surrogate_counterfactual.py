@@ -81,10 +81,17 @@ def trained():
 
 
 def _readable(model, x, alpha, decomposition) -> bool:
-    """Whether the centred ridge at `alpha` reads as an explanation of its own training samples,
-    written from the definitions: each sample's contributions to its predicted column, its own
-    term left out (for the smoother, the other weights re-centred to sum to 0 as a test
-    sample's do), median cancellation and top-5 share of the network's predicted labels."""
+    """Whether the centred ridge at `alpha` reads as an explanation of its own training samples."""
+    ratio, shares = _readability(model, x, alpha, decomposition)
+    return bool(ratio <= READABLE_CANCELLATION and shares.mean() >= READABLE_SHARE)
+
+
+def _readability(model, x, alpha, decomposition) -> tuple[float, np.ndarray]:
+    """(median cancellation, each sample's top-5 share of the network's predicted labels) of the
+    centred ridge
+    at `alpha` on its own training samples, written from the definitions: each sample's
+    contributions to its predicted column, its own term left out (for the smoother, the other
+    weights re-centred to sum to 0 as a test sample's do)."""
     s = KernelSurrogate(model, alpha=alpha, decomposition=decomposition).fit(x)
     n, predicted = len(x), model(x).argmax(1).numpy()
     column = s.decision_function(x).argmax(1)
@@ -105,8 +112,7 @@ def _readable(model, x, alpha, decomposition) -> bool:
     np.fill_diagonal(c, 0.0)
     ratio = np.abs(c).sum(1) / np.abs(c.sum(1))
     top = np.argsort(-c, axis=1)[:, :5]
-    share = np.mean(predicted[top] == column[:, None])
-    return bool(np.median(ratio) <= READABLE_CANCELLATION and share >= READABLE_SHARE)
+    return float(np.median(ratio)), np.mean(predicted[top] == column[:, None], axis=1)
 
 
 @pytest.mark.parametrize("decomposition", ["smoother", "dual"])
@@ -118,6 +124,23 @@ def test_default_alpha_is_the_first_readable_step(trained, decomposition):
     assert _readable(model, x, chosen, decomposition)
     assert not _readable(model, x, ALPHA_STEPS[step - 1], decomposition)
     assert KernelSurrogate(model, decomposition=decomposition).fit(x, y).alpha_ == LABEL_ALPHA
+
+
+def test_where_no_alpha_is_readable_the_fit_is_kept_and_a_warning_says_so():
+    """An untrained network's predicted labels follow no kernel neighbourhood: no step is
+    readable. The rule returned the largest step (α 10: the surrogate lost the network for a
+    share no better); it keeps the smallest step whose contributions do not cancel and whose
+    label share is within a standard error of the highest such share, and warns."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+    x = torch.randn(40, 5, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="no alpha of ALPHA_STEPS makes the decomposition"):
+        chosen = KernelSurrogate(model).fit(x).alpha_
+    found = [_readability(model, x, float(a), "smoother") for a in ALPHA_STEPS]
+    assert not any(r <= READABLE_CANCELLATION and s.mean() >= READABLE_SHARE for r, s in found)
+    kept = [(a, s) for a, (r, s) in zip(ALPHA_STEPS, found) if r <= READABLE_CANCELLATION]
+    top, error = max((s.mean(), s.std() / np.sqrt(s.size)) for _, s in kept)
+    assert chosen == min(a for a, s in kept if s.mean() >= top - error) < ALPHA_STEPS[-1]
 
 
 def test_smoother_contributions_are_weights_times_levelled_targets(trained):
