@@ -24,6 +24,18 @@ def layer_params(model):
     return layers
 
 
+def parametrized_layers(ref: dict) -> dict:
+    """`kernels`' layers with each parametrization's list ("fc.parametrizations.weight", whose
+    parameters weight_norm & co. register) merged into the layer it parametrizes ("fc")."""
+    out = {}
+    for name, value in ref.items():
+        if name is not None:
+            head, parametrized, _ = f".{name}".rpartition(".parametrizations.")
+            name = head[1:] if parametrized else name
+        out[name] = out[name] + value if name in out else value
+    return out
+
+
 def _call(model, x, i):
     if isinstance(x, dict):
         return model(**{k: v[i : i + 1] for k, v in x.items()})
