@@ -425,18 +425,24 @@ def test_infinite_damping_is_refused(setup):
             influence(model, x, y, xt, method=method, damping=float("inf"))
 
 
-def test_a_single_logit_binary_classifier_is_named_not_its_labels():
+@pytest.mark.parametrize("squeezed", [False, True])
+def test_a_single_logit_binary_classifier_is_named_not_its_labels(squeezed):
     """A binary classifier with one logit (BCEWithLogitsLoss) and labels 0/1 was told "y_train
     holds labels outside 0..0: 1 at sample 1"; the model is what needs two outputs, and the
-    output_fn the message suggests gives its influence."""
+    output_fn the message suggests gives its influence, whether the logit is [N, 1] or squeezed
+    to [N] (the suggested torch.cat made 2N rows of the latter)."""
     torch.manual_seed(0)
     logit = torch.nn.Linear(4, 1).double()
+    if squeezed:
+        logit = torch.nn.Sequential(logit, torch.nn.Flatten(0))
     x, xt = torch.randn(8, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
     y = torch.tensor([0, 1] * 4)
     for method in ("auto", "trak", "ekfac", "grad_dot", "surrogate"):
-        with pytest.raises(ValueError, match=r"at least two outputs.*has 1 output \(a binary"):
+        with pytest.raises(ValueError, match=r"at least two outputs.*has 1 output \(a binary") as e:
             influence(logit, x, y, xt, method=method)
-    scores = influence(logit, x, y, xt, output_fn=lambda z: torch.cat([torch.zeros_like(z), z], -1))
+    hint = str(e.value).split("output_fn=", 1)[1]
+    suggested = eval(hint[: hint.rindex(")")], {"torch": torch})  # the message's own lambda
+    scores = influence(logit, x, y, xt, output_fn=suggested)
     assert scores.shape == (3, 8) and bool(torch.isfinite(scores).all())
 
 

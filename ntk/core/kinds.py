@@ -285,7 +285,7 @@ def rows(cot: torch.Tensor, index) -> torch.Tensor:
 # How a binary classifier with one logit (BCEWithLogitsLoss) gets an output per class.
 ONE_LOGIT = (
     "a binary classifier with one logit z has the class scores "
-    "output_fn=lambda z: torch.cat([torch.zeros_like(z), z], -1)"
+    "output_fn=lambda z: torch.stack([torch.zeros_like(z), z], -1).reshape(len(z), 2)"
 )
 
 
