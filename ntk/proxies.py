@@ -396,7 +396,34 @@ def rank(
     order = sorted(
         range(len(names)), key=lambda i: (math.isnan(results[i].value), -results[i].value)
     )
+    _warn_unordered(metrics, [names[i] for i in order], [results[i].value for i in order])
     return [(names[i], results[i] if return_details else results[i].value) for i in order]
+
+
+def _warn_unordered(metrics: list[str], names: list[str], values: list[float]) -> None:
+    """Warn where several candidates share a non-finite score (−inf: a singular kernel or an
+    activation-pattern matrix of deficient rank; NaN): `rank` keeps them in the order given,
+    which the metric does not decide. A vote's mean ranks already break such ties."""
+    if len(metrics) > 1:
+        return
+    groups: dict[str, list[str]] = {}
+    for name, value in zip(names, values):
+        if not math.isfinite(value):
+            groups.setdefault(str(value), []).append(name)
+    for value, tied in groups.items():
+        if len(tied) > 1:
+            shown = ", ".join(map(repr, tied[:5])) + (", ..." if len(tied) > 5 else "")
+            why = (
+                " (a singular kernel: fewer parameters or ranks than samples)"
+                if value == "-inf"
+                else ""
+            )
+            warnings.warn(
+                f"{len(tied)} candidates score {value} by {metrics[0]}{why}: {shown}; they are "
+                "listed in the order given, which the metric does not decide (a vote of several "
+                "metrics, or a smaller batch_size, separates them)",
+                stacklevel=3,
+            )
 
 
 def _blamed(exc: Exception, name: str) -> Exception:

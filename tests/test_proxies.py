@@ -2,6 +2,7 @@
 
 import copy
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -819,3 +820,21 @@ def test_numpy_float64_inputs_take_the_candidates_dtype():
     expected = proxies.score(tiny(), torch.from_numpy(x).float(), y, **opts)
     assert proxies.score(tiny(), x, y, **opts) == expected
     assert proxies.rank({"a": tiny}, x, y, **opts) == [("a", expected)]
+
+
+def test_candidates_tied_at_minus_infinity_are_named_not_ordered_silently():
+    """label_condition is −inf for every candidate whose lpNTK is singular (fewer parameters than
+    samples); rank listed them in the order given without a word. A vote breaks such ties."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 5), torch.arange(64) % 3
+
+    def mlp(width):
+        return lambda: nn.Sequential(nn.Linear(5, width), nn.ReLU(), nn.Linear(width, 3))
+
+    candidates = {"w2": mlp(2), "w3": mlp(3), "w64": mlp(64)}
+    with pytest.warns(UserWarning, match=r"2 candidates score -inf by label_condition.*'w2', 'w3'"):
+        ranked = proxies.rank(candidates, x, y, metric="label_condition", repeats=1)
+    assert [name for name, _ in ranked] == ["w64", "w2", "w3"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        proxies.rank({"w32": mlp(32), "w64": mlp(64)}, x, y, metric="label_condition", repeats=1)
