@@ -924,11 +924,8 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             p_net = torch.as_tensor(g).softmax(1).numpy()[rows, pred_net]
             p_sur = torch.as_tensor(d).softmax(1).numpy()[rows, pred_net]
             gc, dc = (g - g.mean(1, keepdims=True)).ravel(), (d - d.mean(1, keepdims=True)).ravel()
-            result.update(
-                tau_prob=float(kendalltau(p_net, p_sur).statistic),
-                spearman_prob=float(spearmanr(p_net, p_sur).statistic),
-                **_rank_agreement(gc, dc),
-            )
+            tau, rho = _rank_correlations(p_net, p_sur, "predicted-class probabilities", 3)
+            result.update(tau_prob=tau, spearman_prob=rho, **_rank_agreement(gc, dc))
         if y_test is not None:
             y = labels(y_test, len(g), g.shape[1], "y_test").numpy()
             acc_net, acc_sur = float(np.mean(pred_net == y)), float(np.mean(pred_sur == y))
@@ -945,11 +942,25 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
 
 def _rank_agreement(net: np.ndarray, surrogate: np.ndarray) -> dict:
     """Kendall τ, Spearman ρ and R² of the surrogate's outputs against the network's."""
-    return {
-        "tau_logits": float(kendalltau(net, surrogate).statistic),
-        "spearman_logits": float(spearmanr(net, surrogate).statistic),
-        "r2_logits": float(r2_score(net, surrogate)),
-    }
+    tau, rho = _rank_correlations(net, surrogate, "outputs", 4)
+    return {"tau_logits": tau, "spearman_logits": rho, "r2_logits": float(r2_score(net, surrogate))}
+
+
+def _rank_correlations(
+    net: np.ndarray, surrogate: np.ndarray, what: str, stacklevel: int
+) -> tuple[float, float]:
+    """(Kendall τ, Spearman ρ) of the surrogate's values against the network's; NaN, with a
+    warning (at the caller's caller `stacklevel` frames up) saying why, where either side is
+    constant (no ranking to follow or to give)."""
+    for side, values in (("network's", net), ("surrogate's", surrogate)):
+        if np.ptp(values) == 0:
+            warnings.warn(
+                f"the {side} {what} are the same on every sample of x_test: their rank "
+                "correlations are undefined (NaN)",
+                stacklevel=stacklevel,
+            )
+            return float("nan"), float("nan")
+    return float(kendalltau(net, surrogate).statistic), float(spearmanr(net, surrogate).statistic)
 
 
 def _smoother_weights(basis_rows: np.ndarray, alpha: float, eigen: tuple) -> np.ndarray:

@@ -7,6 +7,7 @@ import torch
 from sklearn.base import clone
 from sklearn.exceptions import NotFittedError
 from sklearn.kernel_ridge import KernelRidge
+from torch import nn
 
 import ntk
 from attribution import KernelSurrogate
@@ -393,3 +394,19 @@ def test_score_refuses_labels_that_are_no_class_of_the_model():
         s.score(xt, yt[:2])
     assert s.score(xt, yt) == np.mean(s.predict(xt) == yt.numpy())
     assert s.score(xt, yt, sample_weight=[1, 0, 0, 0, 0]) == float(s.predict(xt)[0] == 0)
+
+
+def test_faithfulness_to_a_network_with_constant_outputs_says_why_it_is_nan():
+    """A network whose last layer's weight is zero predicts the same probabilities everywhere:
+    the rank correlations are undefined. They came out NaN with only scipy's
+    ConstantInputWarning; now a warning names the constant side."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double().eval()
+    with torch.no_grad():
+        model[2].weight.zero_()
+    x, xt = torch.randn(20, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    surrogate = KernelSurrogate(model, alpha=0.1).fit(x)
+    with pytest.warns(UserWarning, match="network's predicted-class probabilities are the same"):
+        result = surrogate.faithfulness(xt)
+    assert np.isnan(result["tau_prob"]) and np.isnan(result["spearman_prob"])
+    assert result["label_agreement"] == 1.0
