@@ -18,7 +18,9 @@ Every field of the manifest is checked against the others, against their checksu
 the array's header, so that an edited manifest is refused rather than believed. A block counts as
 complete once its rows are flushed and a manifest naming it has been atomically renamed over the
 old one, and only after every block already complete has been matched against the inputs of the
-current run: a store never mixes the features of two data sets.
+current run: a store never mixes the features of two data sets. Nor of two models: besides the
+fingerprint of the model's tensors, the first sample's features are recomputed by the requesting
+model and compared (`check_same_model`), which sees a forward pass or output_fn of its own.
 """
 
 from __future__ import annotations
@@ -200,9 +202,11 @@ def write_manifest(root: Path, manifest: dict) -> None:
         json.dump(manifest, f, indent=1)
 
 
-def matching(root: Path, settings: dict, batch_size) -> dict:
+def matching(root: Path, settings: dict, batch_size, fz, first) -> dict:
     """The existing store's manifest, refused unless it was written with `settings` (and
-    `batch_size`, unless None) and its complete blocks hold the bytes they were written with."""
+    `batch_size`, unless None), its complete blocks hold the bytes they were written with and
+    its first sample's features are those the Featurizer `fz` gives on `first`, the data's first
+    block (`check_same_model`)."""
     manifest = read_manifest(root)
     diff = [
         f"{k}: store has {manifest[k]!r}, requested {v!r}"
@@ -226,14 +230,44 @@ def matching(root: Path, settings: dict, batch_size) -> dict:
             "it with the same batch_size (or None)"
         )
     verify_features(open_array(root, manifest), manifest, root)
+    check_same_model(fz, first, root, manifest)
     return manifest
 
 
-def load_or_create(root: Path, settings: dict, batch_size, fz) -> dict:
-    """The manifest of the store at `root` (checked against the request), or of a new empty
-    store there. The caller holds the store's lock."""
+# How far the features of the store's first sample, recomputed by the requesting model, may lie
+# from the stored ones (‖Δ‖ / ‖stored‖): rounding of another batch (≈ 1e-7), another machine's
+# int8 projection path (≈ 2e-5) or the store's float16 (≈ 5e-4) stays below; a model with the
+# same parameters and another forward pass (Tanh for ReLU: 0.55) lies far above.
+SAME_MODEL_TOLERANCE = {"float16": 1e-2, "float32": 1e-3, "float64": 1e-3}
+
+
+def check_same_model(fz, first, root: Path, manifest: dict) -> None:
+    """Refuse a store whose first sample's features are not those that the Featurizer `fz`
+    (prepared) gives on `first`, the data's first block: the parameter fingerprint does not see
+    the forward code, parameter-free modules (an activation) or the output_fn, and a resume by
+    such a model mixed two models' features in one store. Checked where block 0 is complete and
+    was written from these data (other data are named by the data check)."""
+    entry = manifest["blocks"].get("0")
+    if entry is None or inputs.digest(first) != entry["inputs"]:
+        return
+    stored = open_array(root, manifest)[0].astype(np.float64)
+    fresh = fz.block(inputs.take(first, slice(0, 1)))[0].detach().cpu().double().numpy()
+    scale = float(np.linalg.norm(stored))
+    gap = float(np.linalg.norm(fresh - stored)) / (scale if scale > 0 else 1.0)
+    if not gap <= SAME_MODEL_TOLERANCE[manifest["store_dtype"]]:
+        raise StoreError(
+            f"the store at {root} holds features of its first sample that this model does not "
+            f"give (relative difference {gap:.2g}): it was written by a model with the same "
+            "parameters but another forward pass (architecture, activation, output_fn); use "
+            "another path"
+        )
+
+
+def load_or_create(root: Path, settings: dict, batch_size, fz, first) -> dict:
+    """The manifest of the store at `root` (checked against the request, `matching`), or of a new
+    empty store there. The caller holds the store's lock."""
     if (root / MANIFEST).exists():
-        return matching(root, settings, batch_size)
+        return matching(root, settings, batch_size, fz, first)
     batch = min(batch_size or fz.default_batch(settings["samples"]), settings["block"])
     manifest = new_manifest(settings, batch)
     create_array(root, manifest)

@@ -45,19 +45,24 @@ from . import _format
 from .projected import Featurizer, kernel_grid
 
 
-def featurize_shard(fz: Featurizer, blocks, root: Path, settings: dict, batch_size, show: bool):
-    """This rank's share of `projections.featurize` (called by it with the store's settings)."""
+def featurize_shard(
+    fz: Featurizer, first, blocks, root: Path, settings: dict, batch_size, show: bool
+):
+    """This rank's share of `projections.featurize` (called by it with the store's settings;
+    `first`: the data's first block, also the head of `blocks`)."""
     rank, world = rank_and_world()
     error, read_only = None, False
     with ExitStack() as lock:
         try:
             if rank == 0:
                 if (root / _format.MANIFEST).exists():
-                    read_only = _format.complete(_format.matching(root, settings, batch_size))
+                    read_only = _format.complete(
+                        _format.matching(root, settings, batch_size, fz, first)
+                    )
                 if not read_only:
                     make_directory(root)
                     lock.enter_context(_format.writer_lock(root))
-                    manifest = _format.load_or_create(root, settings, batch_size, fz)
+                    manifest = _format.load_or_create(root, settings, batch_size, fz, first)
                     _merge_journal(root, manifest)
                     (root / _format.JOURNAL).mkdir()
         except (ValueError, TypeError, OSError) as e:

@@ -117,15 +117,15 @@ def featurize(
     }
     show = sys.stderr.isatty() if progress is None else progress
     if distributed:
-        return featurize_shard(fz, blocks, root, settings, batch_size, show)
+        return featurize_shard(fz, first, blocks, root, settings, batch_size, show)
     if (root / _format.MANIFEST).exists():
-        manifest = _format.matching(root, settings, batch_size)
+        manifest = _format.matching(root, settings, batch_size, fz, first)
         if _format.complete(manifest):  # only read: check the data against the manifest
             _format.write_blocks(fz, blocks, root, manifest, [], None, False)
             return open_store(root, verify=False)
     make_directory(root)
     with _format.writer_lock(root):
-        manifest = _format.load_or_create(root, settings, batch_size, fz)
+        manifest = _format.load_or_create(root, settings, batch_size, fz, first)
         todo = [i for i in range(manifest["num_blocks"]) if str(i) not in manifest["blocks"]]
 
         def record(i: int, digests: dict) -> None:

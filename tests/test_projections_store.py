@@ -171,6 +171,51 @@ def test_mismatched_settings_and_models_are_refused(tmp_path):
         store(path, model, x)
 
 
+class _Swapped(MLP):
+    """MLP's parameters, another forward pass (its two activations swapped)."""
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc2(torch.relu(self.fc1(x)))))
+
+
+class _FailsAt(torch.utils.data.Dataset):
+    def __init__(self, x, at):
+        self.x, self.at = x, at
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        if i >= self.at:
+            raise OSError("the disk went away")
+        return self.x[i]
+
+
+def test_a_model_with_the_same_parameters_and_another_forward_pass_is_refused(tmp_path):
+    """The model fingerprint hashes tensors only: a model with the same parameters and another
+    forward pass (or output_fn) read a complete store's features as its own, and resumed an
+    interrupted one, mixing two models' features in one store. The first sample's features are
+    recomputed and compared."""
+    model, x = model_and_data()
+    swapped = _Swapped().eval()
+    swapped.load_state_dict(model.state_dict())
+    store(tmp_path / "complete", model, x)
+    for other, options in ((swapped, {}), (model, {"output_fn": lambda out: 2 * out})):
+        with pytest.raises(projections.StoreError, match="features of its first sample that"):
+            store(tmp_path / "complete", other, x, **options)
+    np.testing.assert_array_equal(
+        store(tmp_path / "complete", model, x), store(tmp_path / "again", model, x)
+    )
+    half = tmp_path / "half"
+    with pytest.raises(OSError, match="went away"):
+        store(half, model, DataLoader(_FailsAt(x, BLOCK + 2), batch_size=2))
+    assert sorted(projections.store_info(half)["blocks"]) == ["0"]
+    with pytest.raises(projections.StoreError, match="features of its first sample that"):
+        store(half, swapped, x)
+    assert sorted(projections.store_info(half)["blocks"]) == ["0"]  # nothing of it written
+    np.testing.assert_array_equal(store(half, model, x), store(tmp_path / "again", model, x))
+
+
 def test_a_path_that_is_a_file_or_no_path_is_refused_naming_path(tmp_path):
     """featurize into an existing file failed with a raw FileExistsError, open_store(None) with
     a TypeError from pathlib."""
