@@ -911,3 +911,32 @@ def test_numpy_float64_inputs_take_the_models_dtype():
     )
     with pytest.raises(ValueError, match=r"x1: .*float64.*cast the inputs to torch\.float32"):
         ntk.empirical_ntk(model, torch.from_numpy(x), kind="trace")
+
+
+def test_a_cpu_allocation_failure_under_vmap_is_raised_not_taken_for_a_vmap_limit():
+    """torch's CPU allocator fails with a plain RuntimeError; under vmap it was taken for a model
+    that vmap cannot run: the model was marked and computed one sample at a time from then on
+    (slower, other rounding: a resumed feature store's bytes changed), with a warning blaming
+    vmap. It passes to the caller, as CUDA's torch.OutOfMemoryError does."""
+    import warnings
+
+    from ntk.core import persample
+    from ntk.core.memory import out_of_memory
+    from ntk.core.model import ModelView
+
+    failure = RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+        "memory: you tried to allocate 40000000000 bytes. Error code 12 (Cannot allocate memory)"
+    )
+    assert out_of_memory(failure) and out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
+    assert not out_of_memory(RuntimeError("vmap: It looks like you're calling .item() on a Tensor"))
+
+    def allocate(params, x):
+        raise failure
+
+    view = ModelView(nn.Linear(4, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no PerSampleFallbackWarning
+        with pytest.raises(RuntimeError, match="DefaultCPUAllocator"):
+            persample.map_samples(view, allocate, view.params, torch.randn(5, 4))
+    assert persample.vmappable(view.model)

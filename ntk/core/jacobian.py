@@ -11,6 +11,7 @@ from torch.func import grad, jacrev
 from torch.overrides import TorchFunctionMode
 
 from . import inputs
+from .memory import out_of_memory
 from .model import ModelView
 from .persample import failure_reason, fall_back, map_samples
 
@@ -108,9 +109,9 @@ def jacobian_features(
         return _autograd_features(view, wrt, rest, x, cot)
     try:
         return _functorch_features(view, wrt, rest, x, cot)
-    except torch.OutOfMemoryError:
-        raise
     except Exception as error:
+        if out_of_memory(error):
+            raise
         try:
             features = _autograd_features(view, wrt, rest, x, cot)
         except Exception as fallback:  # not torch.func's limit alone: the model's own failure

@@ -12,6 +12,16 @@ class KernelTooLargeError(MemoryError):
     """The requested kernel cannot be held in memory at all."""
 
 
+def out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is an allocation failure: torch.OutOfMemoryError (CUDA), or the plain
+    RuntimeError of torch's CPU allocator ("DefaultCPUAllocator: can't allocate memory" / "not
+    enough memory"). Fallbacks for what a model cannot do (vmap, torch.func, forward mode) must
+    not take it for one: it says nothing about the model, and passes on to the caller."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(error, RuntimeError) and "DefaultCPUAllocator" in str(error)
+
+
 def available_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)

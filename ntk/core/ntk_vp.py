@@ -20,6 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from . import inputs
 from .jacobian import forward_mode_wrong, nested_vmap_unsafe
 from .kinds import Kind
+from .memory import out_of_memory
 from .model import ModelView
 
 
@@ -76,9 +77,9 @@ def _naming_missing_forward_mode(view: ModelView, x):
     stride"), refused with the fix."""
     try:
         yield
-    except torch.OutOfMemoryError:
-        raise
     except (NotImplementedError, RuntimeError) as error:
+        if out_of_memory(error):
+            raise
         if not isinstance(error, NotImplementedError) and not _runs_plainly(view, x):
             raise  # the model's own failure
         first = (str(error).strip().splitlines() or [""])[0]
@@ -98,9 +99,9 @@ def _naming_transform_limits(view: ModelView, x):
     torch.autograd for such models."""
     try:
         yield
-    except torch.OutOfMemoryError:
-        raise
     except RuntimeError as error:
+        if out_of_memory(error):
+            raise
         first = (str(error).strip().splitlines() or [""])[0]
         named = "torch.func" in first or "functorch" in first
         if not named and not _runs_plainly(view, x):  # the model's own failure

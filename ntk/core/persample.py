@@ -18,6 +18,7 @@ import torch
 from torch.func import vmap
 
 from . import inputs
+from .memory import out_of_memory
 from .model import ModelView
 
 BATCHING_NOTE = "There is a performance drop"  # how torch's notes on a missing vmap rule begin
@@ -41,9 +42,9 @@ def map_samples(view: ModelView, fn: Callable, params, x, *per_sample) -> object
     if view.model not in _NOT_VMAPPABLE:
         try:
             return vmap(fn, in_dims=(None, 0) + (0,) * len(per_sample))(params, x, *per_sample)
-        except torch.OutOfMemoryError:
-            raise
         except Exception as error:  # any failure under vmap: the loop shows a real error again
+            if out_of_memory(error):
+                raise
             fall_back(
                 _NOT_VMAPPABLE,
                 view.model,
