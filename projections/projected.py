@@ -238,8 +238,10 @@ def features(
     "rademacher" (default), "gaussian", "sparse" or "srht" (subsampled randomized Hadamard
     transforms of gradients and Kronecker factors: faster, and on the benchmark CNN more
     accurate; `_projectors`). batch_size: samples featurised at a time (None: from the free
-    memory). The same `seed` gives the same
-    features whatever `batch_size`, device or the model's dtype.
+    memory). The same `seed` gives the same projection whatever `batch_size`, device or the
+    model's dtype, so the same features up to float rounding (bit for bit only with the same
+    batches: a feature store's, restarted at each block, equal `features` where the blocks are
+    a multiple of its batch).
     """
     fz = Featurizer(
         model,
