@@ -160,3 +160,32 @@ def test_an_output_that_fails_part_way_leaves_the_earlier_file(tmp_path, fmt, fl
     assert target.read_text() == "an earlier result\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data.npz", "factory.py", "k.out"]
     assert run(*args).returncode == 0 and target.read_bytes() != b"an earlier result\n"
+
+
+ZERO = """
+import torch
+from torch import nn
+
+def build():
+    net = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    with torch.no_grad():
+        net[0].weight.zero_()
+        net[0].bias.fill_(-1.0)  # every ReLU off: no parameter moves the outputs but the last bias
+        net[2].bias.requires_grad_(False)
+    return net
+"""
+
+
+def test_a_kernel_that_is_zero_everywhere_and_a_kind_given_twice(tmp_path):
+    """A model whose eNTK is zero (no parameter reaches the outputs) crashed after the work with
+    "ZeroDivisionError: float division by zero" in the layers' trace shares; a kind given twice
+    was computed and printed twice."""
+    (tmp_path / "factory.py").write_text(ZERO)
+    np.savez(tmp_path / "data.npz", x=np.ones((5, 4), dtype=np.float32))
+    common = ["--model", str(tmp_path / "factory.py:build"), "--data", str(tmp_path / "data.npz")]
+    out = run(*common, "--kind", "trace", "--kind", "trace", "--format", "json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert [row["kind"] for row in report["rows"]] == ["trace"]
+    assert report["rows"][0]["lambda_1"] == 0
+    assert [layer["share"] for layer in report["layers"]] == [0.0, 0.0]

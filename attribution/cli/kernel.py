@@ -76,7 +76,7 @@ def kernel(
 
     from ..layers import layer_label
 
-    kinds = kinds or KERNEL_KINDS
+    kinds = tuple(dict.fromkeys(kinds)) or KERNEL_KINDS  # a kind given twice is computed once
     if save is not None and len(kinds) != 1:
         raise UsageProblem("--save needs exactly one --kind")
     check_paths(
@@ -142,7 +142,7 @@ def kernel(
             "layer": name,
             "type": type(modules[name]).__name__,
             "trace": t,
-            "share": t / total,
+            "share": t / total if total > 0 else 0.0,  # a kernel that is zero everywhere
         }
         for name, t in traces.items()
     ]
