@@ -140,6 +140,14 @@ def test_attribute_averages_over_checkpoint_files(tmp_path):
     bad = run(*common, "--checkpoint", str(tmp_path / "wrong.pt"))
     assert bad.returncode == 2 and "--checkpoint" in bad.stderr and "does not fit" in bad.stderr
     assert "Traceback" not in bad.stderr
+    assert len(bad.stderr.splitlines()) == 1  # the kept warning (no --weights) was printed first
+
+    # a checkpoint saved from a DataParallel / DDP wrapper: read, and said so (it was silent,
+    # its warning kept for a moment already past)
+    torch.save({f"module.{k}": v for k, v in nets[0].state_dict().items()}, tmp_path / "ddp.pt")
+    wrapped = run(*common, "--checkpoint", str(tmp_path / "ddp.pt"))
+    assert wrapped.returncode == 0, wrapped.stderr
+    assert "--checkpoint: " in wrapped.stderr and "names its tensors module." in wrapped.stderr
 
 
 def test_attribute_reads_training_features_written_by_ntk_featurize(tmp_path):

@@ -135,13 +135,13 @@ def attribute(
             projections.store_info(train_features)
         except ValueError as exc:
             raise UsageProblem(f"--train-features: {exc}") from None
+    checkpoints = []
+    for path in checkpoint_files:  # before the kept warnings are printed: a file's own joins them
+        checkpoints.append(copy_module(model))
+        load_weights(checkpoints[-1], path, "--checkpoint")
     untrained = untrained_note(model_spec, weights)
     requested, method = method, resolve_method(method)
     shown = f"{requested}: {method}" if requested != method else method
-    checkpoints = []
-    for path in checkpoint_files:
-        checkpoints.append(copy_module(model))
-        load_weights(checkpoints[-1], path, "--checkpoint")
     with (
         step(f"influence ({shown}) of {n_train} training examples on {n_test} predictions"),
         flag_names(train_features="--train-features"),
