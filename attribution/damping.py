@@ -59,13 +59,15 @@ def effective_parameters(eigenvalues: torch.Tensor, damping: float) -> float:
 
 
 class ZeroCurvature(ValueError):
-    """The Gauss–Newton curvature is zero (every training output saturated): no rule keeps a
-    share of its directions; `remedy` says what to give instead."""
+    """The Gauss–Newton curvature is zero (every training output saturated, or no trainable
+    parameter moving the outputs): no rule keeps a share of its directions; `remedy` says what
+    to give instead."""
 
     def __init__(self, remedy: str):
         super().__init__(
-            "the Gauss–Newton curvature is zero (every training output is saturated), so no "
-            f"damping keeps a share of its directions; {remedy}"
+            "the Gauss–Newton curvature is zero (every training output is saturated, or no "
+            "trainable parameter moves the outputs), so no damping keeps a share of its "
+            f"directions; {remedy}"
         )
 
 

@@ -222,3 +222,29 @@ def test_attribute_passes_dim_to_trak(tmp_path):
     for t in range(2):
         got = [r["score"] for r in result["rows"] if r["test"] == t and r["role"] == "proponent"]
         np.testing.assert_allclose(got, expected[t].sort(descending=True).values[:2], rtol=1e-4)
+
+
+ZERO = """
+import torch
+from torch import nn
+
+def build():
+    net = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    with torch.no_grad():
+        net[0].weight.zero_()
+        net[0].bias.fill_(-1.0)  # every ReLU off: no trainable parameter moves the outputs
+        net[2].bias.requires_grad_(False)
+    return net
+"""
+
+
+def test_a_zero_curvature_names_what_the_command_line_can_do(tmp_path):
+    """The library's remedy "pass damping= explicitly" names a Python argument the command line
+    has no flag for, and blamed saturated outputs where no parameter moves them."""
+    write_files(tmp_path, seed=3, n=12)
+    (tmp_path / "factory.py").write_text(ZERO)
+    out = run(*files(tmp_path), "--top", "2")
+    assert out.returncode == 2
+    line = out.stderr.splitlines()[-1]
+    assert "no trainable parameter moves the outputs" in line
+    assert "no flag sets it" in line and "pass damping=" not in line

@@ -44,9 +44,25 @@ _OUTPUT_FN_WORDS = (
 )
 
 
+# Remedies that name a Python argument the command line has no flag for (a zero Gauss–Newton
+# curvature leaves no rule for the damping or the posterior's prior precision).
+_PYTHON_ONLY_WORDS = (
+    (
+        "pass damping= explicitly",
+        "the command line chooses the damping by that rule (no flag sets it): call "
+        "attribution.influence(..., damping=λ) in Python",
+    ),
+    (
+        "pass prior_precision= explicitly",
+        "--no-posterior leaves the uncertainty section out (in Python: "
+        "attribution.NTKPosterior(model, prior_precision=δ))",
+    ),
+)
+
+
 def _message(text: str) -> str:
     """An error message in the command line's words."""
-    for python, flag in _OUTPUT_FN_WORDS:
+    for python, flag in (*_OUTPUT_FN_WORDS, *_PYTHON_ONLY_WORDS):
         text = text.replace(python, flag)
     return text
 
