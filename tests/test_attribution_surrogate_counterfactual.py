@@ -575,7 +575,7 @@ def test_coherence_of_a_single_output_model_has_no_label_share():
     with pytest.raises(ValueError, match="y_train needs a classifier; the model has a single"):
         s.coherence(xt, np.zeros(12))
     # both name the class scores a one-logit binary classifier has
-    with pytest.raises(ValueError, match="single output .*output_fn=lambda z: torch.cat"):
+    with pytest.raises(ValueError, match="single output .*output_fn=lambda z: torch.stack"):
         s.coherence(xt, np.zeros(12))
     with pytest.raises(ValueError, match="y_test needs a classifier.*output_fn=lambda z: torch"):
         s.faithfulness(xt, np.zeros(5))

@@ -98,5 +98,5 @@ def test_labels_for_a_single_output_model_name_the_one_logit_remedy():
         kinds.class_labels(torch.tensor([0, 1, 0]), 3, 1, "y")
     torch.manual_seed(0)
     model, x, y = torch.nn.Linear(4, 1), torch.randn(6, 4), torch.tensor([0, 1] * 3)
-    with pytest.raises(ValueError, match=r"one logit z .*output_fn=lambda z: torch\.cat"):
+    with pytest.raises(ValueError, match=r"one logit z .*output_fn=lambda z: torch\.stack"):
         KernelSurrogate(model).fit(x, y)
