@@ -147,7 +147,7 @@ def test_embedding_ids_out_of_range_name_the_table():
         projections.features(model, ids, dim=4)
 
 
-@pytest.mark.parametrize("device", ["nonsense", "cuda:99"])
+@pytest.mark.parametrize("device", ["nonsense", "cuda:99", "meta"])  # meta: no values
 def test_unusable_device_is_refused_clearly(device):
     if device.startswith("cuda") and torch.cuda.device_count() > 99:
         pytest.skip("this machine has a cuda:99")

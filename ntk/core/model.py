@@ -51,12 +51,15 @@ def check_module(model, name: str = "model") -> None:
 
 
 def resolve_device(device) -> torch.device:
-    """`torch.device(device)`, refused with a ValueError unless a tensor can be made there."""
+    """`torch.device(device)`, refused with a ValueError unless a tensor can be made there and
+    hold values (not the meta device)."""
     try:
         resolved = torch.device(device)
         torch.empty(0, device=resolved)
     except (RuntimeError, AssertionError, TypeError, ValueError) as e:
         raise ValueError(f"device={device!r} is not usable: {_first_line(e)}") from None
+    if resolved.type == "meta":  # it failed deep inside ("Tensor.item() cannot be called on meta")
+        raise ValueError(f"device={device!r} is not usable: meta tensors hold no values")
     return resolved
 
 
