@@ -346,3 +346,12 @@ def test_asking_for_more_samples_than_a_file_holds_is_said(tmp_path, capsys):
     code, _, err = run(capsys, *report, "--no-posterior", "--kernel-samples", "40")
     assert code == 0, err
     assert "ntk: warning: --kernel-samples 40: --data holds only 12 samples; using all 12" in err
+    # --samples cut the file: it was said to hold only what --samples kept
+    code, _, err = run(
+        capsys, *report, "--no-posterior", "--samples", "10", "--kernel-samples", "11"
+    )
+    assert code == 0, err
+    assert "--kernel-samples 11: --samples 10 keeps only 10 samples of --data; using all 10" in err
+    # --train and --data both given: --data was ignored without a word
+    code, _, err = run(capsys, *report, "--train", common[3], "--no-posterior")
+    assert code == 2 and "both name the training data" in err, err

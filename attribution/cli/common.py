@@ -994,7 +994,12 @@ def more_than_held(parameter: str, total: int, option: str) -> None:
         ParameterSource.ENVIRONMENT,
     ):
         flag = "--" + parameter.replace("_", "-")
-        warn_later(f"{flag} {asked}: --{option} holds only {total} samples; using all {total}")
+        kept = ctx.params.get("samples") if parameter != "samples" else None
+        if kept is not None and kept == total and option != "test":  # --samples cut --option
+            held = f"--samples {kept} keeps only {total} samples of --{option}"
+        else:
+            held = f"--{option} holds only {total} samples"
+        warn_later(f"{flag} {asked}: {held}; using all {total}")
 
 
 def in_model_dtype(model: nn.Module | None, x, option: str):

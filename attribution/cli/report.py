@@ -158,6 +158,12 @@ def report(
     json_path = str(Path(html).with_suffix(".json"))
     shape = _shape(image_shape)
     if train_file is not None:
+        from click.core import ParameterSource
+
+        if click.get_current_context().get_parameter_source("data") is ParameterSource.COMMANDLINE:
+            raise UsageProblem(
+                f"--train {train_file} and --data {data} both name the training data; give one"
+            )
         data = train_file
     if model_spec is None and data != "digits":
         raise UsageProblem("a training data file needs --model (the built-in demo uses digits)")
