@@ -355,3 +355,21 @@ def test_asking_for_more_samples_than_a_file_holds_is_said(tmp_path, capsys):
     # --train and --data both given: --data was ignored without a word
     code, _, err = run(capsys, *report, "--train", common[3], "--no-posterior")
     assert code == 2 and "both name the training data" in err, err
+
+
+def test_the_report_records_the_output_fn_it_was_given(tmp_path, capsys):
+    """`--output-fn` changes every number of the report; its settings did not say it was given."""
+    common = write_model(tmp_path, samples=12)
+    (tmp_path / "fns.py").write_text("def doubled(out):\n    return 2 * out\n")
+    test = tmp_path / "test.npz"
+    np.savez(test, x=np.zeros((3, 4), np.float32))
+    html = tmp_path / "r.html"
+    report = ["report", *common, "--test", str(test), "--out", str(html), "--no-posterior"]
+    code, _, err = run(capsys, *report, "--output-fn", f"{tmp_path / 'fns.py'}:doubled")
+    assert code == 0, err
+    settings = json.loads(html.with_suffix(".json").read_text())["settings"]
+    assert settings["output fn"] == f"{tmp_path / 'fns.py'}:doubled"
+    code, _, err = run(capsys, *report)
+    assert code == 0, err
+    settings = json.loads(html.with_suffix(".json").read_text())["settings"]
+    assert settings["output fn"] == "none (the model's output)"
