@@ -48,6 +48,21 @@ def double():  # a float64 model
 
 CANDIDATES = {"one": build}
 
+class Picky(nn.Module):  # its own code fails on one sample past the first, once a layer took it
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        if (x[:, 0] > 50).any():
+            raise ValueError("feature 0 too large")
+        return self.b(torch.tanh(h))
+
+def picky():
+    torch.manual_seed(0)
+    return Picky()
+
 class Bag(nn.Module):  # token ids of any length, mean-pooled
     def __init__(self):
         super().__init__()
@@ -118,6 +133,29 @@ def test_a_model_failing_inside_its_forward_pass_is_not_blamed_on_the_data(files
     # data that the first layer refuses is still the data's fault
     err = usage_error(capsys, "kernel", *model[:2], "--data", f"{files}/wide.npz")
     assert "--data: the model cannot take samples of shape (7,)" in err
+
+
+def test_a_model_failing_on_a_later_sample_is_said_as_on_the_first(files, capsys):
+    """A model whose own code fails on sample 7 only (the first, which the commands try before
+    any work, passes): the library's ModelForwardError came out as "ModelForwardError: x1: the
+    model's forward pass failed …", naming a Python argument; now as on the first sample, exit 1
+    naming the flag."""
+    x = np.random.default_rng(0).normal(size=(10, 4)).astype(np.float32)
+    x[7, 0] = 100.0
+    np.savez(files / "late.npz", x=x, y=np.arange(10) % 3)
+    model = ["--model", f"{files}/factory.py:picky", "--data", f"{files}/late.npz"]
+    for command, extra in (
+        ("kernel", ()),
+        ("layers", ()),
+        ("attribute", ("--test", f"{files}/train.npz")),
+        ("featurize", (f"{files}/store",)),
+    ):
+        code, _, err = run(capsys, command, *model, *extra)
+        assert code == 1, err
+        line = err.strip().splitlines()[-1]
+        assert line.startswith("ntk: error: the model's forward pass failed in module 'Picky'")
+        assert line.endswith("ValueError: feature 0 too large (on --data)"), line
+        assert "x1" not in line and "ModelForwardError" not in line
 
 
 def test_any_exception_of_the_model_past_its_first_layer_is_the_models_failure(files, capsys):

@@ -144,7 +144,7 @@ def attribute(
     shown = f"{requested}: {method}" if requested != method else method
     with (
         step(f"influence ({shown}) of {n_train} training examples on {n_test} predictions"),
-        flag_names(train_features="--train-features"),
+        flag_names(train_features="--train-features", x_train="--data", x_test="--test"),
     ):
         scores = influence(
             model,

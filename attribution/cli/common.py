@@ -466,10 +466,23 @@ def class_labels(model: nn.Module, x, y, option: str, output_fn: Callable | None
 @contextlib.contextmanager
 def flag_names(**names: str):
     """Library errors that start with an argument's name (alone or after a prefix such as
-    "candidate 'a': ") name what the user gave instead: flag_names(image_shape="--image-shape")."""
+    "candidate 'a': ") name what the user gave instead: flag_names(image_shape="--image-shape").
+    Bad input (TypeError, ValueError) and a model that fails on some samples of the data
+    (`ntk.core.model.ModelForwardError`, whose message names the library's argument, e.g. x1)."""
     try:
         yield
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:
+        model = sys.modules.get("ntk.core.model")  # loaded by any command that ran a model
+        if model is not None and isinstance(exc, model.ModelForwardError):
+            # the model's fault on a sample past the one `check_fits` ran, said as it says it
+            argument = re.match(rf"({'|'.join(map(re.escape, names))}): ", str(exc))
+            if argument:
+                raise ModelFailure(
+                    f"{str(exc)[argument.end() :]} (on {names[argument[1]]})"
+                ) from None
+            raise
+        if not isinstance(exc, (TypeError, ValueError)):
+            raise
         pattern = rf"(^|: )({'|'.join(map(re.escape, names))})\b"
         exc.args = (re.sub(pattern, lambda m: m[1] + names[m[2]], str(exc)),)
         raise

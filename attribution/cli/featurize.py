@@ -15,6 +15,7 @@ from .common import (
     UsageProblem,
     check_paths,
     emit,
+    flag_names,
     interactive,
     load_output_fn,
     model_files,
@@ -122,7 +123,8 @@ def featurize(
     )
     untrained = untrained_note(model_spec, weights)
     start = time.perf_counter()
-    with writing_into("STORE", store):  # only the store's writes: their OSErrors name its files
+    # only the store's writes: their OSErrors name its files
+    with writing_into("STORE", store), flag_names(data="--data"):
         phi = projections.featurize(
             model,
             x,

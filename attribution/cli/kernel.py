@@ -13,6 +13,7 @@ from .common import (
     check_paths,
     done,
     emit,
+    flag_names,
     interactive,
     load_output_fn,
     model_files,
@@ -94,16 +95,17 @@ def kernel(
     saved = None
     for kind in kinds:
         start = time.perf_counter()
-        k = ntk.empirical_ntk(
-            model,
-            x,
-            kind=kind,
-            method=method,
-            batch_size=batch_size,
-            device=device,
-            output_fn=output_fn,
-            progress=interactive(),
-        )
+        with flag_names(x1="--data"):  # a model that fails on some of the data names the flag
+            k = ntk.empirical_ntk(
+                model,
+                x,
+                kind=kind,
+                method=method,
+                batch_size=batch_size,
+                device=device,
+                output_fn=output_fn,
+                progress=interactive(),
+            )
         seconds = time.perf_counter() - start
         with step(f"spectrum of the {kind} kernel"):
             ev = ntk.eigenvalues(k)
@@ -123,7 +125,7 @@ def kernel(
         if kappa == float("inf"):
             notes.append(f"κ = inf for {kind}: {why_singular(kind, n, size, rank)}")
         saved = k
-    with step("per-layer trace kernels"):
+    with step("per-layer trace kernels"), flag_names(x1="--data"):
         layers = ntk.empirical_ntk(
             model,
             x,

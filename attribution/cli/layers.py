@@ -186,7 +186,7 @@ def layers(
         raise UsageProblem(f"--score {score} needs labels: --data must hold an array y")
     untrained = untrained_note(model_spec, weights)
     n = inputs.count(x)
-    with flag_names(y="--data: y"):
+    with flag_names(y="--data: y", x="--data", x1="--data"):
         rows = layer_importance(
             model,
             x,

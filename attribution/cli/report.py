@@ -212,7 +212,10 @@ def report(
         device=device,
         output_fn=output_fn,
     )
-    with flag_names(image_shape="--image-shape"), outputs_named(html, json_path):
+    with (
+        flag_names(image_shape="--image-shape", x_train=f"--{option}", x_test="--test"),
+        outputs_named(html, json_path),
+    ):
         result = build_report(
             model,
             x_train,
