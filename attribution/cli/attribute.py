@@ -75,8 +75,10 @@ COLUMNS = ("test", "label", "predicted", "role", "rank", "train", "train_label",
     "--train-features",
     default=None,
     help="a feature store of the training data written by `ntk featurize --kind full` from the "
-    "same model and data: the projected Gauss–Newton influence reads it instead of "
-    "featurising the training data again",
+    "same model and data: the projected Gauss–Newton influence in parameter space reads it "
+    "instead of featurising the training data. Another estimator than the default's: the "
+    "network's own logits (the default's kernel-flow logits need the N × N kernel), lower LDS "
+    "on the benchmarks (README)",
 )
 def attribute(
     model_spec,
@@ -142,6 +144,8 @@ def attribute(
     untrained = untrained_note(model_spec, weights)
     requested, method = method, resolve_method(method)
     shown = f"{requested}: {method}" if requested != method else method
+    if train_features is not None:  # the parameter-space path, on the network's own logits
+        shown += ", projected from --train-features, network logits"
     with (
         step(f"influence ({shown}) of {n_train} training examples on {n_test} predictions"),
         flag_names(train_features="--train-features", x_train="--data", x_test="--test"),
@@ -192,6 +196,8 @@ def attribute(
             "test_samples": n_test,
             "dim": dim,
             "checkpoints": list(checkpoint_files),
+            "train_features": train_features,
+            "training_logits": "network" if train_features is not None else "auto",
         },
         headers={"score": "score ↑"},
         notes=["score ↑: how much the training example raises the test margin"],
