@@ -53,3 +53,14 @@ def test_choices_are_the_librarys():
     assert choices.SURROGATE_KINDS == attribution.surrogate.KINDS
     assert choices.SURROGATE_MACHINES == attribution.surrogate.MACHINES
     assert choices.POSTERIOR_AUTO_MAX == _report.POSTERIOR_AUTO_MAX
+
+
+def test_ntk_alone_prints_its_help_not_an_error():
+    """`ntk` without a command printed its help as "ntk: error: Usage: …" on stderr, exit 2: a
+    newcomer's first try read as a mistake."""
+    out = subprocess.run(
+        [sys.executable, "-m", "attribution.cli"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("Usage: ntk") and "Commands:" in out.stdout
+    assert "error" not in out.stderr

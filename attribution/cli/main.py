@@ -111,6 +111,9 @@ def main(argv=None) -> None:
         _run(argv)
 
 
+_NO_ARGUMENTS = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click ≥ 8.2
+
+
 def _run(argv) -> None:
     try:
         cli.main(args=argv, prog_name="ntk", standalone_mode=False)
@@ -119,6 +122,9 @@ def _run(argv) -> None:
         sys.exit(1)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
+    except _NO_ARGUMENTS as exc:  # `ntk` alone asks what it can do: its help, not an error
+        click.echo(exc.format_message())
+        sys.exit(0)
     except click.UsageError as exc:
         click.echo(f"ntk: error: {_rank(exc)}{_message(exc.format_message())}", err=True)
         sys.exit(2)
