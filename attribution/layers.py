@@ -329,6 +329,11 @@ def layer_importance(
     """
     if score not in SCORES:
         raise ValueError(f"unknown score {score!r}; valid scores are {', '.join(SCORES)}")
+    if score == "block_influence" and group is None:  # was found undefined after all the work
+        raise ValueError(
+            "score 'block_influence' compares each block's input and output: it needs "
+            "group='blocks' (or a name depth)"
+        )
     projection_dim = check_integer(projection_dim, "projection_dim", optional=True)
     x = inputs.from_numpy(x, "x", inputs.param_dtype(model))  # numpy arrays of floats
     n = inputs.validate(x, "x")

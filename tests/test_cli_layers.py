@@ -158,6 +158,7 @@ def test_usage_errors_exit_2_with_one_line(tmp_path):
         [*common[:2], "--data", str(tmp_path / "wide.npz")],  # 7 features for 4 inputs
         [*common, "--group", "heads"],
         [*common, "--weights", str(tmp_path / "missing.pt")],
+        [*common, "--score", "block_influence"],  # refused after the work, blocks not grouped
     ]
     for args in cases:
         out = run(*args)

@@ -175,6 +175,8 @@ def layers(
 
     if depth is not None and group != "blocks":
         raise UsageProblem("--depth needs --group blocks")
+    if score == "block_influence" and group != "blocks":
+        raise UsageProblem("--score block_influence compares blocks: it needs --group blocks")
     check_paths(
         [("--output", out.path), ("--plot", plot)],
         model_files(model_spec, weights, data, output_fn=output_fn),
