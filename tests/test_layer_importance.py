@@ -258,6 +258,9 @@ def test_bad_input_is_refused_with_a_clear_message():
         layer_importance(model, x, y, group="heads")
     with pytest.raises(ValueError, match="'block_influence' compares .* needs group='blocks'"):
         layer_importance(model, x, y, score="block_influence")  # before any kernel
+    funnel = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).eval()  # no block keeps
+    with pytest.raises(ValueError, match="undefined for every row"):  # its input's shape
+        layer_importance(funnel, x, y, score="block_influence", group="blocks")
     for dim in (64.0, 0, True):  # named by its own name, before any kernel (was "dim")
         with pytest.raises(ValueError, match="projection_dim must be a positive integer"):
             layer_importance(model, x, y, projection_dim=dim)
