@@ -432,7 +432,8 @@ def expected_calibration_error(probs, labels, n_bins: int = 15) -> float:
 
 def calibration_metrics(probs, labels, n_bins: int = 15) -> dict[str, float]:
     """Accuracy, negative log-likelihood −mean_i log p_i,y_i, ECE (`n_bins` bins) and Brier score
-    (scikit-learn's: mean squared distance to the one-hot label) of class probabilities [N, C]
+    (mean_i Σ_c (p_ic − [y_i = c])², the squared distance to the one-hot label, for two classes
+    too: scikit-learn's binary default halves it) of class probabilities [N, C]
     (rows renormalised in float64) against labels [N]. A label's probability of exactly 0 counts
     as the smallest positive float64 (708 nats; scikit-learn's log_loss clips at 2.2e-16, so
     every confident mistake counted 36 nats at most)."""
@@ -448,5 +449,5 @@ def calibration_metrics(probs, labels, n_bins: int = 15) -> dict[str, float]:
             -np.log(np.maximum(p[np.arange(len(y)), y], np.finfo(np.float64).tiny)).mean()
         ),
         "ece": expected_calibration_error(p, y, n_bins),
-        "brier": float(brier_score_loss(y, p, labels=classes)),
+        "brier": float(brier_score_loss(y, p, labels=classes, scale_by_half=False)),
     }

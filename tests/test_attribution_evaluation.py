@@ -171,8 +171,11 @@ def test_expected_calibration_error_on_a_hand_computed_case():
     m = calibration_metrics(probs, labels, n_bins=5)
     assert m["accuracy"] == 0.75 and m["ece"] == pytest.approx(0.9 / 4)
     assert m["nll"] == pytest.approx(-np.mean(np.log([0.95, 0.25, 0.65, 0.55])))
-    # scikit-learn's binary Brier: mean (1 − p_label)²
-    assert m["brier"] == pytest.approx(np.mean(np.square([0.05, 0.75, 0.35, 0.45])))
+    # the squared distance to the one-hot label, Σ over both classes: 2 (1 − p_label)² (it was
+    # scikit-learn's binary default, half that, where three classes got the whole distance)
+    assert m["brier"] == pytest.approx(2 * np.mean(np.square([0.05, 0.75, 0.35, 0.45])))
+    padded = calibration_metrics(np.pad(probs, ((0, 0), (0, 1))), labels, n_bins=5)
+    assert padded["brier"] == pytest.approx(m["brier"])  # a class never predicted adds nothing
     with pytest.raises(ValueError, match=r"\[N, C\]"):
         expected_calibration_error([0.5, 0.5], [0, 1])
     with pytest.raises(ValueError, match="n_bins"):
