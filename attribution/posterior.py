@@ -72,6 +72,7 @@ from torch import nn
 from ntk.core import inputs
 from ntk.core.checks import check_amount, check_integer
 from ntk.core.jacobian import jacobian_features
+from ntk.core.kinds import loss_labels
 from ntk.core.memory import available_bytes
 from ntk.core.model import ModelView
 
@@ -296,11 +297,12 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         n, o = g.shape
         joint = False
         if self.likelihood == "classification":
+            self.one_logit_ = o == 1
             if o == 1:  # a binary classifier's logit z: the classes' logits (0, z)
                 self.output_fn_ = functools.partial(_two_class_logits, self.output_fn)
                 g = torch.cat([torch.zeros_like(g), g], 1)
                 o = 2
-            y = labels(y_train, n, o, "y_train")
+            y = self._labels(y_train, n, o, "y_train")
             root = psd_root(softmax_curvature(g))
             self.log_likelihood_ = -float(nn.functional.cross_entropy(g, y, reduction="sum"))
             self.classes_ = np.arange(o)
@@ -572,7 +574,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         mean = self._mean(x_val, "x_val")
         m, o = mean.shape
         y_val = (
-            labels(y_val, m, o, "y_val")
+            self._labels(y_val, m, o, "y_val")
             if self.likelihood == "classification"
             else _targets(y_val, m, o, "y_val")
         )
@@ -802,6 +804,13 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         mutual = entropy(draws.exp().mean(0)) - expected
         return {"entropy": total.numpy(), "mutual_information": mutual.clamp_min(0).numpy()}
 
+    def _labels(self, y, n: int, o: int, name: str) -> torch.Tensor:
+        """Class labels [n] of the o classes; a model with one logit (`one_logit_`, whose two
+        classes the posterior makes) takes 0 and 1, and its errors say it has one output."""
+        if self.one_logit_:
+            loss_labels(y, 1, name)
+        return labels(y, n, o, name)
+
     def score(self, x, y, sample_weight=None) -> float:
         """Mean log predictive density of y (higher is better): log p(y | x) through `link`
         (classification), or log N(y; f_θ*(x), Σ(x) + σ²I) (regression)."""
@@ -809,7 +818,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         mean, cov = self._predictive(x)
         n, o = mean.shape
         if self.likelihood == "classification":
-            y = labels(y, n, o, "y")
+            y = self._labels(y, n, o, "y")
         else:
             y = _targets(y, n, o, "y")
         logp = self._log_density(mean, cov, y)

@@ -254,6 +254,24 @@ def test_a_single_logit_is_a_binary_classifier(curvature):
         assert list(got.classes_) == [0, 1] and got.predict(xt).shape == (7,)
 
 
+def test_labels_of_a_one_logit_classifier_are_checked_as_0_and_1():
+    """The posterior makes a one-logit model's two classes, then checked the labels against
+    them: a label 2 was said to lie outside 0..1 of "the model has 2 outputs"."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1)).double().eval()
+    x, y = torch.randn(10, 4, dtype=torch.float64), torch.tensor([0, 1] * 5)
+    one = "outside 0..1: 2 at sample 3 \\(the model has one output, a binary classifier's logit\\)"
+    with pytest.raises(ValueError, match="y_train holds labels " + one):
+        NTKPosterior(net).fit(x, torch.where(torch.arange(10) == 3, 2, y))
+    fitted_posterior = NTKPosterior(net).fit(x, y)
+    for name, call in (
+        ("y", lambda bad: fitted_posterior.score(x, bad)),
+        ("y_val", lambda bad: NTKPosterior(net).fit(x, y, validation=(x, bad))),
+    ):
+        with pytest.raises(ValueError, match=f"{name} holds labels " + one):
+            call(torch.where(torch.arange(10) == 3, 2, y))
+
+
 def test_validation_data_choose_the_prior_precision_minimising_their_nll(small_classifier):
     """fit(..., validation=) picks δ whose validation NLL (= −score, computed by the ordinary
     Cholesky path) is the smallest of a brute-force grid, up to the search tolerance."""
