@@ -112,7 +112,10 @@ SHAPE_EFFECTIVE_PARAMETERS = 10**1.625
 VARIANCE_SAMPLES = 256
 EVIDENCE_DECADES = 10.0  # the evidence is maximised over δ in [δ_max·10⁻¹⁰, δ_max]
 EVIDENCE_TOL = 0.01  # in log10 δ
-VALIDATION_DECADES = 6.0  # the validation NLL is minimised over δ in N·O/‖θ*‖² · 10^(±6)
+# the validation NLL is minimised over δ in D/‖θ*‖² · 10^(±6), D the dimension of the system
+# (`_size`: N·O in kernel form, P in parameter space or with the factored curvature); an optimum
+# beyond that range is taken at its edge
+VALIDATION_DECADES = 6.0
 VALIDATION_GRID = 25  # coarse grid points over that range before the bounded Brent search
 PREDICT_BLOCK = 128  # test samples per block of the predictive covariance
 # Exact kernels, kind="full": the posterior runs in parameter space when P ≤ ratio · N·O. Its
