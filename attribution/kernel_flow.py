@@ -133,8 +133,8 @@ def flow_logits(
         return FlowLogits(f, test)
 
     f = torch.zeros(n, num_outputs, dtype=torch.float64)
-    if reached(f, 0.0):  # a floor at or above log O, the loss at f = 0
-        return stopped(integral, f)
+    if reached(f, 0.0) or not evals[-1] > 0:  # a floor at or above log O, the loss at f = 0;
+        return stopped(integral, f)  # or a zero kernel, along which the flow never moves
     h = FIRST_STEP / ((1 - 1 / num_outputs) * max(evals[-1].item(), 1e-300))
     time = 0.0
     for _ in range(MAX_STEPS):

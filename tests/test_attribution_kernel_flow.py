@@ -125,3 +125,27 @@ def test_bad_input(clusters):
     for cross in (kernel[:, :5], kernel[0]):
         with pytest.raises(ValueError, match=r"cross must be \[M, N\]"):
             flow_logits(kernel, y, O, 0.1, cross=cross)
+
+
+def test_a_zero_kernel_leaves_the_flow_at_zero():
+    """Along a kernel that is zero everywhere (no trainable parameter moves the outputs) the flow
+    never moves; its first step was 1e300-long and its logits NaN, so `influence` failed in
+    torch's eigh ("failed to converge") instead of naming the zero curvature, wherever the
+    network's loss lay above log O (the flow's loss at f = 0), so that the flow started."""
+    import attribution
+    from attribution.damping import ZeroCurvature
+
+    y = torch.tensor([0, 1, 2, 0, 1, 2])
+    state = flow_logits(torch.zeros(6, 6), y, 3, loss_floor=0.1, cross=torch.zeros(2, 6))
+    assert torch.equal(state.train, torch.zeros(6, 3)) and torch.equal(
+        state.test, torch.zeros(2, 3)
+    )
+    net = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    with torch.no_grad():
+        net[0].weight.zero_()
+        net[0].bias.fill_(-1.0)  # every ReLU off
+        net[2].bias.copy_(torch.tensor([2.0, -1.0, 0.0]))  # a loss above log 3 on these labels
+    net[2].bias.requires_grad_(False)
+    x = torch.randn(6, 4)
+    with pytest.raises(ZeroCurvature, match="no trainable parameter moves the outputs"):
+        attribution.influence(net.eval(), x, y, x[:2])
