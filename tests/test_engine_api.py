@@ -940,3 +940,29 @@ def test_a_cpu_allocation_failure_under_vmap_is_raised_not_taken_for_a_vmap_limi
         with pytest.raises(RuntimeError, match="DefaultCPUAllocator"):
             persample.map_samples(view, allocate, view.params, torch.randn(5, 4))
     assert persample.vmappable(view.model)
+
+
+def test_a_failure_the_loop_over_samples_repeats_is_raised_and_leaves_the_model_vmappable():
+    """A function that fails under vmap and one sample at a time alike fails for its own reason,
+    not vmap's: it is raised without a fallback warning, and the model is not marked (it was, and
+    every later call for it looped over its samples, slower, with a warning blaming vmap)."""
+    import warnings
+
+    from ntk.core import persample
+    from ntk.core.model import ModelView
+
+    def refuse(params, x):
+        raise ValueError("this sample cannot be taken")
+
+    view = ModelView(nn.Linear(4, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no PerSampleFallbackWarning
+        with pytest.raises(ValueError, match="this sample cannot be taken"):
+            persample.map_samples(view, refuse, view.params, torch.randn(5, 4))
+    assert persample.vmappable(view.model)
+
+    def first_row(params, x):
+        return x[0] * params["weight"].sum()
+
+    rows = persample.map_samples(view, first_row, view.params, torch.randn(5, 4))
+    assert rows.shape == (5,) and persample.vmappable(view.model)

@@ -3,8 +3,10 @@ one sample at a time where it does not.
 
 vmap cannot run code that branches on tensor values, such as the attention-mask handling of
 HuggingFace transformers (`if (mask == 1).all(): ...`). The first vmapped call that fails for a
-model marks the model, warns once with the reason, and this and every later call for that model
-loop over the samples instead (the same values, one forward and backward pass per sample).
+model where the loop over its samples runs (the same values, one forward and backward pass per
+sample) marks the model and warns once with the reason; every later call for that model loops.
+A failure of the loop too is the model's own (a sample it cannot take): it is raised, and the
+model stays unmarked.
 """
 
 from __future__ import annotations
@@ -39,19 +41,26 @@ def vmappable(model) -> bool:
 def map_samples(view: ModelView, fn: Callable, params, x, *per_sample) -> object:
     """fn(params, x_b, *(a[b] for a in per_sample)) for every sample b of `x` (without its sample
     axis), stacked along a new first axis (tensors, or dicts/tuples of tensors)."""
-    if view.model not in _NOT_VMAPPABLE:
-        try:
-            return vmap(fn, in_dims=(None, 0) + (0,) * len(per_sample))(params, x, *per_sample)
-        except Exception as error:  # any failure under vmap: the loop shows a real error again
-            if out_of_memory(error):
-                raise
-            fall_back(
-                _NOT_VMAPPABLE,
-                view.model,
-                error,
-                "{model} cannot be vmapped over samples ({reason}); computing per-sample "
-                "derivatives one sample at a time",
-            )
+    if view.model in _NOT_VMAPPABLE:
+        return _loop(fn, params, x, per_sample)
+    try:
+        return vmap(fn, in_dims=(None, 0) + (0,) * len(per_sample))(params, x, *per_sample)
+    except Exception as error:
+        if out_of_memory(error):
+            raise
+        rows = _loop(fn, params, x, per_sample)  # fails too where the model itself fails
+        fall_back(
+            _NOT_VMAPPABLE,
+            view.model,
+            error,
+            "{model} cannot be vmapped over samples ({reason}); computing per-sample "
+            "derivatives one sample at a time",
+        )
+        return rows
+
+
+def _loop(fn: Callable, params, x, per_sample: tuple) -> object:
+    """`map_samples` one sample at a time."""
     with quiet_batching_notes():  # vmap over cotangents inside fn
         rows = [
             fn(params, inputs.take(x, b), *(a[b] for a in per_sample))
