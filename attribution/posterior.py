@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from numbers import Integral, Real
 
 import numpy as np
@@ -114,8 +115,11 @@ EVIDENCE_DECADES = 10.0  # the evidence is maximised over δ in [δ_max·10⁻¹
 EVIDENCE_TOL = 0.01  # in log10 δ
 # the validation NLL is minimised over δ in D/‖θ*‖² · 10^(±6), D the dimension of the system
 # (`_size`: N·O in kernel form, P in parameter space or with the factored curvature); an optimum
-# beyond that range is taken at its edge
+# beyond that range is taken at its edge: at the top, the limit of no posterior spread (which
+# validation data the network predicts well prefer); at the bottom, with a warning, since
+# VALIDATION_EDGE decades of it (a posterior that broad flattens every prediction)
 VALIDATION_DECADES = 6.0
+VALIDATION_EDGE = 0.05
 VALIDATION_GRID = 25  # coarse grid points over that range before the bounded Brent search
 PREDICT_BLOCK = 128  # test samples per block of the predictive covariance
 # Exact kernels, kind="full": the posterior runs in parameter space when P ≤ ratio · N·O. Its
@@ -581,6 +585,12 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             if self.likelihood == "classification"
             else _targets(y_val, m, o, "y_val")
         )
+        residual = (y_val - mean).unsqueeze(-1) if joint else None
+        if joint and not residual.abs().max() > 0:  # σ² would be 0
+            raise ValueError(
+                "the model predicts the validation targets exactly (zero residual), so "
+                "noise='auto' has no residual to estimate it from; pass noise > 0"
+            )
         if a is None:
             covariance = self.kronecker_.covariance_function(x_val, "x_val")
             prior = None
@@ -588,7 +598,6 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             _, covariance, prior = self._spectral_covariance(a, x_val)
 
         eye = torch.eye(o, dtype=torch.float64)
-        residual = (y_val - mean).unsqueeze(-1) if joint else None
 
         def scaled(lam: float) -> tuple[float, torch.Tensor]:  # joint: (σ², C(λ) + I)
             total = covariance(lam) + eye
@@ -605,13 +614,19 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
             return -float(self._log_density(mean, covariance(value), y_val).mean())
 
         centre = math.log10(self._size(a) / self.sq_norm_)
-        chosen = 10.0 ** _grid_then_brent(
-            loss, centre - VALIDATION_DECADES, centre + VALIDATION_DECADES
-        )
-        if not joint:
-            return chosen
-        noise = scaled(chosen)[0]
-        return noise, chosen / noise
+        lo = centre - VALIDATION_DECADES
+        log_chosen = _grid_then_brent(loss, lo, centre + VALIDATION_DECADES)
+        chosen = 10.0**log_chosen
+        noise = scaled(chosen)[0] if joint else 1.0
+        if log_chosen - lo < VALIDATION_EDGE:  # warned to fit's caller
+            warnings.warn(
+                "the validation loss falls as the prior precision shrinks, down to the edge of "
+                f"its search range: δ = {chosen / noise:.3g} is taken, the broadest posterior "
+                "searched (the network is confidently wrong on the validation data: are they "
+                "labelled as the training data are?)",
+                stacklevel=3 + (not joint),
+            )
+        return (noise, chosen / noise) if joint else chosen
 
     def _spectral_covariance(self, a: torch.Tensor, x):
         """The eigenvalues e of the fitted system `a`, δ ↦ Σ(x) [M, O, O] and the prior blocks

@@ -4,6 +4,7 @@ and the error paths."""
 
 import copy
 import math
+import warnings
 from functools import partial
 
 import numpy as np
@@ -290,6 +291,34 @@ def test_validation_data_choose_the_prior_precision_minimising_their_nll(small_c
         NTKPosterior(model).fit(x, y, validation=xt)
     with pytest.raises(ValueError, match="y_val"):
         NTKPosterior(model).fit(x, y, validation=(xt, yt + 5))
+
+
+def test_validation_data_that_push_the_prior_to_the_bottom_of_its_search_range_are_warned_about(
+    small_classifier,
+):
+    """Validation labels the network ranks last take δ at the bottom of its search range (the
+    broadest posterior searched), with a warning saying so, pointing at the caller's fit; labels
+    with an inside optimum, or the network's own predictions (the top: no posterior spread, the
+    limit those prefer), give none. Validation targets the regression model predicts exactly
+    leave σ² nothing to estimate from (a ValueError; was torch's MultivariateNormal failing on a
+    zero covariance)."""
+    model, x, y, xt, yt = small_classifier
+    with torch.no_grad():
+        out = model(xt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        inside = NTKPosterior(model).fit(x, y, validation=(xt, yt)).prior_precision_
+        top = NTKPosterior(model).fit(x, y, validation=(xt, out.argmax(1))).prior_precision_
+    with pytest.warns(UserWarning, match="validation loss falls .* down to the edge") as caught:
+        bottom = NTKPosterior(model).fit(x, y, validation=(xt, out.argmin(1))).prior_precision_
+    assert caught[0].filename == __file__
+    assert bottom < 1e-4 * inside < 1e-8 * top
+    with torch.no_grad():
+        targets = model(x)
+    regression = NTKPosterior(model, likelihood="regression")
+    with pytest.raises(ValueError, match="predicts the validation targets exactly"):
+        regression.fit(x, targets + 0.1, validation=(xt, out))
+    assert not hasattr(regression, "factor_")
 
 
 def test_links_and_uncertainty(small_classifier):
