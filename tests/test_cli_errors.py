@@ -1283,3 +1283,39 @@ def test_a_malformed_output_fn_names_every_form_it_takes(capsys):
     """The message listed two of the three forms --output-fn takes (not path/file.py:function)."""
     err = usage_error(capsys, "layers", "--output-fn", "not valid")
     assert "package.module:function or path/file.py:function, got 'not valid'" in err, err
+
+
+def test_library_warnings_are_shown_in_the_command_lines_words(capsys):
+    """The CLI shows the library's warnings on one line each; those naming Python attributes
+    (the surrogate's alpha_ and ALPHA_STEPS, coherence(x), x_test, batch_size) say the flags
+    instead. The messages are the library's own, raised as the tests of each raise them."""
+    import importlib
+    import warnings
+
+    from torch import nn
+
+    from attribution import KernelSurrogate
+    from ntk import proxies
+
+    torch.manual_seed(0)
+    untrained = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+    x = torch.randn(40, 5, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        surrogate = KernelSurrogate(untrained).fit(x)  # no alpha is readable: warned
+        surrogate.faithfulness(x[:4] * 0)  # one sample four times: a constant side, warned
+        narrow = {
+            f"w{w}": nn.Sequential(nn.Linear(5, w), nn.ReLU(), nn.Linear(w, 3)) for w in (2, 3)
+        }
+        proxies.rank(  # fewer parameters than samples: both tied at a singular kernel's -inf
+            narrow, x[:, :5].float(), torch.arange(40) % 3, metric="label_condition", repeats=1
+        )
+    shown = {w.message.args[0][:30] for w in caught}
+    assert len(caught) >= 3, shown
+    cli_main = importlib.import_module("attribution.cli.main")  # the module, not its main()
+    for w in caught:
+        cli_main._show_warning(w.message, w.category, w.filename, w.lineno)
+    err = capsys.readouterr().err
+    assert "--alpha" in err and "test sample" in err and "--batch-size" in err, err
+    for python in ("ALPHA_STEPS", "alpha_", "coherence(x)", "x_test", " batch_size"):
+        assert python not in err, err

@@ -59,10 +59,20 @@ _PYTHON_ONLY_WORDS = (
     ),
 )
 
+# Warnings of the library that name its Python attributes and arguments.
+_WARNING_WORDS = (
+    ("no alpha of ALPHA_STEPS makes", "no --alpha the search tries makes"),
+    ("alpha_=", "--alpha "),
+    ("alpha_ is the largest", "--alpha is the largest the search tries"),
+    ("`coherence(x)` measures it", "the attribution cards of `ntk report` measure it"),
+    ("every sample of x_test", "every test sample"),
+    ("a smaller batch_size", "a smaller --batch-size"),
+)
+
 
 def _message(text: str) -> str:
-    """An error message in the command line's words."""
-    for python, flag in (*_OUTPUT_FN_WORDS, *_PYTHON_ONLY_WORDS):
+    """An error or warning message in the command line's words."""
+    for python, flag in (*_OUTPUT_FN_WORDS, *_PYTHON_ONLY_WORDS, *_WARNING_WORDS):
         text = text.replace(python, flag)
     return text
 
@@ -99,8 +109,9 @@ def _rank(exc: BaseException) -> str:
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    """A warning as one line on stderr, without the source file and line."""
-    warn(str(message))
+    """A warning as one line on stderr, in the command line's words, without the source file
+    and line."""
+    warn(_message(str(message)))
 
 
 def main(argv=None) -> None:
