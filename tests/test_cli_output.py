@@ -355,6 +355,15 @@ def test_asking_for_more_samples_than_a_file_holds_is_said(tmp_path, capsys):
     # --train and --data both given: --data was ignored without a word
     code, _, err = run(capsys, *report, "--train", common[3], "--no-posterior")
     assert code == 2 and "both name the training data" in err, err
+    # --kind full with another machine: refused in the library's Python words (kind='full',
+    # machine='ridge', normalize=False) after loading the model and data
+    for extra in (["--machine", "svm"], ["--normalize"]):
+        code, _, err = run(capsys, *report, "--kind", "full", *extra)
+        assert code == 2, err
+        assert err.strip() == (
+            "ntk: error: --kind full (a multi-output kernel) works with --machine ridge only, "
+            "without --normalize"
+        )
 
 
 def test_the_report_records_the_output_fn_it_was_given(tmp_path, capsys):

@@ -155,6 +155,12 @@ def report(
     html = report_path
     if Path(html).suffix.lower() not in (".html", ".htm"):
         raise UsageProblem(f"--out must name an .html file, got {html}")
+    default_machine = KernelSurrogate(None).get_params()["machine"]
+    if kind == "full" and ((machine or default_machine) != "ridge" or normalize):
+        raise UsageProblem(
+            "--kind full (a multi-output kernel) works with --machine ridge only, without "
+            "--normalize"
+        )
     json_path = str(Path(html).with_suffix(".json"))
     shape = _shape(image_shape)
     if train_file is not None:
