@@ -171,7 +171,11 @@ def _blocks(data, block: int, cast: torch.dtype):
                 "the DataLoader must visit samples in a fixed order (shuffle=False) "
                 "so that an interrupted run can resume"
             )
+        # numpy samples: the default collate makes tensors of the arrays' dtype, cast here
+        collated = len(data.dataset) > 0 and _holds_numpy(_model_input(data.dataset[0]))
         batches = (inputs.from_numpy(_model_input(b), "data", cast) for b in data)
+        if collated:
+            batches = (inputs.convert(b, torch.device("cpu"), cast) for b in batches)
         return len(data.dataset), _rebatch(batches, block)
     if isinstance(data, TensorDataset):
         data = data.tensors[0]
@@ -187,6 +191,15 @@ def _blocks(data, block: int, cast: torch.dtype):
 
 def _model_input(batch):
     return batch[0] if isinstance(batch, (tuple, list)) else batch
+
+
+def _holds_numpy(sample) -> bool:
+    """Whether a dataset's sample (its model input) is numpy: an array or number, alone or in a
+    tuple/list/dict."""
+    leaves = list(sample.values()) if isinstance(sample, dict) else sample
+    if not isinstance(leaves, (tuple, list)):
+        leaves = [leaves]
+    return any(isinstance(leaf, (np.ndarray, np.generic)) for leaf in leaves)
 
 
 def _rebatch(batches, block: int):

@@ -364,7 +364,8 @@ def test_featurize_casts_numpy_float64_data_to_the_models_dtype(tmp_path):
 
 def test_featurize_casts_numpy_batches_of_a_loader_and_names_float64_tensor_batches(tmp_path):
     """A DataLoader whose collate_fn yields numpy float64 arrays was refused ("inputs must be a
-    tensor ..., got ndarray"); they are cast as direct numpy data is. Float64 tensor batches
+    tensor ..., got ndarray"), and so were the float64 tensors the default collate makes of
+    numpy samples; both are cast as direct numpy data is. Float64 tensor batches
     (a TensorDataset built from numpy) get the refusal naming the dtypes, as a float64 tensor."""
     from ntk.core.model import ModelInputError
 
@@ -373,6 +374,12 @@ def test_featurize_casts_numpy_batches_of_a_loader_and_names_float64_tensor_batc
     rows = x.double().numpy()
     loader = DataLoader(rows, batch_size=3, collate_fn=np.stack)
     assert np.array_equal(store(tmp_path / "numpy", model, loader), ref)
+    # the default collate turns numpy samples into float64 tensors: they were refused as
+    # float64 tensors ("numpy arrays are cast to it for you"), alone or first of a pair
+    collated = DataLoader(rows, batch_size=3)
+    assert np.array_equal(store(tmp_path / "collated", model, collated), ref)
+    pairs = DataLoader(list(zip(rows, np.arange(len(rows)))), batch_size=4)
+    assert np.array_equal(store(tmp_path / "pairs", model, pairs), ref)
     with pytest.raises(ValueError, match=r"yields single samples \(batch_size=None\)"):
         store(tmp_path / "samples", model, DataLoader(x, batch_size=None))  # read as batches
     assert not (tmp_path / "samples").exists()
