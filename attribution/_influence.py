@@ -163,8 +163,9 @@ def influence(
     `lambda out: out.logits` for a HuggingFace model); inputs may be tensors, tuples or dicts of
     tensors (e.g. input_ids and attention_mask). dtype: the dtype of kernels and projected
     features (None: the model's); the solves, the curvature and the parameter-space Gram are
-    float64 either way; torch.float64 computes the kernels in float64 too. numpy arrays of floats
-    are cast to `dtype` (None: the model's parameters'); tensors keep theirs.
+    float64 either way; torch.float64 computes the kernels in float64 too (the network's logits
+    stay its own, computed in its parameters' dtype). numpy arrays of floats are cast to `dtype`
+    (None: the model's parameters'); tensors keep theirs.
     """
     check_module(model)
     cast = dtype or inputs.param_dtype(model)
