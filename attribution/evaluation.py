@@ -38,6 +38,9 @@ from ntk.demo import adam
 from .layers import check_labels
 from .outputs import labels, margins
 
+# relative size of float64 rounding below which `lds` takes two predictions (or outputs) as equal
+ROUNDING_EPS = 64 * np.finfo(np.float64).eps
+
 
 def random_subsets(n: int, num_subsets: int, alpha: float = 0.5, *, seed: int = 0) -> torch.Tensor:
     """`num_subsets` random subsets of size round(α·n) of range(n), as a bool mask [num_subsets,
@@ -95,25 +98,33 @@ def lds(scores, subsets, subset_outputs) -> float:
     """
     scores = torch.as_tensor(_numbers(scores, "scores"), dtype=torch.float64)
     outputs = torch.as_tensor(_numbers(subset_outputs, "subset_outputs"), dtype=torch.float64)
-    if scores.dim() != 2:
-        raise ValueError(f"scores must be [N_test, N_train], got shape {tuple(scores.shape)}")
+    if scores.dim() != 2 or 0 in scores.shape:
+        raise ValueError(
+            f"scores must be [N_test, N_train] with at least one of each, got shape "
+            f"{tuple(scores.shape)}"
+        )
     mask = _as_mask(subsets, scores.shape[1])
     if tuple(outputs.shape) != (mask.shape[0], scores.shape[0]):
         raise ValueError(
             f"subset_outputs must be [num_subsets, N_test] = "
             f"[{mask.shape[0]}, {scores.shape[0]}], got {tuple(outputs.shape)}"
         )
-    if not (bool(torch.isfinite(scores).all()) and bool(torch.isfinite(outputs).all())):
-        raise ValueError("scores and subset_outputs must be finite")
+    for name, values in (("scores", scores), ("subset_outputs", outputs)):
+        if not bool(torch.isfinite(values).all()):
+            raise ValueError(f"{name} must be finite (it holds NaN or infinite values)")
     if mask.shape[0] < 3:
         raise ValueError(
             f"the LDS is a rank correlation over subsets: it needs at least 3, got {mask.shape[0]}"
         )
     predicted = (mask.double() @ scores.T).numpy()
+    # a sum's rounding error is of the order of eps times the sum of its terms' magnitudes:
+    # predictions that differ by no more are equal (a test example with one score for every
+    # training example predicts c·|S| for subsets of equal size, differing in the last bits)
+    rounding = ROUNDING_EPS * (mask.double() @ scores.abs().T).numpy().max(0)
     rhos = []
     for z in range(scores.shape[0]):
         a, b = predicted[:, z], outputs[:, z].numpy()
-        if np.ptp(a) > 0 and np.ptp(b) > 0:
+        if np.ptp(a) > rounding[z] and np.ptp(b) > ROUNDING_EPS * np.abs(b).max():
             rhos.append(spearmanr(a, b).statistic)
     if len(rhos) < scores.shape[0]:
         warnings.warn(

@@ -31,9 +31,10 @@ absolute weights on an all-ones input, in float64 (Tanaka et al., NeurIPS 2020);
 −Σ_i log(v_i + k) + 1/(v_i + k), v the eigenvalues of the correlation matrix of the input Jacobians
 ∂(Σ_o f_o)/∂x, k = 1e-5 (Mellor et al., 2021); `naswot` log |det K_H|, K_H the sum over activation
 layers of the number of units on which two samples' activation patterns (sign of the activation's
-input) agree (Mellor et al., ICML 2021; when the batch exceeds the rank of K_H, at most twice the
-number of activation units, det K_H is 0 and the float64 log-determinant −inf or a large negative
-number made of rounding (about −30 per missing rank; −1522 for 16 ReLUs on 64 samples), so very
+input) agree (Mellor et al., ICML 2021; when the batch exceeds the rank of K_H, at most the
+number of activation units plus one (each unit's term lies in the span of 1 and its pattern), det
+K_H is 0 and the float64 log-determinant −inf or a large negative number made of rounding (about
+−32 per missing rank; −1522 for 16 ReLUs on 64 samples, 47 ranks short), so very
 narrow candidates rank last, roughly in the order of their rank deficit; it does not read y; an
 activation whose input does not hold the samples along its first axis, such as a sequence-first
 [S, B, H], is refused with a MetricUndefinedError); `params` the number of trainable parameters.

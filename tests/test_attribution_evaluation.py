@@ -37,6 +37,28 @@ def test_lds_is_the_mean_spearman_of_subset_sums():
         lds(scores, subsets[:, :10], noisy)
 
 
+def test_lds_skips_a_test_example_predicted_the_same_up_to_rounding():
+    """One score for every training example predicts c·|S| for subsets of equal size: constant,
+    but the matrix product differs in the last bits (0.7: 4e-16), and a Spearman ρ of rounding
+    noise entered the mean without the skip warning (0.389 instead of 0.984 here)."""
+    rng = np.random.default_rng(0)
+    subsets = random_subsets(10, 20, 0.5, seed=0).numpy()
+    good = rng.normal(size=10)
+    scores = np.stack([good, np.full(10, 0.7)])
+    outputs = np.stack([subsets @ good + 0.1 * rng.normal(size=20), rng.normal(size=20)], 1)
+    alone = lds(scores[:1], subsets, outputs[:, :1])
+    with pytest.warns(RuntimeWarning, match="1 test examples have constant outputs or pred"):
+        assert lds(scores, subsets, outputs) == alone
+    with pytest.raises(ValueError, match=r"scores must be \[N_test, N_train\] with at least one"):
+        lds(scores[:0], subsets, outputs[:, :0])
+    for name, bad in (
+        ("scores", (scores * np.nan, outputs)),
+        ("subset_outputs", (scores, outputs * np.inf)),
+    ):
+        with pytest.raises(ValueError, match=f"^{name} must be finite"):
+            lds(bad[0], subsets, bad[1])
+
+
 def test_harness_and_lds_on_linear_regression():
     """Ridge regression trained by the harness equals its closed form, and the exact influence
     of linear regression reaches an LDS near 1 while random scores do not."""
