@@ -16,8 +16,9 @@ pseudo-NTK of Mohamadi et al., ICML 2023):
 - `label_condition`  −log κ of the label-aware kernel, the lpNTK s(y_i)ᵀ Θ(x_i, x_j) s(y_j) with
   s(y) = 2e_y − 1 (Guo et al., ICLR 2024; `ntk.empirical_ntk(kind="lpntk")`): the conditioning
   of the kernel in the directions the labels point the outputs; needs labels, and always uses
-  the lpNTK (the `kind` option does not apply). Other kernel metrics read the lpNTK with
-  kind="lpntk".
+  the lpNTK (the `kind` option does not apply). With two classes (or one logit) s(y) = ±(1, −1):
+  the lpNTK is D Θ₀₁ D, Θ₀₁ the kernel of f₀ − f₁ and D = diag(±1), whose κ the labels do not
+  change. Other kernel metrics read the lpNTK with kind="lpntk".
 - `descent`  what a short training can fit: −log of the share of the centred one-hot labels Y
   that T = 256 steps of gradient descent on the linearised network (step 1/λmax, from zero
   outputs) leave unfitted, Σ_i (1 − λ_i/λmax)^{2T} ‖u_iᵀY‖² / ‖Y‖² over the eigenpairs of Θ
@@ -315,6 +316,9 @@ def rank(
         raise ValueError("metric is an empty list; name at least one metric")
     for m in metrics:
         _check_metric(m)
+    twice = sorted({m for m in metrics if metrics.count(m) > 1})
+    if twice:  # a vote would weigh it double
+        raise ValueError(f"metric names {', '.join(twice)} more than once; name each once")
     if not isinstance(candidates, Mapping):
         raise TypeError(
             f"candidates must be a dict of name -> module or factory, got "
@@ -334,8 +338,8 @@ def rank(
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise TypeError(
-            f"rank() got unknown options {', '.join(unknown)}; its options are those of score: "
-            f"{', '.join(_OPTIONS)}"
+            f"rank() got unknown options {', '.join(unknown)}; its options are metric, "
+            f"batch_size, progress, return_details and those of score: {', '.join(_OPTIONS)}"
         )
     # options and data once, before any candidate: their errors are no candidate's
     settings = {**_OPTIONS, **options}
@@ -595,20 +599,39 @@ def _warm_up(
     generator: torch.Generator,
     output_fn: Callable | None = None,
 ) -> None:
-    """`steps` Adam steps of cross-entropy on minibatches of 64 cycling through (x, y)."""
+    """`steps` Adam steps of cross-entropy on minibatches of 64 cycling through (x, y); a
+    warm-up that diverges (a non-finite loss or parameter, or a step too large for the
+    parameters' dtype) is refused naming warmup_lr."""
     params = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=lr) if params else None
     net.train()
     order = torch.empty(0, dtype=torch.long)
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         if len(order) == 0:
             order = torch.randperm(inputs.count(x), generator=generator)
         idx, order = order[:64], order[64:]
         loss = _loss(_outputs(net, inputs.take(x, idx), output_fn), y[idx.to(y.device)])
+        if not bool(torch.isfinite(loss)):
+            raise ValueError(
+                f"the warm-up diverged: its loss is {loss.item()} at step {step} of {steps}; "
+                f"lower warmup_lr (got {lr:g})"
+            )
         if loss.requires_grad:  # else it depends on no trainable parameter: nothing to train
             opt.zero_grad()
             loss.backward()
-            opt.step()
+            try:
+                opt.step()
+            except RuntimeError as error:  # "value cannot be converted to type float without
+                if "overflow" not in str(error):  # overflow": lr beyond the dtype's range
+                    raise
+                raise ValueError(
+                    f"warmup_lr={lr:g} overflows the parameters' dtype in Adam's step; lower it"
+                ) from None
+    if not all(bool(torch.isfinite(p).all()) for p in params):
+        raise ValueError(
+            f"the warm-up diverged: after its {steps} steps the parameters hold NaN or infinite "
+            f"values; lower warmup_lr (got {lr:g})"
+        )
 
 
 def _calibrate_norms(net: nn.Module, x) -> nn.Module:

@@ -363,8 +363,17 @@ def test_clear_errors(data):
         ({"repeats": 0}, ValueError, "repeats must be a positive integer, got 0"),
         ({"seed": 0.5}, ValueError, "seed must be an integer, got 0.5"),
         ({"warmup_steps": 1, "warmup_lr": -1.0}, ValueError, "warmup_lr must be a positive"),
-        ({"batchsize": 8}, TypeError, r"rank\(\) got unknown options batchsize"),
+        (  # rank's own options are listed with score's (only score's were)
+            {"batchsize": 8},
+            TypeError,
+            r"rank\(\) got unknown options batchsize; its options are metric, batch_size, progress",
+        ),
         ({"output_fn": "logits"}, TypeError, "output_fn must be a function"),
+        (  # a vote weighed it double
+            {"metric": ["naswot", "params", "naswot"]},
+            ValueError,
+            "metric names naswot more than once",
+        ),
     ],
 )
 def test_rank_checks_its_options_before_any_candidate(data, options, error, message):
@@ -377,7 +386,7 @@ def test_rank_checks_its_options_before_any_candidate(data, options, error, mess
     with pytest.raises(error, match=f"^{message}"):
         proxies.rank({"a": lambda: built.append(1) or tiny()}, x, y, **options)
     assert not built
-    if "batchsize" not in options:
+    if "batchsize" not in options and not isinstance(options.get("metric"), list):  # rank's own
         with pytest.raises(error, match=f"^{message}"):
             proxies.score(tiny(), x, y, **options)
 
@@ -734,6 +743,23 @@ def test_warm_up_of_an_output_that_depends_on_no_trainable_parameter_trains_noth
     for model, metric in ((Unused("x"), "params"), (frozen, "naswot"), (nn.ReLU(), "params")):
         expected = run(model, x, y, metric)
         assert run(model, x, y, metric, warmup_steps=2) == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_diverging_warm_up_is_refused_naming_warmup_lr(data):
+    """A warm-up whose learning rate blows the parameters up was reported as "the model
+    produced non-finite outputs (NaN or inf) on x", one beyond the dtype's range as Adam's bare
+    RuntimeError ("value cannot be converted to type float without overflow"); both name
+    warmup_lr, in score and in rank."""
+    x, y = data
+    with pytest.raises(
+        ValueError, match=r"^the warm-up diverged: .* lower warmup_lr \(got 1e\+30\)"
+    ):
+        proxies.score(tiny(), x, y, metric="lga", warmup_steps=20, warmup_lr=1e30)
+    with pytest.raises(ValueError, match=r"^warmup_lr=1e\+300 overflows the parameters' dtype"):
+        proxies.score(tiny(), x, y, metric="lga", warmup_steps=2, warmup_lr=1e300)
+    with pytest.raises(ValueError, match=r"^candidate 'a': the warm-up diverged"):
+        proxies.rank({"a": tiny}, x, y, metric="lga", warmup_steps=20, warmup_lr=1e30)
+    assert np.isfinite(run(tiny(), x, y, "lga", warmup_steps=20, warmup_lr=1e-2))
 
 
 def test_numpy_integers_are_integers_for_the_integer_options(data):
