@@ -22,9 +22,9 @@ from scipy.stats import spearmanr
 from torch import nn
 
 from ntk.core import inputs
-from ntk.core.model import ModelView
+from ntk.core.model import ModelView, check_eval_mode
 
-from .layers import SCORES, Group, layer_groups, redraw, sample_losses
+from .layers import SCORES, Group, check_labels, layer_groups, redraw, sample_losses
 
 TRUTHS = ("loss_increase", "accuracy_drop", "finetune_gain")
 
@@ -44,6 +44,14 @@ def _evaluate(
     return loss / n, None if y.is_floating_point() else correct / n
 
 
+def _data(model: nn.Module, x, y, names: tuple[str, str], device: torch.device):
+    """(x, y) checked as `layer_importance` checks them (numpy arrays of floats in the model's
+    dtype; labels or targets, one per sample), on `device`."""
+    x = inputs.from_numpy(x, names[0], inputs.param_dtype(model))
+    y = check_labels(y, inputs.validate(x, names[0]), names[1])
+    return inputs.convert(x, device, None), y.to(device)
+
+
 def reinit_damage(
     model: nn.Module,
     x,
@@ -55,12 +63,15 @@ def reinit_damage(
 ) -> dict[str, dict]:
     """{row: {"loss_increase", "accuracy_drop"}}: mean over `seeds` of the change in loss and
     accuracy on (x, y) when the row's parameters alone are redrawn by their modules'
-    initialisers (parameters of other layers keep their values)."""
-    view = ModelView(model, output_fn=output_fn)
-    x = inputs.convert(x, view.device, None)
-    y = torch.as_tensor(y).to(view.device)
-    base_loss, base_acc = _evaluate(view, view.params, x, y)
+    initialisers (parameters of other layers keep their values; frozen ones are not redrawn).
+    The model must be in eval mode (no active Dropout, BatchNorm on its running statistics)."""
     seeds = list(seeds)
+    if not seeds:
+        raise ValueError("seeds is empty: name at least one seed to redraw with")
+    check_eval_mode(model)
+    view = ModelView(model, output_fn=output_fn)
+    x, y = _data(model, x, y, ("x", "y"), view.device)
+    base_loss, base_acc = _evaluate(view, view.params, x, y)
     result = {}
     for row, layers in layer_groups(model, group).items():
         losses, accs = [], []
@@ -93,10 +104,12 @@ def finetune_gain(
     output_fn: Callable | None = None,
 ) -> dict[str, dict]:
     """{row: {"finetune_gain"}}: held-out loss with every parameter frozen minus held-out loss
-    after `steps` Adam steps on (x_train, y_train) that update the row's parameters only."""
+    after `steps` Adam steps on (x_train, y_train) that update the row's parameters only. The
+    model must be in eval mode (no active Dropout, BatchNorm on its running statistics)."""
+    check_eval_mode(model)
     view = ModelView(model, output_fn=output_fn)
-    x_train, x_test = (inputs.convert(x, view.device, None) for x in (x_train, x_test))
-    y_train, y_test = (torch.as_tensor(y).to(view.device) for y in (y_train, y_test))
+    x_train, y_train = _data(model, x_train, y_train, ("x_train", "y_train"), view.device)
+    x_test, y_test = _data(model, x_test, y_test, ("x_test", "y_test"), view.device)
     frozen_loss, _ = _evaluate(view, view.params, x_test, y_test)
     n = inputs.count(x_train)
     result = {}

@@ -148,11 +148,12 @@ def redraw(model: nn.Module, layer: str, seed: int) -> dict[str, torch.Tensor]:
     fresh = {
         prefix + name: p.detach()
         for name, p in twin.named_parameters(recurse=False)
-        if name not in lists
+        if name not in lists and p.requires_grad
     }
     for tensor, parametrization in lists.items():
         for name, p in parametrization.named_parameters(recurse=False):
-            fresh[f"{prefix}parametrizations.{tensor}.{name}"] = p.detach()
+            if p.requires_grad:
+                fresh[f"{prefix}parametrizations.{tensor}.{name}"] = p.detach()
     return fresh
 
 
@@ -179,18 +180,18 @@ def sample_losses(outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((outputs - y.reshape(outputs.shape)) ** 2).sum(1)
 
 
-def check_labels(y, n: int) -> torch.Tensor:
+def check_labels(y, n: int, name: str = "y") -> torch.Tensor:
     """Integer class labels [N] (as long, what cross_entropy indexes with) or real targets."""
-    y = inputs.targets(y)
+    y = inputs.targets(y, name)
     y = y if y.is_floating_point() else y.long()
     if y.dim() == 0 or y.shape[0] != n:
-        raise ValueError(f"y must have one entry per sample ({n}), got shape {tuple(y.shape)}")
+        raise ValueError(f"{name} must have one entry per sample ({n}), got shape {tuple(y.shape)}")
     if not y.is_floating_point() and y.dim() != 1:
         raise ValueError(
-            f"y holds integer class labels of shape {tuple(y.shape)}; class labels are one per "
-            f"sample, shape ({n},) (real-valued targets are floats)"
+            f"{name} holds integer class labels of shape {tuple(y.shape)}; class labels are one "
+            f"per sample, shape ({n},) (real-valued targets are floats)"
         )
-    inputs.check_finite_targets(y)
+    inputs.check_finite_targets(y, name)
     return y
 
 

@@ -1,6 +1,7 @@
 """attribution.layer_importance and its validation harness, against independent computations and
 models whose answer is known by construction."""
 
+import copy
 import warnings
 
 import numpy as np
@@ -288,6 +289,44 @@ def test_a_batchnorm_in_training_mode_is_named():
     x, y = torch.randn(10, 6), torch.arange(10) % 3
     with pytest.raises(ValueError, match="BatchNorm that uses batch statistics"):
         layer_importance(model, x, y)
+
+
+def test_the_validation_harness_checks_its_inputs_as_layer_importance_does():
+    """reinit_damage and finetune_gain took an active Dropout (two calls differed, the global
+    random state moved) and a training-mode BatchNorm, failed on numpy inputs ("'numpy.ndarray'
+    object has no attribute 'detach'"), divided by zero for no seeds and left a wrong number of
+    labels to torch; and reinit_damage redrew frozen parameters, which no score reads."""
+    from attribution.layers import redraw
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
+    model[2].bias.requires_grad_(False)
+    x, y = torch.randn(12, 6), torch.arange(12) % 3
+    assert set(redraw(model, "2", 100)) == {"2.weight"}
+    damage = reinit_damage(model, x, y, seeds=[100])
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin[2].weight.copy_(redraw(model, "2", 100)["2.weight"])
+        before = nn.functional.cross_entropy(model(x), y)
+        after = nn.functional.cross_entropy(twin(x), y)
+    assert damage["2"]["loss_increase"] == pytest.approx(float(after - before), abs=1e-5)
+    assert reinit_damage(model, x.numpy(), y.numpy(), seeds=[100]) == damage
+    numpy_gain = finetune_gain(model, x.numpy(), y.numpy(), x.numpy(), y.numpy(), steps=3)
+    assert numpy_gain == finetune_gain(model, x, y, x, y, steps=3)
+    with pytest.raises(ValueError, match="seeds is empty"):
+        reinit_damage(model, x, y, seeds=())
+    with pytest.raises(ValueError, match=r"^y must have one entry per sample \(12\)"):
+        reinit_damage(model, x, y[:5])
+    with pytest.raises(ValueError, match=r"^y_test must have one entry per sample \(12\)"):
+        finetune_gain(model, x, y, x, y[:5], steps=1)
+    for training in (
+        nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.5), nn.Linear(8, 3)),
+        nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)),
+    ):
+        with pytest.raises(ValueError, match="Call model.eval()"):
+            reinit_damage(training, x, y)
+        with pytest.raises(ValueError, match="Call model.eval()"):
+            finetune_gain(training, x, y, x, y, steps=1)
 
 
 def test_a_pruned_layer_is_redrawn_on_a_copy():
