@@ -113,13 +113,13 @@ def trak(
 
 
 def _warn_if_interpolating(net: nn.Module, dim: int | None, n_train: int) -> None:
-    """Warn when the features (dim, or the trainable parameters with dim=None) are at least as
-    many as the training examples: Φ then has full row rank, (ΦᵀΦ)⁺Φᵀ = Φᵀ(ΦΦᵀ)⁻¹ interpolates
-    every training gradient, and the scores lose their meaning (LDS on the breast_cancer
-    benchmark, N = 400: 0.187 / 0.101 / 0.065 / 0.011 / −0.000 at dim 50 / 100 / 200 / 400 /
-    2048). The paper's dims are far below its N."""
-    width = dim if dim is not None else sum(p.numel() for p in net.parameters() if p.requires_grad)
-    if width >= n_train:
+    """Warn when the features can reach the rank of the training examples, min(dim, P) ≥ N (P
+    the trainable parameters; dim=None: P): Φ then has full row rank, (ΦᵀΦ)⁺Φᵀ = Φᵀ(ΦΦᵀ)⁻¹
+    interpolates every training gradient, and the scores lose their meaning (LDS on the
+    breast_cancer benchmark, N = 400: 0.187 / 0.101 / 0.065 / 0.011 / −0.000 at dim 50 / 100 /
+    200 / 400 / 2048). The paper's dims are far below its N."""
+    width = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    if width >= n_train and (dim is None or dim >= n_train):  # Φ = GR has rank ≤ min(dim, P)
         what = f"dim={dim}" if dim is not None else f"the exact gradients ({width} parameters)"
         warnings.warn(
             f"TRAK with {what} and {n_train} training examples: with at least as many features "

@@ -312,6 +312,11 @@ def test_trak_warns_when_it_interpolates(setup):
         warnings.simplefilter("error")
         trak(model, x, y, xt, yt, dim=8)
         trak(model, x, y, xt, yt, dim=None, damping=0.1)
+        # Φ = GR has rank ≤ P: 14 parameters projected to 64 features cannot interpolate 40
+        # examples (it was warned about, dim alone compared with N)
+        narrow = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2)).double()
+        x40 = torch.randn(40, 3, dtype=torch.float64)
+        trak(narrow.eval(), x40, torch.arange(40) % 2, x40[:3], torch.arange(3) % 2, dim=64)
         damped = influence(model, x, y, xt, yt, method="trak", damping=0.1)  # dim 2048
     torch.testing.assert_close(damped, trak(model, x, y, xt, yt, damping=0.1))
 
