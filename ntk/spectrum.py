@@ -67,7 +67,8 @@ def symmetric_matrix(kernel, needs: str) -> torch.Tensor:
         raise ValueError("the kernel is empty (0 × 0)")
     if not bool(torch.isfinite(m).all()):
         raise ValueError("the kernel contains non-finite values")
-    asymmetry, scale = float((m - m.T).abs().max()), float(m.abs().max())
+    checked = m.detach()  # a kernel with autograd history stays differentiable
+    asymmetry, scale = float((checked - checked.T).abs().max()), float(checked.abs().max())
     if asymmetry > 1e-4 * scale:
         raise ValueError(
             f"{needs} a symmetric kernel K(x, x), and this one is not "
@@ -78,7 +79,9 @@ def symmetric_matrix(kernel, needs: str) -> torch.Tensor:
 
 
 def condition_number(kernel) -> float:
-    """κ = λmax / λmin; inf when the kernel is singular or indefinite (λmin ≤ 0)."""
+    """κ = λmax / λmin; inf when the kernel is indefinite or its computed λmin is 0. A kernel
+    singular to rounding has a λmin of either sign at about eps·λmax: inf, or a κ near 1/eps
+    (10¹⁵–10¹⁶ in float64)."""
     return condition_from_eigenvalues(eigenvalues(kernel))
 
 
@@ -140,8 +143,14 @@ def kernel_alignment(kernel, y, *, centering: str = "kernel") -> float:
     K(x1, x2)) is refused, as by `eigenvalues`; so are labels or targets that are not finite.
     A constant kernel or constant labels (one class) have nothing to align: 0.
     """
+    # alignment does not depend on the scale of the kernel or of the targets: at 1, their
+    # products and norms neither overflow nor underflow
+    y = _labels_or_targets(y)
+    if y.is_floating_point() and bool(y.any()):
+        y = y.to(torch.float64) / y.abs().max()
     lab = label_matrix(y)
     k = _labelled_kernel(kernel, n := len(lab), "kernel_alignment")
+    k = k / k.abs().max() if bool(k.any()) else k
     scales = float(torch.linalg.norm(k)), float(torch.linalg.norm(lab))
     if centering == "kernel":
         h = torch.eye(n, dtype=torch.float64) - 1.0 / n

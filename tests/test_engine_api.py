@@ -736,6 +736,39 @@ def test_kernel_alignment_of_a_constant_kernel_or_one_class_is_zero(centering):
         assert ntk.kernel_alignment(own, labels, centering=centering) != 0
 
 
+@pytest.mark.parametrize("centering", ["kernel", "mean"])
+def test_kernel_alignment_does_not_depend_on_the_kernels_scale(centering):
+    """At 1e±170 the Frobenius norms overflowed or underflowed and the kernel was taken for a
+    constant one: alignment 0.0 instead of 0.380. Regression targets of that size too."""
+    rng = np.random.default_rng(0)
+    b = rng.standard_normal((6, 6))
+    k, y = b @ b.T + 0.1 * np.eye(6), np.array([0, 1, 0, 2, 1, 1])
+    expected = ntk.kernel_alignment(k, y, centering=centering)
+    assert abs(expected) > 0.1
+    for scale in (1e-170, 1e170):
+        got = ntk.kernel_alignment(k * scale, y, centering=centering)
+        assert got == pytest.approx(expected, rel=1e-12)
+    targets = rng.standard_normal(6)
+    expected = ntk.kernel_alignment(k, targets, centering=centering)
+    got = ntk.kernel_alignment(k, targets * 1e170, centering=centering)
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_eigenvalues_of_a_kernel_with_autograd_history_stay_differentiable_without_a_warning():
+    """The symmetry check converted the kernel's entries with float(), and torch warned
+    "Converting a tensor with requires_grad=True to a scalar" on every call."""
+    import warnings
+
+    from ntk import spectrum
+
+    a = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ev = spectrum.eigenvalues(a @ a.T)
+    ev.sum().backward()  # the trace: d tr(AAᵀ)/dA = 2A
+    torch.testing.assert_close(a.grad, 2 * a.detach())
+
+
 def test_an_output_fn_that_is_not_a_function_is_named():
     """output_fn="logits" (a name, not a function) failed inside the forward pass and was
     reported as the model failing on x1 ("'str' object is not callable")."""
