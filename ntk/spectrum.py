@@ -10,6 +10,9 @@ from .core import inputs
 from .core.checks import check_integer
 
 CONSTANT = 1e-10  # kernel_alignment: a centred matrix this small relative to the raw one is zero
+# descent_residual: negative eigenvalues beyond this share of the largest |λ| are no rounding
+# (singular float32 eNTKs of 256–1,024 samples, narrow MLPs: −2e-8 at most)
+INDEFINITE = 1e-3
 
 
 def as_matrix(kernel) -> torch.Tensor:
@@ -176,7 +179,8 @@ def descent_residual(kernel, y, steps: int) -> float:
 
         Σ_i (1 − λ_i/λmax)^{2T} ‖u_iᵀ Y‖² / Σ_i ‖u_iᵀ Y‖²
 
-    (λ_i, u_i the eigenpairs of K; rounding's negative eigenvalues count as 0). It joins what
+    (λ_i, u_i the eigenpairs of K; rounding's negative eigenvalues count as 0, and a kernel with an
+    eigenvalue below −INDEFINITE·max|λ| is refused). It joins what
     κ reads (how slowly the weakest directions fall) and what alignment reads (how much of Y lies
     in the strong ones). Y: integer class labels [N] as centred one-hot columns, real targets
     ([N] or [N, m]) centred; the centring leaves out the constant a bias fits at once.
@@ -196,6 +200,12 @@ def descent_residual(kernel, y, steps: int) -> float:
     if total <= CONSTANT * scale:  # zero up to the rounding of the centring
         raise ValueError("y is constant (one class): there is nothing for descent to fit")
     lam, vectors = torch.linalg.eigh(k)
+    if float(lam[0]) < -INDEFINITE * float(lam.abs().max()):
+        raise ValueError(
+            f"descent_residual needs a positive semidefinite kernel, and this one has an "
+            f"eigenvalue {float(lam[0]):.3g} against a largest {float(lam[-1]):.3g}: a kernel "
+            "K(x, x) of the batch, not a difference of kernels"
+        )
     lam = lam.clamp_min(0.0)
     if float(lam[-1]) <= 0.0:
         return 1.0  # a zero kernel moves nothing

@@ -402,6 +402,14 @@ def test_descent_residual_is_the_residual_of_explicit_gradient_descent():
         (torch.eye(4), torch.tensor([0.0, 1.0, float("nan"), 1.0]), 3, "y contains non-finite"),
         (torch.eye(4), torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0]]), 3, "y holds integer class"),
         (torch.ones(2, 2, 3, 3), torch.tensor([0, 1]), 3, r"needs an \[N, N\] kernel"),
+        # an indefinite matrix was read with its negative eigenvalues as 0 (−I: 1.0)
+        (-torch.eye(4), torch.tensor([0, 1, 0, 1]), 3, "needs a positive semidefinite kernel"),
+        (
+            torch.diag(torch.tensor([3.0, 2.0, 1.0, -0.5])),
+            torch.tensor([0, 1, 0, 1]),
+            3,
+            "has an eigenvalue -0.5 against a largest 3",
+        ),
     ],
 )
 def test_descent_residual_refuses_bad_input(kernel, y, steps, message):
