@@ -1224,15 +1224,14 @@ def test_arrays_that_are_not_read_are_named(files, capsys):
 
 @pytest.mark.parametrize(
     "command, targets",  # attribute refuses data without labels first
-    [("report", "real"), ("report", "binary"), ("report", "none")]
-    + [("attribute", "real"), ("attribute", "binary")],
+    [("report", "real"), ("report", "none"), ("attribute", "real")],
 )
 def test_a_single_output_model_is_refused_as_no_classifier_with_the_cli_remedy(
     files, capsys, command, targets
 ):
-    """A regression model (real targets) or a one-logit binary classifier given to a command
-    that explains class predictions: one line saying it needs a classifier, with the --output-fn
-    that gives one logit class scores (a regression target was called a bad class label, and the
+    """A regression model (real targets), or one output without labels, given to a command that
+    explains class predictions: one line saying it needs a classifier, with the --output-fn that
+    gives one logit class scores (a regression target was called a bad class label, and the
     remedy was a Python lambda the command line cannot take)."""
     (files / "single.py").write_text(
         "from torch import nn\n\ndef build():\n    return nn.Sequential(nn.Linear(4, 1))\n"
@@ -1246,6 +1245,45 @@ def test_a_single_output_model_is_refused_as_no_classifier_with_the_cli_remedy(
     err = usage_error(capsys, *args)
     assert f"ntk {command} needs a classifier" in err and "the model has 1 output" in err
     assert "--output-fn file.py:fn" in err and "lambda" not in err
+
+
+@pytest.mark.parametrize("command", ["attribute", "report"])
+def test_a_one_logit_model_with_labels_0_and_1_is_read_as_a_binary_classifier(
+    files, capsys, command
+):
+    """One output per sample and labels 0 and 1: a binary classifier's logit z, explained as the
+    class scores [0, z] with a warning saying so; the same numbers as the --output-fn that
+    stacks them (it was refused, and the user had to write that file)."""
+    (files / "single.py").write_text(
+        "import torch\nfrom torch import nn\n\ndef build():\n    torch.manual_seed(0)\n"
+        "    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))\n"
+    )
+    (files / "fns.py").write_text(
+        "import torch\n\ndef two(z):\n"
+        "    return torch.stack([torch.zeros_like(z), z], -1).reshape(len(z), 2)\n"
+    )
+    x = np.random.default_rng(0).normal(size=(24, 4)).astype(np.float32)
+    np.savez(files / "d.npz", x=x, y=(x[:, 0] > 0).astype(np.int64))
+    args = [command, "--model", f"{files}/single.py:build", "--test", f"{files}/d.npz"]
+    args += ["--train" if command == "report" else "--data", f"{files}/d.npz"]
+    args += ["--no-posterior"] if command == "report" else ["--top", "2"]
+    out = {}
+    for name, extra in (("read", []), ("explicit", ["--output-fn", f"{files}/fns.py:two"])):
+        where = files / f"{name}.json"  # report: its --out's; attribute: its --output
+        place = ["--out", str(files / f"{name}.html")] if command == "report" else []
+        place += [] if command == "report" else ["--format", "json", "--output", str(where)]
+        code, _, err = run(capsys, *args, *place, *extra)
+        assert code == 0, err
+        said = "read as a binary classifier's logit z, with class scores [0, z]" in err
+        assert said == (name == "read"), err
+        out[name] = json.loads(where.read_text())
+    if command == "report":
+        read, explicit = out["read"], out["explicit"]
+        assert read["settings"]["output fn"] == "[0, z] of the one logit z of the model"
+        assert read["faithfulness"] == explicit["faithfulness"]
+        assert read["attribution"] == explicit["attribution"]
+    else:
+        assert out["read"]["rows"] == out["explicit"]["rows"] and out["read"]["rows"]
 
 
 def test_weights_saved_as_a_whole_module_name_its_class_and_the_state_dict_to_save(files, capsys):

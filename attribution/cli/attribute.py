@@ -8,6 +8,7 @@ import click
 from .choices import INFLUENCE_METHODS
 from .common import (
     UsageProblem,
+    binary_logit,
     check_paths,
     class_labels,
     emit,
@@ -123,7 +124,7 @@ def attribute(
     if y_train is None:
         raise UsageProblem("--data must hold training labels y for attribution")
     x_test, y_test = resolve_test_data(test_file, data, test_samples, model, x_train)
-    output_fn = load_output_fn(output_fn)
+    output_fn = binary_logit(model, x_train, y_train, "data", load_output_fn(output_fn))
     y_train = class_labels(model, x_train, y_train, "data", output_fn)
     y_test = class_labels(model, x_test, y_test, "test", output_fn)
     n_train, n_test = inputs.count(x_train), inputs.count(x_test)

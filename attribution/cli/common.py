@@ -338,6 +338,9 @@ class OutputFn:
     def __init__(self, fn: Callable, spec: str):
         self.fn, self.spec = fn, spec
 
+    def __str__(self) -> str:
+        return self.spec
+
     def __call__(self, out):
         try:
             result = self.fn(out)
@@ -435,6 +438,49 @@ def load_arrays(
     if y is not None and (y.ndim == 0 or len(y) != n):
         raise UsageProblem(f"--{option}: x has {n} samples but y has shape {tuple(y.shape)}")
     return x, y if labels else None
+
+
+class TwoClassScores:
+    """The class scores [0, z] of a binary classifier's one logit z (the model's output, or what
+    `inner`, the --output-fn, makes of it; [B] or [B, 1]): softmax gives class 1 the probability
+    σ(z), and class 1's margin is z."""
+
+    def __init__(self, inner: Callable | None):
+        self.inner = inner
+
+    def __call__(self, out):
+        import torch
+
+        z = out if self.inner is None else self.inner(out)
+        z = z.reshape(len(z))
+        return torch.stack([torch.zeros_like(z), z], -1)
+
+    def __str__(self) -> str:
+        return f"[0, z] of the one logit z of {self.inner or 'the model'}"
+
+
+def binary_logit(model: nn.Module, x, y, option: str, output_fn: Callable | None):
+    """`TwoClassScores` of output_fn, with a warning saying so, for a model that gives one output
+    per sample on --option's x while its labels y are 0 and 1 (a binary classifier's logit);
+    output_fn as it is otherwise (`class_labels` then refuses a model of one output)."""
+    import numpy as np
+    import torch
+
+    from ntk.core import inputs
+
+    from ..outputs import logits
+
+    one = logits(model, inputs.take(x, slice(0, 1)), output_fn=output_fn, name=f"--{option}: x")
+    if one.shape[1] != 1 or y is None:
+        return output_fn
+    values = y.detach().cpu().numpy() if isinstance(y, torch.Tensor) else np.asarray(y)
+    if values.dtype.kind not in "biuf" or not set(np.unique(values).tolist()) <= {0, 1}:
+        return output_fn
+    warn_later(
+        f"the model gives one output per sample and --{option}'s labels are 0 and 1: it is read "
+        "as a binary classifier's logit z, with class scores [0, z] (class 1's probability σ(z))"
+    )
+    return TwoClassScores(output_fn)
 
 
 def class_labels(model: nn.Module, x, y, option: str, output_fn: Callable | None):

@@ -13,6 +13,7 @@ from .common import (
     DEMO_SAMPLES,
     UNTRAINED,
     UsageProblem,
+    binary_logit,
     cannot_write,
     check_paths,
     class_labels,
@@ -201,7 +202,7 @@ def report(
         )
     more_than_held("kernel_samples", n_train, option)
     more_than_held("examples", inputs.count(x_test), "test")
-    output_spec, output_fn = output_fn, load_output_fn(output_fn)
+    output_fn = binary_logit(model, x_train, y_train, option, load_output_fn(output_fn))
     y_train = class_labels(model, x_train, y_train, option, output_fn)
     y_test = class_labels(model, x_test, y_test, "test", output_fn)
     untrained = untrained_note(model_spec, weights)
@@ -244,7 +245,7 @@ def report(
                 "data": "digits (scikit-learn, built-in)" if data == "digits" else data,
                 "test data": test_file or "digits test split",
                 "model spec": model_spec or "built-in demo MLP",
-                "output fn": output_spec or "none (the model's output)",
+                "output fn": str(output_fn or "none (the model's output)"),
                 "weights": (
                     weights
                     or (
