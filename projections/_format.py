@@ -50,7 +50,9 @@ from ._projectors import PROJECTORS
 # /3: Rademacher signs drawn as random bits (other values than /2 for the same seed)
 # /4: the projection route of a factored weight counts memory passes (`_sketch.PASS_COST`): some
 #     convolutions' projections changed from their factors' matrices to a dense one
-FORMAT = "ntk-feature-store/4"
+# /5: a factored weight projected through its gradient uses its factors' matrices too (the dense
+#     one made the cross terms of samples on different routes zero in expectation)
+FORMAT = "ntk-feature-store/5"
 MANIFEST, ARRAY, LOCK, JOURNAL = "manifest.json", "features.npy", "lock", "journal"
 # a writer's temporary files (named by its pid), renamed over the manifest or array when written
 _TEMPORARY = re.compile(rf"(?:{re.escape(MANIFEST)}|{re.escape(ARRAY)})\.\d+\.tmp")

@@ -129,6 +129,18 @@ def integer_matmul(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     return out if every else out.masked_fill_(~finite, float("nan"))
 
 
+def integer_rows(rows: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a float sign matrix of `rows` rows (entries ± one magnitude) in `dtype` on
+    `device` is multiplied through `integer_matmul`: float32 on a CPU with fast int8 products,
+    `INTEGER_MIN_ROWS` rows at least and few enough for exact int32 sums."""
+    return (
+        dtype == torch.float32
+        and device.type == "cpu"
+        and INTEGER_MIN_ROWS <= rows <= _INT32_ROWS
+        and integer_products()
+    )
+
+
 def _sample(projector: str, rows: int, cols: int, total_rows: int, seed: int) -> torch.Tensor:
     """Gaussian or sparse entries in float64."""
     gen = torch.Generator().manual_seed(seed)

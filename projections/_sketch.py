@@ -25,12 +25,14 @@ projection's on the diagonal while it is the cheapest per column (`python
 benchmarks/projection_speed.py` compares its error with TRAK's dense projection;
 `benchmarks/projection_accuracy.py` measures the 1/√k trend). A weight shared over so many
 positions that projecting the factors costs more (S·(F_in + F_out) > P, as in early
-convolutions) is projected like an explicit term instead:
-its per-sample gradient G = Σ_s δ_s a_sᵀ (smaller than the factors it replaces) times a dense R,
-with the lower dense variance. The cheaper route per sample wins, counting each projection's own
-multiply-adds (D·k for a dense matrix, far less for an srht transform) and `PASS_COST` for each
-element written outside a matrix product (the factors' route writes S·k·(1 + 2C)). The choice
-depends only on the layer's shapes and the projector, so it is the same for every batch.
+convolutions) is projected through its per-sample gradient G = Σ_s δ_s a_sᵀ (smaller than the
+factors it replaces) instead, with the same matrices: Φ_j = (1/√r) vec(R_out,jᵀ G R_in,j), vec(G)
+times the factors' Khatri–Rao product (a dense [P, k] matrix, held once per layer). The
+cheaper route per sample wins, counting each projection's own multiply-adds (D·k for a dense
+matrix, far less for an srht transform) and `PASS_COST` for each element written outside a
+matrix product (the factors' route writes S·k·(1 + 2C)). The choice depends on the number of
+positions S, which may differ between batches (sequences of other lengths, images of other
+sizes); both routes give the same features, so every pair of samples is projected alike.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import torch
 
 from ntk.core.structured import Explicit, Factored
 
-from ._projectors import MatrixBank
+from ._projectors import MatrixBank, integer_matmul, integer_rows
 
 # Multiply-adds that one element written and read back by a memory-bound pass costs, against a
 # matrix product's: on the project's 2-core CPU a float32 product runs 1.3·10¹¹ multiply-adds/s
@@ -71,6 +73,7 @@ class Sketcher:
         self.bank, self.dim, self.vocab, self.m = bank, dim, vocab, kron
         self.r = dim // (kron * kron)
         self.route_count = route_count
+        self._products: dict[tuple, tuple] = {}  # `_through_gradient`'s matrices (sign_matrix)
 
     def _dense(self, layer: str, part, rows: int):
         return self.bank.projection(("dense", layer, part), rows, self.dim, 1 / math.sqrt(self.dim))
@@ -95,8 +98,9 @@ class Sketcher:
         columns = self.r * self.m
         written = s * columns * (1 + n) + n * (s * self.r if self.m == 1 else self.dim)
         via_factors = s * (r_in.cost + n * r_out.cost) + n * s * self.dim + PASS_COST * written
-        dense = self._dense(layer, "weight", f_out * f_in)
-        via_gradient = n * (s * f_out * f_in + dense.cost) + PASS_COST * n * f_out * f_in
+        # G (S·F_out·F_in), then its product with the factors' Khatri–Rao matrix [P, k]
+        gradient_work = s * f_out * f_in + f_out * f_in * self.dim
+        via_gradient = n * gradient_work + PASS_COST * n * f_out * f_in
         return via_gradient < via_factors
 
     def elements_per_sample(
@@ -106,7 +110,7 @@ class Sketcher:
         holds at once, on the route `factored` takes (`work`: a projection's elements per
         vector)."""
         if not index and self.via_gradient(layer, s, f_in, f_out, c):
-            return c * (f_out * f_in + self._dense(layer, "weight", f_out * f_in).work)
+            return c * (f_out * f_in + self.dim)  # G and its projection (the matrix: shared)
         # an embedding's projected inputs are gathered rows of its own [vocabulary, r·m] matrix
         inputs = self.r * self.m if index else self._factor("in", layer, f_in).work
         products = c * s * self.r if self.m == 1 else c * self.dim
@@ -124,8 +128,7 @@ class Sketcher:
         else:
             f_in = t.input_features
             if self.via_gradient(t.layer, s, f_in, f_out, c):
-                # the projection `explicit(t.layer, "weight", g)` uses
-                return self._dense(t.layer, "weight", f_out * f_in).matmul(t.gradient())
+                return self._through_gradient(t, f_in, f_out)
             a_proj = self._factor("in", t.layer, f_in).matmul(t.a)  # [B, S, r·m]
         d_proj = self._factor("out", t.layer, f_out).matmul(t.d).reshape(c, b, s, r, m)
         a_proj = a_proj.reshape(b, s, r, m)
@@ -135,6 +138,40 @@ class Sketcher:
             else torch.einsum("cbsrp,bsrq->cbrpq", d_proj, a_proj)
         )
         return phi.reshape(c, b, self.dim) / math.sqrt(r)
+
+    def _through_gradient(self, t: Factored, f_in: int, f_out: int) -> torch.Tensor:
+        """`factored`'s projection, with the same matrices, from the per-sample gradient
+        G = Σ_s δ_s a_sᵀ: vec(G) times their Khatri–Rao product K [F_out·F_in, k], whose column
+        (j, p, q) is R_out,j[:, p] ⊗ R_in,j[:, q] / √r, so Φ_j = (1/√r) vec(R_out,jᵀ G R_in,j).
+        Samples whose positions make the other route cheaper (sequences of another length,
+        images of another size) are projected by the same R: with independent matrices their
+        cross terms had expectation 0."""
+        key = (t.layer, f_in, f_out)
+        if key not in self._products:  # one per layer: the gradient's route keeps P small
+            self._products[key] = self._khatri_rao(t.layer, f_in, f_out)
+        matrix, scale = self._products[key]
+        g = t.gradient()
+        if scale is None:
+            return g.matmul(matrix)
+        flat = integer_matmul(g.reshape(-1, g.shape[-1]), matrix).mul_(scale)
+        return flat.reshape(*g.shape[:-1], self.dim)
+
+    def _khatri_rao(self, layer: str, f_in: int, f_out: int) -> tuple[torch.Tensor, float | None]:
+        """The Khatri–Rao product of the layer's factor matrices [F_out·F_in, k], as (int8 signs,
+        their magnitude) where both factors are sign matrices (Rademacher, srht) multiplied by
+        integers (`integer_rows`), else as (the float matrix, None)."""
+        m, r = self.m, self.r
+        r_in = self._factor("in", layer, f_in).dense().reshape(f_in, r, m)
+        r_out = self._factor("out", layer, f_out).dense().reshape(f_out, r, m)
+        rows = f_out * f_in
+        tops = [f.abs().amax() for f in (r_out, r_in)]
+        signed = all(bool((f.abs() == top).all()) for f, top in zip((r_out, r_in), tops))
+        if signed and integer_rows(rows, r_in.dtype, r_in.device):
+            s_out, s_in = (torch.sign(f).to(torch.int8) for f in (r_out, r_in))
+            signs = s_out[:, None, :, :, None] * s_in[None, :, :, None, :]
+            return signs.reshape(rows, self.dim), float(tops[0] * tops[1]) / math.sqrt(r)
+        product = torch.einsum("orp,irq->oirpq", r_out, r_in) / math.sqrt(r)
+        return product.reshape(rows, self.dim), None
 
     def terms(self, terms: list, layers) -> dict:
         """Sum the projections of all terms per layer: {layer: Φ_l [C, B, k]} for the layers in

@@ -348,7 +348,8 @@ def test_features_below_float16s_range_are_refused_not_flushed_to_zero(tmp_path)
         store(tmp_path / "half", model, x, store_dtype="float16", **tiny)
     assert projections.store_info(tmp_path / "half")["blocks"] == {}
     kept = store(tmp_path / "single", model, x, store_dtype="float32", **tiny)
-    np.testing.assert_allclose(kept, store(tmp_path / "unit", model, x) * 1e-7, rtol=1e-4)
+    unit = store(tmp_path / "unit", model, x) * 1e-7  # int8 products round relative to a row
+    np.testing.assert_allclose(kept, unit, rtol=1e-4, atol=1e-5 * np.abs(unit).max())
 
 
 def test_featurize_casts_numpy_float64_data_to_the_models_dtype(tmp_path):
