@@ -192,8 +192,11 @@ class KroneckerCurvature:
             if g.shape[-1] > MAX_DENSE:
                 raise UnfactorableModelError(
                     f"module '{layer}' has {g.shape[-1]} parameters without Kronecker structure "
-                    f"(not a Linear, Conv1d/2d or Embedding weight); at most {MAX_DENSE} are kept "
-                    "as an exact dense block"
+                    "(not the weight of a Linear, Conv1d/2d or Embedding used once: another "
+                    "module, a grouped convolution, or a weight applied more than once or tied "
+                    f"to another's); at most {MAX_DENSE} are kept as an exact dense block: use "
+                    "the exact curvature (influence's method='gauss_newton', NTKPosterior's "
+                    "curvature='exact')"
                 )
             out[("dense", layer)] = (g,)
         for value in out.values():
@@ -229,13 +232,18 @@ class KroneckerCurvature:
         curvature on training inputs `x` and the network's logits on them [N, O]."""
         x = inputs.from_numpy(x, "x_train", self._cast())
         n = inputs.validate(x, "x_train")
-        logits = torch.as_tensor(logits)
+        logits = torch.as_tensor(logits).detach()  # the network's, perhaps with their graph
         if logits.dim() != 2 or logits.shape[0] != n:
             raise ValueError(
                 f"logits must be [N, O] for the {n} training inputs, got {tuple(logits.shape)}"
             )
+        if logits.shape[1] < 2:  # the softmax of one output is constant: a zero curvature
+            raise ValueError(
+                "logits must hold two class scores at least; a binary classifier's one logit z "
+                "has the curvature of fit_roots with roots √(σ(z)(1 − σ(z))) [N, 1, 1]"
+            )
         p = logits.to(torch.float64).softmax(1)
-        return self.fit_roots(x, _softmax_roots(p))
+        return self._fit(x, _softmax_roots(p), "logits", logits)
 
     def fit_roots(self, x, roots: torch.Tensor) -> KroneckerCurvature:
         """Fit the curvature G = Σ_i J_iᵀ R_i R_iᵀ J_i of any loss whose Hessian with respect to
@@ -243,16 +251,28 @@ class KroneckerCurvature:
         module docstring; I/σ for a Gaussian likelihood)."""
         x = inputs.from_numpy(x, "x_train", self._cast())
         n = inputs.validate(x, "x_train")
-        roots = torch.as_tensor(roots)
+        roots = torch.as_tensor(roots).detach()
         if roots.dim() != 3 or roots.shape[0] != n:
             raise ValueError(
                 f"roots must be [N, O, C] for the {n} training inputs, got {tuple(roots.shape)}"
             )
+        return self._fit(x, roots, "roots", roots)
+
+    def _fit(self, x, roots: torch.Tensor, name: str, given: torch.Tensor) -> KroneckerCurvature:
+        """`fit_roots` of checked inputs; `given` (logits or roots, `name`) must be finite and
+        hold the model's number of outputs."""
+        if not bool(torch.isfinite(given).all()):
+            raise ValueError(f"{name} hold NaN or infinite values")
+        n = inputs.count(x)
         self._dtype = next(iter(self.view.params.values())).dtype
         x = inputs.convert(x, self.view.device, self.dtype)
         # as the kernels do: a functional dropout or a statistic over the batch in forward
         # would make every per-sample term below depend on the draw or on the batch
-        check_outputs(self.view, [inputs.take(x, slice(0, PROBE))], ["x_train"])
+        outputs = check_outputs(self.view, [inputs.take(x, slice(0, PROBE))], ["x_train"])
+        if given.shape[1] != outputs:
+            raise ValueError(
+                f"{name} hold {given.shape[1]} outputs per sample, but the model gives {outputs}"
+            )
         cot = roots.permute(2, 0, 1).to(self.view.device, self._dtype)  # [C, N, O]
         largest = min(n, self.batch_size or _LARGEST_BATCH)  # `_batches`' largest
         self.plan = structured.plan(
@@ -357,6 +377,7 @@ class KroneckerCurvature:
         """Σ(x) = J(x)(G + δI)⁻¹J(x)ᵀ [M, O, O] (float64, CPU) with the factored G and δ =
         `damping`: per block Σ_k (J_W(x) q_k)(J_W(x) q_k)ᵀ / (e_k + δ) over its eigenpairs."""
         self._check_fitted()
+        check_amount(damping, "damping")
         return torch.cat(
             [_covariance(self._rotated(xb), damping) for xb in self._output_batches(x)]
         )
@@ -366,7 +387,12 @@ class KroneckerCurvature:
         kept); `name` names the inputs in errors."""
         self._check_fitted()
         rotated = [self._rotated(xb, name) for xb in self._output_batches(x, name)]
-        return lambda damping: torch.cat([_covariance(r, damping) for r in rotated])
+
+        def covariance(damping: float) -> torch.Tensor:
+            check_amount(damping, "damping")  # δ ≤ 0 gave negative or 1e31 variances
+            return torch.cat([_covariance(r, damping) for r in rotated])
+
+        return covariance
 
     # -- influence -------------------------------------------------------------------------
 

@@ -75,7 +75,10 @@ def damping_for(eigenvalues: torch.Tensor, target: float, option: str = "damping
     """The λ > 0 with γ(λ) = target, at most half the spectrum's numerical rank (its directions
     counted by a smooth step at RANK_FLOOR · the top eigenvalue); a zero spectrum is
     `ZeroCurvature`, naming `option`, the caller's name for λ."""
-    e = eigenvalues.detach().double().flatten().clamp_min(0).cpu()
+    e = eigenvalues.detach().double().flatten().cpu()
+    if not bool(torch.isfinite(e).all()):  # NaN read as a zero curvature, inf failed in brentq
+        raise ValueError("the curvature's eigenvalues hold NaN or infinite values")
+    e = e.clamp_min(0)
     top = float(e.max()) if e.numel() else 0.0
     if not top > 0:
         raise ZeroCurvature(f"pass {option}= explicitly")
@@ -203,6 +206,8 @@ def damped_factor(
     damped system that is still not positive definite is refused, naming `option`, the caller's
     name for λ (damping, prior_precision, alpha)."""
     m = a.clone() if copy else a
+    if not bool(torch.isfinite(m).all()):
+        raise ValueError("the Gauss–Newton system holds NaN or infinite values")
     m.diagonal().add_(damping)
     factor = cholesky(m)
     if factor is None:
@@ -228,9 +233,11 @@ def cholesky(a: torch.Tensor) -> torch.Tensor | None:
     if a.device.type == "cpu" and a.is_contiguous() and not a.requires_grad:
         (potrf,) = scipy.linalg.get_lapack_funcs(("potrf",), (a.numpy(),))
         factor, info = potrf(a.numpy().T, lower=True, overwrite_a=True, clean=True)
-        return torch.from_numpy(factor) if info == 0 else None
-    factor, info = torch.linalg.cholesky_ex(a)
-    return factor if int(info) == 0 else None
+        factor, info = torch.from_numpy(factor), int(info)
+    else:
+        factor, info = torch.linalg.cholesky_ex(a)
+    # potrf reports success on a system of NaN, whose factor is NaN
+    return factor if info == 0 and bool(torch.isfinite(factor.diagonal()).all()) else None
 
 
 def cholesky_solve(b: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:

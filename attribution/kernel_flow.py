@@ -37,7 +37,8 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional as F
 
-from ntk.core.checks import check_amount
+from ntk.core.checks import check_amount, check_integer
+from ntk.spectrum import INDEFINITE
 
 from .outputs import margin_gradient
 
@@ -108,12 +109,22 @@ def flow_logits(
         )
     if cross is not None and (cross.dim() != 2 or cross.shape[1] != n):
         raise ValueError(f"cross must be [M, N] with N = {n}, got {tuple(cross.shape)}")
+    for name, values in (("kernel", kernel), ("cross", cross)):
+        if values is not None and not bool(torch.isfinite(values).all()):
+            raise ValueError(f"{name} holds NaN or infinite values")
+    if check_integer(num_outputs, "num_outputs") < 2:  # the softmax of one output is constant
+        raise ValueError(f"num_outputs must be at least 2 (class scores), got {num_outputs}")
     check_amount(fitted_fraction, "fitted_fraction", below=1)
     if loss_floor is not None:
         check_amount(loss_floor, "loss_floor", zero=True)
     y = y.long()
     targets = F.one_hot(y, num_outputs).double()
     evals, evecs = torch.linalg.eigh(kernel.double() / n)
+    if float(evals[0]) < -INDEFINITE * float(evals.abs().max()):  # cross would read it as is
+        raise ValueError(
+            f"kernel must be positive semidefinite (a kernel k(X, X)); its eigenvalues reach "
+            f"{float(evals[0]) * n:.3g} against a largest {float(evals[-1]) * n:.3g}"
+        )
     evals = evals.clamp_min(0)
     integral = torch.zeros(n, num_outputs, dtype=torch.float64)  # a = Vᵀ ∫ (p − Y) dt
 

@@ -225,6 +225,46 @@ def test_bad_inputs(mlp):
         influence(wide.double().eval(), x[:4], y[:4], xt, yt, method="ekfac")
 
 
+def test_fit_checks_the_logits_and_the_covariances_their_damping(mlp, monkeypatch):
+    """Logits with their autograd graph left it on every result (eigenvalues .numpy() failed);
+    logits of another width failed in torch ("expanded size ... must match"), NaN ones were
+    blamed on the model's Jacobian, one logit gave a zero curvature without a word; a damping
+    δ ≤ 0 gave negative (δ = −1) or 1e31 (δ = 0) output variances. A Linear applied twice was
+    said to be no Linear."""
+    model, x, _, xt, _ = mlp
+    fitted = KroneckerCurvature(model).fit(x, model(x))  # with its graph
+    assert not any(b.eigenvalues.requires_grad for b in fitted.blocks.values())
+    assert not fitted.output_covariance(xt, 1.0).requires_grad
+    for logits, message in (
+        (torch.zeros(len(x), O + 1), f"logits hold {O + 1} outputs per sample, but the model "),
+        (torch.full((len(x), O), float("nan")), "logits hold NaN or infinite values"),
+        (torch.zeros(len(x), 1), "logits must hold two class scores at least"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            KroneckerCurvature(model).fit(x, logits)
+    with pytest.raises(ValueError, match="roots hold NaN"):
+        KroneckerCurvature(model).fit_roots(x, torch.full((len(x), O, O), float("inf")))
+    function = fitted.covariance_function(xt)
+    for damping in (-1.0, 0.0):
+        with pytest.raises(ValueError, match="damping must be a positive"):
+            fitted.output_covariance(xt, damping)
+        with pytest.raises(ValueError, match="damping must be a positive"):
+            function(damping)
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(5, 5), nn.Linear(5, O)
+
+        def forward(self, v):
+            return self.b(self.a(self.a(v)))
+
+    twice = Twice().double().eval()
+    monkeypatch.setattr("attribution.curvature.MAX_DENSE", 8)  # below the Linear's 30
+    with pytest.raises(ValueError, match="a weight applied more than once or tied"):
+        KroneckerCurvature(twice).fit(x, twice(x).detach())
+
+
 class _Sqrt(nn.Module):
     """√|Wx| with W's bias zero: the gradient is infinite at x = 0 while the output is finite."""
 

@@ -572,6 +572,24 @@ def test_randomized_spectrum_gives_the_exact_damping(monkeypatch):
     assert damping.damping_keeping(a, d, target) == damping.auto_damping(spectrum, n, o)
 
 
+def test_the_damping_helpers_refuse_non_finite_systems():
+    """A NaN eigenvalue was taken for a zero curvature (ZeroCurvature: "the Gauss–Newton
+    curvature is zero"), an infinite one failed in scipy's brentq; a NaN system came back from
+    LAPACK's potrf as a factor of NaN (it reports success), and log det as nan."""
+    from attribution import damping
+
+    for bad in (float("nan"), float("inf")):
+        eigenvalues = torch.tensor([3.0, 1.0, bad], dtype=torch.float64)
+        with pytest.raises(ValueError, match="eigenvalues hold NaN or infinite values"):
+            damping.damping_for(eigenvalues, 1.0)
+    system = torch.eye(4, dtype=torch.float64)
+    system[1, 2] = system[2, 1] = float("nan")
+    assert damping.cholesky(system.clone()) is None
+    with pytest.raises(ValueError, match="system holds NaN or infinite values"):
+        damping.damped_factor(system, 0.1)
+    assert damping.damped_factor(torch.eye(4, dtype=torch.float64), 0.1).diagonal().isfinite().all()
+
+
 def test_scalar_kernel_system_and_its_product(monkeypatch):
     """A scalar kind's system S(k ⊗ I)S equals the one built from the expanded kernel, its
     structured product equals the dense one, and the randomized spectrum (hence λ) is the same

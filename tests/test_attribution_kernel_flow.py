@@ -125,6 +125,20 @@ def test_bad_input(clusters):
     for cross in (kernel[:, :5], kernel[0]):
         with pytest.raises(ValueError, match=r"cross must be \[M, N\]"):
             flow_logits(kernel, y, O, 0.1, cross=cross)
+    # NaN failed in torch's eigh ("failed to converge"), one output in 1 − 1/O (division by
+    # zero); an indefinite kernel's training logits read its negative eigenvalues as 0 and its
+    # cross logits as they are (5.6 % apart for λmin ≈ −5 % λmax)
+    nan = kernel.clone()
+    nan[0, 1] = nan[1, 0] = float("nan")
+    with pytest.raises(ValueError, match="^kernel holds NaN or infinite values"):
+        flow_logits(nan, y, O, 0.1)
+    with pytest.raises(ValueError, match="^cross holds NaN"):
+        flow_logits(kernel, y, O, 0.1, cross=nan[:3])
+    with pytest.raises(ValueError, match="num_outputs must be at least 2"):
+        flow_logits(kernel, torch.zeros_like(y), 1, 0.1)
+    shifted = kernel - 0.05 * torch.linalg.eigvalsh(kernel)[-1] * torch.eye(len(kernel))
+    with pytest.raises(ValueError, match="kernel must be positive semidefinite"):
+        flow_logits(shifted, y, O, 0.1)
 
 
 def test_a_zero_kernel_leaves_the_flow_at_zero():
