@@ -300,12 +300,16 @@ def check_outputs(view: ModelView, xs: list, names: list | None = None) -> int:
         again = view.forward(view.params, probe)
         alone = view.forward(view.params, inputs.take(xs[0], slice(0, 1)))
         scale = float(batch.abs().max()) + 1e-12
-        if not torch.allclose(batch, again, rtol=1e-4, atol=1e-5 * scale):
+        if batch.shape != again.shape or not torch.allclose(
+            batch, again, rtol=1e-4, atol=1e-5 * scale
+        ):
             raise ValueError(
                 "the model's output is random (two identical calls differ); call "
                 "model.eval() to switch off dropout and similar layers"
             )
-        if not torch.allclose(batch[:1], alone, rtol=1e-4, atol=1e-5 * scale):
+        if batch[:1].shape != alone.shape or not torch.allclose(
+            batch[:1], alone, rtol=1e-4, atol=1e-5 * scale
+        ):
             raise ValueError(
                 "a sample's output depends on the rest of the batch (e.g. BatchNorm in training "
                 "mode, or statistics taken over the batch in forward): each sample needs an "

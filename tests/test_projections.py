@@ -662,3 +662,30 @@ def test_a_model_torch_func_cannot_differentiate_is_projected_through_autograd()
     exact = ntk.empirical_ntk(net, x, kind="trace", method="jacobian")
     got = projections.projected_ntk(net, x, kind="trace", dim=20000, seed=0)
     assert (got - exact).abs().max() / exact.abs().max() < 0.05
+
+
+def test_a_model_whose_outputs_change_width_on_a_later_batch_is_named():
+    """Torch's "expanded size of the tensor (2) must match" from inside the engine (features)
+    or its allclose (a feature store's probe); each is now a ValueError saying what changed."""
+
+    class Narrows(nn.Module):
+        """Two outputs instead of four for a batch holding a sample whose first input > 100."""
+
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(5, 4)
+
+        def forward(self, x):
+            out = self.linear(x)
+            return out[:, :2] if bool((x[:, 0] > 100).any()) else out
+
+    torch.manual_seed(1)
+    x = torch.randn(6, 5)
+    x[5, 0] = 1000.0
+    model = Narrows().eval()
+    with pytest.raises(
+        ValueError, match="returned 2 outputs per sample on x, earlier batches had 4"
+    ):
+        projections.features(model, x, dim=4, batch_size=3)
+    with pytest.raises(ValueError, match="output depends on the rest of the batch"):
+        ntk.empirical_ntk(model, x[2:], kind="trace")

@@ -695,6 +695,11 @@ def features(view: ModelView, plan_: Plan, x, cot: torch.Tensor, name: str | Non
             if name is not None:
                 check_output_rows(out, b, name)
             b, o = out.shape
+            if o != cot.shape[-1]:  # the cotangents were made for the first batch's outputs
+                raise ValueError(
+                    f"the model returned {o} outputs per sample on {name or 'these inputs'}, "
+                    f"earlier batches had {cot.shape[-1]}"
+                )
             grad_out = (cot[:, None, :] if cot.dim() == 2 else cot).expand(cot.shape[0], b, o)
             grad_out = grad_out.contiguous()
             layers = list(perturbations)
