@@ -364,11 +364,29 @@ def open_store(path: str | os.PathLike, *, verify: bool = True) -> np.ndarray:
 
 def foreign_files(path: str | os.PathLike) -> list[str]:
     """The entries of the directory `path` that no store writer makes: none in a store (complete,
-    or partly written by a process killed before its manifest) or in an empty directory."""
+    or partly written by a process killed before its manifest) or in an empty directory. A
+    writer takes its lock before it writes anything, so without the lock every entry is foreign
+    (a user's own features.npy was taken for a killed writer's)."""
     root = Path(path)
     if (root / MANIFEST).exists():
         return []
-    return sorted(p.name for p in root.iterdir() if not _WRITTEN.fullmatch(p.name))
+    names = sorted(p.name for p in root.iterdir())
+    if LOCK not in names:
+        return names
+    return [name for name in names if not _WRITTEN.fullmatch(name)]
+
+
+def check_not_foreign(path: str | os.PathLike) -> None:
+    """Refuse a directory at `path` that holds entries no store writer makes (`foreign_files`):
+    a store is never written among, or over, other files."""
+    root = Path(path)
+    foreign = foreign_files(root) if root.is_dir() else []
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", …" if len(foreign) > 3 else "")
+        raise StoreError(
+            f"{root} is a directory of other files ({shown}), not a feature store; name a new or "
+            "empty one"
+        )
 
 
 def is_complete(path: str | os.PathLike) -> bool:

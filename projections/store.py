@@ -25,12 +25,27 @@ from ntk.core.files import make_directory
 from ntk.distributed import rank_and_world
 
 from . import _format
-from ._format import StoreError, foreign_files, is_complete, open_store, store_info
+from ._format import (
+    StoreError,
+    check_not_foreign,
+    foreign_files,
+    is_complete,
+    open_store,
+    store_info,
+)
 from ._projectors import DEFAULT_PROJECTOR
 from .distributed import featurize_shard
 from .projected import Featurizer
 
-__all__ = ["StoreError", "featurize", "foreign_files", "is_complete", "open_store", "store_info"]
+__all__ = [
+    "StoreError",
+    "check_not_foreign",
+    "featurize",
+    "foreign_files",
+    "is_complete",
+    "open_store",
+    "store_info",
+]
 
 
 def featurize(
@@ -67,6 +82,7 @@ def featurize(
     initialised); see `projections.distributed`.
     """
     root = _format.store_root(path)
+    check_not_foreign(root)
     block = check_integer(block, "block")
     batch_size = check_integer(batch_size, "batch_size", optional=True)
     if isinstance(store_dtype, torch.dtype):  # torch.float16 names the same dtype as numpy's

@@ -1357,3 +1357,22 @@ def test_library_warnings_are_shown_in_the_command_lines_words(capsys):
     assert "--alpha" in err and "test sample" in err and "--batch-size" in err, err
     for python in ("ALPHA_STEPS", "alpha_", "coherence(x)", "x_test", " batch_size"):
         assert python not in err, err
+
+
+def test_featurize_refuses_a_store_directory_of_other_files(files, capsys):
+    """STORE naming a directory of the user's files, a lone features.npy among them (it was
+    taken for a killed writer's and overwritten): one line, before the model is loaded."""
+    mine = files / "mine"
+    mine.mkdir()
+    np.save(mine / "features.npy", np.arange(3.0))
+    err = usage_error(
+        capsys,
+        "featurize",
+        str(mine),
+        "--model",
+        f"{files}/factory.py:build",
+        "--data",
+        f"{files}/train.npz",
+    )
+    assert f"STORE: {mine} is a directory of other files (features.npy)" in err
+    np.testing.assert_array_equal(np.load(mine / "features.npy"), np.arange(3.0))

@@ -387,3 +387,31 @@ def test_featurize_casts_numpy_batches_of_a_loader_and_names_float64_tensor_batc
     wide = DataLoader(TensorDataset(torch.from_numpy(rows)), batch_size=3)
     with pytest.raises(ModelInputError, match=r"^data: .*torch.float64.*cast the inputs to"):
         store(tmp_path / "float64", model, wide)
+
+
+def test_featurize_never_writes_among_or_over_other_files(tmp_path):
+    """featurize (Python) wrote a store into a directory of other files, and replaced a user's
+    own features.npy there, taken for a killed writer's (the command line refused the first
+    case only). A writer takes its lock first: without the lock, every entry is another's."""
+    model, x = model_and_data()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    np.save(mine / "features.npy", np.arange(10.0))
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(
+        projections.StoreError, match=r"directory of other files \(features.npy, notes"
+    ):
+        store(mine, model, x)
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    np.save(lone / "features.npy", np.arange(10.0))
+    assert projections.store.foreign_files(lone) == ["features.npy"]
+    with pytest.raises(projections.StoreError, match="directory of other files"):
+        store(lone, model, x)
+    np.testing.assert_array_equal(np.load(lone / "features.npy"), np.arange(10.0))
+    # a writer killed after taking its lock and writing its array: resumed, not refused
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / "lock").write_text("")
+    np.save(killed / "features.npy", np.zeros(3))
+    assert projections.store.foreign_files(killed) == []

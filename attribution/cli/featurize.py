@@ -105,12 +105,10 @@ def featurize(
         + [("STORE", store if store_is_read else None)],
         [("STORE", None if store_is_read else store), ("--kernel-tiles", kernel_tiles)],
     )
-    foreign = projections.store.foreign_files(store) if os.path.isdir(store) else []
-    if foreign:
-        raise UsageProblem(
-            f"STORE: {store} is a directory of other files ({', '.join(foreign[:3])}"
-            f"{', …' if len(foreign) > 3 else ''}), not a feature store; name a new or empty one"
-        )
+    try:
+        projections.store.check_not_foreign(store)
+    except projections.store.StoreError as exc:
+        raise UsageProblem(f"STORE: {exc}") from None
     if kernel_tiles is not None:
         try:
             check_empty(Path(kernel_tiles), rewrite=True)  # the same line reruns
