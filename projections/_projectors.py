@@ -59,8 +59,10 @@ _INT8_LEVEL = 127  # q₀, q₁ ∈ [−127, 127]
 _SECOND_LEVEL = 2 * _INT8_LEVEL  # q₁'s unit is 1/254 of q₀'s
 # rows for which |254·q₀R + q₁R| ≤ 127·255·rows stays within int32
 _INT32_ROWS = (1 << 31) // (_INT8_LEVEL * (_SECOND_LEVEL + 1))
-# The default, as in the API contract (../shared/DESIGN.md). "srht" is faster and, on the benchmark
-# CNN, more accurate: `python benchmarks/projection_speed.py` (numbers in benchmarks/README.md).
+# The default, as in the API contract (../shared/DESIGN.md). "srht" is more accurate on the
+# benchmark CNN (0.015 against 0.033) and about as fast since its convolutions' gradients are
+# projected with the factors' matrices (0.40 s against 0.36 s; before, 0.28 s):
+# `python benchmarks/projection_speed.py` (numbers in benchmarks/README.md).
 DEFAULT_PROJECTOR = "rademacher"
 _CHUNK_ENTRIES = 1 << 22  # entries per generated chunk (32 MiB in float64)
 
