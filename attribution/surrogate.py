@@ -375,9 +375,9 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         """Fit the machine to the network's outputs (y=None: its logits for ridge, its predicted
         labels for svm and logistic) or to class labels y. An earlier fit is forgotten first,
         so a fit that fails leaves the estimator unfitted, not half of each."""
-        self._check_params()
         for fitted in [name for name in vars(self) if name.endswith("_")]:
-            delattr(self, fitted)
+            delattr(self, fitted)  # before the parameters are checked: they may be refused
+        self._check_params()
         x_train = self._inputs(x_train, reset=True)
         if y is not None and not isinstance(y, torch.Tensor):
             y = np.asarray(y)
@@ -901,6 +901,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         model has no classes: tau_logits / spearman_logits / r2_logits of the outputs themselves,
         and nothing else.
         """
+        check_is_fitted(self, "dual_")  # before the inputs: an unfitted surrogate says so first
         x_test = self._inputs(x_test, reset=False)
         if inputs.count(x_test) < 2:
             raise ValueError(

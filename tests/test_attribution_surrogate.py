@@ -46,6 +46,8 @@ def test_unfitted_raises_not_fitted(trained):
     for call in (s.decision_function, s.predict, s.attribute, s.faithfulness, s.coherence):
         with pytest.raises(NotFittedError):
             call(trained[3])
+    with pytest.raises(NotFittedError):  # was "needs at least 2" test samples
+        s.faithfulness(trained[3][:1])
 
 
 def test_a_refit_forgets_the_earlier_fit(trained):
@@ -65,6 +67,13 @@ def test_a_refit_forgets_the_earlier_fit(trained):
     assert [n for n in vars(s) if n.endswith("_")] == [n for n in vars(fresh) if n.endswith("_")]
     assert {"beta_", "factor_"} <= fitted and not {"beta_", "factor_"} & set(vars(s))
     np.testing.assert_array_equal(s.decision_function(xt), fresh.decision_function(xt))
+    # parameters refused by the refit: the earlier fit was kept and read with the new settings
+    for refused in (dict(kind="full", machine="svm"), dict(alpha=-1.0)):
+        fitted = KernelSurrogate(model, kind="trace", alpha=0.1).fit(x[:30])
+        with pytest.raises(ValueError):
+            fitted.set_params(**refused).fit(x[:30])
+        with pytest.raises(NotFittedError):
+            fitted.decision_function(xt)
 
 
 def test_an_svm_leaves_numpy_global_random_state_alone(trained):
