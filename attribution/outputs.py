@@ -86,6 +86,14 @@ def _check_classes(g: torch.Tensor) -> None:
         )
 
 
+def two_class_logits(output_fn: Callable | None, out) -> torch.Tensor:
+    """The logits (0, z) [B, 2] of a binary classifier whose output (after `output_fn`) is one
+    logit z per sample, [B] or [B, 1]: softmax((0, z)) = (1 − σ(z), σ(z)), class 1's margin z."""
+    z = out if output_fn is None else output_fn(out)
+    z = z.reshape(z.shape[0], 1)
+    return torch.cat([torch.zeros_like(z), z], 1)
+
+
 def margins(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """f = g_y − logsumexp_{j≠y} g_j for logits g [..., N, O] and labels y [N]."""
     _check_classes(g)

@@ -79,7 +79,14 @@ from ntk.core.model import ModelView
 
 from . import _kernels, damping
 from .curvature import STRATEGIES, KroneckerCurvature, UnfactorableModelError
-from .outputs import labels, logits, logits_like_training, psd_root, softmax_curvature
+from .outputs import (
+    labels,
+    logits,
+    logits_like_training,
+    psd_root,
+    softmax_curvature,
+    two_class_logits,
+)
 
 LIKELIHOODS = ("classification", "regression")
 LINKS = ("probit", "mc")
@@ -306,7 +313,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         if self.likelihood == "classification":
             self.one_logit_ = o == 1
             if o == 1:  # a binary classifier's logit z: the classes' logits (0, z)
-                self.output_fn_ = functools.partial(_two_class_logits, self.output_fn)
+                self.output_fn_ = functools.partial(two_class_logits, self.output_fn)
                 g = torch.cat([torch.zeros_like(g), g], 1)
                 o = 2
             y = self._labels(y_train, n, o, "y_train")
@@ -859,14 +866,6 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         check_is_fitted(self, "factor_")
         if self.likelihood != "classification":
             raise ValueError(f"{what} needs likelihood='classification'")
-
-
-def _two_class_logits(output_fn, out) -> torch.Tensor:
-    """The logits (0, z) [B, 2] of a binary classifier whose output (after `output_fn`) is one
-    logit z per sample: softmax((0, z)) = (1 − σ(z), σ(z))."""
-    z = out if output_fn is None else output_fn(out)
-    z = z.reshape(z.shape[0], 1)
-    return torch.cat([torch.zeros_like(z), z], 1)
 
 
 def _gaussian_log_density(mean: torch.Tensor, covariance: torch.Tensor, y: torch.Tensor):

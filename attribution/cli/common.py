@@ -442,18 +442,16 @@ def load_arrays(
 
 class TwoClassScores:
     """The class scores [0, z] of a binary classifier's one logit z (the model's output, or what
-    `inner`, the --output-fn, makes of it; [B] or [B, 1]): softmax gives class 1 the probability
-    σ(z), and class 1's margin is z."""
+    `inner`, the --output-fn, makes of it): `attribution.outputs.two_class_logits`, named for
+    the report's settings."""
 
     def __init__(self, inner: Callable | None):
         self.inner = inner
 
     def __call__(self, out):
-        import torch
+        from ..outputs import two_class_logits
 
-        z = out if self.inner is None else self.inner(out)
-        z = z.reshape(len(z))
-        return torch.stack([torch.zeros_like(z), z], -1)
+        return two_class_logits(self.inner, out)
 
     def __str__(self) -> str:
         return f"[0, z] of the one logit z of {self.inner or 'the model'}"
