@@ -81,6 +81,18 @@ def symmetric_matrix(kernel, needs: str) -> torch.Tensor:
     return (m + m.T) / 2
 
 
+def require_semidefinite(eigenvalues: torch.Tensor, needs: str, scale: float = 1.0) -> None:
+    """Refuse a kernel whose eigenvalues (ascending) reach below −INDEFINITE·max|λ|, beyond
+    rounding: "{needs}, and this one has an eigenvalue … against a largest …", the eigenvalues
+    shown times `scale` (where they are those of a scaled kernel)."""
+    low, top = float(eigenvalues[0]), float(eigenvalues[-1])
+    if low < -INDEFINITE * float(eigenvalues.abs().max()):
+        raise ValueError(
+            f"{needs}, and this one has an eigenvalue {low * scale:.3g} against a largest "
+            f"{top * scale:.3g}"
+        )
+
+
 def condition_number(kernel) -> float:
     """κ = λmax / λmin; inf when the kernel is indefinite or its computed λmin is 0. A kernel
     singular to rounding has a λmin of either sign at about eps·λmax: inf, or a κ near 1/eps
@@ -200,12 +212,9 @@ def descent_residual(kernel, y, steps: int) -> float:
     if total <= CONSTANT * scale:  # zero up to the rounding of the centring
         raise ValueError("y is constant (one class): there is nothing for descent to fit")
     lam, vectors = torch.linalg.eigh(k)
-    if float(lam[0]) < -INDEFINITE * float(lam.abs().max()):
-        raise ValueError(
-            f"descent_residual needs a positive semidefinite kernel, and this one has an "
-            f"eigenvalue {float(lam[0]):.3g} against a largest {float(lam[-1]):.3g}: a kernel "
-            "K(x, x) of the batch, not a difference of kernels"
-        )
+    require_semidefinite(
+        lam, "descent_residual needs a positive semidefinite kernel K(x, x) of the batch"
+    )
     lam = lam.clamp_min(0.0)
     if float(lam[-1]) <= 0.0:
         return 1.0  # a zero kernel moves nothing
