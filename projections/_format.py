@@ -231,8 +231,9 @@ def matching(root: Path, settings: dict, batch_size, fz, first) -> dict:
             f"the store at {root} {state} with batch_size={manifest['batch']}; featurize into "
             "it with the same batch_size (or None)"
         )
-    verify_features(open_array(root, manifest), manifest, root)
-    check_same_model(fz, first, root, manifest)
+    array = open_array(root, manifest)
+    verify_features(array, manifest, root)
+    check_same_model(fz, first, root, manifest, array)
     return manifest
 
 
@@ -243,16 +244,17 @@ def matching(root: Path, settings: dict, batch_size, fz, first) -> dict:
 SAME_MODEL_TOLERANCE = {"float16": 1e-2, "float32": 1e-3, "float64": 1e-3}
 
 
-def check_same_model(fz, first, root: Path, manifest: dict) -> None:
-    """Refuse a store whose first sample's features are not those that the Featurizer `fz`
-    (prepared) gives on `first`, the data's first block: the parameter fingerprint does not see
-    the forward code, parameter-free modules (an activation) or the output_fn, and a resume by
-    such a model mixed two models' features in one store. Checked where block 0 is complete and
-    was written from these data (other data are named by the data check)."""
+def check_same_model(fz, first, root: Path, manifest: dict, array: np.ndarray) -> None:
+    """Refuse a store (its `array`, opened) whose first sample's features are not those that
+    the Featurizer `fz` (prepared) gives on `first`, the data's first block: the parameter
+    fingerprint does not see the forward code, parameter-free modules (an activation) or the
+    output_fn, and a resume by such a model mixed two models' features in one store. Checked
+    where block 0 is complete and was written from these data (other data are named by the
+    data check)."""
     entry = manifest["blocks"].get("0")
     if entry is None or inputs.digest(first) != entry["inputs"]:
         return
-    stored = open_array(root, manifest)[0].astype(np.float64)
+    stored = array[0].astype(np.float64)
     fresh = fz.block(inputs.take(first, slice(0, 1)))[0].detach().cpu().double().numpy()
     scale = float(np.linalg.norm(stored))
     gap = float(np.linalg.norm(fresh - stored)) / (scale if scale > 0 else 1.0)
@@ -453,8 +455,9 @@ def write_blocks(
                 start = i * block
                 for s in range(0, size, manifest["batch"]):
                     part = fz.block(inputs.take(x, slice(s, s + manifest["batch"])))
+                    part = part.detach().cpu().numpy()  # one copy to the host, for both checks
                     with np.errstate(over="ignore"):  # an overflow is refused just below
-                        values = part.detach().cpu().numpy().astype(manifest["store_dtype"])
+                        values = part.astype(manifest["store_dtype"])
                     what = f"the features of block {i} ({_samples(i, manifest)})"
                     dtype = f"store_dtype={manifest['store_dtype']!r}"
                     # `block` checked them finite before the cast
@@ -482,10 +485,10 @@ def write_blocks(
 CAST_LOSS = 1e-2
 
 
-def _require_kept(features, cast: np.ndarray, what: str, dtype: str) -> None:
+def _require_kept(features: np.ndarray, cast: np.ndarray, what: str, dtype: str) -> None:
     """Refuse a cast of the features into the store's dtype that loses more than CAST_LOSS of
     them (their scale below the dtype's range)."""
-    exact = features.detach().cpu().double().numpy()
+    exact = features.astype(np.float64)
     scale = float(np.linalg.norm(exact))
     lost = float(np.linalg.norm(cast.astype(np.float64) - exact)) / scale if scale > 0 else 0.0
     if lost > CAST_LOSS:
