@@ -73,7 +73,7 @@ class Sketcher:
         self.bank, self.dim, self.vocab, self.m = bank, dim, vocab, kron
         self.r = dim // (kron * kron)
         self.route_count = route_count
-        self._products: dict[tuple, tuple] = {}  # `_through_gradient`'s matrices (sign_matrix)
+        self._products: dict[tuple, tuple] = {}  # `_khatri_rao`'s, per layer
 
     def _dense(self, layer: str, part, rows: int):
         return self.bank.projection(("dense", layer, part), rows, self.dim, 1 / math.sqrt(self.dim))
