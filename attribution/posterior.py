@@ -67,7 +67,6 @@ import scipy.optimize
 import torch
 from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.utils import RegressorTags
-from sklearn.utils.validation import check_is_fitted
 from torch import nn
 
 from ntk.core import inputs
@@ -79,6 +78,7 @@ from ntk.core.model import ModelView
 
 from . import _kernels, damping
 from .curvature import STRATEGIES, KroneckerCurvature, UnfactorableModelError
+from .fitted import check_fitted, record
 from .outputs import (
     labels,
     logits,
@@ -303,8 +303,11 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         prior_precision="auto" δ then minimises their negative log predictive density instead
         of keeping EFFECTIVE_PARAMETERS effective parameters (module docstring). A fit that
         fails leaves the posterior unfitted (not half of the new fit over the previous one)."""
-        vars(self).pop("factor_", None)  # what check_is_fitted looks for: set last
+        vars(self).pop("factor_", None)  # what check_fitted looks for: set last
         self._check_params()
+        # the link and its draws are the predictions' own; the seed too when nothing is projected
+        free = ("link", "mc_samples", *(("seed",) if self.projection_dim is None else ()))
+        record(self, free)
         x_train = self._inputs(x_train, "x_train")
         self.output_fn_ = self.output_fn
         g = logits(self.model, x_train, output_fn=self.output_fn_, name="x_train")
@@ -653,13 +656,13 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
     def log_marginal_likelihood(self) -> float:
         """The Laplace evidence log Z(δ) at the fitted prior precision δ (module docstring), of
         the untempered posterior: `temperature_` scales the predictive covariance only."""
-        check_is_fitted(self, "factor_")
+        check_fitted(self, "factor_")
         return self.evidence_
 
     # -- prediction ------------------------------------------------------------------------------
     def predict_variance(self, x, diagonal: bool = False) -> np.ndarray:
         """Posterior covariance of the outputs Σ(x) [N, O, O], or its diagonal [N, O]."""
-        check_is_fitted(self, "factor_")
+        check_fitted(self, "factor_")
         cov = self._predictive(x)[1]
         return (cov.diagonal(dim1=1, dim2=2) if diagonal else cov).numpy()
 
@@ -810,7 +813,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
     def predict(self, x) -> np.ndarray:
         """The most probable class (classification) or the posterior mean f_θ*(x) (regression;
         [N] when fitted to targets [N], else [N, O])."""
-        check_is_fitted(self, "factor_")
+        check_fitted(self, "factor_")
         if self.likelihood == "regression":
             mean = self._mean(x).numpy()
             return mean[:, 0] if self.flat_targets_ else mean
@@ -839,7 +842,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
     def score(self, x, y, sample_weight=None) -> float:
         """Mean log predictive density of y (higher is better): log p(y | x) through `link`
         (classification), or log N(y; f_θ*(x), Σ(x) + σ²I) (regression)."""
-        check_is_fitted(self, "factor_")
+        check_fitted(self, "factor_")
         mean, cov = self._predictive(x)
         n, o = mean.shape
         if self.likelihood == "classification":
@@ -863,7 +866,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
         return _gaussian_log_density(mean, total, y)
 
     def _check_classification(self, what: str) -> None:
-        check_is_fitted(self, "factor_")
+        check_fitted(self, "factor_")
         if self.likelihood != "classification":
             raise ValueError(f"{what} needs likelihood='classification'")
 

@@ -86,7 +86,7 @@ from sklearn.metrics import accuracy_score, jaccard_score, r2_score
 from sklearn.model_selection import GridSearchCV, GroupKFold, KFold
 from sklearn.svm import SVC
 from sklearn.utils._param_validation import Interval, StrOptions
-from sklearn.utils.validation import check_is_fitted, validate_data
+from sklearn.utils.validation import validate_data
 from torch import nn
 
 from ntk.core import inputs
@@ -97,6 +97,7 @@ from ntk.core.model import check_module
 
 from . import _kernels
 from .damping import cholesky_solve, damped_cholesky, scalar_kernel_system
+from .fitted import check_fitted, record
 from .outputs import (
     labels,
     logits,
@@ -351,7 +352,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         `reference` quantile of the row), or uncentred. x (the caller's `name`) has the training
         inputs' structure; its per-sample shapes may differ (sequences of another length) where
         the model takes it, which one forward pass checks, naming x, before the kernels."""
-        check_is_fitted(self, "dual_")
+        check_fitted(self, "dual_")
         x = inputs.from_numpy(self._inputs(x, reset=False), name)
         logits_like_training(
             self.model, x, self.x_train_, self.num_outputs_, output_fn=self.output_fn, name=name
@@ -378,6 +379,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         for fitted in [name for name in vars(self) if name.endswith("_")]:
             delattr(self, fitted)  # before the parameters are checked: they may be refused
         self._check_params()
+        record(self)
         x_train = self._inputs(x_train, reset=True)
         if y is not None and not isinstance(y, torch.Tensor):
             y = np.asarray(y)
@@ -678,7 +680,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
     def predict(self, x) -> np.ndarray:
         """The predicted class of each sample (a single-output model has no classes: its
         surrogate's output is `decision_function`)."""
-        check_is_fitted(self, "dual_")
+        check_fitted(self, "dual_")
         if self.num_outputs_ == 1:
             raise ValueError(
                 "predict returns classes, and the model has a single output (no classes): "
@@ -763,7 +765,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         the surrogate's prediction; "all": every column, one more axis [..., C]). Needs the
         default ridge machine with `center=True` (an unpenalised intercept keeps the refit a
         bordered solve) or machine='gauss_newton'."""
-        check_is_fitted(self, "dual_")
+        check_fitted(self, "dual_")
         if not self.removable_:
             raise ValueError(
                 "influence needs machine='ridge' with center=True (the default) or "
@@ -785,7 +787,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         flipped label, an atypical example — drops most. output: None, each point's own column
         (its label y when fitted to labels, else the network's predicted class; `own_columns_`),
         a column, or "all" ([N_train, C])."""
-        check_is_fitted(self, "dual_")
+        check_fitted(self, "dual_")
         if not self.removable_:
             raise ValueError(
                 "self_influence needs machine='ridge' with center=True (the default) or "
@@ -867,7 +869,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         `label_share` [N_test], the share of the top-k proponents whose label (y_train, default
         the network's predicted labels) is the predicted class; with their medians / means.
         A single-output model has no classes: its output's cancellation and median only."""
-        check_is_fitted(self, "dual_")
+        check_fitted(self, "dual_")
         if self.num_outputs_ == 1 and y_train is not None:
             raise ValueError(
                 f"y_train needs a classifier; the model has a single output ({ONE_LOGIT})"
@@ -901,7 +903,7 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         model has no classes: tau_logits / spearman_logits / r2_logits of the outputs themselves,
         and nothing else.
         """
-        check_is_fitted(self, "dual_")  # before the inputs: an unfitted surrogate says so first
+        check_fitted(self, "dual_")  # before the inputs: an unfitted surrogate says so first
         x_test = self._inputs(x_test, reset=False)
         if inputs.count(x_test) < 2:
             raise ValueError(

@@ -401,6 +401,28 @@ def test_estimator_contract_and_model_untouched(small_classifier):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+def test_parameters_set_after_fit_are_refused_until_the_next_fit(small_classifier):
+    """set_params after fit: the fitted factors were read with the new prior precision or kind;
+    the link, its draws and (nothing projected) the seed are the predictions' own."""
+    model, x, y, xt, _ = small_classifier
+    post = NTKPosterior(model, kind="trace", prior_precision=0.5).fit(x, y)
+    probit = post.predict_proba(xt)
+    post.set_params(link="mc", mc_samples=50, seed=3)
+    assert post.predict_proba(xt).shape == probit.shape
+    post.set_params(prior_precision=5.0)
+    for call in (post.predict_proba, post.predict_variance, post.uncertainty):
+        with pytest.raises(ValueError, match=r"prior_precision=5.0 \(fitted with 0.5\)"):
+            call(xt)
+    with pytest.raises(ValueError, match="call fit again"):
+        post.log_marginal_likelihood()
+    post.set_params(link="probit", prior_precision=0.5)
+    np.testing.assert_array_equal(post.predict_proba(xt), probit)
+    projected = NTKPosterior(model, kind="trace", prior_precision=0.5, projection_dim=16)
+    projected.fit(x, y).set_params(seed=1)  # the seed drew the projection of the fit
+    with pytest.raises(ValueError, match=r"seed=1 \(fitted with 0\)"):
+        projected.predict_proba(xt)
+
+
 def test_bad_input(small_classifier):
     model, x, y, _, _ = small_classifier
     with pytest.raises(ValueError, match="outside 0..2"):

@@ -76,6 +76,30 @@ def test_a_refit_forgets_the_earlier_fit(trained):
             fitted.decision_function(xt)
 
 
+def test_parameters_set_after_fit_are_refused_until_the_next_fit(trained):
+    """set_params after fit changed what the fitted coefficients were read with: kind="sum_logits"
+    moved predictions silently, normalize=True failed with an AttributeError (no diag_)."""
+    model, x, _, xt, _ = trained
+    s = KernelSurrogate(model, kind="trace", alpha=0.1).fit(x[:40])
+    before = s.decision_function(xt[:10])
+    s.set_params(batch_size=7)  # where the kernels are computed: free to change
+    np.testing.assert_allclose(s.decision_function(xt[:10]), before, rtol=1e-4, atol=1e-4)
+    s.set_params(normalize=True)
+    for call in (s.decision_function, s.predict, s.attribute, s.influence, s.coherence):
+        with pytest.raises(ValueError, match=r"normalize=True \(fitted with False\).*fit again"):
+            call(xt[:10])
+    with pytest.raises(ValueError, match="changed since fit"):
+        s.self_influence()
+    s.set_params(normalize=False, batch_size=None)  # the fitted values again: read as before
+    np.testing.assert_array_equal(s.decision_function(xt[:10]), before)
+    s.set_params(kind="sum_logits", alpha=1.0)
+    with pytest.raises(ValueError, match=r"alpha=1.0 \(fitted with 0.1\), kind='sum_logits' \("):
+        s.faithfulness(xt[:10])
+    refit = s.fit(x[:40]).decision_function(xt[:10])
+    fresh = KernelSurrogate(model, kind="sum_logits", alpha=1.0).fit(x[:40])
+    np.testing.assert_array_equal(refit, fresh.decision_function(xt[:10]))
+
+
 def test_an_svm_leaves_numpy_global_random_state_alone(trained):
     """libsvm drew its seed from numpy's global generator (SVC's random_state=None)."""
     model, x, y, _, _ = trained
