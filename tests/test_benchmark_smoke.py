@@ -224,6 +224,22 @@ def test_damping_benchmark_smoke_run_checks_the_library_default():
     assert rows["library, influence(method='gauss_newton')"][0] == rows["dof fraction 0.015"][0]
 
 
+def test_damping_benchmark_for_averaged_models_checks_the_library_default():
+    """--ensemble: the library's influence(checkpoints=...) is the rule's row at DOF_FRACTION,
+    each model's λ keeping that fraction of its own curvature, for both kinds of members."""
+    from attribution.damping import DOF_FRACTION
+
+    out = _run_benchmark("damping.py", "--settings", "wine_mlp,breast_cancer", "--ensemble", "2")
+    tables = [block for block in out.split("\n\n") if block.startswith("| rule |")]
+    assert len(tables) == 2
+    for table in tables:
+        rows = {_cells(line)[0]: _cells(line)[1:] for line in table.splitlines()}
+        library = rows["library, influence(checkpoints=...)"]
+        assert library == rows[f"dof fraction {DOF_FRACTION:g}"]
+        assert library != rows["dof fraction 0.05"]
+    assert "| wine_mlp | 2 on random halves |" in out
+
+
 def test_posterior_prior_smoke_run_scores_the_library_default():
     """benchmarks/posterior_prior.py: the leave-one-setting-out table, and the library's default
     fit reproduces the benchmark's rule at EFFECTIVE_PARAMETERS, TRAINING_VARIANCE_RATIO and
