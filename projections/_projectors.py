@@ -131,16 +131,16 @@ def integer_matmul(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     return out if every else out.masked_fill_(~finite, float("nan"))
 
 
-def integer_rows(rows: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a float sign matrix of `rows` rows (entries ± one magnitude) in `dtype` on
-    `device` is multiplied through `integer_matmul`: float32 on a CPU with fast int8 products,
-    `INTEGER_MIN_ROWS` rows at least and few enough for exact int32 sums."""
-    return (
-        dtype == torch.float32
-        and device.type == "cpu"
-        and INTEGER_MIN_ROWS <= rows <= _INT32_ROWS
-        and integer_products()
-    )
+def integer_dtype(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether float sign matrices in `dtype` on `device` are multiplied through
+    `integer_matmul`: float32 on a CPU with fast int8 products."""
+    return dtype == torch.float32 and device.type == "cpu" and integer_products()
+
+
+def integer_rows(rows: int) -> bool:
+    """Whether a sign matrix of `rows` rows is worth multiplying by integers (`INTEGER_MIN_ROWS`
+    at least) and few enough for exact int32 sums (`_INT32_ROWS`)."""
+    return INTEGER_MIN_ROWS <= rows <= _INT32_ROWS
 
 
 def _sample(projector: str, rows: int, cols: int, total_rows: int, seed: int) -> torch.Tensor:
@@ -290,12 +290,7 @@ class MatrixBank:
         self.dtype, self.device = dtype, torch.device(device)
         self.cache_bytes = cache_bytes
         # Rademacher float32 products on a CPU with fast int8 products go through int8 signs
-        self.integer = (
-            projector == "rademacher"
-            and dtype == torch.float32
-            and self.device.type == "cpu"
-            and integer_products()
-        )
+        self.integer = projector == "rademacher" and integer_dtype(dtype, self.device)
         self._cache: dict[tuple, torch.Tensor] = {}  # chunks of rows
         self._whole: dict[tuple, torch.Tensor] = {}  # whole matrices
         self._chunked: set[tuple] = set()  # matrices too large to hold whole
@@ -372,7 +367,7 @@ class MatrixBank:
         cached, for `integer_matmul`; None unless this bank multiplies m by integers (at least
         `INTEGER_MIN_ROWS` rows, few enough for int32 sums) and the matrix fits the cache."""
         ident = (m.key, m.rows, m.cols, "signs")
-        if not self.integer or not INTEGER_MIN_ROWS <= m.rows <= _INT32_ROWS:
+        if not self.integer or not integer_rows(m.rows):
             return None
         if ident in self._whole or ident in self._chunked:
             return self._whole.get(ident)

@@ -43,7 +43,7 @@ import torch
 
 from ntk.core.structured import Explicit, Factored
 
-from ._projectors import MatrixBank, integer_matmul, integer_rows
+from ._projectors import MatrixBank, integer_dtype, integer_matmul, integer_rows
 
 # Multiply-adds that one element written and read back by a memory-bound pass costs, against a
 # matrix product's: on the project's 2-core CPU a float32 product runs 1.3·10¹¹ multiply-adds/s
@@ -159,14 +159,14 @@ class Sketcher:
     def _khatri_rao(self, layer: str, f_in: int, f_out: int) -> tuple[torch.Tensor, float | None]:
         """The Khatri–Rao product of the layer's factor matrices [F_out·F_in, k], as (int8 signs,
         their magnitude) where both factors are sign matrices (Rademacher, srht) multiplied by
-        integers (`integer_rows`), else as (the float matrix, None)."""
+        integers (`integer_rows`, `integer_dtype`), else as (the float matrix, None)."""
         m, r = self.m, self.r
         r_in = self._factor("in", layer, f_in).dense().reshape(f_in, r, m)
         r_out = self._factor("out", layer, f_out).dense().reshape(f_out, r, m)
         rows = f_out * f_in
         tops = [f.abs().amax() for f in (r_out, r_in)]
         signed = all(bool((f.abs() == top).all()) for f, top in zip((r_out, r_in), tops))
-        if signed and integer_rows(rows, r_in.dtype, r_in.device):
+        if signed and integer_rows(rows) and integer_dtype(r_in.dtype, r_in.device):
             s_out, s_in = (torch.sign(f).to(torch.int8) for f in (r_out, r_in))
             signs = s_out[:, None, :, :, None] * s_in[None, :, :, None, :]
             return signs.reshape(rows, self.dim), float(tops[0] * tops[1]) / math.sqrt(r)
