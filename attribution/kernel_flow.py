@@ -66,17 +66,18 @@ MAX_STEPS = 20000
 _BISECTIONS = 40
 
 
-def fitted_share(f: torch.Tensor, time: float, eigenvalues: torch.Tensor) -> float:
-    """(1/N) Σ_k (1 − e^{−t γ̄ e_k}) (module docstring) at logits f [N, O] and time t of the flow
-    under a kernel K = k/N with eigenvalues e_k."""
-    p = f.softmax(1)
-    mean_curvature = (p * (1 - p)).sum(1).mean().item()
-    return -torch.expm1(-time * mean_curvature * eigenvalues).mean().item()
+def fitted_share(f: torch.Tensor, time: torch.Tensor, eigenvalues: torch.Tensor) -> torch.Tensor:
+    """(1/N) Σ_k (1 − e^{−t γ̄ e_k}) (module docstring) at logits f [..., N, O] and times t [...]
+    of flows under kernels K = k/N with eigenvalues e_k [..., N]."""
+    p = f.softmax(-1)
+    mean_curvature = (p * (1 - p)).sum(-1).mean(-1)
+    return -torch.expm1(-(time * mean_curvature)[..., None] * eigenvalues).mean(-1)
 
 
 class FlowLogits(NamedTuple):
     """The flow's logits where it stopped: of the training examples [N, O] and, when `flow_logits`
-    was given a cross kernel, of those inputs [M, O] (None otherwise); float64."""
+    was given a cross kernel, of those inputs [M, O] (None otherwise); float64. A batch of flows
+    has a leading batch dimension on both."""
 
     train: torch.Tensor
     test: torch.Tensor | None
@@ -89,6 +90,7 @@ def flow_logits(
     fitted_fraction: float = FITTED_FRACTION,
     loss_floor: float | None = None,
     cross: torch.Tensor | None = None,
+    step_growth: float = STEP_GROWTH,
 ) -> FlowLogits:
     """Logits of the kernel gradient flow from f = 0 when it first has fitted `fitted_fraction`
     (in (0, 1)) of the kernel's directions (`fitted_share`), or sooner when its mean training
@@ -96,69 +98,96 @@ def flow_logits(
     further than the network went). kernel: the scalar kernel k(X, X) [N, N] (Θ = k ⊗ I_O);
     y: labels [N]; cross: k(Z, X) [M, N] for the logits of other inputs Z at the same time (module
     docstring). The share levels off once the flow fits its training set (t·γ̄ stops growing), so
-    without a floor a share it does not reach runs MAX_STEPS and returns the last state.
+    without a floor a share it does not reach runs MAX_STEPS and returns the last state. A batch
+    of B flows (kernel [B, N, N], y [B, N], cross [B, M, N]) runs in lockstep, each with its own
+    steps and stop, as if run one by one. step_growth: the factor by which each step exceeds the
+    last (> 1; larger: fewer steps, coarser).
 
     Integrated in K's eigenbasis (K = V diag(e) Vᵀ): f = V c, and with the curvature frozen at γ
     over a step h the component k moves by c_k ← c_k − (1 − e^{−hγe_k})/γ · g_k, g = Vᵀ(p − Y);
     the integrated residual a = Vᵀ∫(p − Y) then moves by (1 − e^{−hγe_k})/(γe_k) · g_k (h where
     e_k = 0), so c = −e ⊙ a and f_z = −(k(Z, X)/N) V a."""
-    n = kernel.shape[0]
-    if kernel.shape != (n, n) or y.shape != (n,):
+    single = kernel.dim() == 2
+    if single:
+        kernel, y = kernel[None], y[None]
+        cross = None if cross is None else cross[None]
+    b, n = kernel.shape[:2]
+    if kernel.dim() != 3 or kernel.shape[1:] != (n, n) or y.shape != (b, n):
         raise ValueError(
-            f"kernel must be [N, N] and y [N], got {tuple(kernel.shape)} and {tuple(y.shape)}"
+            f"kernel must be [N, N] and y [N] (or a batch: [B, N, N] and [B, N]), got "
+            f"{tuple(kernel.shape[single:])} and {tuple(y.shape[single:])}"
         )
-    if cross is not None and (cross.dim() != 2 or cross.shape[1] != n):
-        raise ValueError(f"cross must be [M, N] with N = {n}, got {tuple(cross.shape)}")
+    if cross is not None and (cross.dim() != 3 or cross.shape[0] != b or cross.shape[2] != n):
+        raise ValueError(f"cross must be [M, N] with N = {n}, got {tuple(cross.shape[single:])}")
     for name, values in (("kernel", kernel), ("cross", cross)):
         if values is not None and not bool(torch.isfinite(values).all()):
             raise ValueError(f"{name} holds NaN or infinite values")
     if check_integer(num_outputs, "num_outputs") < 2:  # the softmax of one output is constant
         raise ValueError(f"num_outputs must be at least 2 (class scores), got {num_outputs}")
     check_amount(fitted_fraction, "fitted_fraction", below=1)
+    if not step_growth > 1:
+        raise ValueError(f"step_growth must be > 1, got {step_growth!r}")
     if loss_floor is not None:
         check_amount(loss_floor, "loss_floor", zero=True)
     y = y.long()
     targets = F.one_hot(y, num_outputs).double()
     evals, evecs = torch.linalg.eigh(kernel.double() / n)
-    # the training logits would clamp what the cross logits read as it is
-    require_semidefinite(evals, "kernel must be positive semidefinite (a kernel k(X, X))", n)
+    for values in evals:  # the training logits would clamp what the cross logits read as it is
+        require_semidefinite(values, "kernel must be positive semidefinite (a kernel k(X, X))", n)
     evals = evals.clamp_min(0)
-    integral = torch.zeros(n, num_outputs, dtype=torch.float64)  # a = Vᵀ ∫ (p − Y) dt
 
-    def advance(h: float, gamma: float, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        speed = gamma * evals
-        step = torch.where(speed > 0, -torch.expm1(-h * speed) / speed, h)
-        a = integral + step[:, None] * grad
-        return a, evecs @ (-evals[:, None] * a)
+    def advance(rows, integral, h, gamma, grad) -> tuple[torch.Tensor, torch.Tensor]:
+        """The flows `rows` (a slice or index) one step h further, at curvature γ: (integral a,
+        logits f)."""
+        speed = gamma[:, None] * evals[rows]
+        step = torch.where(speed > 0, -torch.expm1(-h[:, None] * speed) / speed, h[:, None])
+        a = integral + step[..., None] * grad
+        return a, evecs[rows] @ (-evals[rows][..., None] * a)
 
-    def reached(f: torch.Tensor, time: float) -> bool:
-        if loss_floor is not None and F.cross_entropy(f, y).item() <= loss_floor:
-            return True
-        return fitted_share(f, time, evals) >= fitted_fraction
+    def reached(rows, f, time) -> torch.Tensor:
+        done = fitted_share(f, time, evals[rows]) >= fitted_fraction
+        if loss_floor is not None:
+            loss = -(f.log_softmax(-1).gather(-1, y[rows][..., None])).mean((-2, -1))
+            done |= loss <= loss_floor
+        return done
 
-    def stopped(a: torch.Tensor, f: torch.Tensor) -> FlowLogits:
-        test = None if cross is None else -(cross.double() / n) @ (evecs @ a)
-        return FlowLogits(f, test)
-
-    f = torch.zeros(n, num_outputs, dtype=torch.float64)
-    if reached(f, 0.0) or not evals[-1] > 0:  # a floor at or above log O, the loss at f = 0;
-        return stopped(integral, f)  # or a zero kernel, along which the flow never moves
-    h = FIRST_STEP / ((1 - 1 / num_outputs) * max(evals[-1].item(), 1e-300))
-    time = 0.0
+    integral = torch.zeros(b, n, num_outputs, dtype=torch.float64)  # a = Vᵀ ∫ (p − Y) dt
+    f = torch.zeros(b, n, num_outputs, dtype=torch.float64)
+    time = torch.zeros(b, dtype=torch.float64)
+    every = slice(None)
+    # a floor at or above log O, the loss at f = 0; or a zero kernel, along which the flow never
+    # moves: stopped at the start
+    active = ~(reached(every, f, time) | ~(evals[:, -1] > 0))
+    h = FIRST_STEP / ((1 - 1 / num_outputs) * evals[:, -1].clamp_min(1e-300))
     for _ in range(MAX_STEPS):
-        p = f.softmax(1)
-        gamma = (p * (1 - p)).sum(1).max().item()
-        grad = evecs.T @ (p - targets)
-        new_integral, new = advance(h, gamma, grad)
-        if reached(new, time + h):  # the last step: the h at which the flow meets the stop
-            lo, hi = 0.0, h
+        if not active.any():
+            break
+        # every flow steps (no copies of the eigenvectors); the stopped ones keep their state
+        p = f.softmax(-1)
+        gamma = (p * (1 - p)).sum(-1).amax(-1)
+        grad = evecs.mT @ (p - targets)
+        new_integral, new = advance(every, integral, h, gamma, grad)
+        hit = active & reached(every, new, time + h)
+        for at in hit.nonzero()[:, 0].tolist():  # its last step: the h that meets its stop
+            one = [at]
+            lo, hi = torch.zeros(1, dtype=torch.float64), h[one].clone()
             for _ in range(_BISECTIONS):
                 mid = (lo + hi) / 2
-                below = not reached(advance(mid, gamma, grad)[1], time + mid)
-                lo, hi = (mid, hi) if below else (lo, mid)
-            return stopped(*advance(hi, gamma, grad))
-        integral, f, time, h = new_integral, new, time + h, h * STEP_GROWTH
-    return stopped(integral, f)
+                state = advance(one, integral[one], mid, gamma[one], grad[one])[1]
+                below = ~reached(one, state, time[one] + mid)
+                lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
+            integral[one], f[one] = advance(one, integral[one], hi, gamma[one], grad[one])
+        active &= ~hit
+        if bool(active.all()):  # no flow has stopped (one flow: every step but its last)
+            integral, f, time, h = new_integral, new, time + h, h * step_growth
+            continue
+        integral[active], f[active] = new_integral[active], new[active]
+        time[active] += h[active]
+        h[active] *= step_growth
+    test = None if cross is None else -(cross.double() / n) @ (evecs @ integral)
+    if single:
+        return FlowLogits(f[0], None if test is None else test[0])
+    return FlowLogits(f, test)
 
 
 def influence_state(

@@ -82,15 +82,15 @@ def test_other_inputs_follow_the_same_flow(clusters, share):
 
 
 def test_coarse_steps_leave_the_flow(clusters, monkeypatch):
-    """The tolerance above is tight enough to see a coarser integration: faster-growing steps,
-    or a first step at 10 % of the stable step (the flow's time runs ahead)."""
+    """The tolerance above is tight enough to see a coarser integration: faster-growing steps
+    (step_growth), or a first step at 10 % of the stable step (the flow's time runs ahead)."""
     kernel, y = clusters
     expected, _ = _gradient_descent(kernel, y, 0.1)
-    for constant, value in (("STEP_GROWTH", 1.5), ("FIRST_STEP", 0.1)):
-        with monkeypatch.context() as patch:
-            patch.setattr(kernel_flow, constant, value)
-            got = flow_logits(kernel, y, O, 0.1).train
-        assert (got - expected).norm() / expected.norm() > 0.01
+    coarse = flow_logits(kernel, y, O, 0.1, step_growth=1.5).train
+    assert (coarse - expected).norm() / expected.norm() > 0.01
+    monkeypatch.setattr(kernel_flow, "FIRST_STEP", 0.1)
+    got = flow_logits(kernel, y, O, 0.1).train
+    assert (got - expected).norm() / expected.norm() > 0.01
 
 
 def test_the_loss_floor_stops_the_flow_first(clusters):
@@ -163,3 +163,34 @@ def test_a_zero_kernel_leaves_the_flow_at_zero():
     x = torch.randn(6, 4)
     with pytest.raises(ZeroCurvature, match="no trainable parameter moves the outputs"):
         attribution.influence(net.eval(), x, y, x[:2])
+
+
+def test_a_batch_of_flows_runs_each_as_if_alone(clusters):
+    """Kernels [B, N, N] run in lockstep: each flow stops at its own step (different kernels,
+    labels and cross kernels; one kernel zero, which never moves) with the state it reaches
+    alone."""
+    kernel, y = clusters
+    x = _points()
+    torch.manual_seed(2)
+    z = 2 * torch.randn(5, 2, dtype=torch.float64)
+    kernels = torch.stack([kernel, torch.exp(-(torch.cdist(x, x) ** 2) / 8), 0 * kernel])
+    labels = torch.stack([y, y.roll(1), y])
+    crosses = torch.stack([torch.exp(-(torch.cdist(z, x) ** 2) / width) for width in (2, 8, 2)])
+    crosses[2] = 0
+    batch = flow_logits(kernels, labels, O, 0.15, loss_floor=0.3, cross=crosses)
+    assert batch.train.shape == (3, 30, O) and batch.test.shape == (3, 5, O)
+    for k, yk, ck, train, test in zip(kernels, labels, crosses, batch.train, batch.test):
+        alone = flow_logits(k, yk, O, 0.15, loss_floor=0.3, cross=ck)
+        torch.testing.assert_close(train, alone.train, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(test, alone.test, rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(batch.train[0], batch.train[1])
+    assert torch.equal(batch.train[2], torch.zeros(30, O, dtype=torch.float64))
+
+
+def test_bad_step_growth_and_batch_shapes(clusters):
+    kernel, y = clusters
+    for growth in (1.0, 0.5, float("nan")):
+        with pytest.raises(ValueError, match="step_growth must be > 1"):
+            flow_logits(kernel, y, O, 0.1, step_growth=growth)
+    with pytest.raises(ValueError, match=r"\[B, N, N\] and \[B, N\]"):
+        flow_logits(torch.stack([kernel, kernel]), y, O, 0.1)
