@@ -60,10 +60,10 @@ MEAN_MULTIPLES = (0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
 
 def system(setting, model, share: float | None):
     """One model's damped Gauss–Newton system (trace kernel) in its eigenbasis: (scores(λ) [M, N]
-    for any λ, its eigenvalues e, N, O), with residuals and curvature at the kernel flow's
-    logits stopped once it has fitted `share` of the kernel's directions (the library's default
-    at FITTED_FRACTION; the test margins' gradients at the flow's test logits), or at the
-    network's logits (None)."""
+    for any λ, its eigenvalues e, N, O, the trace kernel of train + test), with residuals and
+    curvature at the kernel flow's logits stopped once it has fitted `share` of the kernel's
+    directions (the library's default at FITTED_FRACTION; the test margins' gradients at the
+    flow's test logits), or at the network's logits (None)."""
     g, gt = logits(model, setting.x), logits(model, setting.xt)
     n, o = g.shape
     y = labels(setting.y, n, o, "y")
@@ -89,14 +89,14 @@ def system(setting, model, share: float | None):
     def scores(lam: float) -> torch.Tensor:
         return (bs / (e + lam)) @ uv.T
 
-    return scores, e, n, o
+    return scores, e, n, o, trace
 
 
 def sweep(setting, share: float | None) -> dict[str, float]:
     """LDS of the Gauss–Newton scores (trace kernel) for every candidate rule, at the training
     logits of `system`, and of the library's damping="auto" (and EK-FAC's rules)."""
     model = setting.model
-    scores_at, e, n, o = system(setting, model, share)
+    scores_at, e, n, o, _ = system(setting, model, share)
 
     def score(lam: float) -> float:
         return lds(scores_at(lam), setting.subsets, setting.truth)
@@ -147,7 +147,7 @@ def ensemble_sweep(setting, nets: list, share: float) -> dict[str, float]:
     damping="auto"."""
     total = {f: 0.0 for f in ENSEMBLE_FRACTIONS}
     for model in nets:
-        scores_at, e, n, o = system(setting, model, share)
+        scores_at, e, n, o, _ = system(setting, model, share)
         for f in ENSEMBLE_FRACTIONS:
             total[f] = total[f] + scores_at(auto_damping(e, n, o, fraction=f)) / len(nets)
     out = {f"dof fraction {f:g}": lds(v, setting.subsets, setting.truth) for f, v in total.items()}

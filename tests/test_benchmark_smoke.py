@@ -240,6 +240,18 @@ def test_damping_benchmark_for_averaged_models_checks_the_library_default():
     assert "| wine_mlp | 2 on random halves |" in out
 
 
+def test_proxy_damping_benchmark_checks_the_fixed_rule_and_chooses_leave_one_out():
+    """benchmarks/proxy_damping.py: the library's influence(damping="auto") is the fixed rule's
+    row (the benchmark's system is the library's), every share × weight has a row, and the
+    leave-one-setting-out table names a rule per setting."""
+    out = _run_benchmark("proxy_damping.py", "--settings", "wine_mlp,breast_cancer")
+    rows = {_cells(line)[0]: _cells(line)[1:] for line in out.splitlines() if "|" in line}
+    assert rows["library, influence(damping='auto')"][:2] == rows["fixed, dof fraction 0.015"][:2]
+    assert len([key for key in rows if key.startswith("proxy, share ")]) == 20
+    assert all(rows[name][0].startswith("share ") for name in ("wine_mlp", "breast_cancer"))
+    assert float(rows["share 0.5: λ_p / λ₀"][0]) > 0
+
+
 def test_posterior_prior_smoke_run_scores_the_library_default():
     """benchmarks/posterior_prior.py: the leave-one-setting-out table, and the library's default
     fit reproduces the benchmark's rule at EFFECTIVE_PARAMETERS, TRAINING_VARIANCE_RATIO and

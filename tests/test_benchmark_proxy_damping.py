@@ -1,0 +1,106 @@
+"""benchmarks/proxy_damping.py, the damping chosen per model by the LDS against the kernel flow
+retrained on random halves: the proxy truth is the flows run one by one, the search keeps the best
+λ it tries; halves that do not move are an error."""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from models import fitted
+from torch.nn import functional as F
+
+import ntk
+from attribution import lds, random_subsets
+from attribution.kernel_flow import flow_logits
+from attribution.outputs import margins
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import proxy_damping
+
+O = 3
+SHARE = 0.5
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, O)
+    ).double()
+    x, xt = torch.randn(24, 5, dtype=torch.float64), torch.randn(6, 5, dtype=torch.float64)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+    yt = (xt[:, 0] > 0).long() + (xt[:, 1] > 0.5).long()
+    return fitted(model, x, y, 30), x, y, xt, yt
+
+
+def _truth(model, x, y, xt, yt, halves=8):
+    trace = ntk.empirical_ntk(model, torch.cat([x, xt]), kind="trace").double()
+    n = len(x)
+    floor = F.cross_entropy(model(x).detach(), y).item()
+    kernel, cross = trace[:n, :n], trace[n:, :n]
+    return (
+        kernel,
+        cross,
+        floor,
+        proxy_damping.proxy_truth(kernel, cross, y, yt, O, floor, SHARE, halves=halves, seed=3),
+    )
+
+
+def test_the_proxy_truth_is_each_half_retrained_by_the_flow(setup):
+    """The batched flows give each half's test margins as `flow_logits` run on that half alone."""
+    model, x, y, xt, yt = setup
+    kernel, cross, floor, truth = _truth(model, x, y, xt, yt)
+    assert torch.equal(truth.subsets, random_subsets(len(x), 8, seed=3))
+    for mask, got in zip(truth.subsets, truth.margins):
+        rows = mask.nonzero()[:, 0]
+        alone = flow_logits(
+            kernel[rows][:, rows],
+            y[rows],
+            O,
+            SHARE,
+            loss_floor=floor,
+            cross=cross[:, rows],
+            step_growth=proxy_damping.PROXY_STEP_GROWTH,
+        )
+        torch.testing.assert_close(got, margins(alone.test, yt), rtol=1e-9, atol=1e-9)
+    assert truth.margins.std(0).min() > 0  # the halves move every test margin
+
+
+def test_the_search_keeps_the_best_lambda_it_tries():
+    """A constructed landscape: the scores rank the truth's outputs less well the further λ is from
+    λ* (on a log scale); the search returns λ* to within its finest ratio, the best of the λ it
+    tried, after the coarse grid and two points per refinement."""
+    gen = torch.Generator().manual_seed(0)
+    subsets = random_subsets(40, 30, seed=1)
+    signal = torch.randn(5, 40, generator=gen, dtype=torch.float64)
+    noise = torch.randn(5, 40, generator=gen, dtype=torch.float64)
+    truth = proxy_damping.ProxyTruth(subsets, subsets.double() @ signal.T)
+    target, tried = 0.3, []
+
+    def scores_at(lam):
+        tried.append(lam)
+        return signal + 0.4 * abs(math.log(lam / target)) * noise
+
+    anchor = 2.0
+    lam = proxy_damping.proxy_choice(scores_at, anchor, truth)
+    finest = proxy_damping.REFINEMENTS[-1]
+    assert target / finest < lam < target * finest
+    coarse = len(proxy_damping.COARSE)
+    assert tried[:coarse] == [anchor * c for c in proxy_damping.COARSE]
+    assert len(tried) == len(set(tried)) <= coarse + 2 * len(proxy_damping.REFINEMENTS)
+    best = max(set(tried), key=lambda t: lds(scores_at(t), subsets, truth.margins))
+    assert lam == best
+
+
+def test_halves_no_flow_moves_are_refused():
+    """Halves whose flows all stop at the start (a loss floor above the loss at f = 0) leave every
+    test margin at f = 0's, −log(O − 1): no λ can be chosen, and the error says why."""
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(12, 3, generator=gen, dtype=torch.float64)
+    kernel, y = z @ z.T, torch.arange(12) % O
+    truth = proxy_damping.proxy_truth(kernel[:8, :8], kernel[8:, :8], y[:8], y[8:], O, 5.0, SHARE)
+    torch.testing.assert_close(truth.margins, torch.full_like(truth.margins, -math.log(O - 1)))
+    with pytest.raises(ValueError, match="leave every test margin constant"):
+        proxy_damping.proxy_choice(lambda lam: torch.randn(4, 8, generator=gen), 1.0, truth)
