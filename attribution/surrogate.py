@@ -542,6 +542,18 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             estimator, grid = LogisticRegression(max_iter=2000), {"C": 1 / GRID}
             cv = self.cv
         ((name, _),) = grid.items()
+        if self._searched() and self.machine != "ridge":
+            classes, counts = np.unique(targets, return_counts=True)
+            rarest = counts.min()
+            if rarest < self.cv:  # stratified folds cannot all hold it
+                warnings.warn(
+                    f"class {classes[counts.argmin()]} has {rarest} training sample(s), fewer "
+                    f"than the {self.cv} cross-validation folds (cv) that choose alpha: some "
+                    "folds never see it, and the regularisation chosen reflects the other "
+                    "classes; pass a number as alpha, or a smaller cv",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
         if self._searched():
             with warnings.catch_warnings():  # regularisations too weak for a fold score badly
                 warnings.simplefilter("ignore")

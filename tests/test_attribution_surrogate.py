@@ -1,6 +1,8 @@
 """KernelSurrogate: the scikit-learn estimator contract, the exact decomposition, faithfulness on
 a trained digits MLP, and its error paths."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -443,3 +445,30 @@ def test_faithfulness_to_a_network_with_constant_outputs_says_why_it_is_nan():
         result = surrogate.faithfulness(xt)
     assert np.isnan(result["tau_prob"]) and np.isnan(result["spearman_prob"])
     assert result["label_agreement"] == 1.0
+
+
+@pytest.mark.parametrize("machine", ["svm", "logistic"])
+def test_a_class_rarer_than_the_folds_is_warned_about(trained, machine):
+    """Cross-validating alpha with a class of fewer training samples than folds chose it over
+    folds that never see that class, silently (scikit-learn's own warning was suppressed with the
+    folds' convergence warnings); the warning names the class and what to pass, and the command
+    line says it in its flags' words."""
+    from attribution.cli.main import _message
+
+    model, x, y, _, _ = trained
+    rare = y.clone()[:40]
+    rare[0] = 9
+    rare[1:][rare[1:] == 9] = 8  # class 9 once
+    with pytest.warns(RuntimeWarning, match="class 9 has 1 training sample.*3 cross-val") as got:
+        KernelSurrogate(model, kind="trace", machine=machine).fit(x[:40], rare)
+    (message,) = [str(w.message) for w in got if "cross-validation" in str(w.message)]
+    assert message.endswith("pass a number as alpha, or a smaller cv")
+    assert _message(message).endswith(
+        "that choose the regularisation: some folds never see it, "
+        "and the regularisation chosen reflects the other classes; "
+        "pass --alpha"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        KernelSurrogate(model, kind="trace", machine=machine, alpha=0.1).fit(x[:40], rare)
+        KernelSurrogate(model, kind="trace", machine=machine, cv=2).fit(x[:60], y[:60])

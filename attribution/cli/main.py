@@ -67,6 +67,8 @@ _WARNING_WORDS = (
     ("`coherence(x)` measures it", "the attribution cards of `ntk report` measure it"),
     ("every sample of x_test", "every test sample"),
     ("a smaller batch_size", "a smaller --batch-size"),
+    (" folds (cv) that choose alpha", " folds that choose the regularisation"),
+    ("pass a number as alpha, or a smaller cv", "pass --alpha"),
 )
 
 
