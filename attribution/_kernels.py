@@ -10,6 +10,7 @@ import torch
 
 import ntk
 from ntk.core import inputs
+from ntk.core.checks import check_finite
 
 SCALAR_KINDS = ("trace", "sum_logits")
 OUTPUT_KINDS = ("full",) + SCALAR_KINDS
@@ -39,8 +40,7 @@ def compute(
 
         k = projections.projected_ntk(model, x1, x2, dim=dim, seed=seed, **opts)
     k = torch.as_tensor(k).to(device="cpu", dtype=torch.float64)
-    if not bool(torch.isfinite(k).all()):
-        raise ValueError("the kernel contains non-finite values (NaN or inf)")
+    check_finite(k, "the kernel")
     return k
 
 

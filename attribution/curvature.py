@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ntk.core import inputs, structured
-from ntk.core.checks import check_amount, check_integer
+from ntk.core.checks import check_amount, check_finite, check_integer
 from ntk.core.memory import available_bytes
 from ntk.core.model import ModelView, check_eval_mode
 from ntk.core.tiles import require_finite
@@ -261,8 +261,7 @@ class KroneckerCurvature:
     def _fit(self, x, roots: torch.Tensor, name: str, given: torch.Tensor) -> KroneckerCurvature:
         """`fit_roots` of checked inputs; `given` (logits or roots, `name`) must be finite and
         hold the model's number of outputs."""
-        if not bool(torch.isfinite(given).all()):
-            raise ValueError(f"{name} hold NaN or infinite values")
+        check_finite(given, name)
         n = inputs.count(x)
         self._dtype = next(iter(self.view.params.values())).dtype
         x = inputs.convert(x, self.view.device, self.dtype)

@@ -25,6 +25,8 @@ import scipy.linalg
 import scipy.optimize
 import torch
 
+from ntk.core.checks import check_finite
+
 # Systems up to this size get their exact spectrum; larger ones a randomized top of the spectrum
 # (`spectrum`), whose cost is a few products with the system.
 EXACT_SPECTRUM = 4096
@@ -76,8 +78,8 @@ def damping_for(eigenvalues: torch.Tensor, target: float, option: str = "damping
     counted by a smooth step at RANK_FLOOR · the top eigenvalue); a zero spectrum is
     `ZeroCurvature`, naming `option`, the caller's name for λ."""
     e = eigenvalues.detach().double().flatten().cpu()
-    if not bool(torch.isfinite(e).all()):  # NaN read as a zero curvature, inf failed in brentq
-        raise ValueError("the curvature's eigenvalues hold NaN or infinite values")
+    # NaN read as a zero curvature, inf failed in brentq
+    check_finite(e, "the curvature's eigenvalues")
     e = e.clamp_min(0)
     top = float(e.max()) if e.numel() else 0.0
     if not top > 0:
@@ -206,8 +208,7 @@ def damped_factor(
     damped system that is still not positive definite is refused, naming `option`, the caller's
     name for λ (damping, prior_precision, alpha)."""
     m = a.clone() if copy else a
-    if not bool(torch.isfinite(m).all()):
-        raise ValueError("the Gauss–Newton system holds NaN or infinite values")
+    check_finite(m, "the Gauss–Newton system")
     m.diagonal().add_(damping)
     factor = cholesky(m)
     if factor is None:

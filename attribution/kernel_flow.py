@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional as F
 
-from ntk.core.checks import check_amount, check_integer
+from ntk.core.checks import check_amount, check_finite, check_integer
 from ntk.spectrum import require_semidefinite
 
 from .outputs import margin_gradient
@@ -120,8 +120,8 @@ def flow_logits(
     if cross is not None and (cross.dim() != 3 or cross.shape[0] != b or cross.shape[2] != n):
         raise ValueError(f"cross must be [M, N] with N = {n}, got {tuple(cross.shape[single:])}")
     for name, values in (("kernel", kernel), ("cross", cross)):
-        if values is not None and not bool(torch.isfinite(values).all()):
-            raise ValueError(f"{name} holds NaN or infinite values")
+        if values is not None:
+            check_finite(values, name)
     if check_integer(num_outputs, "num_outputs") < 2:  # the softmax of one output is constant
         raise ValueError(f"num_outputs must be at least 2 (class scores), got {num_outputs}")
     check_amount(fitted_fraction, "fitted_fraction", below=1)

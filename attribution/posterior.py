@@ -70,7 +70,7 @@ from sklearn.utils import RegressorTags
 from torch import nn
 
 from ntk.core import inputs
-from ntk.core.checks import check_amount, check_integer
+from ntk.core.checks import check_amount, check_finite, check_integer
 from ntk.core.jacobian import jacobian_features
 from ntk.core.kinds import loss_labels
 from ntk.core.memory import available_bytes
@@ -752,8 +752,7 @@ class NTKPosterior(ClassifierMixin, BaseEstimator):
                 dtype=self.dtype,
             )
         phi = torch.as_tensor(phi).to(torch.float64).cpu()
-        if not bool(torch.isfinite(phi).all()):
-            raise ValueError("the Jacobian features contain non-finite values (NaN or inf)")
+        check_finite(phi, "the Jacobian features")
         return phi
 
     def _jacobians(self, x) -> torch.Tensor:

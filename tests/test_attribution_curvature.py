@@ -237,12 +237,12 @@ def test_fit_checks_the_logits_and_the_covariances_their_damping(mlp, monkeypatc
     assert not fitted.output_covariance(xt, 1.0).requires_grad
     for logits, message in (
         (torch.zeros(len(x), O + 1), f"logits hold {O + 1} outputs per sample, but the model "),
-        (torch.full((len(x), O), float("nan")), "logits hold NaN or infinite values"),
+        (torch.full((len(x), O), float("nan")), "logits contains non-finite values"),
         (torch.zeros(len(x), 1), "logits must hold two class scores at least"),
     ):
         with pytest.raises(ValueError, match=message):
             KroneckerCurvature(model).fit(x, logits)
-    with pytest.raises(ValueError, match="roots hold NaN"):
+    with pytest.raises(ValueError, match="roots contains non-finite"):
         KroneckerCurvature(model).fit_roots(x, torch.full((len(x), O, O), float("inf")))
     function = fitted.covariance_function(xt)
     for damping in (-1.0, 0.0):

@@ -1,5 +1,6 @@
-"""Checks of scalar options shared by every entry point: integers (sizes, counts, seeds) and
-amounts (positive finite numbers, fractions), each refused with an error naming the option."""
+"""Checks shared by every entry point: integers (sizes, counts, seeds) and amounts (positive
+finite numbers, fractions), each refused with an error naming the option; and tensors that must
+be finite, refused naming what they hold."""
 
 from __future__ import annotations
 
@@ -51,3 +52,10 @@ def check_amount(
         raise ValueError(
             f"{name} must be {amount}{f' (or {named})' if words else ''}, got {value!r}"
         )
+
+
+def check_finite(values, what: str) -> None:
+    """Refuse the tensor `values` if it holds NaN or ±inf: "{what} contains non-finite values
+    (NaN or inf)"."""
+    if not bool(values.isfinite().all()):
+        raise ValueError(f"{what} contains non-finite values (NaN or inf)")

@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .checks import check_finite
+
 Inputs = torch.Tensor | tuple | list | dict
 
 
@@ -111,8 +113,7 @@ def validate(x: Inputs, name: str) -> int:
         raise ValueError(f"{name} holds no samples")
     for leaf in leaves:
         if leaf.is_floating_point() or leaf.is_complex():
-            if not bool(torch.isfinite(leaf).all()):
-                raise ValueError(f"{name} contains non-finite values (NaN or inf)")
+            check_finite(leaf, name)
     return n
 
 

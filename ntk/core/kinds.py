@@ -27,6 +27,7 @@ import math
 import torch
 
 from . import inputs
+from .checks import check_finite
 
 
 class Kind:
@@ -232,8 +233,7 @@ class Weighted(Kind):
                 f"{name} must be a float array [{n}, {num_outputs}] of cotangent vectors, got "
                 f"{u.dtype} {tuple(u.shape)}"
             )
-        if not bool(torch.isfinite(u).all()):
-            raise ValueError(f"{name} contains non-finite values (NaN or inf)")
+        check_finite(u, name)
         return u
 
     def cotangents(self, num_outputs, *, dtype, device, labels=None):
