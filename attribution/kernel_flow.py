@@ -178,12 +178,9 @@ def flow_logits(
                 lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
             integral[one], f[one] = advance(one, integral[one], hi, gamma[one], grad[one])
         active &= ~hit
-        if bool(active.all()):  # no flow has stopped (one flow: every step but its last)
-            integral, f, time, h = new_integral, new, time + h, h * step_growth
-            continue
-        integral[active], f[active] = new_integral[active], new[active]
-        time[active] += h[active]
-        h[active] *= step_growth
+        moving = active[:, None, None]
+        integral, f = torch.where(moving, new_integral, integral), torch.where(moving, new, f)
+        time, h = torch.where(active, time + h, time), torch.where(active, h * step_growth, h)
     test = None if cross is None else -(cross.double() / n) @ (evecs @ integral)
     if single:
         return FlowLogits(f[0], None if test is None else test[0])
