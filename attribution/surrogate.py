@@ -509,11 +509,34 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
         self.dual_ = torch.einsum("iop,ip->io", root, beta).numpy()
         self.intercept_, self.classes_, self.machine_ = np.zeros(o), np.arange(o), None
 
+    def _check_classes(self, targets: np.ndarray) -> None:
+        """Refuse training labels of one class for a classifying machine; warn when alpha is
+        cross-validated with a class of fewer samples than `cv` folds (some folds never see it)."""
+        classes, counts = np.unique(targets, return_counts=True)
+        if len(classes) < 2:
+            raise ValueError(
+                f"machine={self.machine!r} needs two or more classes among the training labels; "
+                f"got only class {targets[0]} (with y=None: the network predicts it for every "
+                "training sample): pass labels y or use machine='ridge'"
+            )
+        rarest = counts.min()
+        if self._searched() and rarest < self.cv:  # stratified folds cannot all hold it
+            warnings.warn(
+                f"class {classes[counts.argmin()]} has {rarest} training sample(s), fewer than "
+                f"the {self.cv} cross-validation folds (cv) that choose alpha: some folds never "
+                "see it, and the regularisation chosen reflects the other classes; pass a number "
+                "as alpha, or a smaller cv",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
     def _fit_machine(self, k: np.ndarray, targets: np.ndarray, o: int, alpha) -> None:
         """Fit the scikit-learn machine on the (centred, for the centred ridge) training kernel
         k with the regularisation `alpha` (a number, or chosen by cross-validation)."""
         n = k.shape[0] // (o if self.kind == "full" else 1)
         groups = None
+        if self.machine != "ridge":
+            self._check_classes(targets)
         if self.machine == "ridge":
             self.intercept_ = targets.mean(0)
             targets = targets - self.intercept_
@@ -524,12 +547,6 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
                 GroupKFold(self.cv)
                 if groups is not None
                 else KFold(self.cv, shuffle=True, random_state=self.seed)
-            )
-        elif len(np.unique(targets)) < 2:
-            raise ValueError(
-                f"machine={self.machine!r} needs two or more classes among the training labels; "
-                f"got only class {targets[0]} (with y=None: the network predicts it for every "
-                "training sample): pass labels y or use machine='ridge'"
             )
         elif self.machine == "svm":
             estimator, grid = (
@@ -542,18 +559,6 @@ class KernelSurrogate(ClassifierMixin, BaseEstimator):
             estimator, grid = LogisticRegression(max_iter=2000), {"C": 1 / GRID}
             cv = self.cv
         ((name, _),) = grid.items()
-        if self._searched() and self.machine != "ridge":
-            classes, counts = np.unique(targets, return_counts=True)
-            rarest = counts.min()
-            if rarest < self.cv:  # stratified folds cannot all hold it
-                warnings.warn(
-                    f"class {classes[counts.argmin()]} has {rarest} training sample(s), fewer "
-                    f"than the {self.cv} cross-validation folds (cv) that choose alpha: some "
-                    "folds never see it, and the regularisation chosen reflects the other "
-                    "classes; pass a number as alpha, or a smaller cv",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
         if self._searched():
             with warnings.catch_warnings():  # regularisations too weak for a fold score badly
                 warnings.simplefilter("ignore")
