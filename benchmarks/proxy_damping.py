@@ -55,6 +55,7 @@ PROXY_WEIGHTS = (0.25, 0.5, 0.75, 1.0)
 # REFINEMENTS in turn on both sides of the best so far (a grid of ratio 2^(1/2) near the best)
 COARSE = (1 / 256, 1 / 64, 1 / 16, 1 / 4, 1.0, 4.0)
 REFINEMENTS = (2.0, 2**0.5)
+FIXED = f"fixed, dof fraction {DOF_FRACTION:g}"  # the row of `influence`'s damping="auto"
 
 
 class ProxyTruth(NamedTuple):
@@ -139,9 +140,6 @@ def proxy_grid(anchor: float) -> list[float]:
 
 def rule(share: float, weight: float) -> str:
     return f"proxy, share {share:g}, weight {weight:g}"
-
-
-FIXED = f"fixed, dof fraction {DOF_FRACTION:g}"
 
 
 def sweep(setting) -> tuple[dict[str, float], dict[str, float]]:
