@@ -38,7 +38,9 @@ K_H is 0 and the float64 log-determinant −inf or a large negative number made 
 −32 per missing rank; −1522 for 16 ReLUs on 64 samples, 47 ranks short), so very
 narrow candidates rank last, roughly in the order of their rank deficit; it does not read y; an
 activation whose input does not hold the samples along its first axis, such as a sequence-first
-[S, B, H], is refused with a MetricUndefinedError); `params` the number of trainable parameters.
+[S, B, H], is refused with a MetricUndefinedError; with a dict input holding an "attention_mask"
+[B, L], the units of an activation input [B, L, ...] at padding positions are not counted, two
+samples agreeing only on the positions both hold); `params` the number of trainable parameters.
 
 `rank` orders a candidate set by one metric, or by the mean rank over several (a vote, as in
 Abdelfattah et al.'s majority vote of proxies). The defaults (`score`: `label_condition` on 256
@@ -853,6 +855,7 @@ def _naswot(net, x, y, **_):
             "activations (torch.relu, F.gelu) cannot be observed"
         )
     n = inputs.count(x)
+    mask = _token_mask(x, n)
     alone = _activation_inputs(net, inputs.take(x, slice(0, 1)), activations)
     codes = []
 
@@ -871,15 +874,39 @@ def _naswot(net, x, y, **_):
                 f"activation module '{name}' (shape {tuple(t.shape)} for {n} samples) does not "
                 "hold the samples along its first axis (a sequence-first layer?)"
             )
-        codes.append(t.reshape(n, -1) > 0)
+        code = (t.reshape(n, -1) > 0).to(torch.float64).cpu()
+        codes.append((code, _unpadded(t, mask)))
 
     _activation_inputs(net, x, activations, record)
     k = torch.zeros(n, n, dtype=torch.float64)
-    for c in codes:
-        c = c.to(torch.float64).cpu()
-        k += c @ c.T + (1 - c) @ (1 - c).T
+    for code, counted in codes:
+        on, off = code, 1 - code
+        if counted is not None:  # only the units of positions that both samples hold
+            on, off = on * counted, off * counted
+        k += on @ on.T + off @ off.T
     value = float(torch.linalg.slogdet(k).logabsdet)
     return value, value
+
+
+def _token_mask(x, n: int) -> torch.Tensor | None:
+    """The [n, L] attention mask of a dict input (HuggingFace's "attention_mask": 1 for a token,
+    0 for padding), as float64; None when x holds none."""
+    if not isinstance(x, Mapping) or "attention_mask" not in x:
+        return None
+    mask = x["attention_mask"]
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[0] != n:
+        return None
+    return (mask != 0).to("cpu", torch.float64)
+
+
+def _unpadded(t: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """[n, units] as the activation's input t [n, L, ...] flattened: 1 on the units of a token's
+    position, 0 on those of padding; None (every unit counts) without a mask or for another
+    layout."""
+    if mask is None or t.dim() < 3 or tuple(t.shape[:2]) != tuple(mask.shape):
+        return None
+    per_position = mask.reshape(*mask.shape, *([1] * (t.dim() - 2)))
+    return per_position.expand(t.shape).reshape(t.shape[0], -1)
 
 
 def _scale(t: torch.Tensor) -> float:

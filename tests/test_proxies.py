@@ -125,6 +125,45 @@ def test_naswot_matches_the_hamming_kernel(data):
     assert run(model, x, y, "naswot") == pytest.approx(expected, rel=1e-6)
 
 
+class PaddedTokens(nn.Module):
+    """Token ids through an embedding and a ReLU layer, mean-pooled over the attention mask, as
+    a HuggingFace encoder is called: model(input_ids=..., attention_mask=...)."""
+
+    def __init__(self, vocab=7, width=16):
+        super().__init__()
+        self.embed, self.hidden = nn.Embedding(vocab, 4), nn.Linear(4, width)
+        self.act, self.head = nn.ReLU(), nn.Linear(width, O)
+
+    def forward(self, input_ids, attention_mask):
+        h = self.act(self.hidden(self.embed(input_ids)))  # [B, L, width]
+        m = attention_mask.unsqueeze(-1).float()
+        return self.head((h * m).sum(1) / m.sum(1))
+
+
+def test_naswot_does_not_count_padding_positions():
+    """The patterns at padding positions are whatever the padding token gives: they made samples
+    agree (or not) on units that belong to no token. With an attention_mask, two samples are
+    compared on the positions both hold."""
+    torch.manual_seed(0)
+    model = PaddedTokens().eval()
+    n, length = 10, 6
+    ids = torch.randint(1, 7, (n, length))
+    mask = (torch.arange(length) < torch.randint(2, length + 1, (n, 1))).long()
+    padded = {"input_ids": ids * mask, "attention_mask": mask}  # padding token 0
+    refilled = {"input_ids": torch.where(mask == 1, ids, 6 - ids), "attention_mask": mask}
+
+    def score(x):
+        return proxies.score(model, x, None, metric="naswot", batch_size=n, repeats=1)
+
+    with torch.no_grad():
+        codes = (model.hidden(model.embed(padded["input_ids"])) > 0).double()
+    both = mask[:, None, :] * mask[None, :, :]  # [n, n, L]: the positions two samples hold
+    agree = (codes[:, None] == codes[None, :]).double().sum(-1)  # [n, n, L]
+    expected = np.linalg.slogdet((agree * both).sum(-1).numpy())[1]
+    assert score(padded) == pytest.approx(expected, rel=1e-9)
+    assert score(refilled) == pytest.approx(expected, rel=1e-9)
+
+
 def test_repeats_report_mean_and_spread_reproducibly(data):
     x, y = data
     factory = lambda: tiny(seed=99)  # noqa: E731 - the seed is overridden per repeat
