@@ -51,12 +51,14 @@ METHODS = {
 }
 
 
-def trajectory(setting: settings.Setting, runs: int = 1) -> list[dict[float, torch.nn.Module]]:
+def trajectory(
+    setting: settings.Setting, runs: int = 1, fractions=FRACTIONS
+) -> list[dict[float, torch.nn.Module]]:
     """For each of `runs` independently seeded runs (seeds 0..runs−1), its network after each
-    fraction of the recipe's epochs in FRACTIONS."""
+    fraction of the recipe's epochs in `fractions` (each trained from the start)."""
     everything = torch.ones(1, len(setting.x), dtype=torch.bool)
     out = [{} for _ in range(runs)]
-    for f in FRACTIONS:
+    for f in fractions:
         recipe = dict(setting.recipe, epochs=max(1, round(setting.recipe["epochs"] * f)))
         stack = train_on_subsets(
             setting.factory, setting.x, setting.y, everything, seeds=runs, **recipe

@@ -133,7 +133,7 @@ def sweep(setting, share: float | None) -> dict[str, float]:
 def members(setting, count: int) -> dict[str, list]:
     """The models an ensemble averages: `count` networks each trained on its own random half
     (`Setting.halves`), and one run's checkpoints after 1/4 and 1/2 of the epochs."""
-    run = trajectory(setting)[0]
+    run = trajectory(setting, fractions=(0.25, 0.5))[0]
     return {
         f"{count} on random halves": setting.halves(count),
         "one run's checkpoints 1/4, 1/2": [run[0.25], run[0.5]],
