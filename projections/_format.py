@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import torch
 from tqdm.auto import tqdm
 
 from ntk.core import inputs, kinds
@@ -455,7 +456,10 @@ def write_blocks(
                 start = i * block
                 for s in range(0, size, manifest["batch"]):
                     part = fz.block(inputs.take(x, slice(s, s + manifest["batch"])))
-                    part = part.detach().cpu().numpy()  # one copy to the host, for both checks
+                    part = part.detach().cpu()  # one copy to the host, for both checks
+                    if part.dtype == torch.bfloat16:  # numpy has none; float32 holds each value
+                        part = part.float()
+                    part = part.numpy()
                     with np.errstate(over="ignore"):  # an overflow is refused just below
                         values = part.astype(manifest["store_dtype"])
                     what = f"the features of block {i} ({_samples(i, manifest)})"

@@ -324,6 +324,19 @@ def test_featurize_takes_torchs_dtypes_and_names_store_dtype_it_cannot_store(tmp
         projections.featurize(MLP(), x, tmp_path / "c", dim=4, store_dtype=torch.bfloat16)
 
 
+def test_a_bfloat16_model_is_featurized_into_its_store(tmp_path):
+    """A bfloat16 model's features failed on their way to the store with numpy's "Got
+    unsupported ScalarType BFloat16"; float32 holds every bfloat16 value, so the store holds
+    exactly the features `projections.features` gives."""
+    torch.manual_seed(0)
+    model = MLP().to(torch.bfloat16).eval()
+    x = torch.randn(6, 5).to(torch.bfloat16)
+    stored = projections.featurize(model, x, tmp_path / "s", dim=8, kind="sum_logits")
+    direct = projections.features(model, x, dim=8, kind="sum_logits")
+    assert direct.dtype == torch.bfloat16
+    np.testing.assert_array_equal(np.asarray(stored), direct.float().numpy())
+
+
 def test_the_kernel_of_a_float16_store_is_float32(tmp_path):
     """The kernel of a float16 store was computed in float16: past 65504 it overflowed and was
     refused as "not finite … the model's gradients on those samples", and below it came back
