@@ -42,6 +42,13 @@ activation whose input does not hold the samples along its first axis, such as a
 [B, L], the units of an activation input [B, L, ...] at padding positions are not counted, two
 samples agreeing only on the positions both hold); `params` the number of trainable parameters.
 
+A training-speed estimate (Ru et al., "Speedy performance estimation for neural architecture
+search", NeurIPS 2021), which trains instead of reading one batch at initialisation: `tse`
+−(1/T) Σ_t L_t, the mean of the minibatch losses L_t of T = TSE_STEPS Adam steps (lr warmup_lr)
+on minibatches of 64 samples drawn from all of x (as the warm-up's; batch_size does not apply),
+each loss taken before its step (`ProxyScore.raw` the published sum Σ_t L_t). A network that
+fits its data sooner scores higher.
+
 `rank` orders a candidate set by one metric, or by the mean rank over several (a vote, as in
 Abdelfattah et al.'s majority vote of proxies). The defaults (`score`: `label_condition` on 256
 samples; `rank`: the vote of `label_condition` and `naswot` on 64) are chosen
@@ -98,7 +105,9 @@ KERNEL_METRICS = (
     "descent",
 )
 BASELINE_METRICS = ("naswot", "synflow", "grad_norm", "snip", "jacob_cov", "params")
-METRICS = KERNEL_METRICS + BASELINE_METRICS
+# Read from a short training run on all of x rather than from one batch at initialisation.
+TRAINING_METRICS = ("tse",)
+METRICS = KERNEL_METRICS + BASELINE_METRICS + TRAINING_METRICS
 # Metrics that differentiate or replace the input, so need one floating-point input tensor (no
 # token ids, no dict or tuple inputs): never part of a default, which must serve every model.
 FLOAT_INPUT_METRICS = ("synflow", "jacob_cov")
@@ -143,6 +152,15 @@ RANKING_REPEATS = 2
 # defaults since the 20-seed truths, on which the pool with it chooses better held out
 # (benchmarks/nas/compare.py's JUDGED, `python benchmarks/nas/repeats.py --cached`).
 DESCENT_STEPS = 256
+# `tse`'s number of training steps T, picked in an exploration (`/tmp` script, 2 repeats) over
+# T = 128 / 256 / 512 by the worst Kendall τ of `tse` alone over the four trainable NAS spaces
+# (digits MLPs / CNNs, cancer MLPs, attention; NAS-Bench-201 not scored, about 0.1 s a step
+# there): 0.566 / 0.644 / 0.712. The attention nets need the long run (0.566 at 128, 0.773 at
+# 512), the cancer MLPs the short one (0.777 at 128, 0.712 at 512); on the two held-out spaces
+# 0.743 / 0.807 (1-D CNNs / tabular MLPs). No candidate of the defaults until it is scored on
+# NAS-Bench-201 too (benchmarks/nas/compare.py's JUDGED); benchmarks/results/nas.md, "A
+# training-speed estimate".
+TSE_STEPS = 512
 SINGULAR = 1e-10  # layer_condition: relative λmin below which a layer kernel counts as singular
 _NEEDS_LABELS = (
     "lga",
@@ -152,6 +170,7 @@ _NEEDS_LABELS = (
     "descent",
     "grad_norm",
     "snip",
+    "tse",
 )
 _ACTIVATIONS = (
     nn.ReLU,
@@ -228,8 +247,10 @@ def score(
     x may be a tensor or a tuple/dict of tensors (e.g. input_ids and attention_mask; `synflow` and
     `jacob_cov` need one floating-point input tensor); output_fn maps the model's output to
     [B, O] (e.g. `lambda out: out.logits`). return_details=True gives a `ProxyScore`.
+    `tse` trains the copy for TSE_STEPS Adam steps (lr `warmup_lr`, after any warm-up) on
+    minibatches of 64 samples from all of x, y instead of scoring one batch of batch_size.
     y: class labels [N] in 0..O−1 (O the model's outputs; integral floats are taken as integers),
-    read by the lga metrics, `label_condition`, `grad_norm`, `snip`, the kernel metrics on
+    read by the lga metrics, `label_condition`, `grad_norm`, `snip`, `tse`, the kernel metrics on
     kind="lpntk" and warm-up, which refuse labels outside that range with a ValueError naming y,
     the first offending label and the range; the other metrics (`naswot` included) ignore y,
     whatever it holds (regression targets too).
@@ -257,9 +278,16 @@ def score(
         x = prepared[cast]
         if y is not None:
             _check_labels(net, x, y, output_fn)
-        with seeded(seed + r, net):  # what dropout draws in warm-up and calibration
+        with seeded(seed + r, net):  # what dropout draws in training and calibration
             if warmup_steps:
-                _warm_up(net, x, y, warmup_steps, warmup_lr, generator, output_fn)
+                _train(net, x, y, warmup_steps, warmup_lr, generator, output_fn)
+            if metric in TRAINING_METRICS:  # read from the training run itself, not a batch
+                losses = _train(
+                    net, x, y, TSE_STEPS, warmup_lr, generator, output_fn, "tse's training"
+                )
+                values.append(-float(np.mean(losses)))
+                raws.append(float(np.sum(losses)))
+                continue
             idx = torch.randperm(inputs.count(x), generator=generator)[:batch_size]
             xb, yb = inputs.take(x, idx), None if y is None else y[idx.to(y.device)]
             net = _calibrate_norms(net, xb).eval()
@@ -499,7 +527,7 @@ def _check_options(metric, kind, batch_size, repeats, warmup_steps, warmup_lr, s
     check_integer(repeats, "repeats")
     check_integer(warmup_steps, "warmup_steps", least=0)
     check_integer(seed, "seed", least=None)
-    if warmup_steps:
+    if warmup_steps or metric in TRAINING_METRICS:
         check_amount(warmup_lr, "warmup_lr")
 
 
@@ -526,10 +554,17 @@ def _prepare(candidate: Candidate, seed: int) -> nn.Module:
     random state is restored afterwards): a factory may hand out a module the caller holds
     (`lambda: model`), which warm-up, calibration and synflow would otherwise modify."""
     if isinstance(candidate, nn.Module):
-        return copy_module(candidate)
+        return _uncompiled(copy_module(candidate))
     if not callable(candidate):
         raise TypeError(f"model must be an nn.Module or a factory, got {type(candidate).__name__}")
-    return from_factory(candidate, seed)
+    return _uncompiled(from_factory(candidate, seed))
+
+
+def _uncompiled(net: nn.Module) -> nn.Module:
+    """The module a torch.compile wrapper holds (the same function): hooks registered on a
+    compiled module's submodules after it has run are not called, which `naswot` relies on."""
+    inner = getattr(net, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else net
 
 
 def _check_outputs(net: nn.Module, x, output_fn: Callable | None) -> None:
@@ -592,7 +627,7 @@ def _float_input(x, metric: str) -> torch.Tensor:
     return x
 
 
-def _warm_up(
+def _train(
     net: nn.Module,
     x,
     y,
@@ -600,24 +635,31 @@ def _warm_up(
     lr: float,
     generator: torch.Generator,
     output_fn: Callable | None = None,
-) -> None:
-    """`steps` Adam steps of cross-entropy on minibatches of 64 cycling through (x, y); a
-    warm-up that diverges (a non-finite loss or parameter, or a step too large for the
-    parameters' dtype) is refused naming warmup_lr."""
+    what: str = "the warm-up",
+) -> list[float]:
+    """`steps` Adam steps of cross-entropy on minibatches of 64 cycling through (x, y) in
+    training mode; returns each step's minibatch loss (before its update). A run that diverges
+    (a non-finite loss or parameter, or a step too large for the parameters' dtype) is refused
+    naming warmup_lr; `what` names the run in the error (the warm-up, or a metric's)."""
     params = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=lr) if params else None
     net.train()
     order = torch.empty(0, dtype=torch.long)
+    losses = []
     for step in range(1, steps + 1):
         if len(order) == 0:
             order = torch.randperm(inputs.count(x), generator=generator)
         idx, order = order[:64], order[64:]
-        loss = _loss(_outputs(net, inputs.take(x, idx), output_fn), y[idx.to(y.device)])
+        xb = inputs.take(x, idx)
+        loss = _loss(_outputs(net, xb, output_fn), y[idx.to(y.device)])
         if not bool(torch.isfinite(loss)):
+            if step == 1:  # no update yet: the model's own outputs, if they are the cause
+                _check_outputs(net, xb, output_fn)
             raise ValueError(
-                f"the warm-up diverged: its loss is {loss.item()} at step {step} of {steps}; "
+                f"{what} diverged: its loss is {loss.item()} at step {step} of {steps}; "
                 f"lower warmup_lr (got {lr:g})"
             )
+        losses.append(float(loss.detach()))
         if loss.requires_grad:  # else it depends on no trainable parameter: nothing to train
             opt.zero_grad()
             loss.backward()
@@ -631,9 +673,10 @@ def _warm_up(
                 ) from None
     if not all(bool(torch.isfinite(p).all()) for p in params):
         raise ValueError(
-            f"the warm-up diverged: after its {steps} steps the parameters hold NaN or infinite "
+            f"{what} diverged: after its {steps} steps the parameters hold NaN or infinite "
             f"values; lower warmup_lr (got {lr:g})"
         )
+    return losses
 
 
 def _calibrate_norms(net: nn.Module, x) -> nn.Module:
@@ -878,6 +921,11 @@ def _naswot(net, x, y, **_):
         codes.append((code, _unpadded(t, mask)))
 
     _activation_inputs(net, x, activations, record)
+    if not codes:  # the forward pass bypassed the modules' hooks (e.g. a TorchScript module)
+        raise MetricUndefinedError(
+            "naswot reads the inputs of the activation modules through forward hooks, and no "
+            "hook was called on x (a scripted or otherwise wrapped model?)"
+        )
     k = torch.zeros(n, n, dtype=torch.float64)
     for code, counted in codes:
         on, off = code, 1 - code

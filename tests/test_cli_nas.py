@@ -253,6 +253,29 @@ def test_the_default_vote_without_naswot_says_so(tmp_path, monkeypatch, capsys):
     assert "candidate 'functional': naswot needs activation modules" in words
 
 
+def test_tse_says_what_it_trains_and_matches_the_library(tmp_path, monkeypatch, capsys):
+    """--metric tse: the library's scores; its title counts training steps, not the batch it
+    does not read, and a note says what it trains."""
+    write_inputs(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(proxies, "TSE_STEPS", 3)
+    args = ["--candidates", "cands.py:space", "--data", "data.npz", "--metric", "tse"]
+    code, out, err = run_here(capsys, *args, "--repeats", "1")
+    assert code == 0, err
+    assert "tse (1 × 3 training steps, higher is better)" in out
+    assert "tse: −(mean loss) of 3 Adam steps on minibatches of 64" in out
+    code, out, err = run_here(capsys, *args, "--repeats", "1", "--format", "json")
+    data = np.load(tmp_path / "data.npz")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import cands
+    finally:
+        sys.path.pop(0)
+    x, y = torch.tensor(data["x"]), torch.tensor(data["y"])
+    expected = proxies.rank(cands.space, x, y, metric="tse", repeats=1)
+    assert [(r["candidate"], r["tse"]) for r in json.loads(out)["rows"]] == expected
+
+
 def test_output_fn_and_the_samples_actually_scored(tmp_path, monkeypatch, capsys):
     write_inputs(tmp_path)  # 20 samples: fewer than the batch size asked for
     monkeypatch.chdir(tmp_path)

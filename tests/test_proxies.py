@@ -164,6 +164,17 @@ def test_naswot_does_not_count_padding_positions():
     assert score(refilled) == pytest.approx(expected, rel=1e-9)
 
 
+def test_a_compiled_model_scores_as_the_model_it_compiles(data):
+    """Hooks put on the submodules of a torch.compile wrapper that has run are never called:
+    naswot saw no activation and scored −inf, ranking the compiled candidate last."""
+    x, y = data
+    model = tiny(width=40).eval()
+    compiled = torch.compile(model, backend="eager")
+    compiled(x)  # compiled before it is scored, as a user's model would be
+    for metric in ("naswot", "label_condition"):
+        assert run(compiled, x, y, metric) == pytest.approx(run(model, x, y, metric), rel=1e-9)
+
+
 def test_repeats_report_mean_and_spread_reproducibly(data):
     x, y = data
     factory = lambda: tiny(seed=99)  # noqa: E731 - the seed is overridden per repeat
@@ -782,6 +793,56 @@ def test_warm_up_of_an_output_that_depends_on_no_trainable_parameter_trains_noth
     for model, metric in ((Unused("x"), "params"), (frozen, "naswot"), (nn.ReLU(), "params")):
         expected = run(model, x, y, metric)
         assert run(model, x, y, metric, warmup_steps=2) == pytest.approx(expected, rel=1e-9)
+
+
+def test_tse_is_the_mean_loss_of_its_training_steps(data, monkeypatch):
+    """tse: −(mean minibatch cross-entropy) over TSE_STEPS Adam steps on minibatches of 64
+    drawn from all of x, each loss before its step (raw: their sum), from the candidate's
+    initialisation; checked against a plain training loop (on 120 samples: the second minibatch
+    of each pass over x is short)."""
+    x, y = torch.cat([data[0]] * 10), torch.cat([data[1]] * 10)
+    n, steps, lr, seed = len(x), 5, 0.01, 3
+    monkeypatch.setattr(proxies, "TSE_STEPS", steps)
+    model = tiny(width=8).eval()
+    details = proxies.score(
+        model, x, y, metric="tse", batch_size=4, repeats=2, warmup_lr=lr, seed=seed,
+        return_details=True,
+    )  # fmt: skip
+    for r in range(2):
+        net = copy.deepcopy(model).train()
+        opt = torch.optim.Adam(net.parameters(), lr=lr)
+        g = torch.Generator().manual_seed(seed + r)  # the repeat's draws of minibatches
+        losses, order = [], torch.empty(0, dtype=torch.long)
+        for _ in range(steps):
+            if len(order) == 0:
+                order = torch.randperm(n, generator=g)
+            idx, order = order[:64], order[64:]
+            loss = nn.functional.cross_entropy(net(x[idx]), y[idx])
+            losses.append(loss.item())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        assert details.values[r] == pytest.approx(-np.mean(losses), rel=1e-6)
+        assert details.raw[r] == pytest.approx(np.sum(losses), rel=1e-6)
+    assert losses[-1] < losses[0]  # it trained
+    for name, value in model.state_dict().items():  # on a copy
+        assert torch.equal(value, tiny(width=8).state_dict()[name])
+    with pytest.raises(ValueError, match="y is missing: metric 'tse'"):
+        proxies.score(model, x, None, metric="tse")
+
+
+def test_training_on_non_finite_outputs_names_the_outputs_not_the_learning_rate(data):
+    """A model whose outputs are NaN before any step was refused as "the warm-up diverged ...
+    lower warmup_lr", which no learning rate mends."""
+    x, y = data
+
+    class NanOut(nn.Module):
+        def forward(self, x):
+            return torch.full((len(x), O), float("nan")) + 0 * x.sum()
+
+    for options in ({"metric": "params", "warmup_steps": 2}, {"metric": "tse"}):
+        with pytest.raises(ValueError, match="non-finite outputs"):
+            proxies.score(NanOut(), x, y, batch_size=4, **options)
 
 
 def test_a_diverging_warm_up_is_refused_naming_warmup_lr(data):

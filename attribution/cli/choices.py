@@ -34,6 +34,7 @@ PROXY_METRICS = (  # ntk.proxies.METRICS
     "snip",
     "jacob_cov",
     "params",
+    "tse",
 )
 DEFAULT_RANKING = ("label_condition", "naswot")  # ntk.proxies.DEFAULT_RANKING
 RANKING_BATCH_SIZE = 64  # ntk.proxies.RANKING_BATCH_SIZE

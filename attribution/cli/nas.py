@@ -170,12 +170,25 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
             if undefined
             else []
         ),
+        *(
+            [
+                f"tse: −(mean loss) of {proxies.TSE_STEPS} Adam steps on minibatches of 64 from "
+                "all of the data (--batch-size does not apply to it)"
+            ]
+            if "tse" in metrics
+            else []
+        ),
         *dropped,
     ]
+    scored = (
+        f"{proxies.TSE_STEPS} training steps"
+        if set(metrics) <= set(proxies.TRAINING_METRICS)
+        else f"{used_batch} samples"
+    )
     emit(
         rows,
         out,
-        title=f"{label} ({repeats} × {used_batch} samples, higher is better)",
+        title=f"{label} ({repeats} × {scored}, higher is better)",
         meta={
             "metric": metrics if len(metrics) > 1 else metrics[0],
             "kind": kind,
