@@ -9,8 +9,8 @@ Spearman ρ and the top-k overlap (k = max(3, n/10)) of
 
 - `score`'s default: `proxies.score(factory, x, y)` with every default;
 - `rank`'s default: `proxies.rank(candidates, x, y)` with every default;
-- every metric of `proxies.METRICS` on 64 and 256 samples with 2 repeats, as compare.py scores
-  the five spaces (the zero-cost baselines among them).
+- every metric of `proxies.METRICS` on 64 and 256 samples with 2 repeats (compare.SMALL_ONLY's
+  on 64 only), as compare.py scores the five spaces (the zero-cost baselines among them).
 
 Scores are cached in scores_<space>.json; the defaults' labels carry their settings, so a
 changed default is scored afresh. `--rescore-batchnorm` recomputes the entries of the architectures
@@ -115,7 +115,11 @@ def main() -> None:
         print("|---|---|---|---|")
         for label, (tau, rho, top, k) in sorted(tables[name].items(), key=lambda t: -t[1][0]):
             print(f"| {label} | {tau:+.3f} | {rho:+.3f} | {top}/{k} |")
-    baselines = [proxy_label(m, b) for m in proxies.BASELINE_METRICS for b in (SMALL, 256)]
+    baselines = [
+        proxy_label(m, b)
+        for m in (*proxies.BASELINE_METRICS, *proxies.TRAINING_METRICS)
+        for b in (SMALL, 256)
+    ]
     print("\nWorst held-out space (Kendall τ)")
     for label in (SCORE_DEFAULT, RANK_DEFAULT, *[b for b in baselines if b in SINGLES]):
         if all(label in t for t in tables.values()):

@@ -35,6 +35,7 @@ from compare import (
     OUTSIDE_POOL,
     SMALL,
     SPACE_NAMES,
+    batch_sizes,
     choose,
     leave_one_out,
     load,
@@ -48,7 +49,9 @@ from ntk import proxies
 REPEATS = 4
 SPACES = (*SPACE_NAMES, "nb201")
 METRICS = [m for m in proxies.METRICS if m not in proxies.FLOAT_INPUT_METRICS]
-LABELS = {proxy_label(m, b): (m, b) for b in (SMALL, LARGE) for m in METRICS}  # label → recipe
+LABELS = {  # label → recipe
+    proxy_label(m, b): (m, b) for b in (SMALL, LARGE) for m in METRICS if b in batch_sizes(m)
+}
 
 
 def load_space(name: str):
@@ -108,15 +111,13 @@ def scored(name: str, cached_only: bool, batchnorm=False) -> tuple[dict, np.ndar
             f"{time.perf_counter() - start:.0f} s",
             flush=True,
         )
-    for batch in (SMALL, LARGE):
-        for metric in METRICS:
-            label = proxy_label(metric, batch)
-            if label in cache["scores"] or cached_only:
-                continue
-            start = time.perf_counter()
-            cache["scores"][label] = score_repeats(cands, x, y, metric, batch)
-            path.write_text(json.dumps(cache) + "\n")  # as it goes: a cut-short run keeps it
-            print(f"  {name}: {label} in {time.perf_counter() - start:.0f} s", flush=True)
+    for label, (metric, batch) in LABELS.items():
+        if label in cache["scores"] or cached_only:
+            continue
+        start = time.perf_counter()
+        cache["scores"][label] = score_repeats(cands, x, y, metric, batch)
+        path.write_text(json.dumps(cache) + "\n")  # as it goes: a cut-short run keeps it
+        print(f"  {name}: {label} in {time.perf_counter() - start:.0f} s", flush=True)
     return cache["scores"], acc
 
 
@@ -192,6 +193,13 @@ def main() -> None:
         )
     if len(spaces) > 1:
         pools(narrow, wider, spaces)
+        for metric in JUDGED:  # a label missing on one space is no candidate of either pool
+            unscored = [s for s in spaces if proxy_label(metric, SMALL) not in data[s]]
+            if unscored:
+                print(
+                    f"{metric} is not scored on {', '.join(unscored)}: no candidate of either "
+                    "pool, so not judged yet"
+                )
 
 
 def jointly(taus: dict, what: str) -> dict:
