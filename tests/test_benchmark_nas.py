@@ -181,6 +181,45 @@ def test_the_committed_repeat_scores_choose_the_coded_numbers_of_repeats(nas_mod
     assert compare.OUTSIDE_POOL == (compare.JUDGED if lowers else ())
 
 
+def test_repeats_resume_a_label_cut_short_at_the_next_candidate(nas_modules, tmp_path, monkeypatch):
+    """repeats.py cached a label only once every candidate was scored (hours for `tse` on
+    NAS-Bench-201): a run cut short lost it all. It now resumes at the next candidate, and the
+    finished label holds what one uninterrupted run gives; the cache keeps no partial entry."""
+    import json
+
+    import repeats
+    import torch
+    from torch import nn
+
+    def net(width):
+        return nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 3))
+
+    cands = {f"w{w}": (lambda w=w: net(w)) for w in (2, 5, 9)}
+    x, y = torch.randn(20, 4, generator=torch.Generator().manual_seed(0)), torch.arange(20) % 3
+    monkeypatch.setattr(repeats, "HERE", tmp_path)
+    monkeypatch.setattr(repeats, "load_space", lambda name: (cands, x, y, np.arange(3.0)))
+    monkeypatch.setattr(repeats, "LABELS", {"params": ("params", 8), "trace": ("trace", 8)})
+    whole = repeats.score_repeats(cands, x, y, "trace", 8)
+    score, calls, stop = proxies.score, [], [True]
+
+    def cut_short(*args, metric, **kwargs):
+        calls.append(metric)
+        if calls.count("trace") == 2 and stop and stop.pop():  # once: trace's 2nd candidate
+            raise KeyboardInterrupt
+        return score(*args, metric=metric, **kwargs)
+
+    monkeypatch.setattr(proxies, "score", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        repeats.scored("toy", cached_only=False)
+    kept = json.loads((tmp_path / "repeats_toy.json").read_text())
+    assert set(kept["scores"]) == {"params"} and len(kept["partial"]["trace"]) == 1
+    calls.clear()
+    values, _ = repeats.scored("toy", cached_only=False)
+    assert calls == ["trace", "trace"]  # the two candidates left
+    np.testing.assert_array_equal(values["trace"], whole)
+    assert "partial" not in json.loads((tmp_path / "repeats_toy.json").read_text())
+
+
 @pytest.mark.slow  # 25–35 s on the loaded 2-core machine
 def test_layer_families_smoke_prints_both_truths_and_the_held_out_choice():
     proc = _script("layer_families.py", "--smoke", cwd=BENCH)

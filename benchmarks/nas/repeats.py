@@ -3,7 +3,8 @@
 Every default candidate of compare.py (the metrics defined for every model input, on 64 and 256
 samples) is scored with REPEATS fresh initialisations and random batches on the five NAS spaces
 (compare.py's four and NAS-Bench-201 as nb201.py builds it), keeping each repeat's value (cached
-in repeats_<space>.json). The score of a candidate over r repeats is the mean of its first r
+in repeats_<space>.json, a label as it goes, candidate by candidate, so that a run cut short
+resumes where it stopped). The score of a candidate over r repeats is the mean of its first r
 values, which is what `proxies.score(..., repeats=r)` returns (repeat i uses seed i).
 
 Printed: Kendall τ of the defaults as coded (`proxies.DEFAULT` on DEFAULT_BATCH_SIZE samples for
@@ -66,10 +67,12 @@ def load_space(name: str):
     return (cands, *digits32(), acc)
 
 
-def score_repeats(cands, x, y, metric: str, batch: int) -> list:
-    """Each candidate's REPEATS per-repeat values (NaN where the metric fails)."""
-    values = []
-    for factory in cands.values():
+def score_repeats(cands, x, y, metric: str, batch: int, done=(), save=None) -> list:
+    """Each candidate's REPEATS per-repeat values (NaN where the metric fails). done: the values
+    of the first candidates, from a run cut short (only the others are scored); save(values) is
+    called after each candidate, with the values so far."""
+    values = list(done)
+    for factory in list(cands.values())[len(values) :]:
         try:
             details = proxies.score(
                 factory,
@@ -83,6 +86,8 @@ def score_repeats(cands, x, y, metric: str, batch: int) -> list:
             values.append([float(v) for v in details.values])
         except (ValueError, RuntimeError):  # e.g. a singular kernel: ranks last
             values.append([float("nan")] * REPEATS)
+        if save is not None:
+            save(values)
     return values
 
 
@@ -95,17 +100,30 @@ def rescore(cands, x, y, labels) -> dict:
 
 def scored(name: str, cached_only: bool, batchnorm=False) -> tuple[dict, np.ndarray]:
     """{label: [[value per repeat] per architecture]} for every candidate, and the accuracies
-    (batchnorm: first recompute the cached values of the architectures holding a BatchNorm)."""
+    (batchnorm: first recompute the cached values of the architectures holding a BatchNorm). A
+    label being scored is cached after each candidate (under "partial"), so that a run cut
+    short resumes at the next one."""
     cands, x, y, acc = load_space(name)
     path = HERE / f"repeats_{name}.json"
     cache = json.loads(path.read_text()) if path.exists() else {}
     if cache.get("architectures") != list(cands) or cache.get("repeats") != REPEATS:
         cache = {"repeats": REPEATS, "architectures": list(cands), "scores": {}}
+    unfinished = cache.pop("partial", {})  # label → the values of the candidates scored so far
+
+    def write():
+        path.write_text(
+            json.dumps({**cache, "partial": unfinished} if unfinished else cache) + "\n"
+        )
+
+    def save(label, values):
+        unfinished[label] = values
+        write()
+
     if batchnorm and cache["scores"]:
         start = time.perf_counter()
         names = rescore_batchnorm(cache["scores"], cands, x, y, rescore)
         if names:
-            path.write_text(json.dumps(cache) + "\n")
+            write()
         print(
             f"  {name}: rescored {len(names)} architectures holding a BatchNorm in "
             f"{time.perf_counter() - start:.0f} s",
@@ -115,9 +133,17 @@ def scored(name: str, cached_only: bool, batchnorm=False) -> tuple[dict, np.ndar
         if label in cache["scores"] or cached_only:
             continue
         start = time.perf_counter()
-        cache["scores"][label] = score_repeats(cands, x, y, metric, batch)
-        path.write_text(json.dumps(cache) + "\n")  # as it goes: a cut-short run keeps it
-        print(f"  {name}: {label} in {time.perf_counter() - start:.0f} s", flush=True)
+        done = unfinished.get(label, [])
+        cache["scores"][label] = score_repeats(
+            cands, x, y, metric, batch, done, partial(save, label)
+        )
+        unfinished.pop(label, None)
+        write()
+        print(
+            f"  {name}: {label} in {time.perf_counter() - start:.0f} s"
+            + (f" (resumed after {len(done)} candidates)" if done else ""),
+            flush=True,
+        )
     return cache["scores"], acc
 
 
