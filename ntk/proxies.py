@@ -86,6 +86,7 @@ from .core.model import (
     naming_failures,
     output_tensor,
     resolve_device,
+    uncompiled,
 )
 from .core.seeding import seeded
 from .core.tiles import require_finite
@@ -553,18 +554,13 @@ def _prepare(candidate: Candidate, seed: int) -> nn.Module:
     """A private copy of a module, or of the instance a factory builds under `seed` (the global
     random state is restored afterwards): a factory may hand out a module the caller holds
     (`lambda: model`), which warm-up, calibration and synflow would otherwise modify."""
+    # a torch.compile wrapper that has run does not call hooks registered on its submodules
+    # afterwards, which `naswot` relies on: the module it wraps is the same function
     if isinstance(candidate, nn.Module):
-        return _uncompiled(copy_module(candidate))
+        return uncompiled(copy_module(candidate))
     if not callable(candidate):
         raise TypeError(f"model must be an nn.Module or a factory, got {type(candidate).__name__}")
-    return _uncompiled(from_factory(candidate, seed))
-
-
-def _uncompiled(net: nn.Module) -> nn.Module:
-    """The module a torch.compile wrapper holds (the same function): hooks registered on a
-    compiled module's submodules after it has run are not called, which `naswot` relies on."""
-    inner = getattr(net, "_orig_mod", None)
-    return inner if isinstance(inner, nn.Module) else net
+    return uncompiled(from_factory(candidate, seed))
 
 
 def _check_outputs(net: nn.Module, x, output_fn: Callable | None) -> None:

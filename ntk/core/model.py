@@ -410,13 +410,22 @@ class FunctionalCall:
             return functional_call(self.model, full, args, kwargs, tie_weights=False)
 
 
+def uncompiled(module: nn.Module) -> nn.Module:
+    """The module a torch.compile(module) wrapper holds (the same function), else `module`."""
+    if type(module).__name__ == "OptimizedModule" and isinstance(
+        getattr(module, "_orig_mod", None), nn.Module
+    ):
+        return module._orig_mod
+    return module
+
+
 def _compiled(module: nn.Module) -> bool:
     """Whether `module` runs through torch.compile: a wrapper of torch.compile(module), or a
     module compiled in place (module.compile()). Dynamo traced the functional calls, the
     transforms and the hooks set here (after method='jacobian', ntk_vp and structured failed in
     their hooks: "'int' object is not subscriptable"): the call runs it eagerly
     (torch.compiler.set_stance("force_eager")), the same function."""
-    wrapper = type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")
+    wrapper = uncompiled(module) is not module
     return wrapper or getattr(module, "_compiled_call_impl", None) is not None
 
 
