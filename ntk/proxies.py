@@ -162,6 +162,7 @@ DESCENT_STEPS = 256
 # NAS-Bench-201 too (benchmarks/nas/compare.py's JUDGED); benchmarks/results/nas.md, "A
 # training-speed estimate".
 TSE_STEPS = 512
+TRAINING_BATCH = 64  # the minibatch of the warm-up's and `tse`'s Adam steps
 SINGULAR = 1e-10  # layer_condition: relative λmin below which a layer kernel counts as singular
 _NEEDS_LABELS = (
     "lga",
@@ -633,10 +634,10 @@ def _train(
     output_fn: Callable | None = None,
     what: str = "the warm-up",
 ) -> list[float]:
-    """`steps` Adam steps of cross-entropy on minibatches of 64 cycling through (x, y) in
-    training mode; returns each step's minibatch loss (before its update). A run that diverges
-    (a non-finite loss or parameter, or a step too large for the parameters' dtype) is refused
-    naming warmup_lr; `what` names the run in the error (the warm-up, or a metric's)."""
+    """`steps` Adam steps of cross-entropy on minibatches of TRAINING_BATCH cycling through
+    (x, y) in training mode; returns each step's minibatch loss (before its update). A run that
+    diverges (a non-finite loss or parameter, or a step too large for the parameters' dtype) is
+    refused naming warmup_lr; `what` names the run in the error (the warm-up, or a metric's)."""
     params = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=lr) if params else None
     net.train()
@@ -645,7 +646,7 @@ def _train(
     for step in range(1, steps + 1):
         if len(order) == 0:
             order = torch.randperm(inputs.count(x), generator=generator)
-        idx, order = order[:64], order[64:]
+        idx, order = order[:TRAINING_BATCH], order[TRAINING_BATCH:]
         xb = inputs.take(x, idx)
         loss = _loss(_outputs(net, xb, output_fn), y[idx.to(y.device)])
         if not bool(torch.isfinite(loss)):

@@ -172,8 +172,8 @@ def nas(spec, data, metrics, kind, batch_size, repeats, warmup_steps, seed, devi
         ),
         *(
             [
-                f"tse: −(mean loss) of {proxies.TSE_STEPS} Adam steps on minibatches of 64 from "
-                "all of the data (--batch-size does not apply to it)"
+                f"tse: −(mean loss) of {proxies.TSE_STEPS} Adam steps on minibatches of "
+                f"{proxies.TRAINING_BATCH} from all of the data (--batch-size does not apply to it)"
             ]
             if "tse" in metrics
             else []
