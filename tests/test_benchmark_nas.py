@@ -220,6 +220,44 @@ def test_repeats_resume_a_label_cut_short_at_the_next_candidate(nas_modules, tmp
     assert "partial" not in json.loads((tmp_path / "repeats_toy.json").read_text())
 
 
+def test_nb201_takes_a_label_repeats_scored_as_score_space_would_score_it(
+    nas_modules, tmp_path, monkeypatch
+):
+    """nb201.py's 2-repeat cache takes a label that repeats.py scored to the end (`tse` takes
+    hours there) as the mean of its first repeats: the values score_space gives, not the mean of
+    all four repeats; only for the same cells and network size, and never over a cached label."""
+    import json
+
+    import nb201
+    import repeats
+    import torch
+    from torch import nn
+
+    compare, _ = nas_modules
+    cands = {
+        f"w{w}": (lambda w=w: nn.Sequential(nn.Linear(4, w), nn.ReLU(), nn.Linear(w, 3)))
+        for w in (2, 5, 9)
+    }
+    x, y = torch.randn(20, 4, generator=torch.Generator().manual_seed(0)), torch.arange(20) % 3
+    kept = {
+        "repeats": repeats.REPEATS,
+        "architectures": list(cands),
+        "scores": {
+            m: repeats.score_repeats(cands, x, y, m, compare.SMALL) for m in ("trace", "params")
+        },
+    }
+    (tmp_path / "repeats_nb201.json").write_text(json.dumps(kept))
+    monkeypatch.setattr(nb201, "HERE", tmp_path)
+    setup = {"channels": 8, "cells": 1, "repeats": 2, "architectures": list(cands)}
+    scores = {"params": [1.0, 2.0, 3.0]}
+    assert nb201.from_repeats(scores, setup) == ["trace"]
+    expected = compare.score_space(cands, x, y, ["trace"], 2)["trace"]
+    np.testing.assert_array_equal(scores["trace"], expected)
+    assert scores["params"] == [1.0, 2.0, 3.0]
+    assert nb201.from_repeats({}, {**setup, "channels": 16}) == []
+    assert nb201.from_repeats({}, {**setup, "architectures": ["w2", "w5"]}) == []
+
+
 @pytest.mark.slow  # 25–35 s on the loaded 2-core machine
 def test_layer_families_smoke_prints_both_truths_and_the_held_out_choice():
     proc = _script("layer_families.py", "--smoke", cwd=BENCH)
