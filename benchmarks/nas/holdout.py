@@ -27,7 +27,16 @@ import json
 from pathlib import Path
 
 import torch
-from compare import PROXIES, SMALL, load, metrics, proxy_label, rescore_batchnorm, score_space
+from compare import (
+    PROXIES,
+    SMALL,
+    batch_sizes,
+    load,
+    metrics,
+    proxy_label,
+    rescore_batchnorm,
+    score_space,
+)
 from spaces import HELD_OUT_SPACES
 
 from ntk import proxies
@@ -118,7 +127,7 @@ def main() -> None:
     baselines = [
         proxy_label(m, b)
         for m in (*proxies.BASELINE_METRICS, *proxies.TRAINING_METRICS)
-        for b in (SMALL, 256)
+        for b in batch_sizes(m)
     ]
     print("\nWorst held-out space (Kendall τ)")
     for label in (SCORE_DEFAULT, RANK_DEFAULT, *[b for b in baselines if b in SINGLES]):
