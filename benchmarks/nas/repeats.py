@@ -3,9 +3,10 @@
 Every default candidate of compare.py (the metrics defined for every model input, on 64 and 256
 samples) is scored with REPEATS fresh initialisations and random batches on the five NAS spaces
 (compare.py's four and NAS-Bench-201 as nb201.py builds it), keeping each repeat's value (cached
-in repeats_<space>.json, a label as it goes, candidate by candidate, so that a run cut short
-resumes where it stopped). The score of a candidate over r repeats is the mean of its first r
-values, which is what `proxies.score(..., repeats=r)` returns (repeat i uses seed i).
+in repeats_<space>.json, a label as it goes, candidate by candidate under "partial", by name, so
+that a run cut short resumes where it stopped). The score of a candidate over r repeats is the
+mean of its first r values, which is what `proxies.score(..., repeats=r)` returns (repeat i uses
+seed i).
 
 Printed: Kendall τ of the defaults as coded (`proxies.DEFAULT` on DEFAULT_BATCH_SIZE samples for
 `score`, the vote `proxies.DEFAULT_RANKING` on RANKING_BATCH_SIZE for `rank`) per space for
@@ -67,12 +68,14 @@ def load_space(name: str):
     return (cands, *digits32(), acc)
 
 
-def score_repeats(cands, x, y, metric: str, batch: int, done=(), save=None) -> list:
-    """Each candidate's REPEATS per-repeat values (NaN where the metric fails). done: the values
-    of the first candidates, from a run cut short (only the others are scored); save(values) is
-    called after each candidate, with the values so far."""
-    values = list(done)
-    for factory in list(cands.values())[len(values) :]:
+def score_repeats(cands, x, y, metric: str, batch: int, done=None, save=None) -> list:
+    """Each candidate's REPEATS per-repeat values (NaN where the metric fails), in the order of
+    `cands`. done: {candidate: values} of those already scored (by a run cut short; only the
+    others are scored); save(done) is called after each candidate, with every value so far."""
+    done = dict(done or {})
+    for name, factory in cands.items():
+        if name in done:
+            continue
         try:
             details = proxies.score(
                 factory,
@@ -83,12 +86,12 @@ def score_repeats(cands, x, y, metric: str, batch: int, done=(), save=None) -> l
                 repeats=REPEATS,
                 return_details=True,
             )
-            values.append([float(v) for v in details.values])
+            done[name] = [float(v) for v in details.values]
         except (ValueError, RuntimeError):  # e.g. a singular kernel: ranks last
-            values.append([float("nan")] * REPEATS)
+            done[name] = [float("nan")] * REPEATS
         if save is not None:
-            save(values)
-    return values
+            save(done)
+    return [done[name] for name in cands]
 
 
 def rescore(cands, x, y, labels) -> dict:
@@ -108,7 +111,7 @@ def scored(name: str, cached_only: bool, batchnorm=False) -> tuple[dict, np.ndar
     cache = json.loads(path.read_text()) if path.exists() else {}
     if cache.get("architectures") != list(cands) or cache.get("repeats") != REPEATS:
         cache = {"repeats": REPEATS, "architectures": list(cands), "scores": {}}
-    unfinished = cache.pop("partial", {})  # label → the values of the candidates scored so far
+    unfinished = cache.pop("partial", {})  # label → {candidate: values} of those scored so far
 
     def write():
         path.write_text(
@@ -133,7 +136,7 @@ def scored(name: str, cached_only: bool, batchnorm=False) -> tuple[dict, np.ndar
         if label in cache["scores"] or cached_only:
             continue
         start = time.perf_counter()
-        done = unfinished.get(label, [])
+        done = unfinished.get(label, {})
         cache["scores"][label] = score_repeats(
             cands, x, y, metric, batch, done, partial(save, label)
         )
