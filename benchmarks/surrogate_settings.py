@@ -17,9 +17,11 @@ readability (alpha=None) with each budget b of median cancellation on the traini
 with its damping keeping each fraction f of the rank N·(O − 1) as effective parameters
 (`KernelSurrogate(effective_parameters=f)`): label-fitted τ and counterfactual LDS, the issue's
 two targets (τ ≥ 0.85, LDS ≥ 0.60), and two leave-one-setting-out choices: the faithful f
-(`attribution.surrogate.GAUSS_NEWTON_DOF_FRACTION`, the machine's default: the smallest f with
-τ ≥ 0.85 on the other settings) and the counterfactual f (best mean LDS on the others; what
-`influence(method="surrogate")` uses, `attribution.damping.DOF_FRACTION`).
+(`attribution.surrogate.GAUSS_NEWTON_DOF_FRACTION`, the machine's default: the best worst τ on
+the other settings) and the counterfactual f (best mean LDS on the others; what
+`influence(method="surrogate")` uses, `attribution.damping.DOF_FRACTION`), over the settings of
+settings.NAMES; those of settings.HELD_OUT_NAMES are printed at the fractions chosen on all four.
+f ≥ 0.5 is the damping's cap, half the curvature's numerical rank (`damping.damping_for`).
 
 Run:   python benchmarks/surrogate_settings.py --cache-dir /tmp/ntk-attr-cache
        python benchmarks/surrogate_settings.py --cache-dir … --fractions 0.015,0.025,0.05
@@ -84,7 +86,6 @@ VARIANTS = {
     },
 }
 TARGETS = dict(tau=0.98, cancellation=10.0, share=0.90)
-BOTH = dict(tau_labels=0.85, lds=0.60)  # label-fitted faithfulness and counterfactual LDS
 
 
 def measure(s, options: dict) -> dict:
@@ -136,12 +137,19 @@ def met(row: dict) -> int:
     )
 
 
+def faithful_fraction(tau: dict, among: list[str], values: list[float]) -> float:
+    """The fraction with the best worst label-fitted τ over the settings `among` (tau: {(setting,
+    f): τ}); ties go to the smallest fraction, the stronger damping."""
+    return max(sorted(values), key=lambda f: min(tau[n, f] for n in among))
+
+
 def fractions(names: list[str], values: list[float], cache_dir, smoke: bool) -> None:
     """The Gauss–Newton machine's damping fraction (module docstring, --fractions): per fraction
-    and setting the label-fitted τ and counterfactual LDS; leave-one-setting-out, the faithful
-    fraction (the smallest with τ ≥ 0.85 on every other setting, else the best worst τ) and the
-    counterfactual one (the best mean LDS on the others)."""
-    rows = {}
+    and setting the label-fitted τ and counterfactual LDS; leave-one-setting-out over the
+    settings of settings.NAMES among `names`, the faithful fraction (`faithful_fraction`) and the
+    counterfactual one (the best mean LDS on the others); the settings never chosen on
+    (settings.HELD_OUT_NAMES) at the fractions chosen on all of those."""
+    tau, score = {}, {}
     print("| setting | f | λ | τ (labels) | counterfactual LDS (labels) |")
     print("|---|---|---|---|---|")
     for name in names:
@@ -150,33 +158,34 @@ def fractions(names: list[str], values: list[float], cache_dir, smoke: bool) -> 
         for f in values:
             sur = KernelSurrogate(s.model, machine="gauss_newton", effective_parameters=f)
             sur.fit(s.x, s.y)
-            tau = sur.faithfulness(s.xt)["tau_prob"]
-            score = lds(
+            tau[name, f] = sur.faithfulness(s.xt)["tau_prob"]
+            score[name, f] = lds(
                 np.einsum("mio,mo->mi", sur.influence(s.xt, output="all"), u), s.subsets, s.truth
             )
-            rows[name, f] = (tau, score)
-            print(f"| {name} | {f:g} | {sur.alpha_:.3g} | {tau:.3f} | {score:.3f} |")
-
-    def faithful(among):
-        enough = [f for f in values if all(rows[n, f][0] >= BOTH["tau_labels"] for n in among)]
-        if enough:
-            return min(enough)
-        return max(values, key=lambda f: min(rows[n, f][0] for n in among))
+            print(
+                f"| {name} | {f:g} | {sur.alpha_:.3g} | {tau[name, f]:.3f} | {score[name, f]:.3f} |"
+            )
 
     def counterfactual(among):
-        return max(values, key=lambda f: np.mean([rows[n, f][1] for n in among]))
+        return max(values, key=lambda f: np.mean([score[n, f] for n in among]))
 
+    chosen_on = [n for n in names if n in settings.NAMES]
     print("\n| held out | faithful f | held-out τ (labels) | counterfactual f | held-out LDS |")
     print("|---|---|---|---|---|")
-    for out in names:
-        rest = [n for n in names if n != out]
-        f_tau, f_lds = faithful(rest), counterfactual(rest)
+    for out in chosen_on:
+        rest = [n for n in chosen_on if n != out]
+        f_tau, f_lds = faithful_fraction(tau, rest, values), counterfactual(rest)
         print(
-            f"| {out} | {f_tau:g} | {rows[out, f_tau][0]:.3f} | {f_lds:g} "
-            f"| {rows[out, f_lds][1]:.3f} |"
+            f"| {out} | {f_tau:g} | {tau[out, f_tau]:.3f} | {f_lds:g} | {score[out, f_lds]:.3f} |"
         )
-    print(f"\nin sample: faithful f = {faithful(names):g}, counterfactual f = ", end="")
-    print(f"{counterfactual(names):g}")
+    f_tau, f_lds = faithful_fraction(tau, chosen_on, values), counterfactual(chosen_on)
+    for name in names:
+        if name not in chosen_on:
+            print(
+                f"| {name} (never chosen on) | {f_tau:g} | {tau[name, f_tau]:.3f} | {f_lds:g} "
+                f"| {score[name, f_lds]:.3f} |"
+            )
+    print(f"\nin sample: faithful f = {f_tau:g}, counterfactual f = {f_lds:g}")
 
 
 def main():

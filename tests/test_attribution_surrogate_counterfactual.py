@@ -511,8 +511,10 @@ def test_gauss_newton_machine_that_does_not_fit_is_refused(small, monkeypatch):
 
 @pytest.mark.parametrize("fraction", [None, 0.015])
 def test_gauss_newton_damping_keeps_the_chosen_effective_number_of_parameters(small, fraction):
-    """machine="gauss_newton" with alpha=None: λ solves Σ_k e_k/(e_k + λ) = f · N·(O − 1), e the
-    eigenvalues of SΘS (written out here), f = effective_parameters or GAUSS_NEWTON_DOF_FRACTION."""
+    """machine="gauss_newton" with alpha=None: λ solves Σ_k e_k/(e_k + λ) = f · N·(O − 1), at
+    most half the numerical rank Σ_k e_k²/(e_k² + (RANK_FLOOR · e_max)²), e the eigenvalues of
+    SΘS (written out here), f = effective_parameters or GAUSS_NEWTON_DOF_FRACTION."""
+    from attribution.damping import RANK_FLOOR
     from attribution.surrogate import GAUSS_NEWTON_DOF_FRACTION
 
     model, x, _ = small
@@ -525,7 +527,8 @@ def test_gauss_newton_damping_keeps_the_chosen_effective_number_of_parameters(sm
     e = np.linalg.eigvalsh(a).clip(min=0)
     gamma = float((e / (e + s.alpha_)).sum())
     f = GAUSS_NEWTON_DOF_FRACTION if fraction is None else fraction
-    assert gamma == pytest.approx(f * n * (o - 1), rel=1e-6)
+    rank = float((e**2 / (e**2 + (RANK_FLOOR * e.max()) ** 2)).sum())
+    assert gamma == pytest.approx(min(f * n * (o - 1), rank / 2), rel=1e-6)
     with pytest.raises(ValueError, match="effective_parameters sets the damping"):
         KernelSurrogate(model, effective_parameters=0.1).fit(x)
     with pytest.raises(ValueError, match="effective_parameters sets the damping"):
