@@ -68,6 +68,7 @@ HERE = Path(__file__).parent
 OPS = ("none", "skip_connect", "nor_conv_1x1", "nor_conv_3x3", "avg_pool_3x3")
 EDGES = ((1, 0), (2, 0), (2, 1), (3, 0), (3, 1), (3, 2))  # (to, from) of Op0..Op5
 SAMPLE_SEED = 201
+CHANNELS, CELLS = 8, 1  # the reduced network scored by default (and by repeats.py): C and N
 
 # ------------------------------------------------------------------------------ the network
 
@@ -226,12 +227,12 @@ def digits32(n_train: int = 1000, seed: int = 0):
 
 def from_repeats(scores: dict, setup: dict) -> list:
     """Add to `scores` the labels it lacks that repeats.py scored to the end on the same cells
-    and network size (repeats_nb201.json, C=8, N=1): each architecture's mean of the first
+    and network size (repeats_nb201.json, CHANNELS and CELLS): each architecture's mean of the first
     setup["repeats"] repeats, which are the initialisations and batches `proxies.score` draws
     for that many repeats (repeat r is seeded r), so the same values score_space would give.
     Returns the labels added."""
     path = HERE / "repeats_nb201.json"
-    if not path.exists() or (setup["channels"], setup["cells"]) != (8, 1):
+    if not path.exists() or (setup["channels"], setup["cells"]) != (CHANNELS, CELLS):
         return []
     kept = json.loads(path.read_text())
     if kept["architectures"] != setup["architectures"] or kept["repeats"] < setup["repeats"]:
@@ -284,8 +285,8 @@ def defaults(scores: dict, acc: np.ndarray) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=80, help="architectures sampled")
-    parser.add_argument("--channels", type=int, default=8, help="C (paper: 16)")
-    parser.add_argument("--cells", type=int, default=1, help="N cells per stage (paper: 5)")
+    parser.add_argument("--channels", type=int, default=CHANNELS, help="C (paper: 16)")
+    parser.add_argument("--cells", type=int, default=CELLS, help="N cells per stage (paper: 5)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--batches", default=f"{SMALL},{LARGE}", help="64 and/or 256")
     parser.add_argument("--variants", action="store_true", help="also compare.py's VARIANTS")

@@ -44,7 +44,7 @@ from compare import (
     proxy_label,
     rescore_batchnorm,
 )
-from nb201 import NB201Net, digits32, ops_of
+from nb201 import CELLS, CHANNELS, NB201Net, digits32, ops_of
 
 from ntk import proxies
 
@@ -63,7 +63,7 @@ def load_space(name: str):
         return cands, x, y, np.asarray(acc, dtype=float)
     truth = json.loads((HERE / "truth_nb201.json").read_text())
     keys = list(truth["architectures"])
-    cands = {k: partial(NB201Net, ops_of(k), 8, 1) for k in keys}
+    cands = {k: partial(NB201Net, ops_of(k), CHANNELS, CELLS) for k in keys}
     acc = np.array([truth["architectures"][k]["mean"] for k in keys])
     return (cands, *digits32(), acc)
 
