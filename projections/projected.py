@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import numbers
+import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -72,11 +73,30 @@ class Featurizer:
         self.dtype = dtype
         self.view = ModelView(model, output_fn=output_fn, device=device, dtype=dtype)
         self._only, self.layers = self.view.selection(layers, per_layer)
+        self._warn_if_not_compressing()
         self.param_dtype = next(iter(self.view.params.values())).dtype
         self.num_outputs: int | None = None
         self._plan = None
         self._sketcher = None
         self._name = "x"
+
+    def _warn_if_not_compressing(self) -> None:
+        """Warn when every projection maps its parameters to at least as many dimensions: the
+        features then estimate a kernel that is cheaper to compute exactly."""
+        v = self.view
+        if self.layers is None:
+            names = v.params if self._only is None else self._only
+            largest = sum(v.params[n].numel() for n in names)
+        else:
+            largest = max(v.layer_size(layer) for layer in self.layers)
+        if self.dim >= largest:
+            where = "the model's" if self.layers is None else "its largest layer's"
+            warnings.warn(
+                f"dim={self.dim} is not below {where} {largest} trainable parameters: the "
+                "random projection adds noise and saves nothing; compute the exact kernel "
+                "(ntk.empirical_ntk) instead",
+                stacklevel=3,
+            )
 
     def fingerprint(self) -> str:
         """SHA-256 of every tensor the forward pass reads (trainable, frozen, buffers)."""

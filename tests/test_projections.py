@@ -4,6 +4,7 @@ determinism, the structured (Kronecker) and dense paths, and input checks."""
 import copy
 import math
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -411,6 +412,21 @@ def test_bad_input_is_refused_and_model_untouched():
     projections.projected_ntk(model, x, dim=8, kind="full", layers="all")
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before) and not model.training
+
+
+def test_a_projection_that_does_not_compress_warns_naming_the_parameter_count():
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))  # 16 + 10 parameters
+    with pytest.warns(UserWarning, match="dim=26 is not below the model's 26 trainable"):
+        projections.Featurizer(model, dim=26)
+    # per layer every projection expands only when the largest layer's 16 do not exceed dim
+    with pytest.warns(UserWarning, match="dim=16 is not below its largest layer's 16"):
+        projections.Featurizer(model, dim=16, per_layer=True)
+    with pytest.warns(UserWarning, match="dim=10 is not below the model's 10"):
+        projections.Featurizer(model, dim=10, layers=["2"], per_layer=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        projections.Featurizer(model, dim=25)
+        projections.Featurizer(model, dim=15, per_layer=True)
 
 
 def test_labels_are_checked_once_by_the_callers_name(monkeypatch):
