@@ -706,6 +706,7 @@ def test_columns_are_listed_with_their_table_headers_and_taken_by_either(files, 
     column list both, and --columns takes the header as the name."""
     help_text = " ".join(run(capsys, "kernel", "--help")[1].split())
     assert "lambda_1 (λ1), lambda_2, lambda_3, condition_number (κ), rank" in help_text
+    assert "it runs in eval mode (Dropout off" in help_text  # what --model's model is switched to
     model = ["--model", f"{files}/factory.py:build", "--data", f"{files}/train.npz"]
     err = usage_error(capsys, "kernel", *model, "--columns", "kind,kappa")
     assert err.rstrip().endswith("lambda_1 (λ1), lambda_2, lambda_3, condition_number (κ), rank")

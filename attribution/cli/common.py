@@ -940,7 +940,8 @@ def _model_options(output: Callable, f):
             "model_spec",
             default=None,
             help="package.module:factory or path/file.py:factory "
-            "(default: the built-in digits demo)",
+            "(default: the built-in digits demo); it runs in eval mode (Dropout off, "
+            "BatchNorm's running statistics)",
         ),
         click.option(
             "--weights", default=None, help="state_dict file (.pt), loaded with weights_only=True"
