@@ -94,7 +94,7 @@ class Featurizer:
             warnings.warn(
                 f"dim={self.dim} is not below {where} {largest} trainable parameters: the "
                 "random projection adds noise and saves nothing; compute the exact kernel "
-                "(ntk.empirical_ntk) instead",
+                "instead (ntk.empirical_ntk, `ntk kernel`)",
                 stacklevel=3,
             )
 
