@@ -466,7 +466,7 @@ def write_blocks(
                     dtype = f"store_dtype={manifest['store_dtype']!r}"
                     # `block` checked them finite before the cast
                     require_finite_cast(values, what, f"{dtype}; use a wider store_dtype")
-                    _require_kept(part, values, what, dtype)
+                    _require_kept(part, values, what, dtype, first=start + s)
                     array[start + s : start + s + part.shape[0]] = values
                 with writes_to(root / ARRAY):
                     array.flush()
@@ -483,22 +483,27 @@ def write_blocks(
     del array
 
 
-# The share of a batch's features (‖cast − φ‖ / ‖φ‖) that the cast into store_dtype may lose:
+# The share of a sample's features (‖cast − φ‖ / ‖φ‖) that the cast into store_dtype may lose:
 # float16 rounds by ≈ 3e-4; features below its normal range (6e-5) flush to subnormals or zero,
 # and lose far more (99 % of them zero at a scale of 1e-7: the kernel 88 % off).
 CAST_LOSS = 1e-2
 
 
-def _require_kept(features: np.ndarray, cast: np.ndarray, what: str, dtype: str) -> None:
+def _require_kept(
+    features: np.ndarray, cast: np.ndarray, what: str, dtype: str, first: int = 0
+) -> None:
     """Refuse a cast of the features into the store's dtype that loses more than CAST_LOSS of
-    them (their scale below the dtype's range)."""
-    exact = features.astype(np.float64)
-    scale = float(np.linalg.norm(exact))
-    lost = float(np.linalg.norm(cast.astype(np.float64) - exact)) / scale if scale > 0 else 0.0
-    if lost > CAST_LOSS:
+    any one sample's (its scale below the dtype's range, whatever the others' scale; `first`:
+    the index of the batch's first sample)."""
+    exact = features.astype(np.float64).reshape(len(features), -1)
+    error = cast.astype(np.float64).reshape(len(features), -1) - exact
+    scale = np.linalg.norm(exact, axis=1)
+    lost = np.linalg.norm(error, axis=1) / np.where(scale > 0, scale, 1.0)
+    worst = int(np.argmax(lost)) if len(lost) else 0
+    if len(lost) and lost[worst] > CAST_LOSS:
         raise ValueError(
-            f"{what} lose {lost:.2g} of their norm in {dtype}: their scale lies below its "
-            "range; use a wider store_dtype"
+            f"{what} lose {lost[worst]:.2g} of their norm in {dtype} (sample {first + worst}): "
+            "their scale lies below its range; use a wider store_dtype"
         )
 
 

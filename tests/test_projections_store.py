@@ -365,6 +365,22 @@ def test_features_below_float16s_range_are_refused_not_flushed_to_zero(tmp_path)
     np.testing.assert_allclose(kept, unit, rtol=1e-4, atol=1e-5 * np.abs(unit).max())
 
 
+def test_one_sample_below_float16s_range_is_refused_among_larger_ones(tmp_path):
+    """The cast's loss was measured over a whole batch, so one sample of scale 1e-7 among samples
+    of scale 1 was flushed to zeros (its kernel row lost) without a word; it is now measured per
+    sample and the refusal names the sample."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(20, 3, bias=False).eval()  # features scale with the inputs
+    x = torch.randn(6, 20)
+    x[3] *= 1e-7
+    opts = dict(dim=32, kind="sum_logits")
+    with pytest.raises(ValueError, match=r"block 0 .* lose 0\.\d+ of their norm .*\(sample 3\)"):
+        projections.featurize(model, x, tmp_path / "half", store_dtype="float16", **opts)
+    assert projections.store_info(tmp_path / "half")["blocks"] == {}
+    kept = np.asarray(projections.featurize(model, x, tmp_path / "single", **opts))
+    assert 0 < np.abs(kept[3]).max() < 1e-5 < np.abs(kept[2]).max()
+
+
 def test_featurize_casts_numpy_float64_data_to_the_models_dtype(tmp_path):
     """numpy's default float64 data for a float32 model failed in its first layer."""
     torch.manual_seed(0)
