@@ -93,8 +93,8 @@ class Featurizer:
             where = "the model's" if self.layers is None else "its largest layer's"
             warnings.warn(
                 f"dim={self.dim} is not below {where} {largest} trainable parameters: the "
-                "random projection adds noise and saves nothing; compute the exact kernel "
-                "instead (ntk.empirical_ntk, `ntk kernel`)",
+                "random projection adds noise and saves nothing; use the exact gradients "
+                "instead (dim=None where the method takes it; ntk.empirical_ntk, `ntk kernel`)",
                 stacklevel=3,
             )
 
