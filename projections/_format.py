@@ -499,8 +499,8 @@ def _require_kept(
     error = cast.astype(np.float64).reshape(len(features), -1) - exact
     scale = np.linalg.norm(exact, axis=1)
     lost = np.linalg.norm(error, axis=1) / np.where(scale > 0, scale, 1.0)
-    worst = int(np.argmax(lost)) if len(lost) else 0
-    if len(lost) and lost[worst] > CAST_LOSS:
+    worst = int(np.argmax(lost))  # a batch holds at least one sample
+    if lost[worst] > CAST_LOSS:
         raise ValueError(
             f"{what} lose {lost[worst]:.2g} of their norm in {dtype} (sample {first + worst}): "
             "their scale lies below its range; use a wider store_dtype"
